@@ -1,0 +1,41 @@
+# memplan's everyday commands. `make install` makes .venv/ with the CPU build of torch first,
+# so an unpinned torch never pulls a multi-GB CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test lint format bench gpu-check clean
+
+$(BIN)/memplan: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(BIN)/memplan
+
+install: $(BIN)/memplan
+
+demo: install
+	@mkdir -p out
+	$(BIN)/memplan probe examples/gpt.py --device cpu -o out/gpt.profile.yaml --force
+	$(BIN)/memplan solve out/gpt.profile.yaml --target-batch 32 --budget 160MiB -o out/plan.yaml --force
+
+test: install
+	$(BIN)/pytest -q
+
+lint: install
+	$(BIN)/ruff check memplan tests bench examples
+	$(BIN)/ruff format --check memplan tests bench examples
+
+format: install
+	$(BIN)/ruff format memplan tests bench examples
+	$(BIN)/ruff check --fix memplan tests bench examples
+
+bench: install
+	$(BIN)/python -m bench.run --device cpu
+
+gpu-check: install
+	$(BIN)/python -m bench.run --device cuda
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,25 @@
+"""memplan: a memory planner and auto-tuner for PyTorch training.
+
+The core (profile, memory, timing, solver, plan, emit) imports neither torch nor rich. The
+runtime helpers that do (``apply``, ``remove``, ``Accumulator``) are loaded on first use."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+from memplan.plan import Plan, load_plan  # noqa: E402
+from memplan.profile import Profile, load_profile  # noqa: E402
+
+_RUNTIME = {"apply", "remove", "Accumulator"}
+
+__all__ = ["Plan", "Profile", "load_plan", "load_profile", "__version__", *sorted(_RUNTIME)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RUNTIME:
+        from memplan import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'memplan' has no attribute {name!r}")

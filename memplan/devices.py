@@ -1,0 +1,112 @@
+"""GPU specs (capacity, peak FLOP/s, bandwidth) from ``profiles/devices/*.yaml``, and what
+the GPU in this machine says about itself (NVML, ``torch.cuda.mem_get_info``).
+
+The spec files are data, not code, so a user can add one for their GPU; ``MEMPLAN_PROFILES``
+points at another profiles folder. torch and pynvml are imported lazily and only by the
+functions that ask the hardware."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.errors import BadInputError
+from memplan.schema import from_data, load_yaml_file
+
+ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "rtx-4090": "rtx4090"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    name: str
+    display_name: str
+    memory_bytes: int | None
+    """Usable device memory as nvidia-smi reports it; None for the CPU entry."""
+    bf16_flops: float | None
+    """Dense peak FLOP/s; None where the precision is not supported (T4 has no bf16)."""
+    fp16_flops: float | None
+    fp32_flops: float
+    memory_bandwidth: float
+    """Bytes per second."""
+    interconnect_bandwidth: float = 0.0
+    """Bytes per second per GPU to its peers (NVLink, else PCIe)."""
+
+    def peak_flops(self, precision: str) -> float:
+        value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[precision]
+        if value is None:
+            raise BadInputError(f"{self.display_name} does not support {precision}.",
+                                hint="Choose another --precision (fp16 or fp32).")
+        return value
+
+
+def profiles_dir() -> Path:
+    """The profiles/ folder: $MEMPLAN_PROFILES, else the one beside the memplan package."""
+    env = os.environ.get("MEMPLAN_PROFILES")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "profiles"
+
+
+def list_devices() -> list[str]:
+    folder = profiles_dir() / "devices"
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def load_device(name: str) -> DeviceSpec:
+    """The spec named ``name`` (file stem, case-insensitive, common aliases accepted) or a
+    path to a spec file."""
+    path = Path(name)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        key = ALIASES.get(name.lower(), name.lower())
+        path = profiles_dir() / "devices" / f"{key}.yaml"
+        if not path.is_file():
+            known = ", ".join(list_devices()) or "(none found)"
+            raise BadInputError(f"Unknown device profile {name!r}.",
+                                hint=f"Known device profiles: {known}; or pass a spec file path.")
+    return from_data(DeviceSpec, load_yaml_file(path, what="device profile"), source=str(path),
+                     path="device")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GpuInfo:
+    name: str
+    total_bytes: int
+    free_bytes: int
+    process_used_bytes: int | None = None
+    """Memory NVML attributes to this process (context + allocator), when it can tell."""
+
+
+def local_gpu(index: int = 0) -> GpuInfo | None:
+    """The local GPU's name and memory, or None when there is no usable GPU. NVML first
+    (it sees memory other processes hold); ``torch.cuda.mem_get_info`` as a fallback."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            used = None
+            try:
+                for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if proc.pid == os.getpid() and proc.usedGpuMemory is not None:
+                        used = int(proc.usedGpuMemory)
+            except pynvml.NVMLError:
+                pass
+            return GpuInfo(name=name if isinstance(name, str) else name.decode(),
+                           total_bytes=int(memory.total), free_bytes=int(memory.free),
+                           process_used_bytes=used)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver, no library, no GPU: all mean "ask torch, then give up"
+        pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info(index)
+            return GpuInfo(name=torch.cuda.get_device_name(index), total_bytes=int(total),
+                           free_bytes=int(free))
+    except Exception:
+        pass
+    return None

@@ -1,0 +1,67 @@
+"""Domain errors: every failure a user can cause or meet, each with its exit code.
+
+The CLI catches ``MemplanError`` in one place and turns it into one paragraph on stderr and
+``exit_code``; library callers get the exception. Codes follow DESIGN.md:
+0 ok · 1 over budget / no plan fits · 2 bad input or usage · 3 cannot measure.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_OVER_BUDGET = 1
+EXIT_BAD_INPUT = 2
+EXIT_CANNOT_MEASURE = 3
+
+
+class MemplanError(Exception):
+    """Base class. ``message`` says what went wrong (naming the file, field or op);
+    ``hint`` says what to do about it."""
+
+    exit_code: int = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.message} {self.hint}" if self.hint else self.message
+
+
+class BadInputError(MemplanError):
+    """The user gave something memplan cannot use (a size string, a flag combination)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ModelFileError(BadInputError):
+    """model.py is missing, does not import, or breaks the model-file contract."""
+
+
+class ProfileError(BadInputError):
+    """A profile or plan YAML file is unreadable, corrupted, of a future version, or has
+    unknown keys."""
+
+
+class OutputExistsError(BadInputError):
+    """Refusing to overwrite an existing file without --force."""
+
+
+class NoPlanFitsError(MemplanError):
+    """No configuration fits the budget. Carries the closest plan and the least memory any
+    plan needs, so the caller can say what would make it fit."""
+
+    exit_code = EXIT_OVER_BUDGET
+
+    def __init__(self, message: str, *, hint: str | None = None, min_peak_bytes: int | None = None,
+                 closest=None) -> None:  # closest: memplan.plan.Plan | None
+        super().__init__(message, hint=hint)
+        self.min_peak_bytes = min_peak_bytes
+        self.closest = closest
+
+
+class CannotMeasureError(MemplanError):
+    """The probe cannot measure this model here: an op without a meta kernel, a
+    data-dependent shape on meta, out of memory at the smallest size, no GPU for cuda."""
+
+    exit_code = EXIT_CANNOT_MEASURE

@@ -1,0 +1,107 @@
+"""The Plan: the decision memplan made, why, and what it predicts. Source of truth for
+every emitted config and for ``verify``. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.errors import ProfileError
+from memplan.profile import Precision
+from memplan.schema import dump_yaml, from_data, load_yaml_file
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Breakdown:
+    """Predicted bytes at the peak, by what holds them. Sums to ``Prediction.peak_bytes``."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    reserve: int
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations
+                + self.transient + self.reserve)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    peak_bytes: int
+    """Predicted peak device memory of one optimizer step, reserve and margin included."""
+    step_seconds: float
+    """Predicted time of one optimizer step (all accumulation micro-steps)."""
+    breakdown: Breakdown
+    peak_phase: str = ""
+    """Where the peak happens: e.g. 'backward of transformer.h.0', 'optimizer step'."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    schema_version: int = PLAN_SCHEMA_VERSION
+    target_batch: int
+    """Effective batch: micro_batch_size × accumulation_steps × world_size."""
+    micro_batch_size: int
+    accumulation_steps: int
+    world_size: int = 1
+    checkpoint_layers: tuple[str, ...] = ()
+    """Fully-qualified module names to wrap with non-reentrant activation checkpointing."""
+    precision: Precision = "fp32"
+    device: str = "cpu"
+    """Device the plan is for: cpu, cuda, or a device profile name."""
+    budget_bytes: int
+    margin: float = 0.0
+    """Safety margin the plan was solved with (fraction of the budget kept free)."""
+    predicted: Prediction
+    model: str
+    """The model file (``path`` or ``path:factory``)."""
+    profile: str = ""
+    """The profile the plan was solved from."""
+    reasons: tuple[str, ...] = ()
+    """One line per decision: why this micro-batch, this accumulation, these layers."""
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("target_batch", "micro_batch_size", "accumulation_steps", "world_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        product = self.micro_batch_size * self.accumulation_steps * self.world_size
+        if product != self.target_batch:
+            raise ValueError(
+                f"target_batch {self.target_batch} != micro_batch_size × accumulation_steps × "
+                f"world_size = {self.micro_batch_size} × {self.accumulation_steps} × "
+                f"{self.world_size} = {product}")
+        if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
+            raise ValueError("checkpoint_layers has duplicates")
+        if self.budget_bytes < 1:
+            raise ValueError("budget_bytes must be positive")
+
+    @property
+    def samples_per_second(self) -> float:
+        step = self.predicted.step_seconds
+        return self.target_batch / step if step > 0 else float("inf")
+
+
+def plan_to_yaml(plan: Plan) -> str:
+    return dump_yaml(plan)
+
+
+def plan_from_data(data: dict, *, source: str = "<plan>") -> Plan:
+    version = data.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool) or "target_batch" not in data:
+        raise ProfileError(f"{source} is not a memplan plan (no schema_version/target_batch).",
+                           hint="Write one with `memplan solve PROFILE -o plan.yaml`.")
+    if version > PLAN_SCHEMA_VERSION:
+        raise ProfileError(f"{source} has plan schema_version {version}, newer than this "
+                           f"memplan understands ({PLAN_SCHEMA_VERSION}).", hint="Upgrade memplan.")
+    return from_data(Plan, data, source=source, path="plan")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read a plan YAML written by ``memplan solve``."""
+    return plan_from_data(load_yaml_file(path, what="plan"), source=str(path))

@@ -1,0 +1,272 @@
+"""The Profile: everything the probe measured about one model, as frozen data.
+
+No torch here: the probe builds a Profile, the memory model, timing model and solver read
+it, and YAML stores it (schema-versioned, strict). All byte and second quantities that grow
+with the micro-batch ``b`` are ``Affine`` fits over the probed sizes.
+
+How the memory timeline works (DESIGN.md, "Getting the peak right"): the probe records live
+bytes after every op of a training micro-step. Candidate layers (the checkpointable blocks)
+run once each, in order, so every point of the step lies in a *segment* described by
+
+* ``held`` — how many candidate layers have finished their forward and not begun their
+  backward (always layers ``0 .. held-1``), and
+* ``active`` — whether layer ``held`` itself is running its forward (``fwd``), its backward
+  (``bwd``), or no layer is running (``none``: embeddings, head, loss, optimizer glue).
+
+For a checkpoint set ``C`` the live bytes at a point are the no-checkpoint bytes minus the
+``savings_bytes`` of every layer in ``C`` that is held. A checkpointed active layer behaves
+differently from a plain one (it saves nothing in forward; it recomputes in backward), so an
+active segment also carries ``ckpt_points`` measured from an all-checkpointed run and
+normalised to the same reference (all-checkpointed live bytes plus the savings of the held
+layers). Hence, for every segment::
+
+    peak_segment(b, C) = max(points(b) if active layer not in C else ckpt_points(b))
+                         - sum(savings_bytes_j(b) for j < held if j in C)
+
+and the peak of the micro-step is the maximum over segments (memplan.memory does this).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from memplan.errors import ProfileError
+from memplan.schema import dump_yaml, from_data, load_yaml_file
+
+PROFILE_SCHEMA_VERSION = 1
+
+Device = Literal["cpu", "cuda", "meta"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Phase = Literal["no_grads", "grads_resident"]
+Active = Literal["none", "fwd", "bwd"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Affine:
+    """``value(b) = intercept + slope * b`` fitted over the probed micro-batch sizes."""
+
+    intercept: float
+    """Value at micro-batch 0 (bytes or seconds)."""
+    slope: float
+    """Increase per sample."""
+    residual: float = 0.0
+    """Largest |measured − fitted| / max(|measured|, 1) over the probed sizes."""
+
+    def at(self, batch: int | float) -> float:
+        return self.intercept + self.slope * batch
+
+    @staticmethod
+    def constant(value: float) -> Affine:
+        return Affine(intercept=float(value), slope=0.0)
+
+    @staticmethod
+    def zero() -> Affine:
+        return Affine(intercept=0.0, slope=0.0)
+
+
+# A timeline point: (intercept_bytes, slope_bytes_per_sample). Plain tuples keep profiles
+# with thousands of points small in YAML.
+Point = tuple[float, float]
+
+
+def point_at(point: Point, batch: int | float) -> float:
+    return point[0] + point[1] * batch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """Live-byte points between two layer boundaries of one micro-step (see module doc)."""
+
+    held: int
+    """Number of candidate layers whose forward finished and backward has not begun."""
+    active: Active
+    """What layer ``held`` is doing in this segment."""
+    points: tuple[Point, ...]
+    """Undominated live-byte points of the no-checkpoint run."""
+    ckpt_points: tuple[Point, ...] = ()
+    """For active segments: undominated points of the all-checkpointed run, normalised by
+    adding the savings of the ``held`` layers before it. Empty for ``active == 'none'``."""
+
+    def __post_init__(self) -> None:
+        if self.held < 0:
+            raise ValueError(f"held must be >= 0, got {self.held}")
+        if not self.points:
+            raise ValueError("points must not be empty")
+        if self.active != "none" and not self.ckpt_points:
+            raise ValueError("an active segment needs ckpt_points")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layer:
+    """One checkpoint candidate (a repeated block), addressed by fully-qualified name."""
+
+    name: str
+    """Fully-qualified module name, e.g. ``transformer.h.3``."""
+    module_type: str
+    params_trainable_bytes: int
+    params_frozen_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    input_bytes: Affine
+    """Bytes of the layer's tensor inputs: what a checkpoint keeps."""
+    output_bytes: Affine
+    saved_bytes: Affine
+    """Bytes its forward leaves alive (for backward, including its output)."""
+    savings_bytes: Affine
+    """Bytes freed by checkpointing it: saved_bytes(no ckpt) − saved_bytes(ckpt), measured."""
+    fwd_transient_bytes: Affine
+    """Peak above the level at the start of its forward."""
+    bwd_transient_bytes: Affine
+    """Peak above the level at the start of its backward (no checkpoint)."""
+    recompute_transient_bytes: Affine
+    """Peak above the level at the start of its backward when checkpointed (recompute+bwd)."""
+    fwd_seconds: Affine
+    bwd_seconds: Affine
+    fwd_flops: Affine
+    affine: bool = True
+    """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
+    extrapolation from it is not trusted."""
+    has_batchnorm: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FixedPart:
+    """Everything outside the candidate layers (embeddings, head, loss), in execution order."""
+
+    name: str
+    module_type: str
+    params_trainable_bytes: int
+    params_frozen_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    saved_bytes: Affine
+    fwd_seconds: Affine
+    bwd_seconds: Affine
+    fwd_flops: Affine
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Environment:
+    torch_version: str
+    memplan_version: str
+    device: Device
+    device_name: str
+    """GPU name from NVML, ``cpu``, or ``meta (timed as <device profile>)``."""
+    device_capacity_bytes: int | None = None
+    device_profile: str | None = None
+    """Name of the profiles/devices/ spec used for meta timing or capacity, if any."""
+    precision: Precision = "fp32"
+    optimizer_class: str = "AdamW"
+    param_dtype: str = "float32"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelRef:
+    path: str
+    """The model file as given on the command line."""
+    factory: str = "build_model"
+    sha256: str = ""
+    """Of the model file's bytes, so `check` can tell a changed model from a stale profile."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Totals:
+    params_trainable_bytes: int
+    params_frozen_bytes: int
+    buffer_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Profile:
+    schema_version: int = PROFILE_SCHEMA_VERSION
+    model: ModelRef
+    environment: Environment
+    micro_batches: tuple[int, ...]
+    """The probed micro-batch sizes."""
+    totals: Totals
+    layers: tuple[Layer, ...]
+    fixed: tuple[FixedPart, ...]
+    timeline: dict[str, tuple[Segment, ...]]
+    """Per phase: ``no_grads`` (first micro-step, gradients absent) and ``grads_resident``
+    (later micro-steps of an accumulation, gradients present)."""
+    optimizer_step_peak_bytes: Affine
+    """Absolute live-byte peak while the optimizer steps (params, grads, state, transient)."""
+    optimizer_step_seconds: Affine
+    step_fixed_seconds: Affine
+    """Micro-step time outside the candidate layers (fwd + bwd of the fixed parts)."""
+    allocator_reserve_bytes: int | None = None
+    """CUDA only: max_memory_reserved − max_memory_allocated at the largest probed size."""
+    context_bytes: int | None = None
+    """CUDA only: process memory (NVML) − max_memory_reserved: CUDA context and kernels."""
+    has_batchnorm: bool = False
+    op_sequence_stable: bool = True
+    """False when the op sequence differed between probed sizes (data-dependent routing):
+    segment maxima, not points, were fitted; plans should be verified at their size."""
+    warnings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.schema_version != PROFILE_SCHEMA_VERSION:
+            raise ValueError(f"schema_version {self.schema_version} is not {PROFILE_SCHEMA_VERSION}")
+        if len(self.micro_batches) < 1 or any(b < 1 for b in self.micro_batches):
+            raise ValueError("micro_batches must be positive sizes")
+        for phase in ("no_grads", "grads_resident"):
+            if phase not in self.timeline:
+                raise ValueError(f"timeline must have phase '{phase}'")
+        names = [layer.name for layer in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError("layer names must be unique")
+        for phase, segments in self.timeline.items():
+            for seg in segments:
+                if seg.held > len(self.layers) or (seg.active != "none" and seg.held >= len(self.layers)):
+                    raise ValueError(f"timeline.{phase}: segment held={seg.held} out of range")
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    @property
+    def device(self) -> str:
+        return self.environment.device
+
+
+def _check_version(data: dict, source: str) -> None:
+    version = data.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProfileError(f"{source}: 'schema_version' is missing or not an integer; "
+                           "this is not a memplan profile.",
+                           hint="Write one with `memplan probe model.py -o FILE`.")
+    if version > PROFILE_SCHEMA_VERSION:
+        raise ProfileError(
+            f"{source} has schema_version {version}, newer than this memplan understands "
+            f"({PROFILE_SCHEMA_VERSION}).", hint="Upgrade memplan, or probe the model again.")
+    if version < PROFILE_SCHEMA_VERSION:  # migrations by version go here as the schema moves
+        raise ProfileError(f"{source} has schema_version {version}, which is no longer read.",
+                           hint="Probe the model again.")
+
+
+def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
+    _check_version(data, source)
+    return from_data(Profile, data, source=source, path="profile")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile YAML (``yaml.safe_load`` only; unknown keys rejected with a hint)."""
+    data = load_yaml_file(path, what="profile")
+    if "target_batch" in data:
+        raise ProfileError(f"{path} is a plan, not a profile.",
+                           hint="Pass the profile written by `memplan probe`.")
+    return profile_from_data(data, source=str(path))
+
+
+def profile_to_yaml(profile: Profile) -> str:
+    return dump_yaml(profile)
+
+
+def is_finite_affine(value: Affine) -> bool:
+    return math.isfinite(value.intercept) and math.isfinite(value.slope)
+
