@@ -1,0 +1,97 @@
+"""Turn a Plan into the configuration files of the training ecosystems: pure text out.
+
+One emitter per format, ``emit_<fmt>(plan, *, model_path) -> str``; ``FORMATS`` maps a format
+name to its emitter and suggested file name; ``emit(plan, fmt, model_path)`` returns
+``(suggested_filename, text)``. No torch and no rich here (a test checks it): emitting a config
+must work on a machine that only plans.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memplan.emit.accelerate import emit_accelerate
+from memplan.emit.deepspeed import emit_deepspeed
+from memplan.emit.hf import emit_hf
+from memplan.emit.lightning import emit_lightning
+from memplan.emit.plan_yaml import emit_plan
+from memplan.emit.script import emit_torch
+from memplan.errors import BadInputError
+from memplan.plan import Plan
+
+__all__ = [
+    "FORMATS",
+    "Format",
+    "emit",
+    "emit_accelerate",
+    "emit_deepspeed",
+    "emit_hf",
+    "emit_lightning",
+    "emit_plan",
+    "emit_torch",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Format:
+    name: str
+    filename: str
+    """Suggested output file name."""
+    description: str
+    emitter: Callable[..., str]
+
+
+FORMATS: dict[str, Format] = {
+    fmt.name: fmt
+    for fmt in (
+        Format(
+            name="plan", filename="plan.yaml", description="memplan plan (YAML)", emitter=emit_plan
+        ),
+        Format(
+            name="hf",
+            filename="hf_training_args.yaml",
+            description="Hugging Face TrainingArguments (YAML)",
+            emitter=emit_hf,
+        ),
+        Format(
+            name="deepspeed",
+            filename="ds_config.json",
+            description="DeepSpeed config (JSON)",
+            emitter=emit_deepspeed,
+        ),
+        Format(
+            name="accelerate",
+            filename="accelerate_config.yaml",
+            description="Accelerate config (YAML)",
+            emitter=emit_accelerate,
+        ),
+        Format(
+            name="lightning",
+            filename="lightning_config.yaml",
+            description="LightningCLI trainer config (YAML)",
+            emitter=emit_lightning,
+        ),
+        Format(
+            name="torch",
+            filename="train_memplan.py",
+            description="runnable PyTorch training script",
+            emitter=emit_torch,
+        ),
+    )
+}
+
+
+def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) -> tuple[str, str]:
+    """``(suggested_filename, text)`` of ``plan`` in format ``fmt``. ``model_path`` defaults to
+    ``plan.model``; ``options`` go to the emitter (e.g. ``candidate_layers`` for ``hf``)."""
+    if fmt not in FORMATS:
+        close = difflib.get_close_matches(fmt, FORMATS, n=1)
+        hint = f"Did you mean {close[0]}? " if close else ""
+        raise BadInputError(
+            f"Unknown output format {fmt!r}.", hint=f"{hint}Formats: {', '.join(FORMATS)}."
+        )
+    spec = FORMATS[fmt]
+    return spec.filename, spec.emitter(plan, model_path=model_path or plan.model, **options)

@@ -1,0 +1,72 @@
+"""Hugging Face ``TrainingArguments`` as YAML, for
+``HfArgumentParser((TrainingArguments,)).parse_yaml_file(path)``.
+
+Only real ``TrainingArguments`` fields are written (per_device_train_batch_size,
+gradient_accumulation_steps, gradient_checkpointing, gradient_checkpointing_kwargs, bf16, fp16,
+output_dir, and use_cpu for a plan made for the CPU — see ``src/transformers/training_args.py`` in huggingface/transformers), because
+the parser rejects unknown keys by default. Everything else is a YAML comment.
+
+``gradient_checkpointing`` is all-or-nothing in the Trainer (it calls
+``model.gradient_checkpointing_enable()``, which checkpoints every block the model declares).
+So it is true only when the plan is known to checkpoint every candidate layer; a plan that
+checkpoints a subset (or whose candidate list is not given) gets ``false`` plus a comment with
+the two lines that apply exactly the plan's layers with ``memplan.apply``. The old names are
+used (transformers 5 also accepts them, with a deprecation warning, under the new
+``activation_checkpointing`` names), so the file loads on transformers 4.x and 5.x.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memplan.emit._common import apply_snippet, comment, dump_yaml, layers_phrase, summary
+from memplan.plan import Plan
+
+DEFAULT_OUTPUT_DIR = "memplan-output"
+
+
+def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | None = None) -> str:
+    """TrainingArguments YAML. ``candidate_layers``: every layer the solver could have
+    checkpointed; when the plan checkpoints all of them, Trainer's own
+    ``gradient_checkpointing`` is switched on instead of asking for ``memplan.apply``."""
+    layers = set(plan.checkpoint_layers)
+    all_layers = bool(layers) and candidate_layers is not None and layers == set(candidate_layers)
+    notes = [*summary(plan, model_path=model_path), ""]
+    notes += ["Load: HfArgumentParser((TrainingArguments,)).parse_yaml_file(this_file)"]
+    if plan.world_size > 1:
+        notes += [
+            f"Launch {plan.world_size} processes (e.g. torchrun --nproc_per_node "
+            f"{plan.world_size} train.py): per_device_train_batch_size is per process.",
+        ]
+    notes.append("")
+    if not layers:
+        notes += ["The plan checkpoints no layers: gradient_checkpointing stays false."]
+    elif all_layers:
+        notes += [
+            f"The plan checkpoints every candidate layer ({len(layers)}), so Trainer's "
+            "all-or-nothing gradient_checkpointing",
+            "matches it (for a PreTrainedModel whose checkpointed blocks are these layers).",
+        ]
+    else:
+        notes += [
+            f"Selective activation checkpointing: the plan checkpoints {layers_phrase(plan)}.",
+            "TrainingArguments.gradient_checkpointing is all-or-nothing, so it is false here.",
+            "Apply exactly the plan's layers to the model yourself, before building the Trainer:",
+            "",
+            *apply_snippet("model"),
+            "    trainer = Trainer(model=model, args=training_args, ...)",
+            "",
+            "(gradient_checkpointing_kwargs below only matter if you switch it to true.)",
+        ]
+    data = {
+        "output_dir": DEFAULT_OUTPUT_DIR,
+        "per_device_train_batch_size": plan.micro_batch_size,
+        "gradient_accumulation_steps": plan.accumulation_steps,
+        "gradient_checkpointing": all_layers,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "bf16": plan.precision == "bf16",
+        "fp16": plan.precision == "fp16",
+    }
+    if plan.device == "cpu":  # otherwise TrainingArguments refuses bf16 without a GPU
+        data["use_cpu"] = True
+    return comment(notes) + dump_yaml(data)

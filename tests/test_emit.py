@@ -1,0 +1,358 @@
+"""memplan.emit: every format against a golden file, each ecosystem's own parser where it is
+installed, DeepSpeed's batch rule for any world size, and the torch script run for real.
+
+Regenerate the golden files after an intended change with
+    MEMPLAN_UPDATE_GOLDEN=1 .venv/bin/pytest tests/test_emit.py
+and review the diff of tests/golden/ before committing it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memplan.emit import FORMATS, emit, emit_deepspeed, emit_hf, emit_lightning, emit_torch
+from memplan.emit.lightning import LIGHTNING_PRECISION
+from memplan.errors import BadInputError
+from memplan.plan import Breakdown, Plan, Prediction, plan_from_data
+
+GOLDEN = Path(__file__).parent / "golden"
+MODELS = Path(__file__).parent / "models"
+UPDATE = os.environ.get("MEMPLAN_UPDATE_GOLDEN") == "1"
+GiB, MiB = 1024**3, 1024**2
+
+PLAN = Plan(
+    target_batch=64,
+    micro_batch_size=8,
+    accumulation_steps=4,
+    world_size=2,
+    checkpoint_layers=("transformer.h.0", "transformer.h.1", "transformer.h.2"),
+    precision="bf16",
+    device="cuda",
+    budget_bytes=24 * GiB,
+    margin=0.05,
+    predicted=Prediction(
+        peak_bytes=21 * GiB,
+        step_seconds=1.5,
+        breakdown=Breakdown(
+            params=2 * GiB,
+            grads=2 * GiB,
+            optimizer=4 * GiB,
+            activations=11 * GiB,
+            transient=1 * GiB,
+            reserve=1 * GiB,
+        ),
+        peak_phase="backward of transformer.h.3",
+    ),
+    model="examples/gpt.py",
+    profile="profiles/models/gpt.yaml",
+    reasons=(
+        "micro-batch 8: the largest that fits with 3 checkpointed layers",
+        "checkpointing transformer.h.0-2: least recompute time that fits 24 GiB",
+    ),
+    warnings=(),
+)
+LAYERS = tuple(f"transformer.h.{i}" for i in range(6))
+
+
+def golden_name(fmt: str) -> str:
+    name = FORMATS[fmt].filename
+    return name + ".txt" if name.endswith(".py") else name  # keep ruff off generated code
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_golden(fmt: str) -> None:
+    filename, text = emit(PLAN, fmt, "examples/gpt.py")
+    assert filename == FORMATS[fmt].filename
+    path = GOLDEN / golden_name(fmt)
+    if UPDATE:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert path.exists(), f"no golden file {path}; run with MEMPLAN_UPDATE_GOLDEN=1"
+    assert text == path.read_text(encoding="utf-8"), (
+        f"{fmt} output differs from {path}; if intended, regenerate with MEMPLAN_UPDATE_GOLDEN=1"
+    )
+
+
+def test_importing_emit_imports_neither_torch_nor_rich() -> None:
+    code = (
+        "import sys, memplan.emit, memplan.emit.script\n"
+        "bad = sorted(m for m in ('torch', 'rich') if m in sys.modules)\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_unknown_format() -> None:
+    with pytest.raises(BadInputError, match=r"Did you mean deepspeed\?.*Formats: plan, hf"):
+        emit(PLAN, "deepspeeed")
+
+
+def test_plan_format_round_trips() -> None:
+    _, text = emit(PLAN, "plan")
+    assert plan_from_data(yaml.safe_load(text)) == PLAN
+
+
+# --------------------------------------------------------------------------- hf
+
+
+def _hf_data(plan: Plan, **kw) -> dict:
+    return yaml.safe_load(emit_hf(plan, model_path="m.py", **kw))
+
+
+def test_hf_fields_and_checkpointing_decision() -> None:
+    data = _hf_data(PLAN)
+    assert data == {
+        "output_dir": "memplan-output",
+        "per_device_train_batch_size": 8,
+        "gradient_accumulation_steps": 4,
+        "gradient_checkpointing": False,
+        "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "bf16": True,
+        "fp16": False,
+    }
+    text = emit_hf(PLAN, model_path="m.py")
+    assert 'memplan.apply(model, memplan.load_plan("plan.yaml"))' in text
+    # a subset of the candidates: still all-or-nothing false
+    assert _hf_data(PLAN, candidate_layers=LAYERS)["gradient_checkpointing"] is False
+    # every candidate checkpointed: Trainer's own flag matches the plan
+    full = replace(PLAN, checkpoint_layers=LAYERS)
+    assert _hf_data(full, candidate_layers=LAYERS)["gradient_checkpointing"] is True
+    none = replace(PLAN, checkpoint_layers=(), precision="fp16")
+    data = _hf_data(none)
+    assert data["gradient_checkpointing"] is False and data["fp16"] is True and not data["bf16"]
+    assert "memplan.apply" not in emit_hf(none, model_path="m.py")
+
+
+HF_PLANS = [
+    PLAN,
+    replace(PLAN, checkpoint_layers=LAYERS, precision="fp32"),
+    replace(PLAN, checkpoint_layers=LAYERS, precision="fp16"),
+    replace(PLAN, target_batch=6, micro_batch_size=3, accumulation_steps=2, world_size=1),
+    replace(PLAN, device="cpu", precision="bf16"),
+]
+
+
+@pytest.mark.parametrize("plan", HF_PLANS)
+def test_hf_keys_are_training_arguments_fields(plan: Plan) -> None:
+    transformers = pytest.importorskip("transformers")
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    assert set(_hf_data(plan)) <= fields
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # transformers 5 renamed the flags
+@pytest.mark.parametrize("plan", HF_PLANS)
+def test_hf_loads_with_hf_argument_parser(plan: Plan, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # TrainingArguments needs it to resolve the device
+    if plan.device != "cpu" and plan.precision != "fp32":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("TrainingArguments refuses bf16/fp16 for a GPU plan without a GPU")
+    path = tmp_path / "args.yaml"
+    path.write_text(emit_hf(plan, model_path="m.py", candidate_layers=LAYERS), encoding="utf-8")
+    parser = transformers.HfArgumentParser((transformers.TrainingArguments,))
+    (args,) = parser.parse_yaml_file(str(path))  # allow_extra_keys=False: strict
+    assert args.per_device_train_batch_size == plan.micro_batch_size
+    assert args.gradient_accumulation_steps == plan.accumulation_steps
+    assert args.bf16 is (plan.precision == "bf16")
+    assert args.fp16 is (plan.precision == "fp16")
+    assert args.gradient_checkpointing is (set(plan.checkpoint_layers) == set(LAYERS))
+
+
+# --------------------------------------------------------------------------- deepspeed
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    micro=st.integers(1, 512),
+    k=st.integers(1, 256),
+    world=st.integers(1, 4096),
+    precision=st.sampled_from(["fp32", "bf16", "fp16"]),
+)
+def test_deepspeed_batch_rule(micro: int, k: int, world: int, precision: str) -> None:
+    plan = replace(
+        PLAN,
+        target_batch=micro * k * world,
+        micro_batch_size=micro,
+        accumulation_steps=k,
+        world_size=world,
+        precision=precision,
+    )
+    config = json.loads(emit_deepspeed(plan))
+    assert config["train_micro_batch_size_per_gpu"] == micro
+    assert config["gradient_accumulation_steps"] == k
+    assert (
+        config["train_batch_size"]
+        == config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * world
+    )
+    assert config["train_batch_size"] == plan.target_batch
+    assert config["bf16"]["enabled"] is (precision == "bf16")
+    assert config["fp16"]["enabled"] is (precision == "fp16")
+    assert not (config["bf16"]["enabled"] and config["fp16"]["enabled"])
+    assert config["gradient_clipping"] == 1.0
+    assert config["zero_optimization"] == {"stage": 0}
+
+
+# --------------------------------------------------------------------------- accelerate
+
+
+@pytest.mark.parametrize(
+    ("world", "device", "precision", "distributed", "mixed"),
+    [
+        (1, "cuda", "fp32", "NO", "no"),
+        (2, "cuda", "bf16", "MULTI_GPU", "bf16"),
+        (4, "cpu", "fp16", "MULTI_CPU", "fp16"),
+    ],
+)
+def test_accelerate_config(world, device, precision, distributed, mixed, tmp_path: Path) -> None:
+    plan = replace(
+        PLAN, target_batch=8 * 4 * world, world_size=world, device=device, precision=precision
+    )
+    _, text = emit(plan, "accelerate", "m.py")
+    data = yaml.safe_load(text)
+    assert data["compute_environment"] == "LOCAL_MACHINE"
+    assert data["distributed_type"] == distributed
+    assert data["mixed_precision"] == mixed
+    assert data["num_processes"] == world
+    assert data["use_cpu"] is (device == "cpu")
+    assert "Accelerator(gradient_accumulation_steps=4)" in text
+    assert "batch_size=8" in text
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(text, encoding="utf-8")
+    loaded = config_args.ClusterConfig.from_yaml_file(str(path))  # rejects unknown keys
+    assert loaded.num_processes == world
+    assert loaded.mixed_precision == mixed
+
+
+# --------------------------------------------------------------------------- lightning
+
+
+@pytest.mark.parametrize(
+    ("precision", "spelled"), [("fp32", "32-true"), ("bf16", "bf16-mixed"), ("fp16", "16-mixed")]
+)
+def test_lightning_trainer_section(precision: str, spelled: str) -> None:
+    plan = replace(PLAN, precision=precision)
+    text = emit_lightning(plan, model_path="m.py")
+    assert yaml.safe_load(text) == {
+        "trainer": {
+            "accelerator": "gpu",
+            "devices": 2,
+            "strategy": "ddp",
+            "precision": spelled,
+            "accumulate_grad_batches": 4,
+        }
+    }
+    assert "batch_size: 8" in text
+    assert 'memplan.apply(self.model, memplan.load_plan("plan.yaml"))' in text
+    assert LIGHTNING_PRECISION[precision] == spelled
+
+
+def test_yaml_comments_are_comments() -> None:
+    for fmt in ("hf", "accelerate", "lightning"):
+        _, text = emit(PLAN, fmt)
+        lines = text.splitlines()
+        assert lines[0].startswith("# Generated by memplan for examples/gpt.py")
+        body = [line for line in lines if not line.startswith("#")]
+        assert body and all(not line.startswith(" ") or line.strip() for line in body)
+        assert "effective batch 64" in text
+
+
+# --------------------------------------------------------------------------- torch script
+
+
+def _run_script(
+    tmp_path: Path, plan: Plan, model_spec: str, *args: str
+) -> subprocess.CompletedProcess:
+    script = tmp_path / "train_memplan.py"
+    script.write_text(emit_torch(plan, model_path=model_spec), encoding="utf-8")
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+STEP_LINE = re.compile(
+    r"^memplan-step step=(\d+) loss=(\S+) effective_batch=(\d+) seconds=(\S+)$", re.M
+)
+
+
+def _small_plan(**changes) -> Plan:
+    base = replace(
+        PLAN,
+        target_batch=6,
+        micro_batch_size=2,
+        accumulation_steps=3,
+        world_size=1,
+        device="cpu",
+        precision="fp32",
+        checkpoint_layers=("blocks.0", "blocks.1"),
+    )
+    return replace(base, **changes)
+
+
+def test_torch_script_runs_exactly_the_requested_steps(tmp_path: Path) -> None:
+    plan = _small_plan()
+    result = _run_script(
+        tmp_path, plan, str(MODELS / "tiny_emit_mlp.py"), "--steps", "2", "--device", "cpu"
+    )
+    assert result.returncode == 0, result.stderr
+    steps = STEP_LINE.findall(result.stdout)
+    assert [int(s[0]) for s in steps] == [1, 2]
+    assert all(int(s[2]) == plan.target_batch for s in steps)
+    assert all(float(s[1]) == float(s[1]) for s in steps)  # finite-ish: not NaN
+
+
+def test_torch_script_factory_dict_batch_training_loss(tmp_path: Path) -> None:
+    # path:factory, relative model path beside the script, bf16 autocast on CPU
+    (tmp_path / "tiny_emit_mlp.py").write_text((MODELS / "tiny_emit_mlp.py").read_text())
+    plan = _small_plan(precision="bf16", checkpoint_layers=("blocks.2",))
+    result = _run_script(tmp_path, plan, "tiny_emit_mlp.py:build_wide", "--steps", "3")
+    assert result.returncode == 0, result.stderr
+    assert [int(s[0]) for s in STEP_LINE.findall(result.stdout)] == [1, 2, 3]
+
+    # a dict batch, training_loss and make_optimizer from the model file
+    plan = _small_plan(checkpoint_layers=("0",), accumulation_steps=1, target_batch=2)
+    result = _run_script(
+        tmp_path, plan, str(MODELS / "tiny_emit_dict.py"), "--steps", "2", "--device", "cpu"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "make_optimizer called" in result.stdout
+    steps = STEP_LINE.findall(result.stdout)
+    assert [(int(s[0]), int(s[2])) for s in steps] == [(1, 2), (2, 2)]
+
+
+def test_torch_script_is_valid_python_with_odd_paths() -> None:
+    for model_path in ('dir with "quotes"/m.py', "C:\\models\\m.py:factory", "m.py"):
+        text = emit_torch(PLAN, model_path=model_path)
+        compile(text, "train_memplan.py", "exec")
+        line = next(line for line in text.splitlines() if line.startswith("MODEL = "))
+        assert ast.literal_eval(line.removeprefix("MODEL = ")) == model_path
+
+
+def test_torch_script_names_training_loss_when_the_output_is_not_a_loss(tmp_path: Path) -> None:
+    (tmp_path / "bad_model.py").write_text(
+        "import torch\n"
+        "def build_model(): return torch.nn.Linear(4, 2)\n"
+        "def make_batch(n): return torch.randn(n, 4)\n"
+    )
+    plan = _small_plan(checkpoint_layers=())
+    result = _run_script(tmp_path, plan, "bad_model.py", "--steps", "1", "--device", "cpu")
+    assert result.returncode == 1
+    assert "define training_loss(model, batch)" in result.stderr
+    assert not STEP_LINE.findall(result.stdout)
