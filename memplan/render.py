@@ -78,66 +78,75 @@ def progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
 
 
 # ---------------------------------------------------------------- profile
-def _affine_cell(value: Affine, batch: int, *, seconds: bool = False) -> str:
-    fmt = format_seconds if seconds else format_bytes
-    at = value.at(batch)
-    if abs(value.slope) < 1e-12:
-        return fmt(at)
-    return f"{fmt(at)} [dim]+{fmt(value.slope)}/s[/dim]"
+def _short_bytes(value: float) -> str:
+    """Compact binary size for wide tables: ``5.0M`` is 5.0 MiB."""
+    sign = "-" if value < 0 else ""
+    value = abs(value)
+    for unit, scale in (("T", 1024**4), ("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if value >= scale:
+            return f"{sign}{value / scale:.1f}{unit}"
+    return f"{sign}{value:.0f}"
 
 
 def _flops(value: float) -> str:
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale:
-            return f"{value / scale:.1f} {unit}"
+            return f"{value / scale:.1f}{unit}"
     return f"{value:.0f}"
 
 
+def _ms(value: Affine, batch: int) -> str:
+    return f"{value.at(batch) * 1e3:.2f}"
+
+
 def profile_table(profile: Profile) -> Table:
-    """One row per layer and fixed part, values at the largest probed micro-batch with the
-    per-sample slope beside them (``+x/s``: per sample)."""
+    """One row per fixed part and layer. Memory columns are at the largest probed
+    micro-batch, with the per-sample slope in the ``/sample`` columns; sizes are binary
+    (K = KiB, M = MiB, G = GiB)."""
     batch = max(profile.micro_batches)
     env = profile.environment
     title = (
-        f"{profile.model.path}  ·  {env.device_name} ({env.device})  ·  {env.precision}  ·  "
-        f"{env.optimizer_class}  ·  values at micro-batch {batch}, +slope per sample"
+        f"{profile.model.path} · {env.device_name} · {env.precision} · {env.optimizer_class} · "
+        f"probed at {','.join(map(str, profile.micro_batches))} · values at micro-batch {batch}"
     )
-    table = Table(title=title, title_justify="left", header_style="bold", show_lines=False)
-    for column in ("layer", "type", "params (train/frozen)", "grads", "optim state",
-                   "input", "saved", "ckpt saves", "fwd peak", "fwd time", "bwd time",
-                   "fwd FLOPs", "fit"):
-        table.add_column(column, justify="left" if column in ("layer", "type") else "right")
+    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False,
+                  caption="sizes binary (M = MiB); /sample = slope per sample; "
+                  "ckpt saves = bytes freed by checkpointing the layer", caption_justify="left")
+    columns = ("layer", "params", "frozen", "grads", "optim", "input", "saved", "saved/sample",
+               "ckpt saves", "fwd peak", "fwd ms", "bwd ms", "FLOPs", "fit")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "layer" else "right",
+                         overflow="fold", min_width=14 if column == "layer" else None,
+                         no_wrap=column != "layer")
     for part in profile.fixed:
         table.add_row(
-            f"[italic]{part.name}[/italic]", part.module_type,
-            f"{format_bytes(part.params_trainable_bytes)} / {format_bytes(part.params_frozen_bytes)}",
-            format_bytes(part.grad_bytes), format_bytes(part.optimizer_state_bytes),
-            "", _affine_cell(part.saved_bytes, batch), "", "",
-            _affine_cell(part.fwd_seconds, batch, seconds=True),
-            _affine_cell(part.bwd_seconds, batch, seconds=True),
-            _flops(part.fwd_flops.at(batch)), "",
+            f"[italic]{part.name}[/italic]", _short_bytes(part.params_trainable_bytes),
+            _short_bytes(part.params_frozen_bytes), _short_bytes(part.grad_bytes),
+            _short_bytes(part.optimizer_state_bytes), "", _short_bytes(part.saved_bytes.at(batch)),
+            _short_bytes(part.saved_bytes.slope), "", "", _ms(part.fwd_seconds, batch),
+            _ms(part.bwd_seconds, batch), _flops(part.fwd_flops.at(batch)), "",
         )
     for layer in profile.layers:
-        fit = "ok" if layer.affine else f"[red]non-affine ({layer.saved_bytes.residual:.1%})[/red]"
+        worst = max(layer.saved_bytes.residual, layer.savings_bytes.residual,
+                    layer.input_bytes.residual)
+        fit = "ok" if layer.affine else f"[red]{worst:.1%}[/red]"
         table.add_row(
-            layer.name, layer.module_type,
-            f"{format_bytes(layer.params_trainable_bytes)} / {format_bytes(layer.params_frozen_bytes)}",
-            format_bytes(layer.grad_bytes), format_bytes(layer.optimizer_state_bytes),
-            _affine_cell(layer.input_bytes, batch), _affine_cell(layer.saved_bytes, batch),
-            _affine_cell(layer.savings_bytes, batch), _affine_cell(layer.fwd_transient_bytes, batch),
-            _affine_cell(layer.fwd_seconds, batch, seconds=True),
-            _affine_cell(layer.bwd_seconds, batch, seconds=True),
-            _flops(layer.fwd_flops.at(batch)), fit,
+            layer.name, _short_bytes(layer.params_trainable_bytes),
+            _short_bytes(layer.params_frozen_bytes), _short_bytes(layer.grad_bytes),
+            _short_bytes(layer.optimizer_state_bytes), _short_bytes(layer.input_bytes.at(batch)),
+            _short_bytes(layer.saved_bytes.at(batch)), _short_bytes(layer.saved_bytes.slope),
+            _short_bytes(layer.savings_bytes.at(batch)),
+            _short_bytes(layer.fwd_transient_bytes.at(batch)), _ms(layer.fwd_seconds, batch),
+            _ms(layer.bwd_seconds, batch), _flops(layer.fwd_flops.at(batch)), fit,
         )
     totals = profile.totals
+    saved = _sum_affine([p.saved_bytes for p in profile.layers] + [p.saved_bytes for p in profile.fixed])
     table.add_section()
     table.add_row(
-        "[bold]total[/bold]", "",
-        f"{format_bytes(totals.params_trainable_bytes)} / {format_bytes(totals.params_frozen_bytes)}",
-        format_bytes(totals.grad_bytes), format_bytes(totals.optimizer_state_bytes),
-        "", _affine_cell(_sum_affine([p.saved_bytes for p in profile.layers]
-                                     + [p.saved_bytes for p in profile.fixed]), batch),
-        "", "", "", "", "", "",
+        "[bold]total[/bold]", _short_bytes(totals.params_trainable_bytes),
+        _short_bytes(totals.params_frozen_bytes), _short_bytes(totals.grad_bytes),
+        _short_bytes(totals.optimizer_state_bytes), "", _short_bytes(saved.at(batch)),
+        _short_bytes(saved.slope), "", "", "", "", "", "",
     )
     return table
 
@@ -256,3 +265,48 @@ def print_json(data: Any) -> None:
     import json
 
     stdout.out(json.dumps(data, indent=2, default=str), highlight=False)
+
+
+# ---------------------------------------------------------------- verify
+def show_verify(result: Any) -> None:
+    """Predicted against measured for one verify run (memplan.verify.VerifyResult)."""
+    plan = result.plan
+    table = Table(
+        title=(f"verify: micro-batch {plan.micro_batch_size} × {plan.accumulation_steps}, "
+               f"{len(plan.checkpoint_layers)} checkpointed · {result.device_name} · "
+               f"{result.steps} step(s)"),
+        title_justify="left", header_style="bold")
+    for column in ("", "predicted", "measured", "error"):
+        table.add_column(column, justify="left" if not column else "right")
+
+    def err(value: float, limit: float | None) -> str:
+        text = f"{value:+.1%}"
+        if limit is None:
+            return text
+        return f"[green]{text}[/green]" if abs(value) <= limit else f"[red]{text}[/red]"
+
+    table.add_row("peak memory", format_bytes(result.predicted_peak_bytes),
+                  format_bytes(result.measured_peak_bytes), err(result.peak_error, result.tolerance))
+    if result.cuda_max_allocated_bytes is not None:
+        reserve = plan.predicted.breakdown.reserve
+        table.add_row("  allocated (torch.cuda)", format_bytes(result.predicted_peak_bytes - reserve),
+                      format_bytes(result.cuda_max_allocated_bytes), "")
+        table.add_row("  reserved (torch.cuda)", "", format_bytes(result.cuda_max_reserved_bytes or 0), "")
+    table.add_row("time per optimizer step", format_seconds(result.predicted_step_seconds),
+                  format_seconds(result.measured_step_seconds), err(result.time_error, None))
+    table.add_row("budget", format_bytes(plan.budget_bytes), "",
+                  "[green]within[/green]" if result.within_budget else "[red]EXCEEDED[/red]")
+    table.add_row("effective batch", str(plan.target_batch), str(result.effective_batch), "")
+    console.print(table)
+    grad = result.gradient_check
+    if grad.status == "skipped":
+        console.print(f"gradient check: skipped — {grad.reason}")
+    else:
+        colour = "green" if grad.status == "pass" else "red"
+        console.print(f"gradient check: [{colour}]{grad.status}[/{colour}] — {grad.reason}: "
+                      f"max relative difference {grad.max_relative_error:.2e} "
+                      f"(tolerance {grad.tolerance:.0e})")
+    verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
+    console.print(f"{verdict}: peak error {result.peak_error:+.1%} (tolerance "
+                  f"±{result.tolerance:.0%}), measured peak "
+                  f"{'within' if result.within_budget else 'over'} the budget.")

@@ -1,0 +1,350 @@
+"""The ``memplan`` command line: each command loads its input, calls one library function
+and renders the result. Domain errors become one paragraph on stderr and an exit code here,
+in one place (``_run``)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from memplan import __version__
+from memplan.errors import BadInputError, MemplanError
+from memplan.schema import load_yaml_file, to_data
+
+app = typer.Typer(
+    name="memplan",
+    help="Memory planner for PyTorch training: measure a model, pick micro-batch × "
+    "accumulation × checkpointed layers that fit a budget, prove it with a real run.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_state = {"debug": False}
+F = TypeVar("F", bound=Callable[..., Any])
+
+FORMATS_HELP = "Comma-separated: plan, hf, deepspeed, accelerate, lightning, torch."
+
+
+def _run(func: F) -> F:
+    """Map MemplanError (and only it) to its exit code with a clean message."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from memplan import render
+
+        try:
+            return func(*args, **kwargs)
+        except MemplanError as exc:
+            render.error(exc, debug=_state["debug"])
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"memplan {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print version.")
+    ] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+def _parse_micro_batches(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise BadInputError(
+            f"--micro-batches {text!r} must list at least two distinct positive sizes.",
+            hint="For example --micro-batches 1,2,4 (affine fits need two points; three "
+            "also give a residual).",
+        )
+    return sizes
+
+
+# ---------------------------------------------------------------------------- probe
+@app.command()
+@_run
+def probe(
+    model: Annotated[str, typer.Argument(help="Model file (model.py or model.py:factory).")],
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or meta.")] = "auto",
+    micro_batches: Annotated[
+        str, typer.Option("--micro-batches", help="Sizes to measure, e.g. 1,2,4.")
+    ] = "1,2,4",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (autocast).")] = "fp32",
+    layers: Annotated[
+        str | None, typer.Option(help="Glob of checkpoint candidates, e.g. 'transformer.h.*'.")
+    ] = None,
+    device_profile: Annotated[
+        str | None,
+        typer.Option("--device-profile", help="GPU spec to time a meta probe against."),
+    ] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the profile YAML.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
+) -> None:
+    """Measure a model per layer (memory and time) and write a profile."""
+    from memplan import render
+    from memplan.fileio import write_text_atomic
+    from memplan.probe import probe_model
+    from memplan.profile import profile_to_yaml
+
+    if device not in ("auto", "cpu", "cuda", "meta"):
+        raise BadInputError(f"--device {device!r} is not one of auto, cpu, cuda, meta.")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise BadInputError(f"--precision {precision!r} is not one of fp32, bf16, fp16.")
+    sizes = _parse_micro_batches(micro_batches)
+    if output is not None and output.exists() and not force:
+        # Fail before minutes of probing, not after.
+        write_text_atomic(output, "", force=False)
+    with render.progress("probing") as on_progress:
+        profile = probe_model(
+            model,
+            device=device,
+            micro_batches=sizes,
+            precision=precision,
+            layers=layers,
+            device_profile=device_profile,
+            on_progress=on_progress,
+        )
+    if as_json:
+        render.print_json(to_data(profile))
+    else:
+        render.show_profile(profile)
+    if output is not None:
+        write_text_atomic(output, profile_to_yaml(profile), force=force)
+        render.info(f"wrote {output}")
+
+
+# ---------------------------------------------------------------------------- show
+@app.command()
+@_run
+def show(
+    file: Annotated[Path, typer.Argument(help="A profile or plan YAML.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print it as JSON on stdout.")] = False,
+) -> None:
+    """Render a profile or plan file again."""
+    from memplan import render
+    from memplan.plan import plan_from_data
+    from memplan.profile import profile_from_data
+
+    data = load_yaml_file(file, what="profile or plan")
+    obj = plan_from_data(data, source=str(file)) if "target_batch" in data else profile_from_data(
+        data, source=str(file))
+    if as_json:
+        render.print_json(to_data(obj))
+    elif "target_batch" in data:
+        render.show_plan(obj)
+    else:
+        render.show_profile(obj)
+
+
+# ---------------------------------------------------------------------------- solve
+def _split_names(values: list[str] | None) -> tuple[str, ...]:
+    return tuple(n.strip() for v in values or [] for n in v.split(",") if n.strip())
+
+
+@app.command()
+@_run
+def solve(
+    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile YAML from `memplan probe`.")],
+    target_batch: Annotated[int, typer.Option("--target-batch", help="Effective batch size.")],
+    budget: Annotated[str, typer.Option(help="24GiB, 512MiB, bytes, 80% (of device memory) or auto.")],
+    world_size: Annotated[int, typer.Option("--world-size", help="Data-parallel ranks.")] = 1,
+    device_profile: Annotated[
+        str | None, typer.Option("--device-profile", help="GPU to plan for (see `memplan devices`).")
+    ] = None,
+    margin: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = 0.03,
+    min_micro: Annotated[int, typer.Option("--min-micro")] = 1,
+    max_micro: Annotated[int | None, typer.Option("--max-micro")] = None,
+    always: Annotated[
+        list[str] | None, typer.Option("--always-checkpoint", help="Layer names always checkpointed.")
+    ] = None,
+    never: Annotated[
+        list[str] | None, typer.Option("--never-checkpoint", help="Layer names never checkpointed.")
+    ] = None,
+    bn_min_micro: Annotated[int, typer.Option("--bn-min-micro", help="Smallest micro-batch for BatchNorm models.")] = 16,
+    allow_small_bn_micro: Annotated[bool, typer.Option("--allow-small-bn-micro")] = False,
+    model: Annotated[str | None, typer.Option(help="Model file to name in emitted configs (default: the profile's).")] = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.yaml here.")] = None,
+    formats: Annotated[str | None, typer.Option("--format", help=FORMATS_HELP)] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Folder for --format files (default: beside -o, else .).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print plan and candidates as JSON on stdout.")] = False,
+) -> None:
+    """Pick micro-batch × accumulation × checkpointed layers that fit the budget and run fastest."""
+    from memplan import render
+    from memplan.devices import load_device, local_gpu
+    from memplan.emit import FORMATS, emit
+    from memplan.errors import NoPlanFitsError
+    from memplan.fileio import write_text_atomic
+    from memplan.plan import plan_to_yaml
+    from memplan.profile import load_profile
+    from memplan.solver import SolveRequest
+    from memplan.solver import solve as run_solver
+    from memplan.units import format_bytes, parse_budget
+
+    profile = load_profile(profile_path)
+    spec = load_device(device_profile) if device_profile else None
+    wanted = [f.strip() for f in (formats or "").split(",") if f.strip()]
+    unknown = [f for f in wanted if f not in FORMATS]
+    if unknown:
+        raise BadInputError(f"--format {', '.join(unknown)} is not a known format.",
+                            hint=f"Known formats: {', '.join(FORMATS)}.")
+    capacity = spec.memory_bytes if spec else profile.environment.device_capacity_bytes
+    free = None
+    if budget.strip().lower() == "auto":
+        gpu = local_gpu()
+        free = gpu.free_bytes if gpu else None
+        capacity = capacity or (gpu.total_bytes if gpu else None)
+    budget_bytes = parse_budget(budget, capacity_bytes=capacity, free_bytes=free)
+    request = SolveRequest(
+        target_batch=target_batch,
+        budget_bytes=budget_bytes,
+        world_size=world_size,
+        margin=margin,
+        min_micro=min_micro,
+        max_micro=max_micro,
+        always_checkpoint=_split_names(always),
+        never_checkpoint=_split_names(never),
+        bn_min_micro=bn_min_micro,
+        allow_small_bn_micro=allow_small_bn_micro,
+        device_spec=spec,
+        model_path=model or _model_ref(profile),
+        profile_path=str(profile_path),
+    )
+    try:
+        result = run_solver(profile, request)
+    except NoPlanFitsError as exc:
+        if as_json:
+            render.print_json({"feasible": False, "min_peak_bytes": exc.min_peak_bytes,
+                               "budget_bytes": budget_bytes, "message": str(exc),
+                               "closest": to_data(exc.closest) if exc.closest else None})
+        if exc.closest is not None and not as_json:
+            render.info(f"closest plan needs {format_bytes(exc.closest.predicted.peak_bytes)}:")
+            render.show_plan(exc.closest)
+        raise
+    plan = result.plan
+    rows = _candidate_rows(result)
+    if as_json:
+        render.print_json({"feasible": True, "plan": to_data(plan), "candidates": rows})
+    else:
+        render.show_plan(plan)
+        render.show_candidates(rows, plan.micro_batch_size)
+
+    # Refuse every clobber before writing anything, so a refused run writes nothing.
+    outputs: list[tuple[Path, str]] = []
+    if output is not None:
+        outputs.append((output, plan_to_yaml(plan)))
+    folder = out_dir or (output.parent if output is not None else Path("."))
+    for fmt in wanted:
+        if fmt == "plan" and output is not None:
+            continue
+        filename, text = emit(plan, fmt, model_path=plan.model)
+        outputs.append((folder / filename, text))
+    if not force:
+        for path, _ in outputs:
+            if path.exists():
+                write_text_atomic(path, "", force=False)  # raises OutputExistsError
+    for path, text in outputs:
+        write_text_atomic(path, text, force=force)
+        render.info(f"wrote {path}")
+
+
+def _model_ref(profile: Any) -> str:
+    ref = profile.model
+    return ref.path if ref.factory == "build_model" else f"{ref.path}:{ref.factory}"
+
+
+def _candidate_rows(result: Any) -> list[dict[str, Any]]:
+    rows = []
+    for cand in result.candidates:
+        data = to_data(cand)
+        rows.append(data if isinstance(data, dict) else dict(data))
+    return rows
+
+
+# ---------------------------------------------------------------------------- verify
+@app.command()
+@_run
+def verify(
+    model: Annotated[str, typer.Argument(help="Model file (model.py or model.py:factory).")],
+    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan.yaml from `memplan solve`.")],
+    steps: Annotated[int, typer.Option(help="Optimizer steps to measure (and as many to time).")] = 3,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the plan's device).")] = None,
+    tolerance: Annotated[float, typer.Option(help="Largest |peak error| that passes.")] = 0.05,
+    grad_check: Annotated[bool, typer.Option("--grad-check/--no-grad-check", help="Compare accumulated and full-batch gradients.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    """Run the plan for real and compare measured with predicted memory and time."""
+    from memplan import render
+    from memplan.plan import load_plan
+    from memplan.verify import verify_plan
+
+    plan = load_plan(plan_path)
+    with render.progress("verifying") as on_progress:
+        result = verify_plan(model, plan, steps=steps, device=device, tolerance=tolerance,
+                             check_gradients=grad_check, on_progress=on_progress)
+    if as_json:
+        data = to_data(result)
+        data.update(peak_error=result.peak_error, time_error=result.time_error,
+                    within_budget=result.within_budget, passed=result.passed)
+        render.print_json(data)
+    else:
+        render.show_verify(result)
+    if not result.passed:
+        raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------------------- devices
+@app.command()
+@_run
+def devices(
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """List the GPU specs memplan can plan for (profiles/devices/)."""
+    from rich.table import Table
+
+    from memplan import render
+    from memplan.devices import list_devices, load_device
+    from memplan.units import format_bytes
+
+    specs = [load_device(name) for name in list_devices()]
+    if as_json:
+        render.print_json([to_data(s) for s in specs])
+        return
+    table = Table(header_style="bold")
+    for column in ("name", "GPU", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth"):
+        table.add_column(column)
+    for s in specs:
+        table.add_row(
+            s.name, s.display_name, format_bytes(s.memory_bytes) if s.memory_bytes else "-",
+            f"{s.bf16_flops / 1e12:.0f}" if s.bf16_flops else "-", f"{s.fp32_flops / 1e12:.1f}",
+            f"{s.memory_bandwidth / 1e9:.0f} GB/s")
+    render.console.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Run a plan for real and compare what it measures with what the plan predicted.
+
+The run is the one a user would do: the model file's model and optimizer,
+``memplan.apply(model, plan)``, and ``memplan.Accumulator`` stepping once per effective
+batch, with fresh ``make_batch(micro_batch_size)`` batches. Memory is measured with the
+probe's own live-tensor tracker (the instrument that fed the prediction) and, on CUDA, with
+``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` after
+``reset_peak_memory_stats`` and NVML's count of what the process holds.
+
+It also checks that accumulation is equivalent to the full batch: the gradient after
+``k`` micro-batches equals the gradient of one batch of ``k × micro`` samples, where that
+can hold (not with BatchNorm, whose statistics are per micro-batch; dropout is switched off
+for the comparison)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from memplan import runtime
+from memplan.errors import BadInputError, CannotMeasureError
+from memplan.loader import ModelFile, load_model_file, map_batch
+from memplan.plan import Plan
+from memplan.probe.backends import make_backend
+from memplan.probe.tracker import resident_tensors
+
+# Relative tolerance of the gradient comparison: accumulation sums k partial gradients in
+# another order than one big reduction, so fp32 agrees to ~1e-6 relative and autocast
+# (bf16/fp16 matmuls of different shapes) only to ~1e-2.
+GRAD_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GradientCheck:
+    status: Literal["pass", "fail", "skipped"]
+    max_relative_error: float | None
+    """max over parameters of max|g_accumulated − g_full| / max|g_full|."""
+    tolerance: float
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VerifyResult:
+    plan: Plan
+    device: str
+    device_name: str
+    steps: int
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    """Tracker peak over every step, the first (optimizer state created) included. On CUDA:
+    what the process held at most (NVML, else max_memory_reserved)."""
+    predicted_step_seconds: float
+    measured_step_seconds: float
+    """Mean wall time of an optimizer step, timed in separate steps without the tracker."""
+    tolerance: float
+    effective_batch: int
+    """Samples per optimizer step as the Accumulator reported it (× world size)."""
+    gradient_check: GradientCheck
+    tracker_peak_bytes: int
+    cuda_max_allocated_bytes: int | None = None
+    cuda_max_reserved_bytes: int | None = None
+    nvml_process_bytes: int | None = None
+
+    @property
+    def peak_error(self) -> float:
+        """(predicted − measured) / measured: negative means memplan under-predicted."""
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(self.measured_peak_bytes, 1)
+
+    @property
+    def time_error(self) -> float:
+        return (self.predicted_step_seconds - self.measured_step_seconds) / max(
+            self.measured_step_seconds, 1e-12)
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.plan.budget_bytes
+
+    @property
+    def passed(self) -> bool:
+        return (self.within_budget and abs(self.peak_error) <= self.tolerance
+                and self.gradient_check.status != "fail")
+
+
+def _resolve_device(plan: Plan, device: str | None) -> str:
+    if device is not None:
+        chosen = device
+    elif plan.device in ("cpu", "cuda"):
+        chosen = plan.device
+    else:
+        chosen = "auto"
+    if chosen == "meta":
+        raise BadInputError(
+            "verify runs the plan for real; --device meta has no memory to measure.",
+            hint="Use --device cpu or --device cuda.")
+    return chosen
+
+
+def _build(mf: ModelFile, device: torch.device, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return mf.build_model().to(device)
+
+
+def _micro_batches(mf: ModelFile, micro: int, count: int) -> Any:
+    for _ in range(count):
+        yield mf.make_batch(micro)
+
+
+def _run_steps(acc: runtime.Accumulator, mf: ModelFile, plan: Plan, steps: int) -> int:
+    effective = 0
+    for batch in _micro_batches(mf, plan.micro_batch_size, steps * plan.accumulation_steps):
+        metrics = acc.step(batch, mf.loss)
+        if metrics["stepped"]:
+            effective = int(metrics["effective_batch"])
+    return effective
+
+
+def verify_plan(
+    model: str | ModelFile,
+    plan: Plan,
+    *,
+    steps: int = 3,
+    device: str | None = None,
+    tolerance: float = 0.05,
+    check_gradients: bool = True,
+    seed: int = 0,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> VerifyResult:
+    """Run ``steps`` optimizer steps of ``plan`` and measure them; see the module doc."""
+    if steps < 1:
+        raise BadInputError(f"--steps must be at least 1, got {steps}.")
+    if plan.world_size != 1:
+        raise BadInputError(
+            f"The plan is for {plan.world_size} ranks; verify runs one process.",
+            hint="Solve with --world-size 1 to verify on this machine.")
+    progress = on_progress or (lambda done, total, what: None)
+    total = 3 + (1 if check_gradients else 0)
+    mf = model if isinstance(model, ModelFile) else load_model_file(model)
+    backend = make_backend(_resolve_device(plan, device), plan.precision, None)
+    torch_device = backend.torch_device
+
+    progress(0, total, "building the model")
+    net = _build(mf, torch_device, seed)
+    optimizer = mf.make_optimizer(net)
+    runtime.apply(net, plan)
+    acc = runtime.Accumulator(net, optimizer, plan, device=torch_device)
+    cuda = backend.device == "cuda"
+    try:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        progress(1, total, f"measuring {steps} step(s)")
+        tracker = backend.tracker(record=False)
+        tracker.track(resident_tensors(net, optimizer, None))
+        with tracker:
+            effective = _run_steps(acc, mf, plan, steps)
+        cuda_alloc = torch.cuda.max_memory_allocated() if cuda else None
+        cuda_reserved = torch.cuda.max_memory_reserved() if cuda else None
+        progress(2, total, f"timing {steps} step(s)")
+        start = backend.clock()
+        _run_steps(acc, mf, plan, steps)
+        seconds = (backend.clock() - start) / steps
+    except torch.OutOfMemoryError as exc:
+        raise CannotMeasureError(
+            f"Out of GPU memory running the plan (micro-batch {plan.micro_batch_size} × "
+            f"{plan.accumulation_steps}, {len(plan.checkpoint_layers)} checkpointed layers).",
+            hint="The plan does not fit this GPU: measured peak exceeds what is free. "
+            "Solve again with a smaller --budget or --budget auto.") from exc
+
+    nvml_bytes = None
+    measured = tracker.peak_bytes
+    if cuda:
+        from memplan.devices import local_gpu
+
+        info = local_gpu(torch_device.index or 0)
+        nvml_bytes = info.process_used_bytes if info else None
+        measured = nvml_bytes if nvml_bytes is not None else int(cuda_reserved or 0)
+
+    del acc, optimizer, net
+    progress(3, total, "gradient check")
+    grad = (_gradient_check(mf, plan, backend, seed) if check_gradients else GradientCheck(
+        status="skipped", max_relative_error=None, tolerance=GRAD_TOLERANCE[plan.precision],
+        reason="not asked for (--no-grad-check)"))
+    progress(total, total, "done")
+    return VerifyResult(
+        plan=plan, device=backend.device, device_name=backend.device_name(), steps=steps,
+        predicted_peak_bytes=plan.predicted.peak_bytes, measured_peak_bytes=int(measured),
+        predicted_step_seconds=plan.predicted.step_seconds, measured_step_seconds=seconds,
+        tolerance=tolerance, effective_batch=effective, gradient_check=grad,
+        tracker_peak_bytes=tracker.peak_bytes, cuda_max_allocated_bytes=cuda_alloc,
+        cuda_max_reserved_bytes=cuda_reserved, nvml_process_bytes=nvml_bytes,
+    )
+
+
+def _split(batch: Any, parts: int, size: int) -> list[Any]:
+    """``parts`` micro-batches of ``size`` samples cut from a batch along dimension 0."""
+    return [map_batch(batch, lambda t, i=i: t[i * size:(i + 1) * size]) for i in range(parts)]
+
+
+def _has(model: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
+    return any(isinstance(m, kinds) for m in model.modules())
+
+
+def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> GradientCheck:
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    tol = GRAD_TOLERANCE[plan.precision]
+    net = _build(mf, backend.torch_device, seed)
+    if _has(net, (torch.nn.modules.batchnorm._BatchNorm,)):
+        return GradientCheck(
+            status="skipped", max_relative_error=None, tolerance=tol,
+            reason="the model has BatchNorm: its statistics are computed per micro-batch, so "
+            "accumulated and full-batch gradients legitimately differ")
+    if k == 1:
+        return GradientCheck(status="skipped", max_relative_error=None, tolerance=tol,
+                             reason="accumulation is 1: nothing to compare")
+    # Dropout masks depend on the batch shape, so equal seeds still give different masks:
+    # compare with p = 0, staying in train mode so checkpointing still runs.
+    dropout = False
+    for module in net.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            module.p, dropout = 0.0, True
+    net.train()
+    full = mf.make_batch(k * micro)
+    pieces = _split(full, k, micro)
+    full_dev = map_batch(full, lambda t: t.to(backend.torch_device))
+    try:
+        with backend.forward_context():
+            loss = mf.loss(net, full_dev)
+        loss.backward()
+        reference = {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+        net.zero_grad(set_to_none=True)
+        del loss, full_dev
+        runtime.apply(net, plan)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # stepping must not move weights
+        acc = runtime.Accumulator(net, optimizer, plan, device=backend.torch_device)
+        # Read the gradients before the Accumulator's optimizer step zeroes them.
+        for piece in pieces[:-1]:
+            acc.step(piece, mf.loss)
+        grads: dict[str, torch.Tensor] = {}
+
+        def capture() -> None:
+            grads.update({n: p.grad.detach().clone() for n, p in net.named_parameters()
+                          if p.grad is not None})
+
+        original_step = optimizer.step
+
+        def step_and_capture(*args: Any, **kwargs: Any) -> Any:
+            capture()
+            return original_step(*args, **kwargs)
+
+        optimizer.step = step_and_capture  # type: ignore[method-assign]
+        acc.step(pieces[-1], mf.loss)
+    except torch.OutOfMemoryError:
+        return GradientCheck(status="skipped", max_relative_error=None, tolerance=tol,
+                             reason=f"the full batch of {k * micro} does not fit this device")
+    worst = 0.0
+    for name, ref in reference.items():
+        got = grads.get(name)
+        if got is None:
+            return GradientCheck(status="fail", max_relative_error=None, tolerance=tol,
+                                 reason=f"parameter {name} got no gradient under the plan")
+        scale = ref.abs().max().item()
+        if scale > 0:
+            worst = max(worst, ((got.float() - ref.float()).abs().max().item()) / scale)
+    note = " (dropout switched off for the comparison)" if dropout else ""
+    status: Literal["pass", "fail"] = "pass" if worst <= tol else "fail"
+    return GradientCheck(
+        status=status, max_relative_error=worst, tolerance=tol,
+        reason=f"{k} accumulated micro-batches of {micro} vs one batch of {k * micro}{note}")
+

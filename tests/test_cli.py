@@ -1,0 +1,158 @@
+"""The command line end to end on a tiny model: exit codes, files written, numbers shown."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memplan.cli import app
+from memplan.plan import load_plan
+from memplan.profile import load_profile
+
+MODEL = str(Path(__file__).parent / "models" / "cli_tiny_gpt.py")
+runner = CliRunner()
+
+
+def _build():
+    from memplan.loader import load_model_file
+
+    return load_model_file(MODEL).build_model()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "tiny.profile.yaml"
+    result = invoke("probe", MODEL, "--device", "cpu", "-o", path)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def test_probe_writes_a_loadable_profile(profile_path):
+    profile = load_profile(profile_path)
+    assert profile.layer_names == ("blocks.0", "blocks.1", "blocks.2")
+    assert profile.micro_batches == (1, 2, 4)
+    # AdamW keeps two fp32 moments per trainable parameter and a 4-byte step count per tensor.
+    n_tensors = len(list(torch.nn.Module.parameters(_build())))
+    expected = 2 * profile.totals.params_trainable_bytes + 4 * n_tensors
+    assert profile.totals.optimizer_state_bytes == expected
+
+
+def test_probe_refuses_to_overwrite_before_probing(profile_path):
+    before = profile_path.read_bytes()
+    result = invoke("probe", MODEL, "--device", "cpu", "-o", profile_path)
+    assert result.exit_code == 2
+    assert "--force" in result.output
+    assert profile_path.read_bytes() == before
+
+
+def test_probe_json_is_the_profile(tmp_path):
+    result = runner.invoke(app, ["probe", MODEL, "--device", "meta", "--micro-batches", "1,2",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["environment"]["device"] == "meta"
+    assert [layer["name"] for layer in data["layers"]] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["probe", "no/such/model.py"], 2, "does not exist"),
+        (["probe", MODEL, "--micro-batches", "4"], 2, "at least two"),
+        (["probe", MODEL, "--precision", "fp8"], 2, "fp8"),
+        (["probe", MODEL, "--device", "tpu"], 2, "tpu"),
+    ],
+)
+def test_probe_bad_input(args, code, needle):
+    result = invoke(*args)
+    assert result.exit_code == code
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_probe_cuda_without_gpu_exits_3():
+    result = invoke("probe", MODEL, "--device", "cuda")
+    assert result.exit_code == 3
+    assert "--device cpu" in result.output
+
+
+def test_show_renders_profile_and_rejects_corruption(profile_path, tmp_path):
+    assert invoke("show", profile_path).exit_code == 0
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(profile_path.read_text().replace("micro_batches", "micro_batchez"))
+    result = invoke("show", broken)
+    assert result.exit_code == 2
+    assert "micro_batchez" in result.output and "micro_batches" in result.output
+
+
+def test_solve_writes_plan_and_formats(profile_path, tmp_path):
+    plan_path = tmp_path / "plan.yaml"
+    result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "1GiB", "-o", plan_path,
+                    "--format", "hf,deepspeed,torch")
+    assert result.exit_code == 0, result.output
+    plan = load_plan(plan_path)
+    assert plan.micro_batch_size * plan.accumulation_steps == 8
+    assert plan.budget_bytes == 1024**3
+    assert plan.predicted.peak_bytes <= 0.97 * plan.budget_bytes
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert len(written) == 4, written  # plan + three formats
+    ds = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert ds["train_batch_size"] == 8
+
+    # A second run refuses to overwrite anything and leaves every file as it was.
+    stamps = {p: p.read_bytes() for p in tmp_path.iterdir()}
+    again = invoke("solve", profile_path, "--target-batch", 8, "--budget", "1GiB", "-o", plan_path,
+                   "--format", "hf,deepspeed,torch")
+    assert again.exit_code == 2
+    assert {p: p.read_bytes() for p in tmp_path.iterdir()} == stamps
+
+
+def test_solve_infeasible_exits_1_with_the_memory_needed(profile_path):
+    result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "64KiB")
+    assert result.exit_code == 1
+    assert "MiB" in result.output or "KiB" in result.output
+
+
+def test_solve_bad_target_and_budget_exit_2(profile_path):
+    result = invoke("solve", profile_path, "--target-batch", 7, "--budget", "1GiB",
+                    "--world-size", 2)
+    assert result.exit_code == 2
+    assert "8" in result.output  # names a valid target near 7
+    result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "lots")
+    assert result.exit_code == 2 and "24GiB" in result.output
+    result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "1GiB",
+                    "--format", "keras")
+    assert result.exit_code == 2 and "keras" in result.output
+
+
+def test_solve_percent_budget_with_device_profile(profile_path):
+    result = runner.invoke(app, ["solve", str(profile_path), "--target-batch", "8", "--budget",
+                                 "50%", "--device-profile", "t4", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)["plan"]
+    assert plan["budget_bytes"] == 15360 * 1024**2 // 2  # half of a T4's 15360 MiB
+
+
+def test_verify_measures_within_tolerance(profile_path, tmp_path):
+    # A budget just above micro-batch 8's best peak, so the plan runs close to it.
+    plan_path = tmp_path / "plan.yaml"
+    result = runner.invoke(app, ["solve", str(profile_path), "--target-batch", "8",
+                                 "--budget", "1GiB", "--json", "--max-micro", "8"])
+    rows = json.loads(result.stdout)["candidates"]
+    row8 = next(r for r in rows if r["micro_batch"] == 8)
+    assert invoke("solve", profile_path, "--target-batch", 8, "--budget",
+                  str(int(row8["peak_bytes"] * 1.01)), "--margin", "0", "-o", plan_path).exit_code == 0
+    result = runner.invoke(app, ["verify", MODEL, str(plan_path), "--steps", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert abs(data["peak_error"]) <= 0.05
+    assert data["within_budget"] is True
+    assert data["effective_batch"] == 8
+    assert data["gradient_check"]["status"] in ("pass", "skipped")
