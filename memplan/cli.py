@@ -338,6 +338,11 @@ def devices(
     render.console.print(table)
 
 
+from memplan.cli_check import register as _register_check  # noqa: E402
+
+_register_check(app)
+
+
 def main() -> None:
     """Console-script entry point."""
     try:
