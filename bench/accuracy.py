@@ -33,8 +33,13 @@ STEPS = 2
 
 
 def _solve(profile, model: str, target: int, budget: int, **extra) -> Plan | None:
-    request = SolveRequest(target_batch=target, budget_bytes=budget, model_path=model,
-                           profile_path="(in memory)", **extra)
+    request = SolveRequest(
+        target_batch=target,
+        budget_bytes=budget,
+        model_path=model,
+        profile_path="(in memory)",
+        **extra,
+    )
     try:
         return solve(profile, request).plan
     except NoPlanFitsError:
@@ -45,8 +50,16 @@ def _peak_at(profile, model: str, target: int, micro: int, *, all_ckpt: bool) ->
     """Predicted peak at one micro-batch with no or all layers checkpointed."""
     names = profile.layer_names
     extra = {"always_checkpoint": names} if all_ckpt else {"never_checkpoint": names}
-    plan = _solve(profile, model, target, 1 << 50, min_micro=micro, max_micro=micro,
-                  allow_small_bn_micro=True, **extra)
+    plan = _solve(
+        profile,
+        model,
+        target,
+        1 << 50,
+        min_micro=micro,
+        max_micro=micro,
+        allow_small_bn_micro=True,
+        **extra,
+    )
     return plan.predicted.peak_bytes
 
 
@@ -75,12 +88,22 @@ def _budgets(profile, model: str, target: int) -> dict[str, tuple[int, Plan]]:
     return found
 
 
-def _largest_fitting(profile, model: str, target: int, budget: int, *, all_ckpt: bool) -> Plan | None:
+def _largest_fitting(
+    profile, model: str, target: int, budget: int, *, all_ckpt: bool
+) -> Plan | None:
     names = profile.layer_names
     for micro in sorted((b for b in range(1, target + 1) if target % b == 0), reverse=True):
         extra = {"always_checkpoint": names} if all_ckpt else {"never_checkpoint": names}
-        plan = _solve(profile, model, target, budget, min_micro=micro, max_micro=micro,
-                      allow_small_bn_micro=True, **extra)
+        plan = _solve(
+            profile,
+            model,
+            target,
+            budget,
+            min_micro=micro,
+            max_micro=micro,
+            allow_small_bn_micro=True,
+            **extra,
+        )
         if plan is not None:
             return plan
     return None
@@ -98,23 +121,31 @@ def run(device: str) -> str:
         for kind, (budget, plan) in _budgets(profile, model, target).items():
             result = verify_plan(model, plan, steps=STEPS, device=device)
             row = {
-                "example": example, "budget_kind": kind, "budget_bytes": budget,
-                "micro_batch": plan.micro_batch_size, "accumulation": plan.accumulation_steps,
-                "checkpointed": len(plan.checkpoint_layers), "layers": len(profile.layers),
+                "example": example,
+                "budget_kind": kind,
+                "budget_bytes": budget,
+                "micro_batch": plan.micro_batch_size,
+                "accumulation": plan.accumulation_steps,
+                "checkpointed": len(plan.checkpoint_layers),
+                "layers": len(profile.layers),
                 "predicted_peak_bytes": result.predicted_peak_bytes,
                 "measured_peak_bytes": result.measured_peak_bytes,
-                "peak_error": result.peak_error, "within_budget": result.within_budget,
+                "peak_error": result.peak_error,
+                "within_budget": result.within_budget,
                 "predicted_step_s": result.predicted_step_seconds,
                 "measured_step_s": result.measured_step_seconds,
                 "time_error": result.time_error,
                 "grad_check": result.gradient_check.status,
             }
             rows.append(row)
-            print(f"  {kind}: b={plan.micro_batch_size}×{plan.accumulation_steps} "
-                  f"ckpt {row['checkpointed']}/{row['layers']}: predicted "
-                  f"{format_bytes(row['predicted_peak_bytes'])}, measured "
-                  f"{format_bytes(row['measured_peak_bytes'])} ({row['peak_error']:+.2%}), "
-                  f"within budget: {row['within_budget']}", flush=True)
+            print(
+                f"  {kind}: b={plan.micro_batch_size}×{plan.accumulation_steps} "
+                f"ckpt {row['checkpointed']}/{row['layers']}: predicted "
+                f"{format_bytes(row['predicted_peak_bytes'])}, measured "
+                f"{format_bytes(row['measured_peak_bytes'])} ({row['peak_error']:+.2%}), "
+                f"within budget: {row['within_budget']}",
+                flush=True,
+            )
             if example.endswith("gpt.py") and kind == "checkpointing":
                 quality.append(_quality(profile, model, target, budget, plan, result, device))
 
@@ -125,14 +156,16 @@ def run(device: str) -> str:
         writer.writeheader()
         writer.writerows(rows)
 
-    lines = ["### Peak prediction on the bundled examples (`bench/accuracy.py`)\n",
-             "Plans chosen by `memplan solve` from a probe at micro-batches 1, 2, 4, then run "
-             f"for {STEPS} optimizer steps by `memplan verify` (measured: the live-tensor "
-             "tracker on CPU). Error = (predicted − measured) / measured.\n",
-             "| example | budget forces | budget | plan (micro × accum) | checkpointed | "
-             "predicted peak | measured peak | error | within budget | predicted step | "
-             "measured step | grad check |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Peak prediction on the bundled examples (`bench/accuracy.py`)\n",
+        "Plans chosen by `memplan solve` from a probe at micro-batches 1, 2, 4, then run "
+        f"for {STEPS} optimizer steps by `memplan verify` (measured: the live-tensor "
+        "tracker on CPU). Error = (predicted − measured) / measured.\n",
+        "| example | budget forces | budget | plan (micro × accum) | checkpointed | "
+        "predicted peak | measured peak | error | within budget | predicted step | "
+        "measured step | grad check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {Path(r['example']).name} | {r['budget_kind']} | {format_bytes(r['budget_bytes'])} "
@@ -140,17 +173,21 @@ def run(device: str) -> str:
             f"| {format_bytes(r['predicted_peak_bytes'])} | {format_bytes(r['measured_peak_bytes'])} "
             f"| {r['peak_error']:+.2%} | {'yes' if r['within_budget'] else '**no**'} "
             f"| {r['predicted_step_s'] * 1e3:.0f} ms | {r['measured_step_s'] * 1e3:.0f} ms "
-            f"| {r['grad_check']} |")
+            f"| {r['grad_check']} |"
+        )
     worst = max(abs(r["peak_error"]) for r in rows)
     inside = sum(r["within_budget"] for r in rows)
-    lines.append(f"\nWorst |peak error| {worst:.2%} over {len(rows)} plans; measured peak within "
-                 f"budget in {inside}/{len(rows)}.\n")
+    lines.append(
+        f"\nWorst |peak error| {worst:.2%} over {len(rows)} plans; measured peak within "
+        f"budget in {inside}/{len(rows)}.\n"
+    )
     lines.extend(quality)
     return "\n".join(lines) + "\n"
 
 
-def _quality(profile, model: str, target: int, budget: int, chosen: Plan, chosen_result,
-             device: str) -> str:
+def _quality(
+    profile, model: str, target: int, budget: int, chosen: Plan, chosen_result, device: str
+) -> str:
     """Chosen plan vs full / no checkpointing at the largest micro-batch fitting the budget."""
     rows = [("memplan's plan", chosen, chosen_result.measured_step_seconds)]
     for label, all_ckpt in (("full checkpointing", True), ("no checkpointing", False)):
@@ -162,17 +199,21 @@ def _quality(profile, model: str, target: int, budget: int, chosen: Plan, chosen
         result = verify_plan(model, plan, steps=STEPS, device=device, check_gradients=False)
         rows.append((label, plan, result.measured_step_seconds))
     base = rows[0][2]
-    lines = [f"### Plan quality: GPT example, target batch {target}, budget {format_bytes(budget)}\n",
-             "Measured time per optimizer step in one run (lower is better); speed-up = "
-             "that configuration's time ÷ memplan's.\n",
-             "| configuration | micro × accum | checkpointed | measured step | memplan's speed-up |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"### Plan quality: GPT example, target batch {target}, budget {format_bytes(budget)}\n",
+        "Measured time per optimizer step in one run (lower is better); speed-up = "
+        "that configuration's time ÷ memplan's.\n",
+        "| configuration | micro × accum | checkpointed | measured step | memplan's speed-up |",
+        "|---|---|---|---|---|",
+    ]
     for label, plan, seconds in rows:
         if plan is None:
             lines.append(f"| {label} | does not fit | | | |")
             continue
-        lines.append(f"| {label} | {plan.micro_batch_size} × {plan.accumulation_steps} | "
-                     f"{len(plan.checkpoint_layers)}/{len(profile.layers)} | {seconds * 1e3:.0f} ms | "
-                     f"{seconds / base:.2f}× |")
+        lines.append(
+            f"| {label} | {plan.micro_batch_size} × {plan.accumulation_steps} | "
+            f"{len(plan.checkpoint_layers)}/{len(profile.layers)} | {seconds * 1e3:.0f} ms | "
+            f"{seconds / base:.2f}× |"
+        )
         print(f"  quality: {label}: {seconds * 1e3:.0f} ms ({seconds / base:.2f}× memplan's)")
     return "\n".join(lines) + "\n"

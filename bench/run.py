@@ -31,8 +31,10 @@ def _machine(device: str) -> str:
         return f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     import os
 
-    return (f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, "
-            f"torch {torch.__version__}, Python {platform.python_version()}")
+    return (
+        f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
 
 
 def compose() -> str:
@@ -47,16 +49,22 @@ def compose() -> str:
         if file.exists():
             parts.append(file.read_text(encoding="utf-8"))
         elif device == "cuda":
-            parts.append("## CUDA\n\nNot run yet: no GPU was available to the session that "
-                         "wrote this file. Run `make gpu-check` on a GPU machine.\n")
+            parts.append(
+                "## CUDA\n\nNot run yet: no GPU was available to the session that "
+                "wrote this file. Run `make gpu-check` on a GPU machine.\n"
+            )
     return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--only", action="append", choices=SECTIONS,
-                        help="run only these sections (repeatable); results are not saved")
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=SECTIONS,
+        help="run only these sections (repeatable); results are not saved",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda":
         import torch
@@ -66,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             return 3
     sections = args.only or SECTIONS
     started = time.perf_counter()
-    body = [f"## {args.device.upper()}\n",
-            f"Run {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {_machine(args.device)}.\n"]
+    body = [
+        f"## {args.device.upper()}\n",
+        f"Run {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {_machine(args.device)}.\n",
+    ]
     for name in sections:
         print(f"== {name}", flush=True)
         module = importlib.import_module(f"bench.{name}")

@@ -9,8 +9,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from memplan.plan import Plan, load_plan  # noqa: E402
-from memplan.profile import Profile, load_profile  # noqa: E402
+from memplan.plan import Plan, load_plan
+from memplan.profile import Profile, load_profile
 
 _RUNTIME = {"apply", "remove", "Accumulator"}
 

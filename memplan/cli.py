@@ -93,9 +93,13 @@ def probe(
         str | None,
         typer.Option("--device-profile", help="GPU spec to time a meta probe against."),
     ] = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the profile YAML.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the profile YAML.")
+    ] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the profile as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Measure a model per layer (memory and time) and write a profile."""
     from memplan import render
@@ -143,8 +147,11 @@ def show(
     from memplan.profile import profile_from_data
 
     data = load_yaml_file(file, what="profile or plan")
-    obj = plan_from_data(data, source=str(file)) if "target_batch" in data else profile_from_data(
-        data, source=str(file))
+    obj = (
+        plan_from_data(data, source=str(file))
+        if "target_batch" in data
+        else profile_from_data(data, source=str(file))
+    )
     if as_json:
         render.print_json(to_data(obj))
     elif "target_batch" in data:
@@ -161,30 +168,48 @@ def _split_names(values: list[str] | None) -> tuple[str, ...]:
 @app.command()
 @_run
 def solve(
-    profile_path: Annotated[Path, typer.Argument(metavar="PROFILE", help="Profile YAML from `memplan probe`.")],
+    profile_path: Annotated[
+        Path, typer.Argument(metavar="PROFILE", help="Profile YAML from `memplan probe`.")
+    ],
     target_batch: Annotated[int, typer.Option("--target-batch", help="Effective batch size.")],
-    budget: Annotated[str, typer.Option(help="24GiB, 512MiB, bytes, 80% (of device memory) or auto.")],
+    budget: Annotated[
+        str, typer.Option(help="24GiB, 512MiB, bytes, 80% (of device memory) or auto.")
+    ],
     world_size: Annotated[int, typer.Option("--world-size", help="Data-parallel ranks.")] = 1,
     device_profile: Annotated[
-        str | None, typer.Option("--device-profile", help="GPU to plan for (see `memplan devices`).")
+        str | None,
+        typer.Option("--device-profile", help="GPU to plan for (see `memplan devices`)."),
     ] = None,
     margin: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = 0.03,
     min_micro: Annotated[int, typer.Option("--min-micro")] = 1,
     max_micro: Annotated[int | None, typer.Option("--max-micro")] = None,
     always: Annotated[
-        list[str] | None, typer.Option("--always-checkpoint", help="Layer names always checkpointed.")
+        list[str] | None,
+        typer.Option("--always-checkpoint", help="Layer names always checkpointed."),
     ] = None,
     never: Annotated[
         list[str] | None, typer.Option("--never-checkpoint", help="Layer names never checkpointed.")
     ] = None,
-    bn_min_micro: Annotated[int, typer.Option("--bn-min-micro", help="Smallest micro-batch for BatchNorm models.")] = 16,
+    bn_min_micro: Annotated[
+        int, typer.Option("--bn-min-micro", help="Smallest micro-batch for BatchNorm models.")
+    ] = 16,
     allow_small_bn_micro: Annotated[bool, typer.Option("--allow-small-bn-micro")] = False,
-    model: Annotated[str | None, typer.Option(help="Model file to name in emitted configs (default: the profile's).")] = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write plan.yaml here.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Model file to name in emitted configs (default: the profile's)."),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write plan.yaml here.")
+    ] = None,
     formats: Annotated[str | None, typer.Option("--format", help=FORMATS_HELP)] = None,
-    out_dir: Annotated[Path | None, typer.Option("--out-dir", help="Folder for --format files (default: beside -o, else .).")] = None,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out-dir", help="Folder for --format files (default: beside -o, else .)."),
+    ] = None,
     force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print plan and candidates as JSON on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print plan and candidates as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Pick micro-batch × accumulation × checkpointed layers that fit the budget and run fastest."""
     from memplan import render
@@ -203,8 +228,10 @@ def solve(
     wanted = [f.strip() for f in (formats or "").split(",") if f.strip()]
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown:
-        raise BadInputError(f"--format {', '.join(unknown)} is not a known format.",
-                            hint=f"Known formats: {', '.join(FORMATS)}.")
+        raise BadInputError(
+            f"--format {', '.join(unknown)} is not a known format.",
+            hint=f"Known formats: {', '.join(FORMATS)}.",
+        )
     capacity = spec.memory_bytes if spec else profile.environment.device_capacity_bytes
     free = None
     if budget.strip().lower() == "auto":
@@ -231,9 +258,15 @@ def solve(
         result = run_solver(profile, request)
     except NoPlanFitsError as exc:
         if as_json:
-            render.print_json({"feasible": False, "min_peak_bytes": exc.min_peak_bytes,
-                               "budget_bytes": budget_bytes, "message": str(exc),
-                               "closest": to_data(exc.closest) if exc.closest else None})
+            render.print_json(
+                {
+                    "feasible": False,
+                    "min_peak_bytes": exc.min_peak_bytes,
+                    "budget_bytes": budget_bytes,
+                    "message": str(exc),
+                    "closest": to_data(exc.closest) if exc.closest else None,
+                }
+            )
         if exc.closest is not None and not as_json:
             render.info(f"closest plan needs {format_bytes(exc.closest.predicted.peak_bytes)}:")
             render.show_plan(exc.closest)
@@ -283,12 +316,25 @@ def _candidate_rows(result: Any) -> list[dict[str, Any]]:
 @_run
 def verify(
     model: Annotated[str, typer.Argument(help="Model file (model.py or model.py:factory).")],
-    plan_path: Annotated[Path, typer.Argument(metavar="PLAN", help="plan.yaml from `memplan solve`.")],
-    steps: Annotated[int, typer.Option(help="Optimizer steps to measure (and as many to time).")] = 3,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: the plan's device).")] = None,
+    plan_path: Annotated[
+        Path, typer.Argument(metavar="PLAN", help="plan.yaml from `memplan solve`.")
+    ],
+    steps: Annotated[
+        int, typer.Option(help="Optimizer steps to measure (and as many to time).")
+    ] = 3,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: the plan's device).")
+    ] = None,
     tolerance: Annotated[float, typer.Option(help="Largest |peak error| that passes.")] = 0.05,
-    grad_check: Annotated[bool, typer.Option("--grad-check/--no-grad-check", help="Compare accumulated and full-batch gradients.")] = True,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+    grad_check: Annotated[
+        bool,
+        typer.Option(
+            "--grad-check/--no-grad-check", help="Compare accumulated and full-batch gradients."
+        ),
+    ] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON on stdout.")
+    ] = False,
 ) -> None:
     """Run the plan for real and compare measured with predicted memory and time."""
     from memplan import render
@@ -297,12 +343,23 @@ def verify(
 
     plan = load_plan(plan_path)
     with render.progress("verifying") as on_progress:
-        result = verify_plan(model, plan, steps=steps, device=device, tolerance=tolerance,
-                             check_gradients=grad_check, on_progress=on_progress)
+        result = verify_plan(
+            model,
+            plan,
+            steps=steps,
+            device=device,
+            tolerance=tolerance,
+            check_gradients=grad_check,
+            on_progress=on_progress,
+        )
     if as_json:
         data = to_data(result)
-        data.update(peak_error=result.peak_error, time_error=result.time_error,
-                    within_budget=result.within_budget, passed=result.passed)
+        data.update(
+            peak_error=result.peak_error,
+            time_error=result.time_error,
+            within_budget=result.within_budget,
+            passed=result.passed,
+        )
         render.print_json(data)
     else:
         render.show_verify(result)
@@ -332,9 +389,13 @@ def devices(
         table.add_column(column)
     for s in specs:
         table.add_row(
-            s.name, s.display_name, format_bytes(s.memory_bytes) if s.memory_bytes else "-",
-            f"{s.bf16_flops / 1e12:.0f}" if s.bf16_flops else "-", f"{s.fp32_flops / 1e12:.1f}",
-            f"{s.memory_bandwidth / 1e9:.0f} GB/s")
+            s.name,
+            s.display_name,
+            format_bytes(s.memory_bytes) if s.memory_bytes else "-",
+            f"{s.bf16_flops / 1e12:.0f}" if s.bf16_flops else "-",
+            f"{s.fp32_flops / 1e12:.1f}",
+            f"{s.memory_bandwidth / 1e9:.0f} GB/s",
+        )
     render.console.print(table)
 
 

@@ -33,10 +33,14 @@ class DeviceSpec:
     """Bytes per second per GPU to its peers (NVLink, else PCIe)."""
 
     def peak_flops(self, precision: str) -> float:
-        value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[precision]
+        value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[
+            precision
+        ]
         if value is None:
-            raise BadInputError(f"{self.display_name} does not support {precision}.",
-                                hint="Choose another --precision (fp16 or fp32).")
+            raise BadInputError(
+                f"{self.display_name} does not support {precision}.",
+                hint="Choose another --precision (fp16 or fp32).",
+            )
         return value
 
 
@@ -60,10 +64,13 @@ def load_device(name: str) -> DeviceSpec:
         path = profiles_dir() / "devices" / f"{key}.yaml"
         if not path.is_file():
             known = ", ".join(list_devices()) or "(none found)"
-            raise BadInputError(f"Unknown device profile {name!r}.",
-                                hint=f"Known device profiles: {known}; or pass a spec file path.")
-    return from_data(DeviceSpec, load_yaml_file(path, what="device profile"), source=str(path),
-                     path="device")
+            raise BadInputError(
+                f"Unknown device profile {name!r}.",
+                hint=f"Known device profiles: {known}; or pass a spec file path.",
+            )
+    return from_data(
+        DeviceSpec, load_yaml_file(path, what="device profile"), source=str(path), path="device"
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,9 +100,12 @@ def local_gpu(index: int = 0) -> GpuInfo | None:
                         used = int(proc.usedGpuMemory)
             except pynvml.NVMLError:
                 pass
-            return GpuInfo(name=name if isinstance(name, str) else name.decode(),
-                           total_bytes=int(memory.total), free_bytes=int(memory.free),
-                           process_used_bytes=used)
+            return GpuInfo(
+                name=name if isinstance(name, str) else name.decode(),
+                total_bytes=int(memory.total),
+                free_bytes=int(memory.free),
+                process_used_bytes=used,
+            )
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # no driver, no library, no GPU: all mean "ask torch, then give up"
@@ -105,8 +115,9 @@ def local_gpu(index: int = 0) -> GpuInfo | None:
 
         if torch.cuda.is_available():
             free, total = torch.cuda.mem_get_info(index)
-            return GpuInfo(name=torch.cuda.get_device_name(index), total_bytes=int(total),
-                           free_bytes=int(free))
+            return GpuInfo(
+                name=torch.cuda.get_device_name(index), total_bytes=int(total), free_bytes=int(free)
+            )
     except Exception:
         pass
     return None

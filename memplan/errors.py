@@ -53,8 +53,14 @@ class NoPlanFitsError(MemplanError):
 
     exit_code = EXIT_OVER_BUDGET
 
-    def __init__(self, message: str, *, hint: str | None = None, min_peak_bytes: int | None = None,
-                 closest=None) -> None:  # closest: memplan.plan.Plan | None
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        min_peak_bytes: int | None = None,
+        closest=None,
+    ) -> None:  # closest: memplan.plan.Plan | None
         super().__init__(message, hint=hint)
         self.min_peak_bytes = min_peak_bytes
         self.closest = closest

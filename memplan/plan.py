@@ -26,8 +26,14 @@ class Breakdown:
 
     @property
     def total(self) -> int:
-        return (self.params + self.grads + self.optimizer + self.activations
-                + self.transient + self.reserve)
+        return (
+            self.params
+            + self.grads
+            + self.optimizer
+            + self.activations
+            + self.transient
+            + self.reserve
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -75,7 +81,8 @@ class Plan:
             raise ValueError(
                 f"target_batch {self.target_batch} != micro_batch_size × accumulation_steps × "
                 f"world_size = {self.micro_batch_size} × {self.accumulation_steps} × "
-                f"{self.world_size} = {product}")
+                f"{self.world_size} = {product}"
+            )
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
             raise ValueError("checkpoint_layers has duplicates")
         if self.budget_bytes < 1:
@@ -94,11 +101,16 @@ def plan_to_yaml(plan: Plan) -> str:
 def plan_from_data(data: dict, *, source: str = "<plan>") -> Plan:
     version = data.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool) or "target_batch" not in data:
-        raise ProfileError(f"{source} is not a memplan plan (no schema_version/target_batch).",
-                           hint="Write one with `memplan solve PROFILE -o plan.yaml`.")
+        raise ProfileError(
+            f"{source} is not a memplan plan (no schema_version/target_batch).",
+            hint="Write one with `memplan solve PROFILE -o plan.yaml`.",
+        )
     if version > PLAN_SCHEMA_VERSION:
-        raise ProfileError(f"{source} has plan schema_version {version}, newer than this "
-                           f"memplan understands ({PLAN_SCHEMA_VERSION}).", hint="Upgrade memplan.")
+        raise ProfileError(
+            f"{source} has plan schema_version {version}, newer than this "
+            f"memplan understands ({PLAN_SCHEMA_VERSION}).",
+            hint="Upgrade memplan.",
+        )
     return from_data(Plan, data, source=source, path="plan")
 
 

@@ -211,7 +211,9 @@ class Profile:
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:
-            raise ValueError(f"schema_version {self.schema_version} is not {PROFILE_SCHEMA_VERSION}")
+            raise ValueError(
+                f"schema_version {self.schema_version} is not {PROFILE_SCHEMA_VERSION}"
+            )
         if len(self.micro_batches) < 1 or any(b < 1 for b in self.micro_batches):
             raise ValueError("micro_batches must be positive sizes")
         for phase in ("no_grads", "grads_resident"):
@@ -222,7 +224,9 @@ class Profile:
             raise ValueError("layer names must be unique")
         for phase, segments in self.timeline.items():
             for seg in segments:
-                if seg.held > len(self.layers) or (seg.active != "none" and seg.held >= len(self.layers)):
+                if seg.held > len(self.layers) or (
+                    seg.active != "none" and seg.held >= len(self.layers)
+                ):
                     raise ValueError(f"timeline.{phase}: segment held={seg.held} out of range")
 
     @property
@@ -237,16 +241,22 @@ class Profile:
 def _check_version(data: dict, source: str) -> None:
     version = data.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):
-        raise ProfileError(f"{source}: 'schema_version' is missing or not an integer; "
-                           "this is not a memplan profile.",
-                           hint="Write one with `memplan probe model.py -o FILE`.")
+        raise ProfileError(
+            f"{source}: 'schema_version' is missing or not an integer; "
+            "this is not a memplan profile.",
+            hint="Write one with `memplan probe model.py -o FILE`.",
+        )
     if version > PROFILE_SCHEMA_VERSION:
         raise ProfileError(
             f"{source} has schema_version {version}, newer than this memplan understands "
-            f"({PROFILE_SCHEMA_VERSION}).", hint="Upgrade memplan, or probe the model again.")
+            f"({PROFILE_SCHEMA_VERSION}).",
+            hint="Upgrade memplan, or probe the model again.",
+        )
     if version < PROFILE_SCHEMA_VERSION:  # migrations by version go here as the schema moves
-        raise ProfileError(f"{source} has schema_version {version}, which is no longer read.",
-                           hint="Probe the model again.")
+        raise ProfileError(
+            f"{source} has schema_version {version}, which is no longer read.",
+            hint="Probe the model again.",
+        )
 
 
 def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
@@ -258,8 +268,9 @@ def load_profile(path: str | Path) -> Profile:
     """Read a profile YAML (``yaml.safe_load`` only; unknown keys rejected with a hint)."""
     data = load_yaml_file(path, what="profile")
     if "target_batch" in data:
-        raise ProfileError(f"{path} is a plan, not a profile.",
-                           hint="Pass the profile written by `memplan probe`.")
+        raise ProfileError(
+            f"{path} is a plan, not a profile.", hint="Pass the profile written by `memplan probe`."
+        )
     return profile_from_data(data, source=str(path))
 
 
@@ -269,4 +280,3 @@ def profile_to_yaml(profile: Profile) -> str:
 
 def is_finite_affine(value: Affine) -> bool:
     return math.isfinite(value.intercept) and math.isfinite(value.slope)
-

@@ -109,44 +109,97 @@ def profile_table(profile: Profile) -> Table:
         f"{profile.model.path} · {env.device_name} · {env.precision} · {env.optimizer_class} · "
         f"probed at {','.join(map(str, profile.micro_batches))} · values at micro-batch {batch}"
     )
-    table = Table(title=title, title_justify="left", header_style="bold", pad_edge=False,
-                  caption="sizes binary (M = MiB); /sample = slope per sample; "
-                  "ckpt saves = bytes freed by checkpointing the layer", caption_justify="left")
-    columns = ("layer", "params", "frozen", "grads", "optim", "input", "saved", "saved/sample",
-               "ckpt saves", "fwd peak", "fwd ms", "bwd ms", "FLOPs", "fit")
+    table = Table(
+        title=title,
+        title_justify="left",
+        header_style="bold",
+        pad_edge=False,
+        caption="sizes binary (M = MiB); /sample = slope per sample; "
+        "ckpt saves = bytes freed by checkpointing the layer",
+        caption_justify="left",
+    )
+    columns = (
+        "layer",
+        "params",
+        "frozen",
+        "grads",
+        "optim",
+        "input",
+        "saved",
+        "saved/sample",
+        "ckpt saves",
+        "fwd peak",
+        "fwd ms",
+        "bwd ms",
+        "FLOPs",
+        "fit",
+    )
     for column in columns:
-        table.add_column(column, justify="left" if column == "layer" else "right",
-                         overflow="fold", min_width=14 if column == "layer" else None,
-                         no_wrap=column != "layer")
+        table.add_column(
+            column,
+            justify="left" if column == "layer" else "right",
+            overflow="fold",
+            min_width=14 if column == "layer" else None,
+            no_wrap=column != "layer",
+        )
     for part in profile.fixed:
         table.add_row(
-            f"[italic]{part.name}[/italic]", _short_bytes(part.params_trainable_bytes),
-            _short_bytes(part.params_frozen_bytes), _short_bytes(part.grad_bytes),
-            _short_bytes(part.optimizer_state_bytes), "", _short_bytes(part.saved_bytes.at(batch)),
-            _short_bytes(part.saved_bytes.slope), "", "", _ms(part.fwd_seconds, batch),
-            _ms(part.bwd_seconds, batch), _flops(part.fwd_flops.at(batch)), "",
+            f"[italic]{part.name}[/italic]",
+            _short_bytes(part.params_trainable_bytes),
+            _short_bytes(part.params_frozen_bytes),
+            _short_bytes(part.grad_bytes),
+            _short_bytes(part.optimizer_state_bytes),
+            "",
+            _short_bytes(part.saved_bytes.at(batch)),
+            _short_bytes(part.saved_bytes.slope),
+            "",
+            "",
+            _ms(part.fwd_seconds, batch),
+            _ms(part.bwd_seconds, batch),
+            _flops(part.fwd_flops.at(batch)),
+            "",
         )
     for layer in profile.layers:
-        worst = max(layer.saved_bytes.residual, layer.savings_bytes.residual,
-                    layer.input_bytes.residual)
+        worst = max(
+            layer.saved_bytes.residual, layer.savings_bytes.residual, layer.input_bytes.residual
+        )
         fit = "ok" if layer.affine else f"[red]{worst:.1%}[/red]"
         table.add_row(
-            layer.name, _short_bytes(layer.params_trainable_bytes),
-            _short_bytes(layer.params_frozen_bytes), _short_bytes(layer.grad_bytes),
-            _short_bytes(layer.optimizer_state_bytes), _short_bytes(layer.input_bytes.at(batch)),
-            _short_bytes(layer.saved_bytes.at(batch)), _short_bytes(layer.saved_bytes.slope),
+            layer.name,
+            _short_bytes(layer.params_trainable_bytes),
+            _short_bytes(layer.params_frozen_bytes),
+            _short_bytes(layer.grad_bytes),
+            _short_bytes(layer.optimizer_state_bytes),
+            _short_bytes(layer.input_bytes.at(batch)),
+            _short_bytes(layer.saved_bytes.at(batch)),
+            _short_bytes(layer.saved_bytes.slope),
             _short_bytes(layer.savings_bytes.at(batch)),
-            _short_bytes(layer.fwd_transient_bytes.at(batch)), _ms(layer.fwd_seconds, batch),
-            _ms(layer.bwd_seconds, batch), _flops(layer.fwd_flops.at(batch)), fit,
+            _short_bytes(layer.fwd_transient_bytes.at(batch)),
+            _ms(layer.fwd_seconds, batch),
+            _ms(layer.bwd_seconds, batch),
+            _flops(layer.fwd_flops.at(batch)),
+            fit,
         )
     totals = profile.totals
-    saved = _sum_affine([p.saved_bytes for p in profile.layers] + [p.saved_bytes for p in profile.fixed])
+    saved = _sum_affine(
+        [p.saved_bytes for p in profile.layers] + [p.saved_bytes for p in profile.fixed]
+    )
     table.add_section()
     table.add_row(
-        "[bold]total[/bold]", _short_bytes(totals.params_trainable_bytes),
-        _short_bytes(totals.params_frozen_bytes), _short_bytes(totals.grad_bytes),
-        _short_bytes(totals.optimizer_state_bytes), "", _short_bytes(saved.at(batch)),
-        _short_bytes(saved.slope), "", "", "", "", "", "",
+        "[bold]total[/bold]",
+        _short_bytes(totals.params_trainable_bytes),
+        _short_bytes(totals.params_frozen_bytes),
+        _short_bytes(totals.grad_bytes),
+        _short_bytes(totals.optimizer_state_bytes),
+        "",
+        _short_bytes(saved.at(batch)),
+        _short_bytes(saved.slope),
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
     )
     return table
 
@@ -161,8 +214,10 @@ def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> No
         cells = ", ".join(f"b={b}: {format_bytes(v)}" for b, v in sorted(peaks.items()))
         console.print(f"Measured whole-step peak (no checkpointing, accumulation 1): {cells}")
     if not profile.op_sequence_stable:
-        warn("the op sequence differed between probed sizes (data-dependent routing); "
-             "verify plans at their micro-batch with `memplan verify`.")
+        warn(
+            "the op sequence differed between probed sizes (data-dependent routing); "
+            "verify plans at their micro-batch with `memplan verify`."
+        )
     for message in profile.warnings:
         warn(message)
 
@@ -211,16 +266,23 @@ def compact_names(names: tuple[str, ...] | list[str]) -> str:
 def show_plan(plan: Plan) -> None:
     predicted = plan.predicted
     lines = Text()
-    lines.append(f"micro-batch {plan.micro_batch_size} × accumulation {plan.accumulation_steps}"
-                 f" × world {plan.world_size} = effective batch {plan.target_batch}\n", style="bold")
-    lines.append(f"checkpoint {len(plan.checkpoint_layers)} layer(s): "
-                 f"{compact_names(plan.checkpoint_layers)}\n")
+    lines.append(
+        f"micro-batch {plan.micro_batch_size} × accumulation {plan.accumulation_steps}"
+        f" × world {plan.world_size} = effective batch {plan.target_batch}\n",
+        style="bold",
+    )
+    lines.append(
+        f"checkpoint {len(plan.checkpoint_layers)} layer(s): "
+        f"{compact_names(plan.checkpoint_layers)}\n"
+    )
     lines.append(f"precision {plan.precision} · device {plan.device}\n")
     lines.append("predicted peak ")
     lines.append(breakdown_bar(plan))
     lines.append(f"\npeak during: {predicted.peak_phase or 'n/a'}\n")
-    lines.append(f"predicted time per optimizer step {format_seconds(predicted.step_seconds)}"
-                 f" · {plan.samples_per_second:,.1f} samples/s")
+    lines.append(
+        f"predicted time per optimizer step {format_seconds(predicted.step_seconds)}"
+        f" · {plan.samples_per_second:,.1f} samples/s"
+    )
     console.print(Panel(lines, title="memplan plan", title_align="left"))
     if plan.reasons:
         console.print("[bold]why[/bold]")
@@ -233,25 +295,41 @@ def show_plan(plan: Plan) -> None:
 def candidates_table(rows: list[dict[str, Any]], chosen_micro: int | None) -> Table:
     """The Pareto candidates, one row per micro-batch; ``rows`` are plain dicts with keys
     micro_batch, accumulation_steps, n_checkpointed, peak_bytes, step_seconds, feasible, note."""
-    table = Table(title="candidates (one per micro-batch)", title_justify="left",
-                  header_style="bold")
-    for column in ("micro", "accum", "ckpt layers", "peak", "step time", "relative throughput",
-                   "note"):
+    table = Table(
+        title="candidates (one per micro-batch)", title_justify="left", header_style="bold"
+    )
+    for column in (
+        "micro",
+        "accum",
+        "ckpt layers",
+        "peak",
+        "step time",
+        "relative throughput",
+        "note",
+    ):
         table.add_column(column, justify="left" if column == "note" else "right")
     best = next((r for r in rows if r["micro_batch"] == chosen_micro), None)
     for row in rows:
         relative = ""
         if best and row.get("feasible") and row["step_seconds"] > 0:
             relative = f"{best['step_seconds'] / row['step_seconds']:.2f}×"
-        style = "bold green" if row["micro_batch"] == chosen_micro else (
-            None if row.get("feasible") else "dim")
+        style = (
+            "bold green"
+            if row["micro_batch"] == chosen_micro
+            else (None if row.get("feasible") else "dim")
+        )
         peak = row.get("peak_bytes")
         table.add_row(
-            str(row["micro_batch"]), str(row["accumulation_steps"]),
+            str(row["micro_batch"]),
+            str(row["accumulation_steps"]),
             "" if row.get("n_checkpointed") is None else str(row["n_checkpointed"]),
-            "" if peak is None or (isinstance(peak, float) and math.isnan(peak)) else format_bytes(peak),
+            ""
+            if peak is None or (isinstance(peak, float) and math.isnan(peak))
+            else format_bytes(peak),
             format_seconds(row["step_seconds"]) if row.get("step_seconds") else "",
-            relative, row.get("note", ""), style=style,
+            relative,
+            row.get("note", ""),
+            style=style,
         )
     return table
 
@@ -272,10 +350,14 @@ def show_verify(result: Any) -> None:
     """Predicted against measured for one verify run (memplan.verify.VerifyResult)."""
     plan = result.plan
     table = Table(
-        title=(f"verify: micro-batch {plan.micro_batch_size} × {plan.accumulation_steps}, "
-               f"{len(plan.checkpoint_layers)} checkpointed · {result.device_name} · "
-               f"{result.steps} step(s)"),
-        title_justify="left", header_style="bold")
+        title=(
+            f"verify: micro-batch {plan.micro_batch_size} × {plan.accumulation_steps}, "
+            f"{len(plan.checkpoint_layers)} checkpointed · {result.device_name} · "
+            f"{result.steps} step(s)"
+        ),
+        title_justify="left",
+        header_style="bold",
+    )
     for column in ("", "predicted", "measured", "error"):
         table.add_column(column, justify="left" if not column else "right")
 
@@ -285,17 +367,35 @@ def show_verify(result: Any) -> None:
             return text
         return f"[green]{text}[/green]" if abs(value) <= limit else f"[red]{text}[/red]"
 
-    table.add_row("peak memory", format_bytes(result.predicted_peak_bytes),
-                  format_bytes(result.measured_peak_bytes), err(result.peak_error, result.tolerance))
+    table.add_row(
+        "peak memory",
+        format_bytes(result.predicted_peak_bytes),
+        format_bytes(result.measured_peak_bytes),
+        err(result.peak_error, result.tolerance),
+    )
     if result.cuda_max_allocated_bytes is not None:
         reserve = plan.predicted.breakdown.reserve
-        table.add_row("  allocated (torch.cuda)", format_bytes(result.predicted_peak_bytes - reserve),
-                      format_bytes(result.cuda_max_allocated_bytes), "")
-        table.add_row("  reserved (torch.cuda)", "", format_bytes(result.cuda_max_reserved_bytes or 0), "")
-    table.add_row("time per optimizer step", format_seconds(result.predicted_step_seconds),
-                  format_seconds(result.measured_step_seconds), err(result.time_error, None))
-    table.add_row("budget", format_bytes(plan.budget_bytes), "",
-                  "[green]within[/green]" if result.within_budget else "[red]EXCEEDED[/red]")
+        table.add_row(
+            "  allocated (torch.cuda)",
+            format_bytes(result.predicted_peak_bytes - reserve),
+            format_bytes(result.cuda_max_allocated_bytes),
+            "",
+        )
+        table.add_row(
+            "  reserved (torch.cuda)", "", format_bytes(result.cuda_max_reserved_bytes or 0), ""
+        )
+    table.add_row(
+        "time per optimizer step",
+        format_seconds(result.predicted_step_seconds),
+        format_seconds(result.measured_step_seconds),
+        err(result.time_error, None),
+    )
+    table.add_row(
+        "budget",
+        format_bytes(plan.budget_bytes),
+        "",
+        "[green]within[/green]" if result.within_budget else "[red]EXCEEDED[/red]",
+    )
     table.add_row("effective batch", str(plan.target_batch), str(result.effective_batch), "")
     console.print(table)
     grad = result.gradient_check
@@ -303,10 +403,14 @@ def show_verify(result: Any) -> None:
         console.print(f"gradient check: skipped — {grad.reason}")
     else:
         colour = "green" if grad.status == "pass" else "red"
-        console.print(f"gradient check: [{colour}]{grad.status}[/{colour}] — {grad.reason}: "
-                      f"max relative difference {grad.max_relative_error:.2e} "
-                      f"(tolerance {grad.tolerance:.0e})")
+        console.print(
+            f"gradient check: [{colour}]{grad.status}[/{colour}] — {grad.reason}: "
+            f"max relative difference {grad.max_relative_error:.2e} "
+            f"(tolerance {grad.tolerance:.0e})"
+        )
     verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
-    console.print(f"{verdict}: peak error {result.peak_error:+.1%} (tolerance "
-                  f"±{result.tolerance:.0%}), measured peak "
-                  f"{'within' if result.within_budget else 'over'} the budget.")
+    console.print(
+        f"{verdict}: peak error {result.peak_error:+.1%} (tolerance "
+        f"±{result.tolerance:.0%}), measured peak "
+        f"{'within' if result.within_budget else 'over'} the budget."
+    )

@@ -67,25 +67,35 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
     if origin is Literal:
         allowed = typing.get_args(tp)
         if data not in allowed:
-            raise _fail(source, path, f"is {data!r}, expected one of {', '.join(map(repr, allowed))}")
+            raise _fail(
+                source, path, f"is {data!r}, expected one of {', '.join(map(repr, allowed))}"
+            )
         return data
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(data, (list, tuple)):
             raise _fail(source, path, f"must be a list, got {type(data).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(args[0], item, source=source, path=f"{path}[{i}]")
-                         for i, item in enumerate(data))
+            return tuple(
+                _convert(args[0], item, source=source, path=f"{path}[{i}]")
+                for i, item in enumerate(data)
+            )
         if len(args) != len(data):
             raise _fail(source, path, f"must have {len(args)} items, got {len(data)}")
-        return tuple(_convert(a, item, source=source, path=f"{path}[{i}]")
-                     for i, (a, item) in enumerate(zip(args, data)))
+        return tuple(
+            _convert(a, item, source=source, path=f"{path}[{i}]")
+            for i, (a, item) in enumerate(zip(args, data, strict=True))
+        )
     if origin is dict:
         key_tp, value_tp = typing.get_args(tp)
         if not isinstance(data, dict):
             raise _fail(source, path, f"must be a mapping, got {type(data).__name__}")
-        return {_convert(key_tp, k, source=source, path=path): _convert(
-            value_tp, v, source=source, path=f"{path}.{k}") for k, v in data.items()}
+        return {
+            _convert(key_tp, k, source=source, path=path): _convert(
+                value_tp, v, source=source, path=f"{path}.{k}"
+            )
+            for k, v in data.items()
+        }
     if dataclasses.is_dataclass(tp):
         return _convert_dataclass(tp, data, source=source, path=path)
     if tp is float:
@@ -124,7 +134,10 @@ def _convert_dataclass(cls: Any, data: Any, *, source: str, path: str) -> Any:
     kwargs = {}
     for name, field in fields.items():
         if name not in data:
-            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            if (
+                field.default is dataclasses.MISSING
+                and field.default_factory is dataclasses.MISSING
+            ):
                 raise _fail(source, f"{path}.{name}", "is missing")
             continue
         kwargs[name] = _convert(hints[name], data[name], source=source, path=f"{path}.{name}")
@@ -142,8 +155,12 @@ def load_yaml_file(path: str | Path, *, what: str) -> dict[str, Any]:
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"{file} is not valid YAML ({str(exc).splitlines()[0]}).",
-                           hint=f"The file may be corrupted; write the {what} again.") from None
+        raise ProfileError(
+            f"{file} is not valid YAML ({str(exc).splitlines()[0]}).",
+            hint=f"The file may be corrupted; write the {what} again.",
+        ) from None
     if not isinstance(data, dict):
-        raise ProfileError(f"{file} does not hold a memplan {what} (expected a mapping at the top).")
+        raise ProfileError(
+            f"{file} does not hold a memplan {what} (expected a mapping at the top)."
+        )
     return data

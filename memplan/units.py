@@ -14,11 +14,20 @@ TiB = 1024**4
 # Binary units are what GPU vendors' "80GB" actually means in nvidia-smi; decimal units are
 # accepted too, because people type them, and mean exactly 10**n.
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "kib": KiB,
-    "m": 1000**2, "mb": 1000**2, "mib": MiB,
-    "g": 1000**3, "gb": 1000**3, "gib": GiB,
-    "t": 1000**4, "tb": 1000**4, "tib": TiB,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": KiB,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": MiB,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": GiB,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": TiB,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 _PERCENT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
@@ -40,8 +49,13 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def parse_budget(text: str | int, *, capacity_bytes: int | None = None,
-                 free_bytes: int | None = None, what: str = "--budget") -> int:
+def parse_budget(
+    text: str | int,
+    *,
+    capacity_bytes: int | None = None,
+    free_bytes: int | None = None,
+    what: str = "--budget",
+) -> int:
     """Parse a budget: a size, ``N%`` of ``capacity_bytes``, or ``auto`` (= ``free_bytes``).
 
     The caller supplies capacity and free memory (from a device profile, NVML or

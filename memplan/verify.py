@@ -67,12 +67,15 @@ class VerifyResult:
     @property
     def peak_error(self) -> float:
         """(predicted − measured) / measured: negative means memplan under-predicted."""
-        return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(self.measured_peak_bytes, 1)
+        return (self.predicted_peak_bytes - self.measured_peak_bytes) / max(
+            self.measured_peak_bytes, 1
+        )
 
     @property
     def time_error(self) -> float:
         return (self.predicted_step_seconds - self.measured_step_seconds) / max(
-            self.measured_step_seconds, 1e-12)
+            self.measured_step_seconds, 1e-12
+        )
 
     @property
     def within_budget(self) -> bool:
@@ -80,8 +83,11 @@ class VerifyResult:
 
     @property
     def passed(self) -> bool:
-        return (self.within_budget and abs(self.peak_error) <= self.tolerance
-                and self.gradient_check.status != "fail")
+        return (
+            self.within_budget
+            and abs(self.peak_error) <= self.tolerance
+            and self.gradient_check.status != "fail"
+        )
 
 
 def _resolve_device(plan: Plan, device: str | None) -> str:
@@ -94,7 +100,8 @@ def _resolve_device(plan: Plan, device: str | None) -> str:
     if chosen == "meta":
         raise BadInputError(
             "verify runs the plan for real; --device meta has no memory to measure.",
-            hint="Use --device cpu or --device cuda.")
+            hint="Use --device cpu or --device cuda.",
+        )
     return chosen
 
 
@@ -134,7 +141,8 @@ def verify_plan(
     if plan.world_size != 1:
         raise BadInputError(
             f"The plan is for {plan.world_size} ranks; verify runs one process.",
-            hint="Solve with --world-size 1 to verify on this machine.")
+            hint="Solve with --world-size 1 to verify on this machine.",
+        )
     progress = on_progress or (lambda done, total, what: None)
     total = 3 + (1 if check_gradients else 0)
     mf = model if isinstance(model, ModelFile) else load_model_file(model)
@@ -167,7 +175,8 @@ def verify_plan(
             f"Out of GPU memory running the plan (micro-batch {plan.micro_batch_size} × "
             f"{plan.accumulation_steps}, {len(plan.checkpoint_layers)} checkpointed layers).",
             hint="The plan does not fit this GPU: measured peak exceeds what is free. "
-            "Solve again with a smaller --budget or --budget auto.") from exc
+            "Solve again with a smaller --budget or --budget auto.",
+        ) from exc
 
     nvml_bytes = None
     measured = tracker.peak_bytes
@@ -180,23 +189,39 @@ def verify_plan(
 
     del acc, optimizer, net
     progress(3, total, "gradient check")
-    grad = (_gradient_check(mf, plan, backend, seed) if check_gradients else GradientCheck(
-        status="skipped", max_relative_error=None, tolerance=GRAD_TOLERANCE[plan.precision],
-        reason="not asked for (--no-grad-check)"))
+    grad = (
+        _gradient_check(mf, plan, backend, seed)
+        if check_gradients
+        else GradientCheck(
+            status="skipped",
+            max_relative_error=None,
+            tolerance=GRAD_TOLERANCE[plan.precision],
+            reason="not asked for (--no-grad-check)",
+        )
+    )
     progress(total, total, "done")
     return VerifyResult(
-        plan=plan, device=backend.device, device_name=backend.device_name(), steps=steps,
-        predicted_peak_bytes=plan.predicted.peak_bytes, measured_peak_bytes=int(measured),
-        predicted_step_seconds=plan.predicted.step_seconds, measured_step_seconds=seconds,
-        tolerance=tolerance, effective_batch=effective, gradient_check=grad,
-        tracker_peak_bytes=tracker.peak_bytes, cuda_max_allocated_bytes=cuda_alloc,
-        cuda_max_reserved_bytes=cuda_reserved, nvml_process_bytes=nvml_bytes,
+        plan=plan,
+        device=backend.device,
+        device_name=backend.device_name(),
+        steps=steps,
+        predicted_peak_bytes=plan.predicted.peak_bytes,
+        measured_peak_bytes=int(measured),
+        predicted_step_seconds=plan.predicted.step_seconds,
+        measured_step_seconds=seconds,
+        tolerance=tolerance,
+        effective_batch=effective,
+        gradient_check=grad,
+        tracker_peak_bytes=tracker.peak_bytes,
+        cuda_max_allocated_bytes=cuda_alloc,
+        cuda_max_reserved_bytes=cuda_reserved,
+        nvml_process_bytes=nvml_bytes,
     )
 
 
 def _split(batch: Any, parts: int, size: int) -> list[Any]:
     """``parts`` micro-batches of ``size`` samples cut from a batch along dimension 0."""
-    return [map_batch(batch, lambda t, i=i: t[i * size:(i + 1) * size]) for i in range(parts)]
+    return [map_batch(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(parts)]
 
 
 def _has(model: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
@@ -209,12 +234,19 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
     net = _build(mf, backend.torch_device, seed)
     if _has(net, (torch.nn.modules.batchnorm._BatchNorm,)):
         return GradientCheck(
-            status="skipped", max_relative_error=None, tolerance=tol,
+            status="skipped",
+            max_relative_error=None,
+            tolerance=tol,
             reason="the model has BatchNorm: its statistics are computed per micro-batch, so "
-            "accumulated and full-batch gradients legitimately differ")
+            "accumulated and full-batch gradients legitimately differ",
+        )
     if k == 1:
-        return GradientCheck(status="skipped", max_relative_error=None, tolerance=tol,
-                             reason="accumulation is 1: nothing to compare")
+        return GradientCheck(
+            status="skipped",
+            max_relative_error=None,
+            tolerance=tol,
+            reason="accumulation is 1: nothing to compare",
+        )
     # Dropout masks depend on the batch shape, so equal seeds still give different masks:
     # compare with p = 0, staying in train mode so checkpointing still runs.
     dropout = False
@@ -229,7 +261,9 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
         with backend.forward_context():
             loss = mf.loss(net, full_dev)
         loss.backward()
-        reference = {n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None}
+        reference = {
+            n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None
+        }
         net.zero_grad(set_to_none=True)
         del loss, full_dev
         runtime.apply(net, plan)
@@ -241,8 +275,13 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
         grads: dict[str, torch.Tensor] = {}
 
         def capture() -> None:
-            grads.update({n: p.grad.detach().clone() for n, p in net.named_parameters()
-                          if p.grad is not None})
+            grads.update(
+                {
+                    n: p.grad.detach().clone()
+                    for n, p in net.named_parameters()
+                    if p.grad is not None
+                }
+            )
 
         original_step = optimizer.step
 
@@ -253,20 +292,30 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
         optimizer.step = step_and_capture  # type: ignore[method-assign]
         acc.step(pieces[-1], mf.loss)
     except torch.OutOfMemoryError:
-        return GradientCheck(status="skipped", max_relative_error=None, tolerance=tol,
-                             reason=f"the full batch of {k * micro} does not fit this device")
+        return GradientCheck(
+            status="skipped",
+            max_relative_error=None,
+            tolerance=tol,
+            reason=f"the full batch of {k * micro} does not fit this device",
+        )
     worst = 0.0
     for name, ref in reference.items():
         got = grads.get(name)
         if got is None:
-            return GradientCheck(status="fail", max_relative_error=None, tolerance=tol,
-                                 reason=f"parameter {name} got no gradient under the plan")
+            return GradientCheck(
+                status="fail",
+                max_relative_error=None,
+                tolerance=tol,
+                reason=f"parameter {name} got no gradient under the plan",
+            )
         scale = ref.abs().max().item()
         if scale > 0:
             worst = max(worst, ((got.float() - ref.float()).abs().max().item()) / scale)
     note = " (dropout switched off for the comparison)" if dropout else ""
     status: Literal["pass", "fail"] = "pass" if worst <= tol else "fail"
     return GradientCheck(
-        status=status, max_relative_error=worst, tolerance=tol,
-        reason=f"{k} accumulated micro-batches of {micro} vs one batch of {k * micro}{note}")
-
+        status=status,
+        max_relative_error=worst,
+        tolerance=tol,
+        reason=f"{k} accumulated micro-batches of {micro} vs one batch of {k * micro}{note}",
+    )

@@ -52,8 +52,9 @@ def test_probe_refuses_to_overwrite_before_probing(profile_path):
 
 
 def test_probe_json_is_the_profile(tmp_path):
-    result = runner.invoke(app, ["probe", MODEL, "--device", "meta", "--micro-batches", "1,2",
-                                 "--json"])
+    result = runner.invoke(
+        app, ["probe", MODEL, "--device", "meta", "--micro-batches", "1,2", "--json"]
+    )
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["environment"]["device"] == "meta"
@@ -94,8 +95,18 @@ def test_show_renders_profile_and_rejects_corruption(profile_path, tmp_path):
 
 def test_solve_writes_plan_and_formats(profile_path, tmp_path):
     plan_path = tmp_path / "plan.yaml"
-    result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "1GiB", "-o", plan_path,
-                    "--format", "hf,deepspeed,torch")
+    result = invoke(
+        "solve",
+        profile_path,
+        "--target-batch",
+        8,
+        "--budget",
+        "1GiB",
+        "-o",
+        plan_path,
+        "--format",
+        "hf,deepspeed,torch",
+    )
     assert result.exit_code == 0, result.output
     plan = load_plan(plan_path)
     assert plan.micro_batch_size * plan.accumulation_steps == 8
@@ -108,8 +119,18 @@ def test_solve_writes_plan_and_formats(profile_path, tmp_path):
 
     # A second run refuses to overwrite anything and leaves every file as it was.
     stamps = {p: p.read_bytes() for p in tmp_path.iterdir()}
-    again = invoke("solve", profile_path, "--target-batch", 8, "--budget", "1GiB", "-o", plan_path,
-                   "--format", "hf,deepspeed,torch")
+    again = invoke(
+        "solve",
+        profile_path,
+        "--target-batch",
+        8,
+        "--budget",
+        "1GiB",
+        "-o",
+        plan_path,
+        "--format",
+        "hf,deepspeed,torch",
+    )
     assert again.exit_code == 2
     assert {p: p.read_bytes() for p in tmp_path.iterdir()} == stamps
 
@@ -121,20 +142,34 @@ def test_solve_infeasible_exits_1_with_the_memory_needed(profile_path):
 
 
 def test_solve_bad_target_and_budget_exit_2(profile_path):
-    result = invoke("solve", profile_path, "--target-batch", 7, "--budget", "1GiB",
-                    "--world-size", 2)
+    result = invoke(
+        "solve", profile_path, "--target-batch", 7, "--budget", "1GiB", "--world-size", 2
+    )
     assert result.exit_code == 2
     assert "8" in result.output  # names a valid target near 7
     result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "lots")
     assert result.exit_code == 2 and "24GiB" in result.output
-    result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "1GiB",
-                    "--format", "keras")
+    result = invoke(
+        "solve", profile_path, "--target-batch", 8, "--budget", "1GiB", "--format", "keras"
+    )
     assert result.exit_code == 2 and "keras" in result.output
 
 
 def test_solve_percent_budget_with_device_profile(profile_path):
-    result = runner.invoke(app, ["solve", str(profile_path), "--target-batch", "8", "--budget",
-                                 "50%", "--device-profile", "t4", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "solve",
+            str(profile_path),
+            "--target-batch",
+            "8",
+            "--budget",
+            "50%",
+            "--device-profile",
+            "t4",
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)["plan"]
     assert plan["budget_bytes"] == 15360 * 1024**2 // 2  # half of a T4's 15360 MiB
@@ -143,12 +178,37 @@ def test_solve_percent_budget_with_device_profile(profile_path):
 def test_verify_measures_within_tolerance(profile_path, tmp_path):
     # A budget just above micro-batch 8's best peak, so the plan runs close to it.
     plan_path = tmp_path / "plan.yaml"
-    result = runner.invoke(app, ["solve", str(profile_path), "--target-batch", "8",
-                                 "--budget", "1GiB", "--json", "--max-micro", "8"])
+    result = runner.invoke(
+        app,
+        [
+            "solve",
+            str(profile_path),
+            "--target-batch",
+            "8",
+            "--budget",
+            "1GiB",
+            "--json",
+            "--max-micro",
+            "8",
+        ],
+    )
     rows = json.loads(result.stdout)["candidates"]
     row8 = next(r for r in rows if r["micro_batch"] == 8)
-    assert invoke("solve", profile_path, "--target-batch", 8, "--budget",
-                  str(int(row8["peak_bytes"] * 1.01)), "--margin", "0", "-o", plan_path).exit_code == 0
+    assert (
+        invoke(
+            "solve",
+            profile_path,
+            "--target-batch",
+            8,
+            "--budget",
+            str(int(row8["peak_bytes"] * 1.01)),
+            "--margin",
+            "0",
+            "-o",
+            plan_path,
+        ).exit_code
+        == 0
+    )
     result = runner.invoke(app, ["verify", MODEL, str(plan_path), "--steps", "2", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

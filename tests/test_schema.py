@@ -25,11 +25,17 @@ def tiny_profile() -> Profile:
     zero = Affine.zero()
     return Profile(
         model=ModelRef(path="m.py"),
-        environment=Environment(torch_version="2.13", memplan_version="0.1.0", device="cpu",
-                                device_name="cpu"),
+        environment=Environment(
+            torch_version="2.13", memplan_version="0.1.0", device="cpu", device_name="cpu"
+        ),
         micro_batches=(1, 2, 4),
-        totals=Totals(params_trainable_bytes=40, params_frozen_bytes=0, buffer_bytes=0,
-                      grad_bytes=40, optimizer_state_bytes=80),
+        totals=Totals(
+            params_trainable_bytes=40,
+            params_frozen_bytes=0,
+            buffer_bytes=0,
+            grad_bytes=40,
+            optimizer_state_bytes=80,
+        ),
         layers=(),
         fixed=(),
         timeline={"no_grads": (seg,), "grads_resident": (seg,)},
@@ -41,10 +47,18 @@ def tiny_profile() -> Profile:
 
 def tiny_plan() -> Plan:
     return Plan(
-        target_batch=64, micro_batch_size=16, accumulation_steps=4, checkpoint_layers=("h.0",),
+        target_batch=64,
+        micro_batch_size=16,
+        accumulation_steps=4,
+        checkpoint_layers=("h.0",),
         budget_bytes=1000,
-        predicted=Prediction(peak_bytes=900, step_seconds=0.5, breakdown=Breakdown(
-            params=100, grads=100, optimizer=200, activations=400, transient=100, reserve=0)),
+        predicted=Prediction(
+            peak_bytes=900,
+            step_seconds=0.5,
+            breakdown=Breakdown(
+                params=100, grads=100, optimizer=200, activations=400, transient=100, reserve=0
+            ),
+        ),
         model="m.py",
     )
 
@@ -75,7 +89,9 @@ def test_wrong_type_names_the_dotted_field(tmp_path):
 
 def test_future_version_refused(tmp_path):
     path = tmp_path / "p.yaml"
-    path.write_text(profile_to_yaml(tiny_profile()).replace("schema_version: 1", "schema_version: 9"))
+    path.write_text(
+        profile_to_yaml(tiny_profile()).replace("schema_version: 1", "schema_version: 9")
+    )
     with pytest.raises(ProfileError, match="newer than this memplan"):
         load_profile(path)
 
@@ -123,7 +139,9 @@ def test_atomic_write_refuses_to_clobber(tmp_path):
 def test_core_modules_do_not_import_torch_or_rich():
     import subprocess
 
-    code = ("import sys, memplan, memplan.profile, memplan.plan, memplan.units, memplan.devices;"
-            "print('torch' in sys.modules, 'rich' in sys.modules)")
+    code = (
+        "import sys, memplan, memplan.profile, memplan.plan, memplan.units, memplan.devices;"
+        "print('torch' in sys.modules, 'rich' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -1,0 +1,569 @@
+"""The peak-memory model: how many bytes one optimizer step needs, and where it peaks.
+
+Reads a :class:`memplan.profile.Profile` (see its module docstring for the timeline of
+segments) and nothing else; no torch. One small function per term. The model
+(DESIGN.md, "Memory model")::
+
+    peak_segment(b, C) = max(points(b) if active layer not in C else ckpt_points(b))
+                         - sum(savings_j(b) for j < held if j in C)
+    micro-step peak    = max over the segments of one phase
+    step peak (k = 1)  = max(no_grads, optimizer_step)
+    step peak (k >= 2) = max(no_grads, grads_resident, optimizer_step)
+    predicted peak     = step peak + reserve          (reserve: CUDA context + allocator)
+
+Timeline points are *absolute* live bytes (parameters, optimizer state and gradients
+included), as the probe's tracker counts them; the breakdown splits a peak into its terms.
+
+Bytes are whole numbers here: a live-byte point is rounded up and a saving rounded down, so
+every prediction is an integer, never below the fitted value, and the solver (which sums
+the same integers in another order) agrees with this module to the byte.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from memplan.devices import DeviceSpec
+from memplan.errors import BadInputError
+from memplan.plan import Breakdown, Plan
+from memplan.profile import Affine, Phase, Point, Profile, Segment
+from memplan.units import MiB
+
+# With no measurement, the CUDA context (driver state, cuBLAS/cuDNN kernels and workspaces
+# loaded by PyTorch) takes a few hundred MiB: about 300-600 MiB on A100/H100 with CUDA 12
+# lazy loading, as nvidia-smi shows for a process that has run one matmul and one conv.
+# 512 MiB is the conservative middle of that range.
+DEFAULT_CONTEXT_BYTES = 512 * MiB
+# PyTorch's caching allocator rounds blocks up (to 512 B, and 2 MiB segments for large
+# tensors) and fragments: max_memory_reserved typically exceeds max_memory_allocated by a
+# few percent in steady training. 5% of the allocated peak covers the usual case.
+DEFAULT_FRAGMENTATION_FRACTION = 0.05
+DEFAULT_MARGIN = 0.03
+"""Fraction of the budget kept free by default (safety margin against run-to-run noise)."""
+
+# Bound used where a layer has no segment of some kind: lower than any byte count.
+_NO_BOUND = -(1 << 100)
+
+PHASE_NO_GRADS: Phase = "no_grads"
+PHASE_GRADS_RESIDENT: Phase = "grads_resident"
+OPTIMIZER_STEP = "optimizer_step"
+
+
+# --------------------------------------------------------------------------- reserve, budget
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Reserve:
+    """Device memory the model's tensors do not account for: CUDA context and allocator."""
+
+    fixed_bytes: int
+    """CUDA context plus the measured allocator overhead (bytes)."""
+    fragmentation_fraction: float = 0.0
+    """Extra allocator overhead as a fraction of the allocated peak (when not measured)."""
+    source: str = ""
+    """Where the numbers come from, for the plan's reasons."""
+
+    def bytes_for(self, allocated_bytes: int) -> int:
+        return self.fixed_bytes + math.ceil(self.fragmentation_fraction * max(allocated_bytes, 0))
+
+
+NO_RESERVE = Reserve(fixed_bytes=0, source="none: not a CUDA device")
+
+
+def plans_for_cuda(profile: Profile, device_spec: DeviceSpec | None = None) -> bool:
+    """True when the plan is for a GPU: a GPU device spec is given, or, without a spec, the
+    profile was measured on CUDA or timed on meta against a GPU spec."""
+    if device_spec is not None:
+        return device_spec.memory_bytes is not None  # the CPU entry has no capacity
+    env = profile.environment
+    if env.device == "cuda":
+        return True
+    return env.device == "meta" and env.device_profile not in (None, "", "cpu")
+
+
+def reserve_for(profile: Profile, device_spec: DeviceSpec | None = None) -> Reserve:
+    """The CUDA reserve: measured context and allocator bytes when the profile has them,
+    else the documented defaults above; nothing off CUDA."""
+    if not plans_for_cuda(profile, device_spec):
+        return NO_RESERVE
+    context = profile.context_bytes
+    allocator = profile.allocator_reserve_bytes
+    parts = []
+    if context is None:
+        context = DEFAULT_CONTEXT_BYTES
+        parts.append("default CUDA context 512 MiB")
+    else:
+        parts.append("measured CUDA context")
+    if allocator is None:
+        parts.append(f"allocator {DEFAULT_FRAGMENTATION_FRACTION:.0%} of the peak (default)")
+        return Reserve(
+            fixed_bytes=int(context),
+            fragmentation_fraction=DEFAULT_FRAGMENTATION_FRACTION,
+            source=", ".join(parts),
+        )
+    parts.append("measured allocator overhead")
+    return Reserve(fixed_bytes=int(context) + int(allocator), source=", ".join(parts))
+
+
+def usable_budget_bytes(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
+    """The budget less the safety margin: the most a predicted peak may be."""
+    return math.floor(budget_bytes * (1.0 - margin))
+
+
+def allocated_limit_bytes(budget_bytes: int, margin: float, reserve: Reserve) -> int:
+    """The largest allocated (tensor) peak whose total, reserve included, fits the budget
+    less the margin. The solver compares allocated peaks with this single number."""
+    usable = usable_budget_bytes(budget_bytes, margin)
+    if usable <= reserve.fixed_bytes:
+        # No tensor fits; below zero the fragmentation term is 0, so this is exact (and
+        # avoids walking down byte by byte).
+        return usable - reserve.fixed_bytes
+    limit = math.floor((usable - reserve.fixed_bytes) / (1.0 + reserve.fragmentation_fraction))
+    while limit + reserve.bytes_for(limit) > usable:
+        limit -= 1
+    while (limit + 1) + reserve.bytes_for(limit + 1) <= usable:
+        limit += 1
+    return limit
+
+
+def budget_for_peak_bytes(peak_bytes: int, margin: float) -> int:
+    """The smallest budget whose usable part (less the margin) holds ``peak_bytes``."""
+    budget = max(1, math.ceil(peak_bytes / (1.0 - margin)))
+    while usable_budget_bytes(budget, margin) < peak_bytes:
+        budget += 1
+    return budget
+
+
+# --------------------------------------------------------------------------- terms
+def params_bytes(profile: Profile) -> int:
+    """Parameters (trainable and frozen) and buffers: resident all step."""
+    t = profile.totals
+    return t.params_trainable_bytes + t.params_frozen_bytes + t.buffer_bytes
+
+
+def grads_bytes(profile: Profile) -> int:
+    """Gradients of the trainable parameters, when all of them exist."""
+    return profile.totals.grad_bytes
+
+
+def optimizer_state_bytes(profile: Profile) -> int:
+    """Optimizer state (AdamW: two moments): resident all step after the first."""
+    return profile.totals.optimizer_state_bytes
+
+
+def point_bytes(point: Point, micro_batch: int) -> int:
+    """Live bytes at a timeline point, rounded up."""
+    return math.ceil(point[0] + point[1] * micro_batch)
+
+
+def affine_bytes(value: Affine, micro_batch: int) -> int:
+    """An affine byte count at ``micro_batch``, rounded up."""
+    return math.ceil(value.at(micro_batch))
+
+
+def savings_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
+    """Per layer: bytes freed while it is held if it is checkpointed, rounded down."""
+    return tuple(math.floor(layer.savings_bytes.at(micro_batch)) for layer in profile.layers)
+
+
+def held_savings_bytes(savings: Sequence[int], checkpointed: frozenset[int], held: int) -> int:
+    """Savings of the checkpointed layers among the ``held`` ones (layers 0 .. held-1)."""
+    return sum(savings[j] for j in checkpointed if j < held)
+
+
+def held_savings_prefix_bytes(savings: Sequence[int], checkpointed: frozenset[int]) -> list[int]:
+    """``held_savings_bytes`` for every ``held`` from 0 to n at once."""
+    prefix = [0]
+    for j, saving in enumerate(savings):
+        prefix.append(prefix[-1] + (saving if j in checkpointed else 0))
+    return prefix
+
+
+def segment_points_bytes(segment: Segment, micro_batch: int, active_checkpointed: bool) -> int:
+    """Highest no-checkpoint-reference point of a segment: the all-checkpointed points when
+    its active layer is checkpointed, else the plain ones."""
+    points = (
+        segment.ckpt_points
+        if (active_checkpointed and segment.active != "none")
+        else segment.points
+    )
+    return max(point_bytes(p, micro_batch) for p in points)
+
+
+def segment_peak_bytes(
+    segment: Segment, micro_batch: int, checkpointed: frozenset[int], savings: Sequence[int]
+) -> int:
+    """``peak_segment(b, C)`` of profile.py's docstring."""
+    top = segment_points_bytes(segment, micro_batch, segment.held in checkpointed)
+    return top - held_savings_bytes(savings, checkpointed, segment.held)
+
+
+def optimizer_step_peak_bytes(profile: Profile, micro_batch: int) -> int:
+    """Live-byte peak of the optimizer step (params, grads, state and its transient)."""
+    return affine_bytes(profile.optimizer_step_peak_bytes, micro_batch)
+
+
+def phases_for(accumulation_steps: int) -> tuple[Phase, ...]:
+    """Micro-step phases one optimizer step runs: with k = 1 gradients are never resident
+    during a forward, so only the first-micro-step timeline applies."""
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    if accumulation_steps == 1:
+        return (PHASE_NO_GRADS,)
+    return (PHASE_NO_GRADS, PHASE_GRADS_RESIDENT)
+
+
+def layer_indices(profile: Profile, layers: Iterable[int | str]) -> frozenset[int]:
+    """Layer indices from indices or fully-qualified names."""
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    out = set()
+    for item in layers:
+        if isinstance(item, str) and item not in index:
+            raise BadInputError(
+                f"Layer {item!r} is not a checkpoint candidate of this profile.",
+                hint="Its layers are: " + (", ".join(profile.layer_names) or "(none)") + ".",
+            )
+        i = index[item] if isinstance(item, str) else int(item)
+        if not 0 <= i < len(profile.layers):
+            raise IndexError(f"layer index {i} out of range")
+        out.add(i)
+    return frozenset(out)
+
+
+# --------------------------------------------------------------------------- step peak
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Peak:
+    """The predicted peak of one optimizer step, where it happens and what holds it."""
+
+    peak_bytes: int
+    """Allocated peak plus reserve: what the budget is compared with."""
+    allocated_bytes: int
+    """Peak of live tensor bytes (what max_memory_allocated would report)."""
+    reserve_bytes: int
+    phase: str
+    """``no_grads``, ``grads_resident`` or ``optimizer_step``."""
+    segment_index: int | None
+    """Index into ``profile.timeline[phase]``; None for the optimizer step."""
+    where: str
+    """Human description, e.g. 'backward of h.0 (accumulation micro-step, gradients resident)'."""
+    breakdown: Breakdown
+
+
+def micro_step_peak_bytes(
+    profile: Profile, phase: Phase, micro_batch: int, checkpointed: frozenset[int]
+) -> tuple[int, int | None]:
+    """Peak over one phase's segments and the index of the (first) segment reaching it."""
+    savings = savings_bytes(profile, micro_batch)
+    held = held_savings_prefix_bytes(savings, checkpointed)
+    best, best_index = _NO_BOUND, None
+    for index, segment in enumerate(profile.timeline[phase]):
+        # segment_peak_bytes, with the held savings summed once for all segments
+        top = segment_points_bytes(segment, micro_batch, segment.held in checkpointed)
+        value = top - held[segment.held]
+        if value > best:
+            best, best_index = value, index
+    return best, best_index
+
+
+def step_peak(
+    profile: Profile,
+    micro_batch: int,
+    checkpointed: Iterable[int | str],
+    accumulation_steps: int,
+    *,
+    reserve: Reserve = NO_RESERVE,
+) -> Peak:
+    """The predicted peak of one optimizer step with ``accumulation_steps`` micro-steps of
+    ``micro_batch`` samples, checkpointing ``checkpointed`` (layer indices or names)."""
+    chosen = layer_indices(profile, checkpointed)
+    places: list[tuple[int, str, int | None]] = []
+    for phase_name in phases_for(accumulation_steps):
+        value, seg_index = micro_step_peak_bytes(profile, phase_name, micro_batch, chosen)
+        if seg_index is not None:
+            places.append((value, phase_name, seg_index))
+    places.append((optimizer_step_peak_bytes(profile, micro_batch), OPTIMIZER_STEP, None))
+    best = max(value for value, _, _ in places)
+    _, phase, index = next(place for place in places if place[0] == best)  # first place wins
+    reserve_bytes = reserve.bytes_for(best)
+    return Peak(
+        peak_bytes=best + reserve_bytes,
+        allocated_bytes=best,
+        reserve_bytes=reserve_bytes,
+        phase=phase,
+        segment_index=index,
+        where=describe_peak(profile, phase, index, chosen),
+        breakdown=breakdown_at(profile, phase, index, micro_batch, chosen, best, reserve_bytes),
+    )
+
+
+# --------------------------------------------------------------------------- breakdown
+def _split(total: int, parts: Sequence[int]) -> list[int]:
+    """Give each part what it asks for, in order, while ``total`` lasts; the rest is last."""
+    out, left = [], total
+    for want in parts:
+        take = min(max(want, 0), max(left, 0))
+        out.append(take)
+        left -= take
+    out.append(left)
+    return out
+
+
+def _backward_started(segments: Sequence[Segment], index: int) -> bool:
+    return any(seg.active == "bwd" for seg in segments[: index + 1])
+
+
+def grads_at_bytes(profile: Profile, phase: str, index: int | None) -> int:
+    """Gradient bytes alive at a segment. Resident phases and the optimizer step hold all of
+    them; the first micro-step holds those of the layers whose backward has finished (fixed
+    parts' gradients counted once backward has reached a layer: an estimate, since fixed
+    parts carry no position)."""
+    if phase != PHASE_NO_GRADS or index is None:
+        return grads_bytes(profile)
+    segments = profile.timeline[phase]
+    segment = segments[index]
+    if not _backward_started(segments, index):
+        return 0
+    first_done = segment.held + 1 if segment.active == "bwd" else segment.held
+    layer_grads = sum(layer.grad_bytes for layer in profile.layers[first_done:])
+    fixed_grads = max(grads_bytes(profile) - sum(layer.grad_bytes for layer in profile.layers), 0)
+    return layer_grads + (fixed_grads if segment.held < len(profile.layers) else 0)
+
+
+def activations_at_bytes(
+    profile: Profile, segment: Segment, micro_batch: int, checkpointed: frozenset[int]
+) -> int:
+    """Activation bytes held at a segment: what the held layers keep (their input only when
+    checkpointed) plus what the fixed parts save. An estimate; transients are the rest."""
+    held = 0
+    for j in range(segment.held):
+        layer = profile.layers[j]
+        kept = layer.saved_bytes.at(micro_batch)
+        if j in checkpointed:
+            kept -= layer.savings_bytes.at(micro_batch)
+        held += kept
+    fixed = sum(part.saved_bytes.at(micro_batch) for part in profile.fixed)
+    return max(math.floor(held + fixed), 0)
+
+
+def breakdown_at(
+    profile: Profile,
+    phase: str,
+    index: int | None,
+    micro_batch: int,
+    checkpointed: frozenset[int],
+    allocated_bytes: int,
+    reserve_bytes: int,
+) -> Breakdown:
+    """Split a peak into params, grads, optimizer, activations, transient and reserve. The
+    total is exact; the split between activations, gradients and transients is estimated
+    from the per-layer figures (the timeline only knows totals)."""
+    if index is None:
+        activations = 0
+    else:
+        segment = profile.timeline[phase][index]
+        activations = activations_at_bytes(profile, segment, micro_batch, checkpointed)
+    params, optimizer, grads, acts, transient = _split(
+        allocated_bytes,
+        [
+            params_bytes(profile),
+            optimizer_state_bytes(profile),
+            grads_at_bytes(profile, phase, index),
+            activations,
+        ],
+    )
+    return Breakdown(
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=acts,
+        transient=transient,
+        reserve=reserve_bytes,
+    )
+
+
+# --------------------------------------------------------------------------- where
+def describe_segment(
+    profile: Profile, phase: str, index: int, checkpointed: frozenset[int] = frozenset()
+) -> str:
+    """Where a segment is in the step, in words: 'backward of h.3', 'forward after h.11'."""
+    segments = profile.timeline[phase]
+    segment = segments[index]
+    names = profile.layer_names
+    h, n = segment.held, len(names)
+    if segment.active == "fwd":
+        text = f"forward of {names[h]}" + (" (checkpointed)" if h in checkpointed else "")
+    elif segment.active == "bwd":
+        text = (
+            f"recompute and backward of {names[h]}"
+            if h in checkpointed
+            else f"backward of {names[h]}"
+        )
+    elif n == 0:
+        text = "micro-step"
+    elif h == n:
+        text = f"head and loss after {names[-1]}"
+    elif _backward_started(segments, index):
+        text = (
+            f"backward after {names[0]}"
+            if h == 0
+            else f"backward between {names[h]} and {names[h - 1]}"
+        )
+    else:
+        text = (
+            f"forward before {names[0]}"
+            if h == 0
+            else f"forward between {names[h - 1]} and {names[h]}"
+        )
+    if phase == PHASE_GRADS_RESIDENT:
+        text += " (accumulation micro-step, gradients resident)"
+    return text
+
+
+def describe_peak(
+    profile: Profile, phase: str, index: int | None, checkpointed: frozenset[int] = frozenset()
+) -> str:
+    if index is None:
+        return "optimizer step"
+    return describe_segment(profile, phase, index, checkpointed)
+
+
+# --------------------------------------------------------------------------- bounds
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepBounds:
+    """The step peak at one micro-batch reduced to per-layer bounds, for the solver.
+
+    With ``P_h`` the savings of the checkpointed layers among 0 .. h-1, the allocated step
+    peak of a checkpoint set is the largest of ``optimizer_bytes``, ``none_bytes[h] − P_h``
+    (h = 0 .. n) and, for each layer h, ``(ckpt_bytes[h] if h ∈ C else plain_bytes[h]) − P_h``.
+    This is the segment formula with the maxima taken per ``held`` first; it is equal to
+    :func:`step_peak` to the byte."""
+
+    micro_batch: int
+    accumulation_steps: int
+    savings: tuple[int, ...]
+    none_bytes: tuple[int, ...]
+    """Length n + 1: highest point of the segments with no active layer, by ``held``."""
+    plain_bytes: tuple[int, ...]
+    """Length n: highest point while layer h runs, not checkpointed."""
+    ckpt_bytes: tuple[int, ...]
+    """Length n: highest normalised point while layer h runs, checkpointed."""
+    optimizer_bytes: int
+
+
+def step_bounds(profile: Profile, micro_batch: int, accumulation_steps: int) -> StepBounds:
+    n = len(profile.layers)
+    none = [_NO_BOUND] * (n + 1)
+    plain = [_NO_BOUND] * n
+    ckpt = [_NO_BOUND] * n
+    for phase in phases_for(accumulation_steps):
+        for segment in profile.timeline[phase]:
+            h = segment.held
+            top = segment_points_bytes(segment, micro_batch, active_checkpointed=False)
+            if segment.active == "none":
+                none[h] = max(none[h], top)
+            else:
+                plain[h] = max(plain[h], top)
+                ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, True))
+    return StepBounds(
+        micro_batch=micro_batch,
+        accumulation_steps=accumulation_steps,
+        savings=savings_bytes(profile, micro_batch),
+        none_bytes=tuple(none),
+        plain_bytes=tuple(plain),
+        ckpt_bytes=tuple(ckpt),
+        optimizer_bytes=optimizer_step_peak_bytes(profile, micro_batch),
+    )
+
+
+def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int]) -> int:
+    """Allocated step peak of a checkpoint set, from the bounds (equals step_peak's)."""
+    chosen = frozenset(checkpointed)
+    best = bounds.optimizer_bytes
+    prefix = 0
+    for h in range(len(bounds.plain_bytes)):
+        active = bounds.ckpt_bytes[h] if h in chosen else bounds.plain_bytes[h]
+        best = max(best, bounds.none_bytes[h] - prefix, active - prefix)
+        if h in chosen:
+            prefix += bounds.savings[h]
+    return max(best, bounds.none_bytes[-1] - prefix)
+
+
+def feasible_floor_bytes(
+    bounds: StepBounds,
+    limit_bytes: int,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> list[int]:
+    """``R[h]``: the least prefix saving ``P_h`` from which some choice of layers h .. n-1
+    keeps every later point within ``limit_bytes`` (exact, by backward induction: a higher
+    ``P_h`` never hurts, so the feasible values of ``P_h`` are an interval [R[h], ∞)).
+    A plan exists iff ``R[0] <= 0`` and the optimizer step fits."""
+    n = len(bounds.plain_bytes)
+    floor = [0] * (n + 1)
+    floor[n] = bounds.none_bytes[n] - limit_bytes
+    for h in range(n - 1, -1, -1):
+        none_need = bounds.none_bytes[h] - limit_bytes
+        options = []
+        if h not in forced_in:
+            options.append(max(none_need, bounds.plain_bytes[h] - limit_bytes, floor[h + 1]))
+        if h not in forced_out:
+            options.append(
+                max(none_need, bounds.ckpt_bytes[h] - limit_bytes, floor[h + 1] - bounds.savings[h])
+            )
+        floor[h] = min(options)
+    return floor
+
+
+def fits_somehow(
+    bounds: StepBounds,
+    limit_bytes: int,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> bool:
+    """Whether any checkpoint set (respecting the forced layers) keeps the allocated peak
+    within ``limit_bytes``."""
+    if bounds.optimizer_bytes > limit_bytes:
+        return False
+    floor = feasible_floor_bytes(bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out)
+    return floor[0] <= 0
+
+
+def min_allocated_bytes(
+    bounds: StepBounds,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> int:
+    """The smallest allocated peak any checkpoint set reaches at this micro-batch: the
+    minimum over sets, exact (binary search on the limit; feasibility is monotone in it).
+    Checkpointing everything is not always the minimum: a recompute can peak higher than
+    the plain backward it replaces."""
+    hi = bounds_peak_bytes(bounds, forced_in)  # any valid set is an upper bound
+    # A lower bound: no set saves more than all positive savings.
+    most_saved = sum(max(s, 0) for s in bounds.savings)
+    active = [min(p, c) for p, c in zip(bounds.plain_bytes, bounds.ckpt_bytes, strict=True)]
+    least = max(bounds.optimizer_bytes, max([*bounds.none_bytes, *active]) - most_saved)
+    lo = least - 1  # infeasible
+    lo = min(lo, hi - 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits_somehow(bounds, mid, forced_in=forced_in, forced_out=forced_out):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def plan_peak(profile: Profile, plan: Plan, device_spec: DeviceSpec | None = None) -> Peak:
+    """The predicted peak of a written plan against a profile (for ``verify`` and ``check``):
+    its micro-batch, accumulation and checkpoint layers, with the reserve for ``device_spec``
+    (or the profile's device). ``allocated_bytes`` is what max_memory_allocated should show."""
+    return step_peak(
+        profile,
+        plan.micro_batch_size,
+        plan.checkpoint_layers,
+        plan.accumulation_steps,
+        reserve=reserve_for(profile, device_spec),
+    )

@@ -1,0 +1,142 @@
+"""Where the probe runs: ``cpu`` (real tensors), ``cuda`` (real GPU) or ``meta`` (shapes
+only; times from a device spec's roofline). Each backend builds the model, moves batches,
+makes trackers and clocks, and enters autocast for the chosen precision."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memplan.devices import DeviceSpec, load_device, local_gpu
+from memplan.errors import BadInputError, CannotMeasureError
+from memplan.loader import ModelFile, move_batch
+from memplan.probe.meta_autocast import MetaAutocast
+from memplan.probe.tracker import LiveTracker, Roofline
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_META_SPEC = "h100-80gb"
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda", "meta"):
+        raise BadInputError(f"device {device!r} is not one of auto, cpu, cuda, meta.")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CannotMeasureError(
+            "--device cuda was asked for, but this machine has no usable CUDA GPU "
+            f"(torch {torch.__version__}, CUDA available: no).",
+            hint="Probe with --device cpu, or --device meta to time against a GPU spec.",
+        )
+    return device
+
+
+@dataclass(kw_only=True)
+class Backend:
+    device: str
+    precision: str
+    spec: DeviceSpec | None = None
+    """Device spec: meta timing, and capacity where the hardware cannot say."""
+
+    def __post_init__(self) -> None:
+        if self.precision not in DTYPES:
+            raise BadInputError(f"precision {self.precision!r} is not one of fp32, bf16, fp16.")
+        self.dtype = DTYPES[self.precision]
+        self.torch_device = torch.device(self.device)
+        self.roofline: Roofline | None = None
+        if self.device == "meta":
+            spec = self.spec or load_device(DEFAULT_META_SPEC)
+            self.spec = spec
+            peak = spec.peak_flops(self.precision)  # raises for unsupported precisions
+            by_dtype = {torch.float32: spec.fp32_flops}
+            if spec.bf16_flops:
+                by_dtype[torch.bfloat16] = spec.bf16_flops
+            if spec.fp16_flops:
+                by_dtype[torch.float16] = spec.fp16_flops
+            self.roofline = Roofline(
+                flops_by_dtype=by_dtype, default_flops=peak, memory_bandwidth=spec.memory_bandwidth
+            )
+
+    # --------------------------------------------------------------------------- model
+    def build(self, model_file: ModelFile) -> torch.nn.Module:
+        if self.device == "meta":
+            with torch.device("meta"):
+                model = model_file.build_model()
+            return model.to("meta")  # anything the factory made on CPU explicitly
+        model = model_file.build_model()
+        return model.to(self.torch_device)
+
+    def batch(self, model_file: ModelFile, size: int) -> Any:
+        return move_batch(model_file.make_batch(size), self.torch_device)
+
+    def tracker(self, *, record: bool = True) -> LiveTracker:
+        return LiveTracker(record=record, roofline=self.roofline, meta=self.device == "meta")
+
+    def guard(self) -> Any:
+        """Around untracked steps: on meta, a tracker anyway, so that an op without a meta
+        kernel is a CannotMeasureError naming the op, wherever it first runs."""
+        return self.tracker(record=False) if self.device == "meta" else nullcontext()
+
+    # --------------------------------------------------------------------------- timing
+    def clock(self, tracker: LiveTracker | None = None) -> float:
+        if self.device == "meta":
+            return tracker.virtual_seconds if tracker is not None else 0.0
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    # ------------------------------------------------------------------------- autocast
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """Around the forward (the loss): autocast at the chosen precision."""
+        if self.precision == "fp32":
+            yield
+        elif self.device == "meta":
+            with _meta_autocast(self.dtype):
+                yield
+        else:
+            with torch.autocast(device_type=self.device, dtype=self.dtype):
+                yield
+
+    def checkpoint_context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
+        """For checkpoint's ``context_fn``: real autocast state is restored by checkpoint
+        itself during recompute; the meta emulation has to be entered again."""
+        if self.device != "meta" or self.precision == "fp32":
+            return None
+        dtype = self.dtype
+        return lambda: (nullcontext(), _meta_autocast(dtype))
+
+    def device_name(self) -> str:
+        if self.device == "meta":
+            return f"meta (timed as {self.spec.name})" if self.spec else "meta"
+        if self.device == "cuda":
+            return torch.cuda.get_device_name(self.torch_device)
+        return "cpu"
+
+    def capacity_bytes(self) -> int | None:
+        if self.device == "cuda":
+            info = local_gpu(self.torch_device.index or 0)
+            return info.total_bytes if info else None
+        return self.spec.memory_bytes if self.spec else None
+
+
+def make_backend(device: str, precision: str, device_profile: str | None) -> Backend:
+    resolved = resolve_device(device)
+    spec = load_device(device_profile) if device_profile else None
+    return Backend(device=resolved, precision=precision, spec=spec)
+
+
+@contextmanager
+def _meta_autocast(dtype: torch.dtype) -> Iterator[None]:
+    mode = MetaAutocast(dtype)
+    mode.caching = True  # as autocast caches parameter casts for the region it covers
+    try:
+        with mode:
+            yield
+    finally:
+        mode.clear_cache()

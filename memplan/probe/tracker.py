@@ -1,0 +1,209 @@
+"""The live-tensor tracker: bytes of tensor storage alive after every op.
+
+A ``TorchDispatchMode`` sees every aten op (forward, autograd's backward, the optimizer)
+and the tensors each one returns. Storages are counted once each, by identity, when an op
+first returns them; a weak reference to the storage subtracts its bytes when it is freed.
+Tensors that exist before tracking starts (parameters, buffers, gradients, optimizer
+state, the batch) are registered with :meth:`LiveTracker.track`.
+
+This counts what the program keeps alive, not what an allocator reserves (block rounding,
+caching); on CUDA the probe cross-checks it with ``torch.cuda.max_memory_allocated``.
+
+It also counts forward FLOPs per op (``torch.utils.flop_counter``'s formulas) and, on
+``meta``, advances a virtual clock by each op's roofline time (FLOPs against the device's
+peak, bytes against its bandwidth), so a meta probe has times without running anything.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from memplan.errors import CannotMeasureError
+
+_EMPTY: dict[str, Any] = {}
+
+
+class Roofline:
+    """Time of one op on a device spec: max(FLOPs / peak FLOP/s, bytes / bandwidth)."""
+
+    def __init__(
+        self,
+        *,
+        flops_by_dtype: dict[torch.dtype, float],
+        default_flops: float,
+        memory_bandwidth: float,
+    ) -> None:
+        self.flops_by_dtype = flops_by_dtype
+        self.default_flops = default_flops
+        self.memory_bandwidth = memory_bandwidth
+
+    def seconds(self, flops: float, bytes_moved: int, dtype: torch.dtype | None) -> float:
+        peak = self.flops_by_dtype.get(dtype, self.default_flops) if dtype else self.default_flops
+        return max(flops / peak, bytes_moved / self.memory_bandwidth)
+
+
+def _tensors_in(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (lists, tuples, dicts): a cheaper walk
+    than pytree's for the per-op hot path."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _tensors_in(item, out)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _tensors_in(item, out)
+    return out
+
+
+def _tensor_bytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+class LiveTracker(TorchDispatchMode):
+    """Counts live tensor-storage bytes; records the count after every op when ``record``."""
+
+    def __init__(
+        self, *, record: bool = True, roofline: Roofline | None = None, meta: bool = False
+    ) -> None:
+        super().__init__()
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.record = record
+        self.values: list[int] = []
+        """Live bytes after each op (when ``record``)."""
+        self.ops: list[str] = []
+        """The name of each of those ops (aligns sequences that differ between sizes)."""
+        self.flops = 0.0
+        """Forward+backward FLOPs seen so far (callers difference it around a region)."""
+        self.virtual_seconds = 0.0
+        """Roofline time of the ops seen so far (only with ``roofline``)."""
+        self.roofline = roofline
+        self.meta = meta
+        # id(storage) -> (weak reference, bytes). The weak reference's callback removes the
+        # entry before the id can be reused.
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+
+    # ------------------------------------------------------------------ storage accounting
+    def _free(self, key: int) -> None:
+        entry = self._storages.pop(key, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
+
+    def _add_tensor(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, nested, no storage
+            return
+        key = id(storage)
+        nbytes = storage.nbytes()
+        entry = self._storages.get(key)
+        if entry is not None:
+            if entry[1] != nbytes:  # resized in place (out= ops, resize_)
+                self.live_bytes += nbytes - entry[1]
+                self._storages[key] = (entry[0], nbytes)
+            return
+        ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
+        self._storages[key] = (ref, nbytes)
+        self.live_bytes += nbytes
+
+    def track(self, tensors: Iterable[Any]) -> None:
+        """Count tensors that exist before tracking starts (each storage once)."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._add_tensor(tensor)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    @property
+    def position(self) -> int:
+        """Index of the next recorded op (a boundary between ops)."""
+        return len(self.values)
+
+    # ------------------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or _EMPTY
+        try:
+            out = func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as exc:
+            if self.meta:
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise CannotMeasureError(
+                    f"The meta probe cannot run op {func} ({first[:200]}); it has no meta kernel "
+                    "or its output shape depends on tensor values.",
+                    hint="Probe with --device cpu (or cuda) instead.",
+                ) from exc
+            raise
+        outputs = _tensors_in(out, [])
+        for tensor in outputs:
+            self._add_tensor(tensor)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        packet = func._overloadpacket
+        if self.record:
+            self.values.append(self.live_bytes)
+            self.ops.append(packet.__name__)
+        op_flops = 0.0
+        counter = flop_registry.get(packet)
+        if counter is not None:
+            try:
+                op_flops = float(counter(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not fit this call: count no FLOPs
+                op_flops = 0.0
+            self.flops += op_flops
+        if self.roofline is not None:
+            moved = sum(_tensor_bytes(a) for a in _tensors_in((args, kwargs), []))
+            moved += sum(_tensor_bytes(t) for t in outputs)
+            dtype = outputs[0].dtype if outputs else None
+            self.virtual_seconds += self.roofline.seconds(op_flops, moved, dtype)
+        return out
+
+
+def storages_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (shared storages counted once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            seen[id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside an optimizer state entry (dicts, lists, tensors)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in state_tensors(v)]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in state_tensors(v)]
+    return []
+
+
+def resident_tensors(model: torch.nn.Module, optimizer: Any, batch: Any) -> list[torch.Tensor]:
+    """What is alive before a micro-step starts: parameters, buffers, gradients, optimizer
+    state, tensors held as plain module attributes (caches), and the batch."""
+    tensors: list[torch.Tensor] = []
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    for p in model.parameters():
+        tensors.append(p)
+        if p.grad is not None:
+            tensors.append(p.grad)
+    tensors.extend(model.buffers())
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            tensors.extend(state_tensors(state))
+    tensors.extend(t for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
+    return tensors

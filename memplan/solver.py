@@ -1,0 +1,912 @@
+"""The solver: micro-batch × accumulation × checkpoint set, exact under the model. No torch.
+
+For every micro-batch ``b`` with ``b × k × world == target`` it finds the checkpoint set of
+least recompute time whose predicted peak fits the budget (less the margin), then picks the
+plan with the least predicted step time (the effective batch is fixed, so that is the least
+time per effective batch). Ties: fewer checkpointed layers, then the larger micro-batch;
+within one micro-batch, among sets of equal time and size, the one checkpointing earlier
+layers (they are held longest).
+
+Why it is exact and fast (DESIGN.md, "Solver"): with ``P_h`` the savings of the
+checkpointed layers before layer h, every point of the step is a lower bound on a prefix
+sum, ``P_h >= point − limit``, whose point depends only on whether layer h itself is
+checkpointed (memplan.memory.StepBounds). So a left-to-right DP over layers whose state is
+``P`` is exact: a state with more savings and less cost dominates. Each layer's cost is an
+integer (picoseconds) and ties are broken through the same integer key, so the DP's choice
+is exactly brute force's. States that cannot be completed are dropped (``R[h]``, exact), and
+``P`` is capped where every completion is feasible, which merges states.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from itertools import accumulate
+from operator import itemgetter
+
+from memplan import memory, timing
+from memplan.devices import DeviceSpec
+from memplan.errors import BadInputError, NoPlanFitsError
+from memplan.memory import Peak, Reserve, StepBounds
+from memplan.plan import Plan, Prediction
+from memplan.profile import Profile
+from memplan.timing import MicroStepTimes, TimingMode
+from memplan.units import format_bytes, format_seconds
+
+__all__ = [
+    "Candidate",
+    "SolveRequest",
+    "SolveRequestError",
+    "SolveResult",
+    "least_recompute_set",
+    "solve",
+]
+
+_TIMING_MODES = ("auto", "measured", "roofline")
+
+
+class SolveRequestError(BadInputError, ValueError):
+    """A SolveRequest field is invalid (a ValueError naming the field; exit code 2)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolveRequest:
+    """What to plan for. Sizes are per rank; ``target_batch`` is the global effective batch."""
+
+    target_batch: int
+    """Effective batch: micro-batch × accumulation steps × world size, exactly."""
+    budget_bytes: int
+    """Device memory one rank may use."""
+    world_size: int = 1
+    """Data-parallel ranks (DDP replicas: each holds the whole model)."""
+    margin: float = memory.DEFAULT_MARGIN
+    """Fraction of the budget kept free; predicted peaks must stay within the rest."""
+    min_micro: int = 1
+    max_micro: int | None = None
+    """Largest micro-batch to consider; None: target_batch / world_size."""
+    always_checkpoint: tuple[str, ...] = ()
+    """Layer names (or globs) that are checkpointed in every plan."""
+    never_checkpoint: tuple[str, ...] = ()
+    """Layer names (or globs) that are never checkpointed."""
+    bn_min_micro: int = 16
+    """Smallest micro-batch for a model with BatchNorm (statistics use the micro-batch)."""
+    allow_small_bn_micro: bool = False
+    device_spec: DeviceSpec | None = None
+    """GPU to plan for: adds the CUDA reserve, and times a meta profile by roofline."""
+    device: str | None = None
+    """Label for the plan's device; default: the spec's name, else the profile's device."""
+    timing: TimingMode = "auto"
+    """``auto``, ``measured`` or ``roofline`` (see memplan.timing.choose_timing_source)."""
+    model_path: str | None = None
+    """Model file named in the plan; default: the profile's (``path`` or ``path:factory``)."""
+    profile_path: str = ""
+    """The profile file named in the plan."""
+
+    def __post_init__(self) -> None:
+        for name in ("target_batch", "world_size", "min_micro", "bn_min_micro", "budget_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SolveRequestError(f"{name} must be a positive integer, got {value!r}.")
+        if self.max_micro is not None:
+            if isinstance(self.max_micro, bool) or not isinstance(self.max_micro, int):
+                raise SolveRequestError(f"max_micro must be an integer, got {self.max_micro!r}.")
+            if self.max_micro < self.min_micro:
+                raise SolveRequestError(
+                    f"max_micro ({self.max_micro}) must be >= min_micro ({self.min_micro})."
+                )
+        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
+            raise SolveRequestError(f"margin must be a fraction in [0, 1), got {self.margin!r}.")
+        for name in ("always_checkpoint", "never_checkpoint"):
+            value = getattr(self, name)
+            names = (value,) if isinstance(value, str) else tuple(value)
+            if not all(isinstance(item, str) and item for item in names):
+                raise SolveRequestError(f"{name} must be layer names, got {value!r}.")
+            object.__setattr__(self, name, names)
+        both = sorted(set(self.always_checkpoint) & set(self.never_checkpoint))
+        if both:
+            raise SolveRequestError(
+                f"always_checkpoint and never_checkpoint both name {', '.join(both)}."
+            )
+        if self.timing not in _TIMING_MODES:
+            raise SolveRequestError(
+                f"timing must be one of {', '.join(_TIMING_MODES)}, got {self.timing!r}."
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One row of the table behind the choice: the best plan at one micro-batch."""
+
+    micro_batch: int
+    accumulation_steps: int
+    feasible: bool
+    """Fits the budget and is allowed (not below the BatchNorm floor)."""
+    fits: bool
+    """Fits the budget (allowed or not)."""
+    chosen: bool
+    checkpoint_layers: tuple[str, ...]
+    """Least-recompute set that fits; when nothing fits, the set of least peak."""
+    n_checkpointed: int
+    peak_bytes: int
+    """Predicted peak of that set (when nothing fits: the least any set needs)."""
+    step_seconds: float
+    samples_per_second: float
+    peak_phase: str
+    note: str
+    """Why it was or was not chosen."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolveResult:
+    plan: Plan
+    candidates: tuple[Candidate, ...]
+    """One row per micro-batch that divides the target, in increasing micro-batch."""
+    usable_budget_bytes: int
+    """Budget less the margin: the most a predicted peak may be."""
+    reserve: Reserve
+    timing_source: str
+
+
+# --------------------------------------------------------------------------- the DP
+def _cap_bytes(
+    bounds: StepBounds, limit: int, forced_in: frozenset[int], forced_out: frozenset[int]
+) -> list[int]:
+    """``cap[h]``: a prefix saving from which *every* allowed completion fits. States above
+    it are interchangeable, so they are clipped to it and merged."""
+    n = len(bounds.savings)
+    cap = [0] * (n + 1)
+    cap[n] = bounds.none_bytes[n] - limit
+    for h in range(n - 1, -1, -1):
+        none_need = bounds.none_bytes[h] - limit
+        options = []
+        if h not in forced_in:
+            options.append(max(none_need, bounds.plain_bytes[h] - limit, cap[h + 1]))
+        if h not in forced_out:
+            options.append(
+                max(none_need, bounds.ckpt_bytes[h] - limit, cap[h + 1] - bounds.savings[h])
+            )
+        cap[h] = max(options)
+    return cap
+
+
+def _greedy_cost(
+    bounds: StepBounds,
+    limit: int,
+    cost: Sequence[int],
+    forced_in: frozenset[int],
+    forced_out: frozenset[int],
+) -> int | None:
+    """Cost of some set that fits, or None: the forced layers plus the fewest layers of best
+    recompute cost per byte saved (binary search on how many). Only an upper bound for
+    pruning the DP; its quality affects speed, never the answer."""
+    free = [
+        j
+        for j in range(len(cost))
+        if j not in forced_in and j not in forced_out and bounds.savings[j] > 0
+    ]
+    free.sort(key=lambda j: (cost[j] / bounds.savings[j], j))
+
+    def fits(m: int) -> bool:
+        return memory.bounds_peak_bytes(bounds, forced_in.union(free[:m])) <= limit
+
+    if not fits(len(free)):
+        return None
+    lo, hi = -1, len(free)  # fits(hi); smallest such m, assuming more layers never hurt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return sum(cost[j] for j in forced_in.union(free[:hi]))
+
+
+def _suffix_knapsacks(
+    bounds: StepBounds, cost: Sequence[int], forced_out: frozenset[int]
+) -> list[tuple[list[int], list[int], list[tuple[int, int]]]]:
+    """For each layer i: the layers i .. n-1 that save bytes, by increasing cost per byte,
+    with running sums of savings and costs. The least cost of saving D bytes with a
+    fraction of a layer allowed (the fractional knapsack, read off these sums) is a lower
+    bound on the real least cost."""
+    n = len(cost)
+    out: list[tuple[list[int], list[int], list[tuple[int, int]]]] = [([], [], [])] * (n + 1)
+    ratios: list[Fraction] = []
+    items: list[tuple[int, int]] = []
+    for i in range(n - 1, -1, -1):
+        saving = bounds.savings[i]
+        if saving > 0 and i not in forced_out:
+            ratio = Fraction(cost[i], saving)
+            at = bisect_right(ratios, ratio)
+            ratios.insert(at, ratio)
+            items.insert(at, (cost[i], saving))
+            out[i] = (
+                list(accumulate(map(itemgetter(1), items))),
+                list(accumulate(map(itemgetter(0), items))),
+                list(items),
+            )
+        else:
+            out[i] = out[i + 1]
+    return out
+
+
+def least_recompute_set(
+    bounds: StepBounds,
+    limit_bytes: int,
+    cost: Sequence[int],
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+    prune: bool = True,
+) -> tuple[int, ...] | None:
+    """The checkpoint set (layer indices, ascending) of least total ``cost`` whose allocated
+    step peak is at most ``limit_bytes``; None when no set fits. Ties: fewer layers, then
+    the lexicographically smallest index tuple. ``cost`` are non-negative integers.
+    ``prune=False`` turns branch and bound off (same answer, slower: for tests)."""
+    if bounds.optimizer_bytes > limit_bytes:
+        return None
+    floor = memory.feasible_floor_bytes(
+        bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out
+    )
+    if floor[0] > 0:
+        return None
+    n = len(bounds.savings)
+    limit = limit_bytes
+    cap = _cap_bytes(bounds, limit, forced_in, forced_out)
+
+    # Branch and bound. A state (P, cost) before layer i still has to raise P to at least
+    # ``ahead[i] = max need of the points after layer i`` with layers i .. n-1, which costs
+    # at least the deficit times the best cost per byte among them (fractional knapsack).
+    # States whose cost plus that bound exceeds a known plan's cost cannot win.
+    upper = _greedy_cost(bounds, limit, cost, forced_in, forced_out) if prune else None
+    need_min = [0] * (n + 1)
+    need_min[n] = bounds.none_bytes[n] - limit
+    for h in range(n):
+        variants = []
+        if h not in forced_in:
+            variants.append(bounds.plain_bytes[h])
+        if h not in forced_out:
+            variants.append(bounds.ckpt_bytes[h])
+        need_min[h] = max(bounds.none_bytes[h], min(variants)) - limit
+    ahead: list[float] = [0] * (n + 1)  # ahead[i] = max(need_min[i+1 ..])
+    ahead[n] = -math.inf  # nothing after the last position
+    for i in range(n - 1, -1, -1):
+        ahead[i] = max(ahead[i + 1], need_min[i + 1])
+    knapsack = _suffix_knapsacks(bounds, cost, forced_out) if upper is not None else []
+
+    # The key orders sets by (cost, size, then earlier layers first) and is additive over
+    # layers: cost and size in the high bits, then n bits with layer j at bit n-1-j stored
+    # complemented, so a smaller key checkpoints the earliest differing layer.
+    n1 = n + 1
+    mask = (1 << n) - 1
+    delta = [((cost[j] * n1 + 1) << n) - (1 << (n - 1 - j)) for j in range(n)]
+    states: list[tuple[int, int]] = [(min(0, cap[0]), mask)]  # (P, key), P and key falling
+    for h in range(n):
+        none_need = bounds.none_bytes[h] - limit
+        need_plain = max(none_need, bounds.plain_bytes[h] - limit)
+        need_ckpt = max(none_need, bounds.ckpt_bytes[h] - limit)
+        next_floor, next_cap, saving, step = floor[h + 1], cap[h + 1], bounds.savings[h], delta[h]
+        next_ahead = ahead[h + 1]
+        if upper is not None:
+            cum_saving, cum_cost, items = knapsack[h + 1]
+        merged: dict[int, int] = {}
+        for take in (False, True):
+            if (take and h in forced_out) or (not take and h in forced_in):
+                continue
+            need = need_ckpt if take else need_plain
+            for prefix, key in states:
+                if prefix < need:
+                    continue
+                if take:
+                    prefix += saving
+                    key += step
+                if prefix < next_floor:
+                    continue
+                if prefix > next_cap:
+                    prefix = next_cap
+                if upper is not None:
+                    bound = (key >> n) // n1
+                    deficit = next_ahead - prefix
+                    if deficit > 0:  # least cost of the savings still missing
+                        k = bisect_left(cum_saving, deficit)
+                        if k == len(items):
+                            continue  # layers ahead cannot save that much
+                        before_s, before_c = (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
+                        item_cost, item_saving = items[k]
+                        bound += before_c + (deficit - before_s) * item_cost // item_saving
+                    if bound > upper:
+                        continue
+                old = merged.get(prefix)
+                if old is None or key < old:
+                    merged[prefix] = key
+        states = []
+        for prefix in sorted(merged, reverse=True):  # keep the Pareto front only
+            key = merged[prefix]
+            if not states or key < states[-1][1]:
+                states.append((prefix, key))
+        if not states:  # cannot happen when floor[0] <= 0; kept for safety
+            return None
+    key = states[-1][1]
+    bits = mask - (key & mask)
+    return tuple(j for j in range(n) if (bits >> (n - 1 - j)) & 1)
+
+
+# --------------------------------------------------------------------------- splits
+def _divisors(value: int) -> list[int]:
+    small, large = [], []
+    for d in range(1, math.isqrt(value) + 1):
+        if value % d == 0:
+            small.append(d)
+            if d != value // d:
+                large.append(value // d)
+    return small + large[::-1]
+
+
+def _micro_batches(target: int, world: int, lo: int, hi: int | None) -> list[int]:
+    if target % world:
+        return []
+    per_rank = target // world
+    top = per_rank if hi is None else min(hi, per_rank)
+    return [b for b in _divisors(per_rank) if lo <= b <= top]
+
+
+def _nearest_valid_targets(target: int, world: int, lo: int, hi: int | None) -> list[int]:
+    """The nearest target batches below and above ``target`` that can be split."""
+    found = []
+    t = (target - 1) // world * world
+    while t >= world * lo:  # a multiple of world × lo is always valid, so this ends soon
+        if _micro_batches(t, world, lo, hi):
+            found.append(t)
+            break
+        t -= world
+    t = (target // world + 1) * world
+    while True:
+        if _micro_batches(t, world, lo, hi):
+            found.append(t)
+            break
+        t += world
+    return found
+
+
+def _split_error(
+    target: int, world: int, lo: int, hi: int | None, why: str, extra_hint: str = ""
+) -> BadInputError:
+    span = f"in [{lo}, {hi}]" if hi is not None else f"of at least {lo}"
+    if hi is not None and hi < lo:
+        nearest = f"none: no micro-batch is {span}"
+    else:
+        nearest = " or ".join(str(t) for t in _nearest_valid_targets(target, world, lo, hi))
+    return BadInputError(
+        f"target_batch {target} cannot be split into micro-batch × accumulation × "
+        f"{world} rank(s) with a micro-batch {span}: {why}.",
+        hint=f"Nearest valid target batches: {nearest}.{extra_hint}",
+    )
+
+
+def _has_batchnorm(profile: Profile) -> bool:
+    return profile.has_batchnorm or any(layer.has_batchnorm for layer in profile.layers)
+
+
+# --------------------------------------------------------------------------- names
+def _resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozenset[int]:
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    chosen, unknown = set(), []
+    for name in names:
+        if name in index:
+            chosen.add(index[name])
+        elif any(ch in name for ch in "*?[") and (hits := fnmatch.filter(index, name)):
+            chosen.update(index[hit] for hit in hits)
+        else:
+            unknown.append(name)
+    if unknown:
+        valid = list(profile.layer_names)
+        shown = ", ".join(valid[:20]) + (f", … ({len(valid)} in all)" if len(valid) > 20 else "")
+        close = sorted({m for u in unknown for m in difflib.get_close_matches(u, valid, n=3)})
+        maybe = f" Did you mean {', '.join(close)}?" if close else ""
+        raise BadInputError(
+            f"{field} names unknown layer(s): {', '.join(map(repr, unknown))}.",
+            hint=f"Valid layer names: {shown or '(the profile has no checkpoint candidates)'}."
+            f"{maybe}",
+        )
+    return frozenset(chosen)
+
+
+def _names(profile: Profile, indices: Iterable[int]) -> tuple[str, ...]:
+    names = profile.layer_names
+    return tuple(names[i] for i in sorted(indices))
+
+
+def _short_list(names: Sequence[str]) -> str:
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]}, …, {names[-1]}"
+
+
+# --------------------------------------------------------------------------- evaluation
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Option:
+    """The best plan at one micro-batch (or, when none fits, the one of least peak)."""
+
+    micro_batch: int
+    accumulation_steps: int
+    allowed: bool
+    fits: bool
+    checkpointed: tuple[int, ...]
+    peak: Peak
+    times: MicroStepTimes
+    step_seconds: float
+    step_picoseconds: int
+
+    @property
+    def rank(self) -> tuple[int, int, int]:
+        return (self.step_picoseconds, len(self.checkpointed), -self.micro_batch)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Context:
+    profile: Profile
+    request: SolveRequest
+    forced_in: frozenset[int]
+    forced_out: frozenset[int]
+    reserve: Reserve
+    limit_bytes: int
+    """Largest allocated peak that fits (budget less margin and reserve)."""
+    usable_bytes: int
+    timing_source: timing.TimingSource
+
+
+def _evaluate(ctx: _Context, micro_batch: int, accumulation: int, allowed: bool) -> _Option:
+    profile = ctx.profile
+    bounds = memory.step_bounds(profile, micro_batch, accumulation)
+    times = timing.micro_step_times(
+        profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
+    )
+    cost = [timing.to_picoseconds(t) for t in times.fwd_seconds]
+    forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
+    chosen = least_recompute_set(bounds, ctx.limit_bytes, cost, **forced)
+    fits = chosen is not None
+    if chosen is None:
+        least = memory.min_allocated_bytes(bounds, **forced)
+        chosen = least_recompute_set(bounds, least, cost, **forced)
+        assert chosen is not None, "the least peak is reachable by definition"
+    peak = memory.step_peak(profile, micro_batch, chosen, accumulation, reserve=ctx.reserve)
+    return _Option(
+        micro_batch=micro_batch,
+        accumulation_steps=accumulation,
+        allowed=allowed,
+        fits=fits,
+        checkpointed=chosen,
+        peak=peak,
+        times=times,
+        step_seconds=timing.step_seconds(times, accumulation, chosen),
+        step_picoseconds=timing.step_picoseconds(times, accumulation, chosen),
+    )
+
+
+def _model_ref(profile: Profile, request: SolveRequest) -> str:
+    if request.model_path:
+        return request.model_path
+    ref = profile.model
+    return ref.path if ref.factory == "build_model" else f"{ref.path}:{ref.factory}"
+
+
+def _device_label(profile: Profile, request: SolveRequest) -> str:
+    if request.device:
+        return request.device
+    if request.device_spec is not None:
+        return request.device_spec.name
+    env = profile.environment
+    if env.device == "meta" and env.device_profile:
+        return env.device_profile
+    return env.device
+
+
+def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequence[str]) -> Plan:
+    profile, request = ctx.profile, ctx.request
+    return Plan(
+        target_batch=request.target_batch,
+        micro_batch_size=option.micro_batch,
+        accumulation_steps=option.accumulation_steps,
+        world_size=request.world_size,
+        checkpoint_layers=_names(profile, option.checkpointed),
+        precision=profile.environment.precision,
+        device=_device_label(profile, request),
+        budget_bytes=request.budget_bytes,
+        margin=request.margin,
+        predicted=Prediction(
+            peak_bytes=option.peak.peak_bytes,
+            step_seconds=option.step_seconds,
+            breakdown=option.peak.breakdown,
+            peak_phase=option.peak.where,
+        ),
+        model=_model_ref(profile, request),
+        profile=request.profile_path,
+        reasons=tuple(reasons),
+        warnings=tuple(warnings),
+    )
+
+
+# --------------------------------------------------------------------------- solve
+def solve(profile: Profile, request: SolveRequest) -> SolveResult:
+    """Choose micro-batch, accumulation and checkpoint set for ``request``.
+
+    Raises BadInputError when the target cannot be split or a layer name is unknown, and
+    NoPlanFitsError (with the least peak any plan needs and the closest plan) when no
+    plan fits the budget."""
+    forced_in = _resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
+    forced_out = _resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
+    if forced_in & forced_out:
+        raise BadInputError(
+            "always_checkpoint and never_checkpoint both match "
+            f"{', '.join(_names(profile, forced_in & forced_out))}.",
+            hint="Name each layer in one of them only.",
+        )
+
+    target, world = request.target_batch, request.world_size
+    lo, hi = request.min_micro, request.max_micro
+    if target % world:
+        raise _split_error(
+            target, world, lo, hi, f"{target} is not a multiple of world_size {world}"
+        )
+    micro_batches = _micro_batches(target, world, lo, hi)
+    if not micro_batches:
+        raise _split_error(
+            target, world, lo, hi, f"no micro-batch in that range divides {target // world}"
+        )
+    bn_floor = None
+    if _has_batchnorm(profile) and not request.allow_small_bn_micro:
+        bn_floor = request.bn_min_micro
+        if not any(b >= bn_floor for b in micro_batches):
+            raise _split_error(
+                target,
+                world,
+                max(lo, bn_floor),
+                hi,
+                f"the model has BatchNorm and every possible micro-batch "
+                f"({', '.join(map(str, micro_batches))}) is below bn_min_micro {bn_floor}",
+                extra_hint=" Or allow small micro-batches (--allow-small-bn-micro) or lower "
+                "--bn-min-micro, knowing BatchNorm statistics get noisier.",
+            )
+
+    reserve = memory.reserve_for(profile, request.device_spec)
+    source, source_reason = timing.choose_timing_source(
+        profile, request.device_spec, request.timing
+    )
+    ctx = _Context(
+        profile=profile,
+        request=request,
+        forced_in=forced_in,
+        forced_out=forced_out,
+        reserve=reserve,
+        limit_bytes=memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve),
+        usable_bytes=memory.usable_budget_bytes(request.budget_bytes, request.margin),
+        timing_source=source,
+    )
+    per_rank = target // world
+    options = [
+        _evaluate(ctx, b, per_rank // b, allowed=bn_floor is None or b >= bn_floor)
+        for b in micro_batches
+    ]
+    fitting = [o for o in options if o.allowed and o.fits]
+    if not fitting:
+        raise _no_plan_fits(ctx, options, bn_floor)
+    best = min(fitting, key=lambda o: o.rank)
+    reasons = _reasons(ctx, best, options, bn_floor, source_reason)
+    warnings = _warnings(ctx, best)
+    plan = _plan(ctx, best, reasons, warnings)
+    return SolveResult(
+        plan=plan,
+        candidates=tuple(_candidate(ctx, o, best, bn_floor) for o in options),
+        usable_budget_bytes=ctx.usable_bytes,
+        reserve=reserve,
+        timing_source=source_reason,
+    )
+
+
+# --------------------------------------------------------------------------- explaining
+def _over_by(ctx: _Context, option: _Option) -> str:
+    return (
+        f"micro-batch {option.micro_batch} would need {format_bytes(option.peak.peak_bytes)}: "
+        f"over budget by {format_bytes(option.peak.peak_bytes - ctx.usable_bytes)}"
+    )
+
+
+def _candidate(
+    ctx: _Context, option: _Option, best: _Option | None, bn_floor: int | None
+) -> Candidate:
+    target = ctx.request.target_batch
+    chosen = best is not None and option is best
+    notes = []
+    if chosen:
+        notes.append("chosen: fastest plan that fits")
+    elif not option.fits:
+        notes.append(
+            f"needs {format_bytes(option.peak.peak_bytes)}: over budget by "
+            f"{format_bytes(option.peak.peak_bytes - ctx.usable_bytes)}"
+        )
+    elif option.allowed and best is not None:
+        slower = option.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+        notes.append(
+            f"fits; {slower:.1%} slower"
+            if slower > 0.0005
+            else "fits; as fast, but more layers checkpointed or a smaller micro-batch"
+        )
+    else:
+        notes.append("fits")
+    if not option.allowed:
+        notes.append(f"below the BatchNorm floor of {bn_floor}")
+    return Candidate(
+        micro_batch=option.micro_batch,
+        accumulation_steps=option.accumulation_steps,
+        feasible=option.fits and option.allowed,
+        fits=option.fits,
+        chosen=chosen,
+        checkpoint_layers=_names(ctx.profile, option.checkpointed),
+        n_checkpointed=len(option.checkpointed),
+        peak_bytes=option.peak.peak_bytes,
+        step_seconds=option.step_seconds,
+        samples_per_second=target / option.step_seconds if option.step_seconds > 0 else math.inf,
+        peak_phase=option.peak.where,
+        note="; ".join(notes),
+    )
+
+
+def _breakdown_text(peak: Peak) -> str:
+    b = peak.breakdown
+    parts = [
+        ("params", b.params),
+        ("grads", b.grads),
+        ("optimizer", b.optimizer),
+        ("activations", b.activations),
+        ("transient", b.transient),
+        ("reserve", b.reserve),
+    ]
+    return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts if value)
+
+
+def _reasons(
+    ctx: _Context,
+    best: _Option,
+    options: Sequence[_Option],
+    bn_floor: int | None,
+    source_reason: str,
+) -> list[str]:
+    profile, request = ctx.profile, ctx.request
+    n = len(profile.layers)
+    reasons = [
+        f"effective batch {request.target_batch} = micro-batch {best.micro_batch} × "
+        f"{best.accumulation_steps} accumulation step(s) × {request.world_size} rank(s)",
+    ]
+    budget_line = (
+        f"budget {format_bytes(request.budget_bytes)} less {request.margin:.0%} "
+        f"safety margin: predicted peaks must stay within "
+        f"{format_bytes(ctx.usable_bytes)}"
+    )
+    if ctx.reserve.fixed_bytes or ctx.reserve.fragmentation_fraction:
+        budget_line += (
+            f", including {format_bytes(best.peak.reserve_bytes)} reserved for CUDA "
+            f"({ctx.reserve.source})"
+        )
+    reasons.append(budget_line)
+    throughput = request.target_batch / best.step_seconds if best.step_seconds > 0 else math.inf
+    line = (
+        f"micro-batch {best.micro_batch} is the fastest plan that fits: "
+        f"{format_seconds(best.step_seconds)} per optimizer step, {throughput:,.1f} samples/s"
+    )
+    others = sorted(
+        (o for o in options if o.allowed and o.fits and o is not best), key=lambda o: o.rank
+    )
+    if others:
+        runner = others[0]
+        slower = runner.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+        line += (
+            f"; next best, micro-batch {runner.micro_batch}, takes "
+            f"{format_seconds(runner.step_seconds)} ({slower:+.1%})"
+        )
+    reasons.append(line)
+    too_big = [o for o in options if o.allowed and not o.fits and o.micro_batch > best.micro_batch]
+    reasons.extend(_over_by(ctx, o) for o in too_big[:3])
+    if len(too_big) > 3:
+        reasons.append(f"larger micro-batches (up to {too_big[-1].micro_batch}) need more still")
+
+    names = _names(profile, best.checkpointed)
+    if ctx.forced_in:
+        reasons.append(
+            f"always checkpointed, as requested: {_short_list(_names(profile, ctx.forced_in))}"
+        )
+    if ctx.forced_out:
+        reasons.append(
+            f"never checkpointed, as requested: {_short_list(_names(profile, ctx.forced_out))}"
+        )
+    if not names:
+        reasons.append(
+            f"no activation checkpointing needed: the peak of "
+            f"{format_bytes(best.peak.peak_bytes)} fits without it"
+        )
+    else:
+        recompute = timing.recompute_seconds(best.times, best.checkpointed)
+        micro = timing.micro_step_seconds(best.times, best.checkpointed)
+        plain = memory.step_peak(
+            profile, best.micro_batch, ctx.forced_in, best.accumulation_steps, reserve=ctx.reserve
+        )
+        without = (
+            ""
+            if plain.peak_bytes <= ctx.usable_bytes
+            else f"; without it micro-batch {best.micro_batch} would need "
+            f"{format_bytes(plain.peak_bytes)}"
+        )
+        reasons.append(
+            f"checkpointing {len(names)} of {n} layers ({_short_list(names)}): the least "
+            f"recompute that fits, +{format_seconds(recompute)} per micro-step "
+            f"({recompute / micro:.0%} of it){without}"
+            if micro > 0
+            else f"checkpointing {len(names)} of {n} layers ({_short_list(names)}){without}"
+        )
+    reasons.append(
+        f"peak {format_bytes(best.peak.peak_bytes)} during {best.peak.where}: "
+        f"{_breakdown_text(best.peak)}"
+    )
+    if bn_floor is not None:
+        excluded = [o.micro_batch for o in options if not o.allowed]
+        if excluded:
+            reasons.append(
+                f"micro-batches below {bn_floor} ({', '.join(map(str, excluded))}) excluded: "
+                f"the model has BatchNorm, whose statistics are computed per micro-batch "
+                f"(--allow-small-bn-micro allows them)"
+            )
+    elif _has_batchnorm(profile) and request.allow_small_bn_micro:
+        reasons.append(f"BatchNorm floor of {request.bn_min_micro} waived, as requested")
+    reasons.append(source_reason)
+    return reasons
+
+
+def _warnings(ctx: _Context, best: _Option) -> list[str]:
+    profile, request = ctx.profile, ctx.request
+    b = best.micro_batch
+    warnings = []
+    if _has_batchnorm(profile):
+        warnings.append(
+            f"the model has BatchNorm: its batch statistics are computed over each micro-batch "
+            f"of {b}, not the effective batch of {request.target_batch}"
+        )
+        bn_layers = [
+            profile.layers[i].name for i in best.checkpointed if profile.layers[i].has_batchnorm
+        ]
+        if bn_layers:
+            warnings.append(
+                f"BatchNorm running statistics update twice per step in checkpointed layers "
+                f"({_short_list(bn_layers)}): the recompute runs their forward again"
+            )
+    probed = profile.micro_batches
+    largest = max(probed)
+    if b > 4 * largest:
+        warnings.append(
+            f"micro-batch {b} is {b / largest:.0f}× the largest probed size ({largest}); the "
+            f"model is validated to 4×: run `memplan verify` before relying on it"
+        )
+    if not min(probed) <= b <= largest:
+        loose = [layer.name for layer in profile.layers if not layer.affine]
+        if loose:
+            warnings.append(
+                f"layers {_short_list(loose)} were not affine in the batch size when probed; "
+                f"micro-batch {b} is outside the probed sizes, so their bytes are extrapolated"
+            )
+    if not profile.op_sequence_stable:
+        warnings.append(
+            f"the op sequence differed between probed sizes (data-dependent routing): verify "
+            f"the plan at micro-batch {b}"
+        )
+    capacity = (
+        request.device_spec.memory_bytes
+        if request.device_spec is not None
+        else profile.environment.device_capacity_bytes
+    )
+    if capacity is not None and request.budget_bytes > capacity:
+        warnings.append(
+            f"the budget {format_bytes(request.budget_bytes)} exceeds the device's "
+            f"{format_bytes(capacity)}"
+        )
+    if request.world_size > 1:
+        warnings.append(
+            "memory is per rank for DDP replicas; DDP's gradient buckets (up to the gradients' "
+            "size unless gradient_as_bucket_view=True) are not in the profile"
+        )
+    warnings.extend(f"profile: {message}" for message in profile.warnings)
+    return warnings
+
+
+def _no_plan_fits(
+    ctx: _Context, options: Sequence[_Option], bn_floor: int | None
+) -> NoPlanFitsError:
+    profile, request = ctx.profile, ctx.request
+    allowed = [o for o in options if o.allowed]
+    closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
+    least = closest.peak.peak_bytes
+    n = len(profile.layers)
+    message = (
+        f"No plan for target batch {request.target_batch} fits "
+        f"{format_bytes(request.budget_bytes)} (less {request.margin:.0%} margin: "
+        f"{format_bytes(ctx.usable_bytes)}). The smallest peak any plan needs is "
+        f"{format_bytes(least)}: micro-batch {closest.micro_batch} × "
+        f"{closest.accumulation_steps} accumulation step(s), {len(closest.checkpointed)} of "
+        f"{n} layers checkpointed, peaking during {closest.peak.where}."
+    )
+    hints = [
+        f"a budget of at least "
+        f"{format_bytes(memory.budget_for_peak_bytes(least, request.margin), precision=2)}"
+    ]
+    hints.extend(_smaller_micro_hints(ctx, options, bn_floor))
+    state = (
+        memory.params_bytes(profile)
+        + memory.grads_bytes(profile)
+        + memory.optimizer_state_bytes(profile)
+    )
+    trainable_state = memory.grads_bytes(profile) + memory.optimizer_state_bytes(profile)
+    if state + closest.peak.reserve_bytes > ctx.usable_bytes:
+        hints.append(
+            f"the model state alone (params {format_bytes(memory.params_bytes(profile))}, "
+            f"grads {format_bytes(memory.grads_bytes(profile))}, optimizer "
+            f"{format_bytes(memory.optimizer_state_bytes(profile))}) exceeds the budget: shard "
+            f"it across ranks (FSDP / ZeRO; more DDP ranks alone do not shrink per-rank memory)"
+        )
+    if profile.environment.precision == "fp32":
+        hints.append(
+            "lower precision (bf16 autocast roughly halves activation bytes; probe again with it)"
+        )
+    if trainable_state > 0:
+        hints.append(
+            f"training adapters only (e.g. LoRA) drops most of the "
+            f"{format_bytes(trainable_state)} of gradients and optimizer state"
+        )
+    closest_plan = _plan(ctx, closest, [message], _warnings(ctx, closest))
+    return NoPlanFitsError(
+        message,
+        hint="What would fit: " + "; ".join(hints) + ".",
+        min_peak_bytes=least,
+        closest=closest_plan,
+    )
+
+
+def _smaller_micro_hints(
+    ctx: _Context, options: Sequence[_Option], bn_floor: int | None
+) -> list[str]:
+    """Smaller micro-batches this request excludes that would fit."""
+    request = ctx.request
+    hints = []
+    excluded_fit = [o for o in options if not o.allowed and o.fits]
+    if excluded_fit:
+        best = max(excluded_fit, key=lambda o: o.micro_batch)
+        hints.append(
+            f"micro-batch {best.micro_batch} would fit "
+            f"({format_bytes(best.peak.peak_bytes)}) but is below the BatchNorm floor "
+            f"of {bn_floor} (--allow-small-bn-micro)"
+        )
+        return hints
+    smallest = min(o.micro_batch for o in options)
+    per_rank = request.target_batch // request.world_size
+    for b in range(smallest - 1, max(0, smallest - 65), -1):  # the largest smaller one that fits
+        accumulation = per_rank // b if per_rank % b == 0 else 2
+        bounds = memory.step_bounds(ctx.profile, b, accumulation)
+        if not memory.fits_somehow(
+            bounds, ctx.limit_bytes, forced_in=ctx.forced_in, forced_out=ctx.forced_out
+        ):
+            continue
+        least = memory.min_allocated_bytes(
+            bounds, forced_in=ctx.forced_in, forced_out=ctx.forced_out
+        )
+        needs = format_bytes(least + ctx.reserve.bytes_for(least))
+        if b < request.min_micro:
+            why = f"lower --min-micro to {b}"
+        elif bn_floor is not None and b < bn_floor:
+            why = "allow it with --allow-small-bn-micro"
+        else:
+            unit = b * request.world_size
+            nearest = max(unit, round(request.target_batch / unit) * unit)
+            why = f"choose a target batch it divides, e.g. {nearest}"
+        hints.append(f"micro-batch {b} would fit ({needs}): {why}")
+        break
+    return hints

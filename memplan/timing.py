@@ -1,0 +1,211 @@
+"""The step-time model: how long one optimizer step takes for a plan. No torch.
+
+    step_seconds = k × (step_fixed(b) + Σ_i (fwd_i(b) + bwd_i(b) + [i ∈ C]·fwd_i(b)))
+                   + optimizer_step
+
+A checkpointed layer runs its forward twice (once more during backward: the recompute),
+which is the whole cost of checkpointing in this model.
+
+Times come from the profile's measured affine fits ("measured"), or, for a profile probed
+on ``meta`` being planned for another GPU than the one its times were computed for, from
+FLOPs and bytes against the device spec ("roofline"). A measured time of a real run on the
+target hardware is always preferred; the roofline is for ranking plans before one exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from memplan.devices import DeviceSpec
+from memplan.errors import BadInputError
+from memplan.profile import Affine, Profile
+
+TimingSource = Literal["measured", "roofline"]
+TimingMode = Literal["auto", "measured", "roofline"]
+
+# Roofline: a kernel takes max(FLOPs / FLOP/s, bytes / bandwidth). Against datasheet peaks,
+# as the probe's meta clock (memplan.probe.tracker.Roofline) does, so a meta profile gives
+# comparable times whether the probe or this module timed it. Real training reaches less
+# (35-55% model FLOPs utilisation for well-tuned transformers; nanoGPT's estimate_mfu
+# compares against the A100's 312 TFLOP/s bf16 peak): absolute roofline times are
+# optimistic, the ranking of plans is what they are for. Per layer, not per op: a layer's
+# FLOPs and bytes are summed before taking the max, which is a little more optimistic still.
+ROOFLINE_FLOPS_EFFICIENCY = 1.0
+ROOFLINE_BANDWIDTH_EFFICIENCY = 1.0
+# Backward computes gradients for both inputs and weights: two matmuls per forward matmul.
+BACKWARD_FLOPS_FACTOR = 2.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MicroStepTimes:
+    """Seconds of each part of a micro-step at one micro-batch size."""
+
+    micro_batch: int
+    fixed_seconds: float
+    """Everything outside the candidate layers (fwd + bwd of embeddings, head, loss)."""
+    fwd_seconds: tuple[float, ...]
+    """Per layer: one forward (and so one recompute)."""
+    bwd_seconds: tuple[float, ...]
+    optimizer_step_seconds: float
+    source: TimingSource
+
+
+def _seconds(value: Affine, micro_batch: int) -> float:
+    # A fit with a negative intercept can dip below zero at tiny sizes; time cannot.
+    return max(value.at(micro_batch), 0.0)
+
+
+def choose_timing_source(
+    profile: Profile, device_spec: DeviceSpec | None, mode: TimingMode = "auto"
+) -> tuple[TimingSource, str]:
+    """Which times to use, and why (one line for the plan's reasons).
+
+    ``auto`` uses measured times, except for a ``meta`` profile planned for a device spec
+    other than the one the probe timed it against: its times are then recomputed from
+    FLOPs by roofline against the spec."""
+    if mode == "measured":
+        return (
+            "measured",
+            f"step times as the probe recorded them on {profile.environment.device_name}",
+        )
+    if mode == "roofline":
+        if device_spec is None:
+            raise BadInputError(
+                "Roofline timing needs a device spec.",
+                hint="Pass --device-profile NAME (see `memplan devices`).",
+            )
+        return (
+            "roofline",
+            f"step times by roofline from FLOPs against {device_spec.display_name} (as requested)",
+        )
+    env = profile.environment
+    if env.device == "meta" and device_spec is not None and device_spec.name != env.device_profile:
+        return "roofline", (
+            f"step times by roofline from FLOPs against {device_spec.display_name}: the meta "
+            f"profile was timed against {env.device_profile or 'no device'}"
+        )
+    where = env.device_name or env.device
+    return "measured", f"step times measured on {where}"
+
+
+def measured_times(profile: Profile, micro_batch: int) -> MicroStepTimes:
+    return MicroStepTimes(
+        micro_batch=micro_batch,
+        fixed_seconds=_seconds(profile.step_fixed_seconds, micro_batch),
+        fwd_seconds=tuple(_seconds(layer.fwd_seconds, micro_batch) for layer in profile.layers),
+        bwd_seconds=tuple(_seconds(layer.bwd_seconds, micro_batch) for layer in profile.layers),
+        optimizer_step_seconds=_seconds(profile.optimizer_step_seconds, micro_batch),
+        source="measured",
+    )
+
+
+def roofline_seconds(flops: float, bytes_moved: float, spec: DeviceSpec, precision: str) -> float:
+    """max(compute time, memory time) against the spec's peaks (times the efficiencies)."""
+    compute = flops / (spec.peak_flops(precision) * ROOFLINE_FLOPS_EFFICIENCY)
+    memory = bytes_moved / (spec.memory_bandwidth * ROOFLINE_BANDWIDTH_EFFICIENCY)
+    return max(compute, memory, 0.0)
+
+
+def roofline_times(profile: Profile, micro_batch: int, spec: DeviceSpec) -> MicroStepTimes:
+    """Times from FLOPs and bytes. A layer's forward reads its weights and input and writes
+    what it saves; its backward does twice the FLOPs and moves about twice the bytes. The
+    optimizer step is memory-bound: it reads params, grads and state and writes params and
+    state."""
+    precision = profile.environment.precision
+    b = micro_batch
+    fwd, bwd = [], []
+    for layer in profile.layers:
+        flops = max(layer.fwd_flops.at(b), 0.0)
+        moved = (
+            layer.params_trainable_bytes
+            + layer.params_frozen_bytes
+            + max(layer.input_bytes.at(b), 0.0)
+            + max(layer.saved_bytes.at(b), 0.0)
+        )
+        fwd.append(roofline_seconds(flops, moved, spec, precision))
+        bwd.append(
+            roofline_seconds(
+                BACKWARD_FLOPS_FACTOR * flops, BACKWARD_FLOPS_FACTOR * moved, spec, precision
+            )
+        )
+    fixed = 0.0
+    for part in profile.fixed:
+        flops = max(part.fwd_flops.at(b), 0.0)
+        moved = (
+            part.params_trainable_bytes
+            + part.params_frozen_bytes
+            + max(part.saved_bytes.at(b), 0.0)
+        )
+        fixed += roofline_seconds(flops, moved, spec, precision) + roofline_seconds(
+            BACKWARD_FLOPS_FACTOR * flops, BACKWARD_FLOPS_FACTOR * moved, spec, precision
+        )
+    totals = profile.totals
+    optimizer_bytes = (
+        2 * totals.params_trainable_bytes + totals.grad_bytes + 2 * totals.optimizer_state_bytes
+    )
+    return MicroStepTimes(
+        micro_batch=b,
+        fixed_seconds=fixed,
+        fwd_seconds=tuple(fwd),
+        bwd_seconds=tuple(bwd),
+        optimizer_step_seconds=roofline_seconds(0.0, optimizer_bytes, spec, precision),
+        source="roofline",
+    )
+
+
+def micro_step_times(
+    profile: Profile,
+    micro_batch: int,
+    *,
+    source: TimingSource = "measured",
+    device_spec: DeviceSpec | None = None,
+) -> MicroStepTimes:
+    if source == "roofline":
+        if device_spec is None:
+            raise BadInputError("Roofline timing needs a device spec.")
+        return roofline_times(profile, micro_batch, device_spec)
+    return measured_times(profile, micro_batch)
+
+
+def recompute_seconds(times: MicroStepTimes, checkpointed: Iterable[int]) -> float:
+    """Extra time per micro-step: one more forward of every checkpointed layer."""
+    return sum(times.fwd_seconds[i] for i in checkpointed)
+
+
+def micro_step_seconds(times: MicroStepTimes, checkpointed: Iterable[int] = ()) -> float:
+    plain = times.fixed_seconds + sum(times.fwd_seconds) + sum(times.bwd_seconds)
+    return plain + recompute_seconds(times, checkpointed)
+
+
+def step_seconds(
+    times: MicroStepTimes, accumulation_steps: int, checkpointed: Iterable[int] = ()
+) -> float:
+    """One optimizer step: ``accumulation_steps`` micro-steps, then the optimizer."""
+    return (
+        accumulation_steps * micro_step_seconds(times, checkpointed) + times.optimizer_step_seconds
+    )
+
+
+# Whole picoseconds, so that plans are compared exactly (sums of floats in different orders
+# could make equal plans unequal and break the solver's tie rules). 1 ps is far below any
+# measured time's noise.
+PICOSECONDS_PER_SECOND = 10**12
+
+
+def to_picoseconds(seconds: float) -> int:
+    return round(seconds * PICOSECONDS_PER_SECOND)
+
+
+def step_picoseconds(
+    times: MicroStepTimes, accumulation_steps: int, checkpointed: Iterable[int] = ()
+) -> int:
+    """:func:`step_seconds` with every term rounded to whole picoseconds: the solver's cost."""
+    micro = (
+        to_picoseconds(times.fixed_seconds)
+        + sum(to_picoseconds(t) for t in times.fwd_seconds)
+        + sum(to_picoseconds(t) for t in times.bwd_seconds)
+        + sum(to_picoseconds(times.fwd_seconds[i]) for i in checkpointed)
+    )
+    return accumulation_steps * micro + to_picoseconds(times.optimizer_step_seconds)

@@ -1,0 +1,109 @@
+"""The step-time model: measured affine times, recompute, roofline for meta profiles."""
+
+import dataclasses
+
+import pytest
+from profiles_factory import ChainSpec
+
+from memplan import timing
+from memplan.devices import DeviceSpec
+from memplan.errors import BadInputError
+from memplan.profile import Affine, Environment
+
+GPU = DeviceSpec(
+    name="testgpu",
+    display_name="Test GPU",
+    memory_bytes=10**10,
+    bf16_flops=2e12,
+    fp16_flops=2e12,
+    fp32_flops=1e12,
+    memory_bandwidth=1e11,
+)
+
+
+def spec(**kwargs):
+    defaults = {
+        "fwd_seconds": [0.25, 0.5, 0.125],
+        "params": [1, 1, 1],
+        "saved": [100] * 3,
+        "output": [10] * 3,
+        "fixed_seconds": 0.125,
+        "optimizer_seconds": 0.5,
+    }
+    defaults.update(kwargs)
+    return ChainSpec(**defaults)
+
+
+def test_step_seconds_by_hand():
+    profile = spec().profile()
+    times = timing.micro_step_times(profile, 4)
+    # fwd per layer: 1, 2, 0.5 s at b = 4; bwd twice that; fixed 0.125; optimizer 0.5.
+    assert times.fwd_seconds == (1.0, 2.0, 0.5)
+    assert times.bwd_seconds == (2.0, 4.0, 1.0)
+    assert timing.micro_step_seconds(times) == 0.125 + 3.5 + 7.0
+    assert timing.recompute_seconds(times, [0, 2]) == 1.5
+    # k × (fixed + Σ(fwd + bwd) + recompute) + optimizer
+    assert timing.step_seconds(times, 3, [0, 2]) == 3 * (0.125 + 10.5 + 1.5) + 0.5
+    assert timing.step_picoseconds(times, 3, [0, 2]) == round((3 * 12.125 + 0.5) * 1e12)
+
+
+def test_negative_fitted_time_is_clamped_to_zero():
+    profile = dataclasses.replace(
+        spec().profile(), step_fixed_seconds=Affine(intercept=-1.0, slope=0.1)
+    )
+    assert timing.micro_step_times(profile, 2).fixed_seconds == 0.0
+
+
+def test_auto_uses_measured_times():
+    profile = spec().profile()
+    source, reason = timing.choose_timing_source(profile, GPU)
+    assert source == "measured"
+    assert "measured" in reason
+
+
+def meta_profile(device_profile="a100-80gb"):
+    profile = spec().profile()
+    env = Environment(
+        torch_version="t",
+        memplan_version="t",
+        device="meta",
+        device_name="meta",
+        device_profile=device_profile,
+    )
+    return dataclasses.replace(profile, environment=env)
+
+
+def test_meta_profile_for_another_device_is_timed_by_roofline():
+    source, reason = timing.choose_timing_source(meta_profile(), GPU)
+    assert source == "roofline"
+    assert "Test GPU" in reason
+    # Same spec as the probe used: its times stand.
+    assert timing.choose_timing_source(meta_profile("testgpu"), GPU)[0] == "measured"
+    assert timing.choose_timing_source(meta_profile(), None)[0] == "measured"
+
+
+def test_roofline_times_by_hand():
+    profile = meta_profile()  # fp32, layer 0: 0.25e9 FLOPs per sample, 1 param byte
+    times = timing.micro_step_times(profile, 4, source="roofline", device_spec=GPU)
+    flops = 1e9 * 4 * 0.25
+    compute = flops / (1e12 * timing.ROOFLINE_FLOPS_EFFICIENCY)
+    moved = 1 + 4 * 8 + 4 * 100  # params + input (embedding output) + saved
+    memory_s = moved / (1e11 * timing.ROOFLINE_BANDWIDTH_EFFICIENCY)
+    assert times.fwd_seconds[0] == pytest.approx(max(compute, memory_s))
+    assert times.bwd_seconds[0] == pytest.approx(2 * times.fwd_seconds[0])
+    assert times.source == "roofline"
+    assert times.optimizer_step_seconds > 0
+
+
+def test_roofline_without_a_spec_is_a_bad_input():
+    with pytest.raises(BadInputError):
+        timing.choose_timing_source(spec().profile(), None, "roofline")
+
+
+def test_bf16_on_a_device_without_it_is_a_bad_input():
+    no_bf16 = dataclasses.replace(GPU, bf16_flops=None)
+    profile = meta_profile()
+    env = dataclasses.replace(profile.environment, precision="bf16")
+    profile = dataclasses.replace(profile, environment=env)
+    with pytest.raises(BadInputError, match="bf16"):
+        timing.micro_step_times(profile, 2, source="roofline", device_spec=no_bf16)
