@@ -18,7 +18,8 @@ install: $(BIN)/memplan
 demo: install
 	@mkdir -p out
 	$(BIN)/memplan probe examples/gpt.py --device cpu -o out/gpt.profile.yaml --force
-	$(BIN)/memplan solve out/gpt.profile.yaml --target-batch 32 --budget 160MiB -o out/plan.yaml --force
+	$(BIN)/memplan solve out/gpt.profile.yaml --target-batch 32 --budget 80MiB -o out/plan.yaml --format torch,hf,deepspeed --force
+	$(BIN)/memplan verify examples/gpt.py out/plan.yaml --steps 2
 
 test: install
 	$(BIN)/pytest -q

@@ -20,7 +20,7 @@ from typing import Literal
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
-from memplan.profile import Affine, Profile
+from memplan.profile import Affine, Layer, Profile
 
 TimingSource = Literal["measured", "roofline"]
 TimingMode = Literal["auto", "measured", "roofline"]
@@ -90,12 +90,51 @@ def choose_timing_source(
     return "measured", f"step times measured on {where}"
 
 
+def _structure_key(layer: Layer) -> tuple:
+    """Layers with equal keys do the same work: same type, parameters, FLOPs and bytes."""
+    return (
+        layer.module_type,
+        layer.params_trainable_bytes,
+        layer.params_frozen_bytes,
+        layer.fwd_flops.intercept,
+        layer.fwd_flops.slope,
+        layer.saved_bytes.intercept,
+        layer.saved_bytes.slope,
+    )
+
+
+def pooled_layer_seconds(profile: Profile) -> tuple[list[Affine], list[Affine]]:
+    """Per layer (fwd, bwd) time fits, each the mean over the layers of identical structure.
+
+    Repeated blocks do the same work, so their measured times differ only by noise (one
+    timed run each, on a machine doing other things). Left alone, that noise decides which
+    of several identical blocks to checkpoint; pooled, the choice is made on real
+    differences and ties go to the earliest layers."""
+    groups: dict[tuple, list[int]] = {}
+    for index, layer in enumerate(profile.layers):
+        groups.setdefault(_structure_key(layer), []).append(index)
+    fwd = [layer.fwd_seconds for layer in profile.layers]
+    bwd = [layer.bwd_seconds for layer in profile.layers]
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        for series in (fwd, bwd):
+            mean = Affine(
+                intercept=sum(series[i].intercept for i in members) / len(members),
+                slope=sum(series[i].slope for i in members) / len(members),
+            )
+            for i in members:
+                series[i] = mean
+    return fwd, bwd
+
+
 def measured_times(profile: Profile, micro_batch: int) -> MicroStepTimes:
+    fwd, bwd = pooled_layer_seconds(profile)
     return MicroStepTimes(
         micro_batch=micro_batch,
         fixed_seconds=_seconds(profile.step_fixed_seconds, micro_batch),
-        fwd_seconds=tuple(_seconds(layer.fwd_seconds, micro_batch) for layer in profile.layers),
-        bwd_seconds=tuple(_seconds(layer.bwd_seconds, micro_batch) for layer in profile.layers),
+        fwd_seconds=tuple(_seconds(value, micro_batch) for value in fwd),
+        bwd_seconds=tuple(_seconds(value, micro_batch) for value in bwd),
         optimizer_step_seconds=_seconds(profile.optimizer_step_seconds, micro_batch),
         source="measured",
     )

@@ -107,3 +107,16 @@ def test_bf16_on_a_device_without_it_is_a_bad_input():
     profile = dataclasses.replace(profile, environment=env)
     with pytest.raises(BadInputError, match="bf16"):
         timing.micro_step_times(profile, 2, source="roofline", device_spec=no_bf16)
+
+
+def test_identical_layers_share_their_mean_time():
+    # Three blocks doing the same work (equal FLOPs, params, bytes) timed 0.25, 0.5, 0.125 s
+    # per sample by a noisy clock: each is planned with the mean, so noise cannot pick
+    # which block to checkpoint.
+    profile = spec().profile()
+    same = profile.layers[0].fwd_flops
+    layers = tuple(dataclasses.replace(layer, fwd_flops=same) for layer in profile.layers)
+    times = timing.micro_step_times(dataclasses.replace(profile, layers=layers), 4)
+    mean_fwd = (0.25 + 0.5 + 0.125) / 3 * 4
+    assert times.fwd_seconds == pytest.approx((mean_fwd,) * 3)
+    assert times.bwd_seconds == pytest.approx((2 * mean_fwd,) * 3)
