@@ -235,3 +235,19 @@ def test_cuda_probe_matches_prediction() -> None:
     assert abs(predicted - run.peak_bytes) / run.peak_bytes <= 0.03
     assert run.cuda_max_allocated_bytes is not None
     assert run.cuda_max_allocated_bytes >= 0.95 * run.peak_bytes
+
+
+def test_time_fits_never_go_negative():
+    from memplan.probe.fitting import fit_seconds
+
+    # A clean line is kept as it is.
+    clean = fit_seconds([1, 2, 4], [0.011, 0.012, 0.014])
+    assert clean.intercept == pytest.approx(0.010) and clean.slope == pytest.approx(0.001)
+    # A load spike at b=4 would give a negative intercept (b=1 would look free): bounded.
+    noisy = fit_seconds([1, 2, 4], [0.010, 0.020, 0.200])
+    assert noisy.intercept >= 0 and noisy.slope >= 0
+    assert noisy.at(1) > 0.03  # the least-squares line through the origin: 0.85/21 per sample
+    assert noisy.slope == pytest.approx((0.010 + 0.040 + 0.800) / 21)
+    # Times that fall with the batch (noise at b=1) give a constant, not a negative slope.
+    falling = fit_seconds([1, 2, 4], [0.05, 0.03, 0.02])
+    assert falling.slope == 0 and falling.intercept == pytest.approx(0.1 / 3)

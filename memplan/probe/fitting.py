@@ -37,6 +37,28 @@ def fit_affine(sizes: Sequence[int], values: Sequence[float]) -> Affine:
     return Affine(intercept=intercept, slope=slope, residual=residual)
 
 
+def fit_seconds(sizes: Sequence[int], values: Sequence[float]) -> Affine:
+    """A time fit with ``intercept >= 0`` and ``slope >= 0`` (least squares under those
+    bounds). Times are noisy: an unconstrained line through three noisy points can cross
+    zero at micro-batch 1 and make a tiny micro-batch look free, which would decide a plan.
+    A time does not shrink as the batch grows, nor go below zero at no batch."""
+    free = fit_affine(sizes, values)
+    if free.intercept >= 0 and free.slope >= 0:
+        return free
+    pairs = list(zip(sizes, values, strict=True))
+    squares = sum(b * b for b, _ in pairs)
+    through_origin = max(sum(b * y for b, y in pairs) / squares, 0.0) if squares else 0.0
+    constant = max(sum(values) / len(values), 0.0)
+    options = [(0.0, through_origin), (constant, 0.0)]
+
+    def error(option: tuple[float, float]) -> float:
+        return sum((y - option[0] - option[1] * b) ** 2 for b, y in pairs)
+
+    intercept, slope = min(options, key=error)
+    residual = max(abs(y - (intercept + slope * b)) / max(abs(y), 1.0) for b, y in pairs)
+    return Affine(intercept=intercept, slope=slope, residual=residual)
+
+
 def _tidy(x: float, scale: float) -> float:
     r = round(x)
     return float(r) if abs(x - r) <= 1e-9 * scale else x

@@ -25,7 +25,7 @@ from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import ModelFile, load_model_file
 from memplan.probe.backends import Backend, make_backend
 from memplan.probe.checkpointing import checkpointed
-from memplan.probe.fitting import add_affine, fit_affine, sum_affine, undominated
+from memplan.probe.fitting import add_affine, fit_affine, fit_seconds, sum_affine, undominated
 from memplan.probe.layers import (
     default_layers,
     fixed_parts,
@@ -281,6 +281,10 @@ def _fit(sizes: Sequence[int], values: Sequence[float]) -> Affine:
     return fit_affine(list(sizes), [float(v) for v in values])
 
 
+def _fit_time(sizes: Sequence[int], values: Sequence[float]) -> Affine:
+    return fit_seconds(list(sizes), [float(v) for v in values])
+
+
 def _align(ref_ops: list[str], values: list[int], ops: list[str]) -> list[tuple[int, bool]] | None:
     """``values`` (of a smaller size) aligned to the ops of the largest size, each with
     whether this size really ran that op. Where the two differ only by layout ops (a
@@ -427,6 +431,9 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
     def layer_series(attr: Callable[[SizeRuns, int], float], j: int) -> Affine:
         return _fit(sizes, [attr(r, j) for r in runs])
 
+    def layer_seconds(attr: Callable[[SizeRuns, int], float], j: int) -> Affine:
+        return _fit_time(sizes, [attr(r, j) for r in runs])
+
     def rec(run: Run, j: int) -> Any:
         assert run.record is not None
         return run.record.layers[j]
@@ -484,10 +491,10 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
                 grad_bytes=sum(grads.get(id(p), 0) for p in params),
                 optimizer_state_bytes=sum(state.get(id(p), 0) for p in params),
                 **byte_fits,
-                fwd_seconds=layer_series(
+                fwd_seconds=layer_seconds(
                     lambda r, j: r.timing.layers[j].fwd_t1 - r.timing.layers[j].fwd_t0, j
                 ),
-                bwd_seconds=layer_series(
+                bwd_seconds=layer_seconds(
                     lambda r, j: _bwd_seconds(r.timing.layers[j].bwd_t0, r.timing.layers[j].bwd_t1),
                     j,
                 ),
@@ -520,8 +527,8 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
                 grad_bytes=sum(grads.get(id(p), 0) for p in params),
                 optimizer_state_bytes=sum(state.get(id(p), 0) for p in params),
                 saved_bytes=_fit(sizes, [part(r.no_grads).saved_bytes for r in runs]),
-                fwd_seconds=_fit(sizes, [part(r.timing).fwd_seconds for r in runs]),
-                bwd_seconds=_fit(
+                fwd_seconds=_fit_time(sizes, [part(r.timing).fwd_seconds for r in runs]),
+                bwd_seconds=_fit_time(
                     sizes,
                     [_bwd_seconds(part(r.timing).bwd_t0, part(r.timing).bwd_t1) for r in runs],
                 ),
@@ -558,7 +565,7 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
                 grad_bytes=0,
                 optimizer_state_bytes=0,
                 saved_bytes=_fit(sizes, loss_saved),
-                fwd_seconds=_fit(sizes, [r.timing.loss_seconds for r in runs]),
+                fwd_seconds=_fit_time(sizes, [r.timing.loss_seconds for r in runs]),
                 bwd_seconds=Affine.zero(),
                 fwd_flops=_fit(sizes, loss_flops),
             )
@@ -630,8 +637,8 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
         fixed=tuple(fixed),
         timeline=timeline,
         optimizer_step_peak_bytes=_fit(sizes, [r.optimizer.peak_bytes for r in runs]),
-        optimizer_step_seconds=_fit(sizes, [r.optimizer_seconds for r in runs]),
-        step_fixed_seconds=_fit(sizes, [step_fixed(r) for r in runs]),
+        optimizer_step_seconds=_fit_time(sizes, [r.optimizer_seconds for r in runs]),
+        step_fixed_seconds=_fit_time(sizes, [step_fixed(r) for r in runs]),
         allocator_reserve_bytes=extra.get("allocator_reserve_bytes"),
         context_bytes=extra.get("context_bytes"),
         has_batchnorm=bn,
