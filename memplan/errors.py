@@ -25,7 +25,10 @@ class MemplanError(Exception):
         self.hint = hint
 
     def __str__(self) -> str:
-        return f"{self.message} {self.hint}" if self.hint else self.message
+        if not self.hint:
+            return self.message
+        stop = "" if self.message.rstrip().endswith((".", "!", "?", ":")) else "."
+        return f"{self.message}{stop} {self.hint}"
 
 
 class BadInputError(MemplanError):

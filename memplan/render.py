@@ -41,11 +41,7 @@ def error(exc: MemplanError, *, debug: bool = False) -> None:
     """One paragraph naming what went wrong and what to do; the traceback only with --debug."""
     if debug:
         console.print(Text("".join(traceback.format_exception(exc))), style="dim")
-    text = Text("error: ", style="bold red")
-    text.append(exc.message)
-    if exc.hint:
-        text.append(" " + exc.hint)
-    console.print(text)
+    console.print(Text("error: ", style="bold red") + Text(str(exc)))
 
 
 def warn(message: str) -> None:
