@@ -27,7 +27,7 @@ app = typer.Typer(
 _state = {"debug": False}
 F = TypeVar("F", bound=Callable[..., Any])
 
-FORMATS_HELP = "Comma-separated: plan, hf, deepspeed, accelerate, lightning, torch."
+FORMATS_HELP = "Comma-separated: plan, hf, deepspeed, accelerate, lightning, torch, torchrun."
 
 
 def _run(func: F) -> F:
@@ -176,6 +176,12 @@ def solve(
         str, typer.Option(help="24GiB, 512MiB, bytes, 80% (of device memory) or auto.")
     ],
     world_size: Annotated[int, typer.Option("--world-size", help="Data-parallel ranks.")] = 1,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            help="ddp, zero1, zero2, fsdp, or auto (the least-sharded strategy that fits)."
+        ),
+    ] = "ddp",
     device_profile: Annotated[
         str | None,
         typer.Option("--device-profile", help="GPU to plan for (see `memplan devices`)."),
@@ -243,6 +249,7 @@ def solve(
         target_batch=target_batch,
         budget_bytes=budget_bytes,
         world_size=world_size,
+        strategy=strategy,
         margin=margin,
         min_micro=min_micro,
         max_micro=max_micro,
@@ -326,6 +333,16 @@ def verify(
         str | None, typer.Option(help="cpu or cuda (default: the plan's device).")
     ] = None,
     tolerance: Annotated[float, typer.Option(help="Largest |peak error| that passes.")] = 0.05,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            help="Ranks to run (default: the plan's); more than 1 starts real processes.",
+        ),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds the multi-process run may take before it is killed.")
+    ] = 300.0,
     grad_check: Annotated[
         bool,
         typer.Option(
@@ -342,6 +359,11 @@ def verify(
     from memplan.verify import verify_plan
 
     plan = load_plan(plan_path)
+    if (world_size or plan.world_size) > 1:
+        _verify_distributed(
+            model, plan, world_size, steps, device, tolerance, grad_check, timeout, as_json
+        )
+        return
     with render.progress("verifying") as on_progress:
         result = verify_plan(
             model,
@@ -363,6 +385,61 @@ def verify(
         render.print_json(data)
     else:
         render.show_verify(result)
+    if not result.passed:
+        raise typer.Exit(1)
+
+
+def _verify_distributed(
+    model: str,
+    plan: Any,
+    world_size: int | None,
+    steps: int,
+    device: str | None,
+    tolerance: float,
+    grad_check: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    from memplan import render
+    from memplan.distributed import verify_distributed
+    from memplan.units import format_bytes
+
+    with render.progress("verifying on several ranks") as on_progress:
+        result = verify_distributed(
+            model,
+            plan,
+            world_size=world_size,
+            steps=steps,
+            device=device,
+            tolerance=tolerance,
+            check_gradients=grad_check,
+            timeout_s=timeout,
+            on_progress=on_progress,
+        )
+    if as_json:
+        data = to_data(result)
+        data.update(
+            measured_peak_bytes=result.measured_peak_bytes,
+            peak_error=result.peak_error,
+            rank_errors=[result.rank_error(r.rank) for r in result.ranks],
+            within_budget=result.within_budget,
+            passed=result.passed,
+        )
+        render.print_json(data)
+    else:
+        render.info(
+            f"{plan.strategy} on {result.world_size} ranks ({result.backend}, {result.device}): "
+            f"predicted {format_bytes(result.predicted_peak_bytes)} per rank"
+        )
+        for r in result.ranks:
+            render.info(
+                f"  rank {r.rank}: measured {format_bytes(r.peak_bytes)} "
+                f"({result.rank_error(r.rank):+.1%}), {r.step_seconds:.3f} s per step"
+            )
+        check = result.gradient_check
+        error = f" ({check.max_relative_error:.1e})" if check.max_relative_error is not None else ""
+        render.info(f"  gradient check: {check.status}{error}: {check.reason}")
+        render.info("PASS" if result.passed else "FAIL")
     if not result.passed:
         raise typer.Exit(1)
 

@@ -14,6 +14,13 @@ segments) and nothing else; no torch. One small function per term. The model
 Timeline points are *absolute* live bytes (parameters, optimizer state and gradients
 included), as the probe's tracker counts them; the breakdown splits a peak into its terms.
 
+Per rank, with more than one data-parallel rank (``Sharding``; see "per-rank terms" below),
+the same timeline is used with a per-segment *adjustment*: the probe measured one process
+holding everything, so a rank's live bytes at a point are the measured bytes, less the
+resident state that sharding removes there, plus the buffers the engine adds there
+(gradient buckets, all-gathered units, reduce-scatter inputs). The adjustment depends on the
+phase and the segment only, never on the checkpoint set, so the solver stays exact.
+
 Bytes are whole numbers here: a live-byte point is rounded up and a saving rounded down, so
 every prediction is an integer, never below the fitted value, and the solver (which sums
 the same integers in another order) agrees with this module to the byte.
@@ -27,7 +34,7 @@ from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
-from memplan.plan import Breakdown, Plan
+from memplan.plan import STRATEGIES, Breakdown, Plan, Strategy
 from memplan.profile import Affine, Phase, Point, Profile, Segment
 from memplan.units import MiB
 
@@ -230,6 +237,269 @@ def layer_indices(profile: Profile, layers: Iterable[int | str]) -> frozenset[in
     return frozenset(out)
 
 
+# --------------------------------------------------------------------------- per-rank terms
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sharding:
+    """How the model state is spread over the data-parallel ranks, and how the engine that
+    does it is configured (as memplan's emitted code configures it)."""
+
+    strategy: Strategy = "ddp"
+    """``ddp`` (replicas), ``zero1`` (optimizer state sharded), ``zero2`` (and gradients),
+    ``fsdp`` (and parameters: FSDP2 ``fully_shard`` / ZeRO-3)."""
+    world_size: int = 1
+    gradient_as_bucket_view: bool = True
+    """DDP's gradients are views into its all-reduce buckets (memplan's emitted code sets it)."""
+    fsdp_backward_prefetch: int = 1
+    """FSDP2 all-gathers the next unit during the current unit's backward (its default)."""
+    zero2_bucket_elements: int = 500_000_000
+    """DeepSpeed ``reduce_bucket_size`` (elements); 5e8 is DeepSpeed's documented default and
+    what memplan's DeepSpeed config writes."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+
+
+SINGLE = Sharding()
+"""One process, nothing sharded: the probe's own situation (adjustments are all zero)."""
+
+
+def sharding_for(plan: Plan) -> Sharding:
+    return Sharding(strategy=plan.strategy, world_size=plan.world_size)
+
+
+def element_bytes(profile: Profile) -> int:
+    """Bytes per parameter element (the probe's parameter dtype)."""
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(
+        profile.environment.param_dtype, 4
+    )
+
+
+def shard_bytes(total_bytes: int, world_size: int, element: int = 4) -> int:
+    """One rank's share of ``total_bytes`` split over ``world_size`` ranks, padded as the
+    engines pad: FSDP2 chunks every parameter on dim 0 (``torch.chunk``) and pads the last
+    chunk to ceil(dim0 / world) rows (torch.distributed.fsdp.fully_shard docs); DeepSpeed
+    ZeRO pads its flat partitions to a multiple of the world size. The profile keeps no
+    parameter shapes, so this pads the *elements* of a group to a multiple of the world size:
+    exact when every dim 0 divides by the world size (e.g. GPT widths on 2, 4, 8 ranks), and
+    low by at most (world − 1) rows per parameter otherwise."""
+    if world_size <= 1 or total_bytes <= 0:
+        return max(total_bytes, 0)
+    elements = math.ceil(total_bytes / element)
+    return math.ceil(elements / world_size) * element
+
+
+def unit_params_bytes(profile: Profile, index: int) -> int:
+    """Parameters of candidate layer ``index``: one FSDP unit (memplan shards each
+    checkpoint candidate as its own ``fully_shard`` unit, and the rest as the root)."""
+    layer = profile.layers[index]
+    return layer.params_trainable_bytes + layer.params_frozen_bytes
+
+
+def root_params_bytes(profile: Profile) -> int:
+    """Parameters outside the candidate layers (embeddings, head): the FSDP root unit."""
+    t = profile.totals
+    layers = sum(unit_params_bytes(profile, i) for i in range(len(profile.layers)))
+    return max(t.params_trainable_bytes + t.params_frozen_bytes - layers, 0)
+
+
+def rank_params_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Parameters and buffers one rank holds at rest. FSDP / ZeRO-3 keeps 1/world of every
+    unit's parameters (ZeRO paper, Rajbhandari et al. 2020, §5.3 "P_os+g+p"); buffers are
+    not sharded (FSDP2 only converts parameters to DTensor). The others keep them all."""
+    if sharding.strategy != "fsdp" or sharding.world_size == 1:
+        return params_bytes(profile)
+    w, e = sharding.world_size, element_bytes(profile)
+    units = [unit_params_bytes(profile, i) for i in range(len(profile.layers))]
+    units.append(root_params_bytes(profile))
+    return sum(shard_bytes(u, w, e) for u in units) + profile.totals.buffer_bytes
+
+
+def rank_optimizer_state_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Optimizer state one rank holds: all of it with DDP; 1/world from ZeRO-1 on (ZeRO
+    paper §5.1 "P_os"; torch.distributed.optim.ZeroRedundancyOptimizer docs: each rank keeps
+    the state of its parameter partition). ZeroRedundancyOptimizer partitions whole tensors
+    greedily, so a rank's share can differ from 1/world by part of one tensor."""
+    state = optimizer_state_bytes(profile)
+    if sharding.strategy == "ddp" or sharding.world_size == 1:
+        return state
+    return shard_bytes(state, sharding.world_size, element_bytes(profile))
+
+
+def optimizer_transient_bytes(profile: Profile) -> int:
+    """What the optimizer step needs above params, grads and state (foreach temporaries),
+    from the measured step peak at micro-batch 0 (the batch excluded)."""
+    base = params_bytes(profile) + grads_bytes(profile) + optimizer_state_bytes(profile)
+    return max(math.ceil(profile.optimizer_step_peak_bytes.intercept) - base, 0)
+
+
+def ddp_bucket_bytes(profile: Profile, sharding: Sharding) -> int:
+    """DDP's all-reduce buckets: the Reducer allocates flat buckets for every gradient when
+    it is built (torch/csrc/distributed/c10d/reducer.cpp, ``initialize_buckets``) and keeps
+    them for the life of the model, so they are resident in every micro-step, gradients set
+    to None or not. With ``gradient_as_bucket_view=True`` (DDP docs; PyTorch PR #41954) the
+    gradients *are* views of the buckets once synchronised, so the optimizer step holds no
+    second copy; without it, the buckets are a second gradient-sized buffer throughout.
+    Measured on CPU/gloo, 2 ranks, GPT example: +1.00 × gradient bytes in every micro-step."""
+    if sharding.world_size == 1 or sharding.strategy not in ("ddp", "zero1"):
+        return 0
+    return grads_bytes(profile)
+
+
+def zero2_bucket_bytes(profile: Profile, sharding: Sharding) -> int:
+    """DeepSpeed ZeRO-2's gradient reduction bucket (``reduce_bucket_size`` elements,
+    DeepSpeed config docs; contiguous_gradients keeps one such buffer), no larger than the
+    gradients themselves. An assumption: not measured here (no DeepSpeed in this setup)."""
+    if sharding.strategy != "zero2" or sharding.world_size == 1:
+        return 0
+    return min(grads_bytes(profile), sharding.zero2_bucket_elements * element_bytes(profile))
+
+
+def syncs_every_micro_step(sharding: Sharding, accumulation_steps: int) -> bool:
+    """Whether gradients are reduced (and, sharded, scattered) in every micro-step. DDP and
+    ZeRO-1 skip all-reduce with ``no_sync`` and FSDP2 skips reduce-scatter with
+    ``set_requires_gradient_sync(False)`` on all but the last micro-step; DeepSpeed ZeRO-2
+    reduces every micro-step (its gradients are partitioned, so it cannot defer)."""
+    return accumulation_steps == 1 or sharding.strategy == "zero2"
+
+
+def sharded_grads_removed_bytes(
+    profile: Profile, sharding: Sharding, held_grads: int, accumulation_steps: int
+) -> int:
+    """Gradient bytes a rank does not hold, of ``held_grads`` the single process holds.
+    ZeRO-2 keeps 1/world of every reduced gradient (ZeRO paper §5.2 "P_os+g"); FSDP too, but
+    only when it reduce-scatters every micro-step: under ``set_requires_gradient_sync(False)``
+    FSDP2 accumulates *unsharded* gradients (FSDP2 docs: "the equivalence of no_sync"), so
+    with accumulation the gradients stay whole until the last micro-step (conservatively:
+    counted whole in every micro-step)."""
+    if sharding.world_size == 1 or held_grads <= 0:
+        return 0
+    if sharding.strategy == "zero2" or (
+        sharding.strategy == "fsdp" and syncs_every_micro_step(sharding, accumulation_steps)
+    ):
+        return held_grads - shard_bytes(held_grads, sharding.world_size, element_bytes(profile))
+    return 0
+
+
+def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index: int) -> int:
+    """Unsharded parameters alive at a segment under FSDP2 (its docs: pre-forward/backward
+    hooks all-gather a unit, post-forward/backward hooks free it):
+
+    * the root unit (everything outside the candidate layers) is not resharded after forward
+      (FSDP2 keeps the root whole, as backward needs it at once): whole all micro-step;
+    * a candidate layer is whole during its forward and its backward;
+    * in backward, FSDP2's default prefetch all-gathers the unit whose backward comes next
+      (``fsdp_backward_prefetch`` units) when the current one's backward begins, the root's
+      included: from the loss on, the last layer is already whole (measured on CPU/gloo).
+
+    Forward prefetch is implicit on CUDA streams only; on CPU it does not happen, and on CUDA
+    the allocator reserve covers it. The brief all-gather staging buffer (a flat copy of a
+    unit while it is split into parameters) is not modelled."""
+    if sharding.strategy != "fsdp":
+        return 0
+    segments = profile.timeline[phase]
+    segment = segments[index]
+    h, n = segment.held, len(profile.layers)
+    gathered = root_params_bytes(profile)
+    if segment.active != "none":
+        gathered += unit_params_bytes(profile, h)
+    in_backward = segment.active == "bwd" or (
+        segment.active == "none" and (h == n or _backward_started(segments, index))
+    )
+    if in_backward:
+        for j in range(max(h - sharding.fsdp_backward_prefetch, 0), h):
+            gathered += unit_params_bytes(profile, j)
+    return gathered
+
+
+def fsdp_reduce_scatter_bytes(
+    profile: Profile, sharding: Sharding, phase: str, segment: Segment, accumulation_steps: int
+) -> int:
+    """The reduce-scatter input FSDP2 builds from a unit's gradients at the end of its
+    backward (a padded flat copy, alive next to the unsharded gradients until the collective
+    ends). Only in micro-steps that synchronise: every one when not accumulating, else the
+    last one (the ``grads_resident`` phase; counted in all of them, conservatively)."""
+    if sharding.strategy != "fsdp" or sharding.world_size == 1 or segment.active != "bwd":
+        return 0
+    synced = syncs_every_micro_step(sharding, accumulation_steps) or phase == PHASE_GRADS_RESIDENT
+    if not synced:
+        return 0
+    grads = profile.layers[segment.held].grad_bytes
+    e = element_bytes(profile)
+    return shard_bytes(grads, sharding.world_size, e) * sharding.world_size
+
+
+def segment_adjust_bytes(
+    profile: Profile,
+    sharding: Sharding,
+    phase: str,
+    index: int,
+    accumulation_steps: int,
+) -> int:
+    """Per-rank live bytes at a segment minus what the single-process probe measured there:
+
+    * − parameters a rank does not hold (FSDP), − optimizer state it does not hold (ZeRO-1+),
+      − gradients it does not hold (ZeRO-2; FSDP without accumulation);
+    * + DDP's buckets less the gradients already counted (see ``ddp_bucket_bytes``: with
+      bucket views a synchronised micro-step copies each new gradient into its bucket and
+      frees it, so with k = 1 the probe's growing gradients are replaced by the bucket);
+    * + ZeRO-2's reduction bucket; + FSDP's gathered units and reduce-scatter input.
+
+    Zero for one process (any strategy but FSDP, whose all-gathers still copy)."""
+    if sharding == SINGLE:
+        return 0
+    segment = profile.timeline[phase][index]
+    held_grads = grads_at_bytes(profile, phase, index)
+    delta = 0
+    delta -= params_bytes(profile) - rank_params_bytes(profile, sharding)
+    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
+    delta -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
+    bucket = ddp_bucket_bytes(profile, sharding)
+    if bucket:
+        synced_first = accumulation_steps == 1 and phase == PHASE_NO_GRADS
+        delta += bucket - (held_grads if synced_first and sharding.gradient_as_bucket_view else 0)
+    delta += zero2_bucket_bytes(profile, sharding)
+    delta += fsdp_gathered_bytes(profile, sharding, phase, index)
+    delta += fsdp_reduce_scatter_bytes(profile, sharding, phase, segment, accumulation_steps)
+    return delta
+
+
+def optimizer_adjust_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Per-rank optimizer-step peak minus the probe's: the step runs on what a rank holds, and
+    its temporaries scale with the parameters it updates (ZeRO-1 and up: 1/world). DDP's
+    buckets are the gradients (bucket views); without bucket views they are a second copy."""
+    if sharding == SINGLE:
+        return 0
+    w, e = sharding.world_size, element_bytes(profile)
+    delta = -(params_bytes(profile) - rank_params_bytes(profile, sharding))
+    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
+    if sharding.strategy in ("zero2", "fsdp"):
+        delta -= grads_bytes(profile) - shard_bytes(grads_bytes(profile), w, e)
+    if sharding.strategy != "ddp":
+        transient = optimizer_transient_bytes(profile)
+        delta -= transient - shard_bytes(transient, w, e)
+    if ddp_bucket_bytes(profile, sharding) and not sharding.gradient_as_bucket_view:
+        delta += ddp_bucket_bytes(profile, sharding)
+    return delta
+
+
+def rank_state_bytes(profile: Profile, sharding: Sharding) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) one rank holds in the optimizer step."""
+    w, e = sharding.world_size, element_bytes(profile)
+    grads = grads_bytes(profile)
+    if sharding.strategy in ("zero2", "fsdp"):
+        grads = shard_bytes(grads, w, e)
+    return (
+        rank_params_bytes(profile, sharding),
+        grads,
+        rank_optimizer_state_bytes(profile, sharding),
+    )
+
+
 # --------------------------------------------------------------------------- step peak
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Peak:
@@ -250,9 +520,16 @@ class Peak:
 
 
 def micro_step_peak_bytes(
-    profile: Profile, phase: Phase, micro_batch: int, checkpointed: frozenset[int]
+    profile: Profile,
+    phase: Phase,
+    micro_batch: int,
+    checkpointed: frozenset[int],
+    *,
+    sharding: Sharding = SINGLE,
+    accumulation_steps: int = 1,
 ) -> tuple[int, int | None]:
-    """Peak over one phase's segments and the index of the (first) segment reaching it."""
+    """Peak over one phase's segments and the index of the (first) segment reaching it,
+    for one rank under ``sharding`` (``segment_adjust_bytes``)."""
     savings = savings_bytes(profile, micro_batch)
     held = held_savings_prefix_bytes(savings, checkpointed)
     best, best_index = _NO_BOUND, None
@@ -260,6 +537,8 @@ def micro_step_peak_bytes(
         # segment_peak_bytes, with the held savings summed once for all segments
         top = segment_points_bytes(segment, micro_batch, segment.held in checkpointed)
         value = top - held[segment.held]
+        if sharding != SINGLE:
+            value += segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
         if value > best:
             best, best_index = value, index
     return best, best_index
@@ -272,16 +551,26 @@ def step_peak(
     accumulation_steps: int,
     *,
     reserve: Reserve = NO_RESERVE,
+    sharding: Sharding = SINGLE,
 ) -> Peak:
     """The predicted peak of one optimizer step with ``accumulation_steps`` micro-steps of
-    ``micro_batch`` samples, checkpointing ``checkpointed`` (layer indices or names)."""
+    ``micro_batch`` samples, checkpointing ``checkpointed`` (layer indices or names), on
+    one rank under ``sharding`` (default: one process)."""
     chosen = layer_indices(profile, checkpointed)
     places: list[tuple[int, str, int | None]] = []
     for phase_name in phases_for(accumulation_steps):
-        value, seg_index = micro_step_peak_bytes(profile, phase_name, micro_batch, chosen)
+        value, seg_index = micro_step_peak_bytes(
+            profile,
+            phase_name,
+            micro_batch,
+            chosen,
+            sharding=sharding,
+            accumulation_steps=accumulation_steps,
+        )
         if seg_index is not None:
             places.append((value, phase_name, seg_index))
-    places.append((optimizer_step_peak_bytes(profile, micro_batch), OPTIMIZER_STEP, None))
+    optimizer = optimizer_step_peak_bytes(profile, micro_batch)
+    places.append((optimizer + optimizer_adjust_bytes(profile, sharding), OPTIMIZER_STEP, None))
     best = max(value for value, _, _ in places)
     _, phase, index = next(place for place in places if place[0] == best)  # first place wins
     reserve_bytes = reserve.bytes_for(best)
@@ -292,7 +581,17 @@ def step_peak(
         phase=phase,
         segment_index=index,
         where=describe_peak(profile, phase, index, chosen),
-        breakdown=breakdown_at(profile, phase, index, micro_batch, chosen, best, reserve_bytes),
+        breakdown=breakdown_at(
+            profile,
+            phase,
+            index,
+            micro_batch,
+            chosen,
+            best,
+            reserve_bytes,
+            sharding=sharding,
+            accumulation_steps=accumulation_steps,
+        ),
     )
 
 
@@ -353,23 +652,39 @@ def breakdown_at(
     checkpointed: frozenset[int],
     allocated_bytes: int,
     reserve_bytes: int,
+    *,
+    sharding: Sharding = SINGLE,
+    accumulation_steps: int = 1,
 ) -> Breakdown:
     """Split a peak into params, grads, optimizer, activations, transient and reserve. The
     total is exact; the split between activations, gradients and transients is estimated
-    from the per-layer figures (the timeline only knows totals)."""
+    from the per-layer figures (the timeline only knows totals). Per rank: params include
+    FSDP's gathered units, grads DDP's or ZeRO-2's buckets."""
     if index is None:
         activations = 0
     else:
         segment = profile.timeline[phase][index]
         activations = activations_at_bytes(profile, segment, micro_batch, checkpointed)
+    params = rank_params_bytes(profile, sharding)
+    held_grads = grads_at_bytes(profile, phase, index)
+    grads = held_grads
+    if sharding != SINGLE:
+        if index is None:
+            grads = rank_state_bytes(profile, sharding)[1]
+        else:
+            segment = profile.timeline[phase][index]
+            params += fsdp_gathered_bytes(profile, sharding, phase, index)
+            grads -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
+            grads += ddp_bucket_bytes(profile, sharding) + zero2_bucket_bytes(profile, sharding)
+            if (
+                accumulation_steps == 1
+                and phase == PHASE_NO_GRADS
+                and ddp_bucket_bytes(profile, sharding)
+            ):
+                grads -= held_grads  # bucket views replace the gradients
     params, optimizer, grads, acts, transient = _split(
         allocated_bytes,
-        [
-            params_bytes(profile),
-            optimizer_state_bytes(profile),
-            grads_at_bytes(profile, phase, index),
-            activations,
-        ],
+        [params, rank_optimizer_state_bytes(profile, sharding), grads, activations],
     )
     return Breakdown(
         params=params,
@@ -450,20 +765,30 @@ class StepBounds:
     optimizer_bytes: int
 
 
-def step_bounds(profile: Profile, micro_batch: int, accumulation_steps: int) -> StepBounds:
+def step_bounds(
+    profile: Profile,
+    micro_batch: int,
+    accumulation_steps: int,
+    sharding: Sharding = SINGLE,
+) -> StepBounds:
     n = len(profile.layers)
     none = [_NO_BOUND] * (n + 1)
     plain = [_NO_BOUND] * n
     ckpt = [_NO_BOUND] * n
     for phase in phases_for(accumulation_steps):
-        for segment in profile.timeline[phase]:
+        for index, segment in enumerate(profile.timeline[phase]):
             h = segment.held
-            top = segment_points_bytes(segment, micro_batch, active_checkpointed=False)
+            adjust = (
+                0
+                if sharding == SINGLE
+                else segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
+            )
+            top = segment_points_bytes(segment, micro_batch, active_checkpointed=False) + adjust
             if segment.active == "none":
                 none[h] = max(none[h], top)
             else:
                 plain[h] = max(plain[h], top)
-                ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, True))
+                ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, True) + adjust)
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,
@@ -471,7 +796,8 @@ def step_bounds(profile: Profile, micro_batch: int, accumulation_steps: int) -> 
         none_bytes=tuple(none),
         plain_bytes=tuple(plain),
         ckpt_bytes=tuple(ckpt),
-        optimizer_bytes=optimizer_step_peak_bytes(profile, micro_batch),
+        optimizer_bytes=optimizer_step_peak_bytes(profile, micro_batch)
+        + optimizer_adjust_bytes(profile, sharding),
     )
 
 
@@ -559,11 +885,13 @@ def min_allocated_bytes(
 def plan_peak(profile: Profile, plan: Plan, device_spec: DeviceSpec | None = None) -> Peak:
     """The predicted peak of a written plan against a profile (for ``verify`` and ``check``):
     its micro-batch, accumulation and checkpoint layers, with the reserve for ``device_spec``
-    (or the profile's device). ``allocated_bytes`` is what max_memory_allocated should show."""
+    (or the profile's device), per rank for its strategy and world size. ``allocated_bytes``
+    is what max_memory_allocated should show."""
     return step_peak(
         profile,
         plan.micro_batch_size,
         plan.checkpoint_layers,
         plan.accumulation_steps,
         reserve=reserve_for(profile, device_spec),
+        sharding=sharding_for(plan),
     )

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from memplan.errors import ProfileError
 from memplan.profile import Precision
 from memplan.schema import dump_yaml, from_data, load_yaml_file
 
 PLAN_SCHEMA_VERSION = 1
+
+Strategy = Literal["ddp", "zero1", "zero2", "fsdp"]
+STRATEGIES: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "fsdp")
+"""Data-parallel strategies, least to most sharded (``auto`` prefers them in this order)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,8 +60,17 @@ class Plan:
     micro_batch_size: int
     accumulation_steps: int
     world_size: int = 1
+    strategy: Strategy = "ddp"
+    """How ranks share the model: ``ddp`` replicas, ``zero1`` optimizer state sharded,
+    ``zero2`` and gradients, ``fsdp`` and parameters (FSDP2 ``fully_shard`` / ZeRO-3).
+    Memory figures are per rank."""
     checkpoint_layers: tuple[str, ...] = ()
     """Fully-qualified module names to wrap with non-reentrant activation checkpointing."""
+    shard_units: tuple[str, ...] = ()
+    """For ``fsdp``: modules to ``fully_shard`` one by one (the probe's candidate layers),
+    before the root. Empty otherwise."""
+    shard_unit_types: tuple[str, ...] = ()
+    """Class names of ``shard_units`` (for wrap policies that name classes: Accelerate)."""
     precision: Precision = "fp32"
     device: str = "cpu"
     """Device the plan is for: cpu, cuda, or a device profile name."""
@@ -82,6 +96,10 @@ class Plan:
                 f"target_batch {self.target_batch} != micro_batch_size × accumulation_steps × "
                 f"world_size = {self.micro_batch_size} × {self.accumulation_steps} × "
                 f"{self.world_size} = {product}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
             )
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
             raise ValueError("checkpoint_layers has duplicates")

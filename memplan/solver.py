@@ -1,11 +1,17 @@
 """The solver: micro-batch × accumulation × checkpoint set, exact under the model. No torch.
 
-For every micro-batch ``b`` with ``b × k × world == target`` it finds the checkpoint set of
-least recompute time whose predicted peak fits the budget (less the margin), then picks the
-plan with the least predicted step time (the effective batch is fixed, so that is the least
-time per effective batch). Ties: fewer checkpointed layers, then the larger micro-batch;
-within one micro-batch, among sets of equal time and size, the one checkpointing earlier
-layers (they are held longest).
+For every data-parallel strategy asked for (``ddp``, ``zero1``, ``zero2``, ``fsdp``; ``auto``
+tries them all) and every micro-batch ``b`` with ``b × k × world == target`` it finds the
+checkpoint set of least recompute time whose predicted per-rank peak fits the budget (less
+the margin), then picks the plan with the least predicted step time, communication included
+(the effective batch is fixed, so that is the least time per effective batch). Ties: fewer
+checkpointed layers, then the larger micro-batch; within one micro-batch, among sets of
+equal time and size, the one checkpointing earlier layers (they are held longest).
+
+``auto`` takes the least-sharded strategy for which any plan fits (sharding costs
+communication, and every rank's state depends on every other), then the fastest plan of that
+strategy; when a more sharded strategy would be faster (it fits with less recompute or a
+larger micro-batch), the reasons say so and by how much.
 
 Why it is exact and fast (DESIGN.md, "Solver"): with ``P_h`` the savings of the
 checkpointed layers before layer h, every point of the step is a lower bound on a prefix
@@ -32,8 +38,8 @@ from operator import itemgetter
 from memplan import memory, timing
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory import Peak, Reserve, StepBounds
-from memplan.plan import Plan, Prediction
+from memplan.memory import Peak, Reserve, Sharding, StepBounds
+from memplan.plan import STRATEGIES, Plan, Prediction
 from memplan.profile import Profile
 from memplan.timing import MicroStepTimes, TimingMode
 from memplan.units import format_bytes, format_seconds
@@ -48,6 +54,7 @@ __all__ = [
 ]
 
 _TIMING_MODES = ("auto", "measured", "roofline")
+STRATEGY_CHOICES = (*STRATEGIES, "auto")
 
 
 class SolveRequestError(BadInputError, ValueError):
@@ -63,7 +70,10 @@ class SolveRequest:
     budget_bytes: int
     """Device memory one rank may use."""
     world_size: int = 1
-    """Data-parallel ranks (DDP replicas: each holds the whole model)."""
+    """Data-parallel ranks."""
+    strategy: str = "ddp"
+    """``ddp``, ``zero1``, ``zero2``, ``fsdp``, or ``auto`` (the least-sharded strategy that
+    fits; see the module doc)."""
     margin: float = memory.DEFAULT_MARGIN
     """Fraction of the budget kept free; predicted peaks must stay within the rest."""
     min_micro: int = 1
@@ -112,6 +122,10 @@ class SolveRequest:
             raise SolveRequestError(
                 f"always_checkpoint and never_checkpoint both name {', '.join(both)}."
             )
+        if self.strategy not in STRATEGY_CHOICES:
+            raise SolveRequestError(
+                f"strategy must be one of {', '.join(STRATEGY_CHOICES)}, got {self.strategy!r}."
+            )
         if self.timing not in _TIMING_MODES:
             raise SolveRequestError(
                 f"timing must be one of {', '.join(_TIMING_MODES)}, got {self.timing!r}."
@@ -139,6 +153,8 @@ class Candidate:
     peak_phase: str
     note: str
     """Why it was or was not chosen."""
+    strategy: str = "ddp"
+    """Data-parallel strategy of this row (one row per strategy and micro-batch)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -429,8 +445,9 @@ def _short_list(names: Sequence[str]) -> str:
 # --------------------------------------------------------------------------- evaluation
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Option:
-    """The best plan at one micro-batch (or, when none fits, the one of least peak)."""
+    """The best plan at one micro-batch and strategy (or, when none fits, the least peak)."""
 
+    strategy: str
     micro_batch: int
     accumulation_steps: int
     allowed: bool
@@ -439,11 +456,19 @@ class _Option:
     peak: Peak
     times: MicroStepTimes
     step_seconds: float
+    """Communication included."""
     step_picoseconds: int
+    comm_seconds: float
+    comm_bytes: float
 
     @property
-    def rank(self) -> tuple[int, int, int]:
-        return (self.step_picoseconds, len(self.checkpointed), -self.micro_batch)
+    def rank(self) -> tuple[int, int, int, int]:
+        return (
+            self.step_picoseconds,
+            STRATEGIES.index(self.strategy),
+            len(self.checkpointed),
+            -self.micro_batch,
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -457,11 +482,22 @@ class _Context:
     """Largest allocated peak that fits (budget less margin and reserve)."""
     usable_bytes: int
     timing_source: timing.TimingSource
+    bandwidth: float = timing.DEFAULT_INTERCONNECT_BYTES_PER_SECOND
+    """Interconnect bytes per second for the communication time."""
+    bandwidth_source: str = ""
+    strategies: tuple[str, ...] = ("ddp",)
 
 
-def _evaluate(ctx: _Context, micro_batch: int, accumulation: int, allowed: bool) -> _Option:
+def _sharding(ctx: _Context, strategy: str) -> Sharding:
+    return Sharding(strategy=strategy, world_size=ctx.request.world_size)
+
+
+def _evaluate(
+    ctx: _Context, micro_batch: int, accumulation: int, allowed: bool, strategy: str = "ddp"
+) -> _Option:
     profile = ctx.profile
-    bounds = memory.step_bounds(profile, micro_batch, accumulation)
+    sharding = _sharding(ctx, strategy)
+    bounds = memory.step_bounds(profile, micro_batch, accumulation, sharding)
     times = timing.micro_step_times(
         profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
     )
@@ -473,8 +509,19 @@ def _evaluate(ctx: _Context, micro_batch: int, accumulation: int, allowed: bool)
         least = memory.min_allocated_bytes(bounds, **forced)
         chosen = least_recompute_set(bounds, least, cost, **forced)
         assert chosen is not None, "the least peak is reachable by definition"
-    peak = memory.step_peak(profile, micro_batch, chosen, accumulation, reserve=ctx.reserve)
+    peak = memory.step_peak(
+        profile, micro_batch, chosen, accumulation, reserve=ctx.reserve, sharding=sharding
+    )
+    comm_bytes = timing.communication_bytes(
+        strategy,
+        ctx.request.world_size,
+        params_bytes=memory.params_bytes(profile) - profile.totals.buffer_bytes,
+        grads_bytes=memory.grads_bytes(profile),
+        accumulation_steps=accumulation,
+    )
+    comm = timing.communication_seconds(comm_bytes, ctx.bandwidth)
     return _Option(
+        strategy=strategy,
         micro_batch=micro_batch,
         accumulation_steps=accumulation,
         allowed=allowed,
@@ -482,8 +529,11 @@ def _evaluate(ctx: _Context, micro_batch: int, accumulation: int, allowed: bool)
         checkpointed=chosen,
         peak=peak,
         times=times,
-        step_seconds=timing.step_seconds(times, accumulation, chosen),
-        step_picoseconds=timing.step_picoseconds(times, accumulation, chosen),
+        step_seconds=timing.step_seconds(times, accumulation, chosen) + comm,
+        step_picoseconds=timing.step_picoseconds(times, accumulation, chosen)
+        + timing.to_picoseconds(comm),
+        comm_seconds=comm,
+        comm_bytes=comm_bytes,
     )
 
 
@@ -512,7 +562,12 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
         micro_batch_size=option.micro_batch,
         accumulation_steps=option.accumulation_steps,
         world_size=request.world_size,
+        strategy=option.strategy,
         checkpoint_layers=_names(profile, option.checkpointed),
+        shard_units=profile.layer_names if option.strategy == "fsdp" else (),
+        shard_unit_types=tuple(dict.fromkeys(layer.module_type for layer in profile.layers))
+        if option.strategy == "fsdp"
+        else (),
         precision=profile.environment.precision,
         device=_device_label(profile, request),
         budget_bytes=request.budget_bytes,
@@ -576,6 +631,11 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
     source, source_reason = timing.choose_timing_source(
         profile, request.device_spec, request.timing
     )
+    bandwidth, bandwidth_source = timing.interconnect_bandwidth(request.device_spec)
+    if request.strategy != "auto":
+        strategies: tuple[str, ...] = (request.strategy,)
+    else:
+        strategies = STRATEGIES if world > 1 else ("ddp",)
     ctx = _Context(
         profile=profile,
         request=request,
@@ -585,16 +645,24 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
         limit_bytes=memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve),
         usable_bytes=memory.usable_budget_bytes(request.budget_bytes, request.margin),
         timing_source=source,
+        bandwidth=bandwidth,
+        bandwidth_source=bandwidth_source,
+        strategies=strategies,
     )
     per_rank = target // world
     options = [
-        _evaluate(ctx, b, per_rank // b, allowed=bn_floor is None or b >= bn_floor)
+        _evaluate(ctx, b, per_rank // b, allowed=bn_floor is None or b >= bn_floor, strategy=st)
+        for st in strategies
         for b in micro_batches
     ]
     fitting = [o for o in options if o.allowed and o.fits]
     if not fitting:
         raise _no_plan_fits(ctx, options, bn_floor)
-    best = min(fitting, key=lambda o: o.rank)
+    least_sharded = min(STRATEGIES.index(o.strategy) for o in fitting)
+    best = min(
+        (o for o in fitting if STRATEGIES.index(o.strategy) == least_sharded),
+        key=lambda o: o.rank,
+    )
     reasons = _reasons(ctx, best, options, bn_floor, source_reason)
     warnings = _warnings(ctx, best)
     plan = _plan(ctx, best, reasons, warnings)
@@ -652,6 +720,7 @@ def _candidate(
         samples_per_second=target / option.step_seconds if option.step_seconds > 0 else math.inf,
         peak_phase=option.peak.where,
         note="; ".join(notes),
+        strategy=option.strategy,
     )
 
 
@@ -668,6 +737,76 @@ def _breakdown_text(peak: Peak) -> str:
     return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts if value)
 
 
+def _least_peak(options: Sequence[_Option], strategy: str) -> _Option | None:
+    mine = [o for o in options if o.strategy == strategy and o.allowed]
+    return min(mine, key=lambda o: (o.peak.peak_bytes, o.rank)) if mine else None
+
+
+def _strategy_reasons(ctx: _Context, best: _Option, options: Sequence[_Option]) -> list[str]:
+    """Why this strategy, and what its communication costs."""
+    request = ctx.request
+    world = request.world_size
+    if world == 1 and best.strategy == "ddp":
+        return []
+    lines = []
+    if request.strategy != "auto":
+        lines.append(f"strategy {best.strategy}, as requested; memory figures are per rank")
+    else:
+        less = STRATEGIES[: STRATEGIES.index(best.strategy)]
+        if not less:
+            lines.append(
+                "strategy ddp (auto): the least-sharded strategy, and it fits (sharding "
+                "adds communication and ties every rank's state to the others')"
+            )
+        else:
+            why = []
+            for strategy in less:
+                least = _least_peak(options, strategy)
+                if least is not None:
+                    why.append(
+                        f"{strategy} needs {format_bytes(least.peak.peak_bytes)} per rank at "
+                        f"the least, over the usable {format_bytes(ctx.usable_bytes)}"
+                    )
+            lines.append(
+                f"strategy {best.strategy} (auto): the least-sharded strategy that fits; "
+                + "; ".join(why)
+            )
+        more = STRATEGIES[STRATEGIES.index(best.strategy) + 1 :]
+        faster = [
+            o
+            for o in options
+            if o.strategy in more and o.allowed and o.fits and o.step_seconds < best.step_seconds
+        ]
+        if faster:
+            quickest = min(faster, key=lambda o: o.rank)
+            gain = 1 - quickest.step_seconds / best.step_seconds if best.step_seconds else 0.0
+            if gain >= 0.01:
+                lines.append(
+                    f"{quickest.strategy} would be {gain:.1%} faster by the model "
+                    f"({format_seconds(quickest.step_seconds)} per step: micro-batch "
+                    f"{quickest.micro_batch}, {len(quickest.checkpointed)} layers checkpointed) "
+                    f"at the cost of more communication and sharded state: "
+                    f"--strategy {quickest.strategy}"
+                )
+    if best.strategy == "ddp" and world > 1:
+        lines.append(
+            "DDP with gradient_as_bucket_view=True: its gradient buckets are resident all "
+            "step, and are the gradients once synchronised"
+        )
+    if best.strategy == "fsdp" and best.accumulation_steps > 1:
+        lines.append(
+            "FSDP accumulates with set_requires_gradient_sync(False): gradients stay "
+            "unsharded until the last micro-step (one reduce-scatter per step)"
+        )
+    if world > 1:
+        lines.append(
+            f"communication: {format_bytes(round(best.comm_bytes))} sent per rank per step "
+            f"at {ctx.bandwidth / 1e9:g} GB/s ({ctx.bandwidth_source}): "
+            f"+{format_seconds(best.comm_seconds)}, counted without overlap"
+        )
+    return lines
+
+
 def _reasons(
     ctx: _Context,
     best: _Option,
@@ -681,6 +820,7 @@ def _reasons(
         f"effective batch {request.target_batch} = micro-batch {best.micro_batch} × "
         f"{best.accumulation_steps} accumulation step(s) × {request.world_size} rank(s)",
     ]
+    reasons.extend(_strategy_reasons(ctx, best, options))
     budget_line = (
         f"budget {format_bytes(request.budget_bytes)} less {request.margin:.0%} "
         f"safety margin: predicted peaks must stay within "
@@ -703,12 +843,20 @@ def _reasons(
     if others:
         runner = others[0]
         slower = runner.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+        other = "" if runner.strategy == best.strategy else f" with {runner.strategy}"
         line += (
-            f"; next best, micro-batch {runner.micro_batch}, takes "
+            f"; next best, micro-batch {runner.micro_batch}{other}, takes "
             f"{format_seconds(runner.step_seconds)} ({slower:+.1%})"
         )
     reasons.append(line)
-    too_big = [o for o in options if o.allowed and not o.fits and o.micro_batch > best.micro_batch]
+    too_big = [
+        o
+        for o in options
+        if o.strategy == best.strategy
+        and o.allowed
+        and not o.fits
+        and o.micro_batch > best.micro_batch
+    ]
     reasons.extend(_over_by(ctx, o) for o in too_big[:3])
     if len(too_big) > 3:
         reasons.append(f"larger micro-batches (up to {too_big[-1].micro_batch}) need more still")
@@ -731,7 +879,12 @@ def _reasons(
         recompute = timing.recompute_seconds(best.times, best.checkpointed)
         micro = timing.micro_step_seconds(best.times, best.checkpointed)
         plain = memory.step_peak(
-            profile, best.micro_batch, ctx.forced_in, best.accumulation_steps, reserve=ctx.reserve
+            profile,
+            best.micro_batch,
+            ctx.forced_in,
+            best.accumulation_steps,
+            reserve=ctx.reserve,
+            sharding=_sharding(ctx, best.strategy),
         )
         without = (
             ""
@@ -810,10 +963,11 @@ def _warnings(ctx: _Context, best: _Option) -> list[str]:
             f"the budget {format_bytes(request.budget_bytes)} exceeds the device's "
             f"{format_bytes(capacity)}"
         )
-    if request.world_size > 1:
+    if request.world_size > 1 and best.strategy == "zero2":
         warnings.append(
-            "memory is per rank for DDP replicas; DDP's gradient buckets (up to the gradients' "
-            "size unless gradient_as_bucket_view=True) are not in the profile"
+            "zero2 is modelled on DeepSpeed's documented behaviour (reduce bucket of "
+            "reduce_bucket_size elements), not verified by memplan: run it under DeepSpeed "
+            "and compare its memory report"
         )
     warnings.extend(f"profile: {message}" for message in profile.warnings)
     return warnings
@@ -827,11 +981,14 @@ def _no_plan_fits(
     closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
     least = closest.peak.peak_bytes
     n = len(profile.layers)
+    strategies = ", ".join(ctx.strategies)
     message = (
-        f"No plan for target batch {request.target_batch} fits "
+        f"No plan ({strategies} on {request.world_size} rank(s)) for target batch "
+        f"{request.target_batch} fits "
         f"{format_bytes(request.budget_bytes)} (less {request.margin:.0%} margin: "
         f"{format_bytes(ctx.usable_bytes)}). The smallest peak any plan needs is "
-        f"{format_bytes(least)}: micro-batch {closest.micro_batch} × "
+        f"{format_bytes(least)} per rank: {closest.strategy}, micro-batch "
+        f"{closest.micro_batch} × "
         f"{closest.accumulation_steps} accumulation step(s), {len(closest.checkpointed)} of "
         f"{n} layers checkpointed, peaking during {closest.peak.where}."
     )
@@ -846,7 +1003,7 @@ def _no_plan_fits(
         + memory.optimizer_state_bytes(profile)
     )
     trainable_state = memory.grads_bytes(profile) + memory.optimizer_state_bytes(profile)
-    if state + closest.peak.reserve_bytes > ctx.usable_bytes:
+    if state + closest.peak.reserve_bytes > ctx.usable_bytes and "fsdp" not in ctx.strategies:
         hints.append(
             f"the model state alone (params {format_bytes(memory.params_bytes(profile))}, "
             f"grads {format_bytes(memory.grads_bytes(profile))}, optimizer "
@@ -888,9 +1045,11 @@ def _smaller_micro_hints(
         return hints
     smallest = min(o.micro_batch for o in options)
     per_rank = request.target_batch // request.world_size
+    least_option = min(options, key=lambda o: (o.peak.peak_bytes, o.rank))
+    sharding = _sharding(ctx, least_option.strategy)
     for b in range(smallest - 1, max(0, smallest - 65), -1):  # the largest smaller one that fits
         accumulation = per_rank // b if per_rank % b == 0 else 2
-        bounds = memory.step_bounds(ctx.profile, b, accumulation)
+        bounds = memory.step_bounds(ctx.profile, b, accumulation, sharding)
         if not memory.fits_somehow(
             bounds, ctx.limit_bytes, forced_in=ctx.forced_in, forced_out=ctx.forced_out
         ):

@@ -248,3 +248,66 @@ def step_picoseconds(
         + sum(to_picoseconds(times.fwd_seconds[i]) for i in checkpointed)
     )
     return accumulation_steps * micro + to_picoseconds(times.optimizer_step_seconds)
+
+
+# --------------------------------------------------------------------------- communication
+# Without a device spec (or one with no interconnect figure) collectives are timed at
+# 10 GB/s per rank: PCIe 4.0 x16 after protocol overhead, and the order of a gloo ring over
+# localhost or a fast NIC. The profiles/devices/*.yaml specs carry the real figure.
+DEFAULT_INTERCONNECT_BYTES_PER_SECOND = 10e9
+
+
+def ring_fraction(world_size: int) -> float:
+    """Bytes each rank sends per byte of a ring all-gather or reduce-scatter: (w − 1) / w
+    (an all-reduce is both: twice this). Patarasuk & Yuan 2009; NCCL's performance docs."""
+    return (world_size - 1) / world_size if world_size > 1 else 0.0
+
+
+def communication_bytes(
+    strategy: str,
+    world_size: int,
+    *,
+    params_bytes: int,
+    grads_bytes: int,
+    accumulation_steps: int,
+) -> float:
+    """Bytes one rank sends per optimizer step (ZeRO paper, Rajbhandari et al. 2020, §7:
+    data parallelism all-reduces the gradients, 2Ψ; ZeRO-3 adds a parameter all-gather in
+    forward and another in backward, 3Ψ), for the engines memplan emits:
+
+    * ddp: one gradient all-reduce per step (``no_sync`` on the other micro-steps);
+    * zero1: DDP's all-reduce plus ZeroRedundancyOptimizer's broadcast of the updated
+      parameters (DeepSpeed stage 1 fuses it to reduce-scatter + all-gather: 2Ψ; the torch
+      engine's larger figure is used);
+    * zero2: DeepSpeed reduce-scatters the gradients every micro-step and all-gathers the
+      updated parameters once;
+    * fsdp: all-gathers the parameters in every micro-step's forward and backward, and
+      reduce-scatters the gradients once (``set_requires_gradient_sync(False)`` before).
+    """
+    if world_size <= 1:
+        return 0.0
+    ring = ring_fraction(world_size)
+    k = accumulation_steps
+    if strategy == "ddp":
+        return 2 * ring * grads_bytes
+    if strategy == "zero1":
+        return 2 * ring * grads_bytes + ring * params_bytes
+    if strategy == "zero2":
+        return k * ring * grads_bytes + ring * params_bytes
+    if strategy == "fsdp":
+        return 2 * k * ring * params_bytes + ring * grads_bytes
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def interconnect_bandwidth(device_spec: DeviceSpec | None) -> tuple[float, str]:
+    """Bytes per second between ranks and where the figure comes from."""
+    if device_spec is not None and device_spec.interconnect_bandwidth > 0:
+        return device_spec.interconnect_bandwidth, f"{device_spec.display_name} interconnect"
+    return DEFAULT_INTERCONNECT_BYTES_PER_SECOND, "memplan's default: no device spec gives one"
+
+
+def communication_seconds(bytes_moved: float, bandwidth: float) -> float:
+    """Time of the step's collectives, added to the step *without overlap*: an upper bound
+    (DDP overlaps its all-reduce with backward, FSDP its all-gathers with compute), chosen
+    so that more communication never looks free and ``auto`` prefers less sharding."""
+    return bytes_moved / bandwidth if bandwidth > 0 else 0.0

@@ -140,8 +140,9 @@ def verify_plan(
         raise BadInputError(f"--steps must be at least 1, got {steps}.")
     if plan.world_size != 1:
         raise BadInputError(
-            f"The plan is for {plan.world_size} ranks; verify runs one process.",
-            hint="Solve with --world-size 1 to verify on this machine.",
+            f"The plan is for {plan.world_size} ranks; verify_plan runs one process.",
+            hint="Run it on its ranks with memplan.distributed.verify_distributed "
+            f"(`memplan verify MODEL PLAN --world-size {plan.world_size}`).",
         )
     progress = on_progress or (lambda done, total, what: None)
     total = 3 + (1 if check_gradients else 0)

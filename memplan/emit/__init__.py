@@ -19,6 +19,7 @@ from memplan.emit.hf import emit_hf
 from memplan.emit.lightning import emit_lightning
 from memplan.emit.plan_yaml import emit_plan
 from memplan.emit.script import emit_torch
+from memplan.emit.torchrun import emit_torchrun
 from memplan.errors import BadInputError
 from memplan.plan import Plan
 
@@ -32,6 +33,7 @@ __all__ = [
     "emit_lightning",
     "emit_plan",
     "emit_torch",
+    "emit_torchrun",
 ]
 
 
@@ -79,6 +81,12 @@ FORMATS: dict[str, Format] = {
             filename="train_memplan.py",
             description="runnable PyTorch training script",
             emitter=emit_torch,
+        ),
+        Format(
+            name="torchrun",
+            filename="train_torchrun.py",
+            description="torchrun training script (DDP / ZeRO-1 / FSDP2) with launch commands",
+            emitter=emit_torchrun,
         ),
     )
 }

@@ -4,17 +4,28 @@ Keys are ``ClusterConfig`` fields (``accelerate/commands/config/config_args.py``
 huggingface/accelerate), which rejects unknown keys. Accumulation is not a config-file field:
 it is ``Accelerator(gradient_accumulation_steps=...)``, given as a commented snippet with the
 per-process DataLoader batch size and the ``memplan.apply`` line.
+
+The plan's strategy picks the section: ``fsdp`` → ``distributed_type: FSDP`` with an FSDP2
+``fsdp_config`` wrapping the plan's shard-unit classes one by one (as memplan's model
+assumes); ``zero1``/``zero2`` → ``distributed_type: DEEPSPEED`` with ``deepspeed_config``'s
+``zero_stage`` (and the accumulation steps, which DeepSpeed must know); ``ddp`` → plain
+multi-process data parallelism.
 """
 
 from __future__ import annotations
 
 from memplan.emit._common import apply_snippet, comment, dump_yaml, summary
+from memplan.emit.deepspeed import DEFAULT_GRADIENT_CLIPPING, ZERO_STAGE
 from memplan.plan import Plan
 
 _MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def _distributed_type(plan: Plan) -> str:
+    if plan.strategy == "fsdp":
+        return "FSDP"
+    if plan.strategy in ("zero1", "zero2"):
+        return "DEEPSPEED"
     if plan.world_size == 1:
         return "NO"
     return "MULTI_CPU" if plan.device == "cpu" else "MULTI_GPU"
@@ -58,4 +69,23 @@ def emit_accelerate(plan: Plan, *, model_path: str) -> str:
         "same_network": True,
         "use_cpu": plan.device == "cpu",
     }
+    if plan.strategy == "fsdp":
+        data["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_offload_params": False,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": ",".join(plan.shard_unit_types),
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_activation_checkpointing": False,  # memplan.apply checkpoints the plan's layers
+        }
+    elif plan.strategy in ("zero1", "zero2"):
+        data["deepspeed_config"] = {
+            "zero_stage": ZERO_STAGE[plan.strategy],
+            "gradient_accumulation_steps": k,
+            "gradient_clipping": DEFAULT_GRADIENT_CLIPPING,
+            "offload_optimizer_device": "none",
+            "offload_param_device": "none",
+            "zero3_init_flag": False,
+        }
     return comment(notes) + dump_yaml(data)

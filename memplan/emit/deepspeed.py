@@ -4,7 +4,14 @@ DeepSpeed requires ``train_batch_size == train_micro_batch_size_per_gpu ×
 gradient_accumulation_steps × number of GPUs`` (DeepSpeed config-json docs, "Batch Size
 Related Parameters"); all three are written, so DeepSpeed checks the plan against the GPUs it
 is launched on. ``gradient_clipping`` is 1.0, the common default (the plan does not decide
-clipping). ZeRO stage 0: the memory model does not yet account for sharded optimizer state.
+clipping).
+
+``zero_optimization.stage`` follows the plan's strategy: ddp → 0, zero1 → 1, zero2 → 2,
+fsdp → 3 (ZeRO-3 shards parameters as FSDP does; memplan's per-rank model is FSDP2's, with
+its unit-by-unit all-gathers: DeepSpeed's prefetch buckets are sized to match roughly, not
+exactly). For stage 2 the ``reduce_bucket_size`` memplan's model assumes is written
+explicitly (memplan.memory.Sharding.zero2_bucket_elements), so the config and the prediction
+agree.
 
 No ``activation_checkpointing`` section: it only configures DeepSpeed's own
 ``deepspeed.checkpointing.checkpoint`` (partitioning checkpoints across model-parallel ranks,
@@ -20,6 +27,21 @@ import json
 from memplan.plan import Plan
 
 DEFAULT_GRADIENT_CLIPPING = 1.0
+ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+# memplan.memory.Sharding.zero2_bucket_elements; repeated here so the emitter stays pure text
+ZERO2_REDUCE_BUCKET_ELEMENTS = 500_000_000
+
+
+def zero_section(plan: Plan) -> dict:
+    stage = ZERO_STAGE[plan.strategy]
+    section: dict = {"stage": stage}
+    if stage == 2:
+        section.update(
+            reduce_bucket_size=ZERO2_REDUCE_BUCKET_ELEMENTS,
+            contiguous_gradients=True,
+            overlap_comm=False,
+        )
+    return section
 
 
 def deepspeed_config(plan: Plan) -> dict:
@@ -30,7 +52,7 @@ def deepspeed_config(plan: Plan) -> dict:
         "gradient_clipping": DEFAULT_GRADIENT_CLIPPING,
         "bf16": {"enabled": plan.precision == "bf16"},
         "fp16": {"enabled": plan.precision == "fp16"},
-        "zero_optimization": {"stage": 0},
+        "zero_optimization": zero_section(plan),
     }
 
 

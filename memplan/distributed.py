@@ -1,0 +1,587 @@
+"""Run a plan on N real ``torch.distributed`` processes and measure every rank's peak.
+
+``verify_distributed(model, plan, world_size=N)`` starts N processes on this machine (gloo
+on CPU, NCCL on GPUs, one GPU per rank), joined over 127.0.0.1 on a free port. Each rank
+builds the model with the same seed, checkpoints the plan's layers (``memplan.apply``),
+wraps the model as the plan's strategy says and as memplan's torchrun script does:
+
+* ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` and the model file's
+  optimizer;
+* ``zero1``: the same DDP, with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around
+  the optimizer's class (so each rank keeps the state of its parameter partition);
+* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` and then on the root;
+  accumulation skips the reduce-scatter with ``set_requires_gradient_sync(False)``.
+
+(``zero2`` is DeepSpeed's; there is no torch engine to run it with, so it is refused.)
+Then it runs ``steps`` optimizer steps with ``memplan.Accumulator`` on ``make_batch``
+batches (different on every rank) under the probe's live-tensor tracker, extended to count
+the local shards inside DTensors and storages FSDP2 resizes by hand, and reports its peak:
+what the plan predicts per rank. On CUDA ``max_memory_allocated``/``max_memory_reserved`` are
+reported too. Memory that gloo or NCCL allocate outside PyTorch tensors is not seen.
+
+A rank that raises, dies or outlives ``timeout_s`` ends the run: the others are killed,
+and a ``CannotMeasureError`` says which rank, how, and the tail of its error.
+
+It also checks that N ranks × k micro-batches give the gradient of one batch of
+N × k × micro samples (the data-parallel form of DESIGN.md's accumulation rule).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import math
+import os
+import socket
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memplan.errors import BadInputError, CannotMeasureError
+from memplan.plan import Plan
+from memplan.probe.tracker import LiveTracker, resident_tensors
+from memplan.verify import GRAD_TOLERANCE, GradientCheck
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Wall-clock limit of the whole run (start-up, steps, gradient check) unless given."""
+RUNNABLE_STRATEGIES = ("ddp", "zero1", "fsdp")
+
+
+# --------------------------------------------------------------------------- the instrument
+class DistributedTracker(LiveTracker):
+    """The probe's tracker, also counting what torch.distributed hides from it:
+
+    * DTensor (FSDP2's sharded parameters, gradients and optimizer state) is a wrapper
+      subclass with no storage of its own: its inner local tensors are counted instead;
+    * FSDP2 frees and re-allocates unsharded parameters with ``UntypedStorage.resize_``,
+      which no aten op reports: ``resize_`` is wrapped while the tracker is active."""
+
+    def _add_tensor(self, tensor: torch.Tensor) -> None:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+        if is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                inner = getattr(tensor, name, None)
+                if isinstance(inner, torch.Tensor):
+                    self._add_tensor(inner)
+            return
+        super()._add_tensor(tensor)
+
+    def _resized(self, storage: Any) -> None:
+        key = id(storage)
+        nbytes = storage.nbytes()
+        entry = self._storages.get(key)
+        if entry is None:
+            if nbytes:
+                ref = weakref.ref(storage, lambda _ref, key=key: self._free(key))
+                self._storages[key] = (ref, nbytes)
+                self.live_bytes += nbytes
+        else:
+            self.live_bytes += nbytes - entry[1]
+            self._storages[key] = (entry[0], nbytes)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def __enter__(self) -> DistributedTracker:
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage: Any, size: int) -> Any:
+            out = original(storage, size)
+            tracker._resized(storage)
+            return out
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+
+# --------------------------------------------------------------------------- wrapping
+def fsdp_no_sync(model: torch.nn.Module) -> None:
+    """Give an FSDP2 module the ``no_sync()`` context manager the Accumulator looks for:
+    gradients are accumulated unsharded, without reduce-scatter, inside it (FSDP2's
+    ``set_requires_gradient_sync``, "the equivalence of no_sync in FSDP1")."""
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    model.no_sync = no_sync  # type: ignore[assignment]
+
+
+def wrap_for_plan(
+    net: torch.nn.Module,
+    plan: Plan,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    device: torch.device,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """(model to call, optimizer) for ``plan.strategy`` in an initialised process group."""
+    strategy = plan.strategy
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        modules = dict(net.named_modules())
+        missing = [name for name in plan.shard_units if name not in modules]
+        if missing:
+            raise BadInputError(
+                f"The plan's shard_units {', '.join(missing)} are not modules of the model."
+            )
+        for name in plan.shard_units:
+            fully_shard(modules[name])
+        fully_shard(net)
+        fsdp_no_sync(net)
+        return net, make_optimizer(net)
+    ids = [device.index] if device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(
+        net, device_ids=ids, gradient_as_bucket_view=True
+    )
+    optimizer = make_optimizer(net)
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {
+            k: v for k, v in optimizer.defaults.items() if k in accepted and k != "differentiable"
+        }
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **defaults)
+    return model, optimizer
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankResult:
+    rank: int
+    peak_bytes: int
+    """What the prediction is compared with: the tracker's peak (CPU), or on CUDA what the
+    process held at most (NVML, else max_memory_reserved)."""
+    tracker_peak_bytes: int
+    step_seconds: float
+    effective_batch: int
+    cuda_max_allocated_bytes: int | None = None
+    cuda_max_reserved_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistributedVerifyResult:
+    plan: Plan
+    device: str
+    backend: str
+    world_size: int
+    steps: int
+    predicted_peak_bytes: int
+    """Per rank, from the plan."""
+    ranks: tuple[RankResult, ...]
+    tolerance: float
+    gradient_check: GradientCheck
+    predicted_step_seconds: float
+
+    @property
+    def measured_peak_bytes(self) -> int:
+        """The largest rank's peak."""
+        return max(r.peak_bytes for r in self.ranks)
+
+    def rank_error(self, rank: int) -> float:
+        """(predicted − measured) / measured for one rank."""
+        measured = self.ranks[rank].peak_bytes
+        return (self.predicted_peak_bytes - measured) / max(measured, 1)
+
+    @property
+    def peak_error(self) -> float:
+        """The rank error of largest magnitude."""
+        return max((self.rank_error(r.rank) for r in self.ranks), key=abs)
+
+    @property
+    def measured_step_seconds(self) -> float:
+        return max(r.step_seconds for r in self.ranks)
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.plan.budget_bytes
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.within_budget
+            and abs(self.peak_error) <= self.tolerance
+            and self.gradient_check.status != "fail"
+        )
+
+
+# --------------------------------------------------------------------------- the worker
+def _loopback_interface() -> str | None:
+    with contextlib.suppress(OSError):
+        for _, name in socket.if_nameindex():
+            if name.startswith("lo"):
+                return name
+    return None
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound there only, then released for the store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(rank: int, config: dict[str, Any]) -> None:
+    """One rank. Writes ``rank<r>.json`` (result or error) into ``config['folder']``."""
+    folder = Path(config["folder"])
+    try:
+        result = _run_rank(rank, config)
+        (folder / f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException as exc:
+        (folder / f"rank{rank}.json").write_text(
+            json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+        )
+        raise
+    finally:
+        dist = torch.distributed
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
+    from memplan import runtime
+    from memplan.loader import load_model_file, map_batch
+    from memplan.plan import plan_from_data
+
+    dist = torch.distributed
+    world = int(config["world_size"])
+    cuda = config["device"] == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{config['port']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=float(config["timeout_s"])),
+    )
+    plan = plan_from_data(config["plan"], source="plan")
+    mf = load_model_file(config["model"])
+    micro, k, seed = plan.micro_batch_size, plan.accumulation_steps, int(config["seed"])
+
+    torch.manual_seed(seed)
+    net = mf.build_model().to(device).train()
+    runtime.apply(net, plan)
+    tracker = DistributedTracker(record=False)
+    tracker.track(resident_tensors(net, None, None))
+    with tracker:  # DDP's buckets are made here: count them
+        model, optimizer = wrap_for_plan(net, plan, mf.make_optimizer, device)
+    acc = runtime.Accumulator(model, optimizer, plan, device=device)
+    torch.manual_seed(seed + 1 + rank)  # different batches on every rank
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(device)
+    tracker.peak_bytes = tracker.live_bytes  # construction transients are not the step's
+    effective = 0
+    with tracker:
+        for _ in range(config["steps"] * k):
+            metrics = acc.step(mf.make_batch(micro), mf.loss)
+            if metrics["stepped"]:
+                effective = int(metrics["effective_batch"])
+    alloc = torch.cuda.max_memory_allocated(device) if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) if cuda else None
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(config["steps"] * k):
+        acc.step(mf.make_batch(micro), mf.loss)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / config["steps"]
+    measured = tracker.peak_bytes
+    if cuda:
+        from memplan.devices import local_gpu
+
+        info = local_gpu(rank)
+        held = info.process_used_bytes if info else None
+        measured = held if held is not None else int(reserved or 0)
+    out: dict[str, Any] = {
+        "rank": rank,
+        "peak_bytes": int(measured),
+        "tracker_peak_bytes": int(tracker.peak_bytes),
+        "step_seconds": seconds,
+        "effective_batch": effective,
+        "cuda_max_allocated_bytes": alloc,
+        "cuda_max_reserved_bytes": reserved,
+    }
+    del acc, optimizer, model, net
+    if config["check_gradients"]:
+        out["gradient_error"] = _gradient_error(mf, plan, device, seed, rank, world, map_batch)
+    return out
+
+
+def _full_grad(tensor: torch.Tensor) -> torch.Tensor:
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if callable(full) else tensor).detach().float()
+
+
+def _gradient_error(
+    mf: Any, plan: Plan, device: torch.device, seed: int, rank: int, world: int, map_batch: Any
+) -> float | str | None:
+    """max over parameters of max|g_ranks − g_full| / max|g_full|, where g_ranks is the
+    gradient after this rank's k micro-batches (synchronised by the strategy) and g_full one
+    process's gradient of the whole N × k × micro batch. A string says why it was skipped."""
+    from memplan import runtime
+
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    torch.manual_seed(seed)
+    reference_net = mf.build_model().to(device).train()
+    kinds = (torch.nn.modules.batchnorm._BatchNorm,)
+    if any(isinstance(m, kinds) for m in reference_net.modules()):
+        return "the model has BatchNorm: statistics are per micro-batch and per rank"
+    for module in reference_net.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+    torch.manual_seed(seed + 10_000)  # the same full batch on every rank
+    full = map_batch(mf.make_batch(world * k * micro), lambda t: t.to(device))
+    mf.loss(reference_net, full).backward()
+    reference = {
+        name: p.grad.detach().float().clone()
+        for name, p in reference_net.named_parameters()
+        if p.grad is not None
+    }
+    del reference_net
+
+    torch.manual_seed(seed)
+    net = mf.build_model().to(device).train()
+    for module in net.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+    runtime.apply(net, plan)
+    # lr 0: the optimizer step must not move the weights before the gradients are read
+    model, optimizer = wrap_for_plan(
+        net, plan, lambda m: torch.optim.SGD(m.parameters(), lr=0.0), device
+    )
+    acc = runtime.Accumulator(model, optimizer, plan, device=device)
+    pieces = [
+        map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(world * k)
+    ]
+    mine = pieces[rank * k : (rank + 1) * k]
+    captured: dict[str, torch.Tensor] = {}
+    original_step = optimizer.step
+
+    def step_and_capture(*args: Any, **kwargs: Any) -> Any:
+        for name, p in net.named_parameters():
+            if p.grad is not None:
+                captured[name] = _full_grad(p.grad)
+        return original_step(*args, **kwargs)
+
+    optimizer.step = step_and_capture  # type: ignore[method-assign]
+    for piece in mine:
+        acc.step(piece, mf.loss)
+    worst = 0.0
+    for name, ref in reference.items():
+        got = captured.get(name)
+        if got is None:
+            return math.inf
+        scale = ref.abs().max().item()
+        if scale > 0:
+            worst = max(worst, (got - ref).abs().max().item() / scale)
+    return worst
+
+
+# --------------------------------------------------------------------------- the driver
+def _resolve_device(plan: Plan, device: str | None, world: int) -> str:
+    chosen = device or (plan.device if plan.device in ("cpu", "cuda") else "auto")
+    if chosen == "auto":
+        chosen = "cuda" if torch.cuda.is_available() else "cpu"
+    if chosen not in ("cpu", "cuda"):
+        raise BadInputError(f"--device {chosen!r}: verify runs on cpu or cuda.")
+    if chosen == "cuda":
+        if not torch.cuda.is_available():
+            raise CannotMeasureError("--device cuda, but no CUDA GPU is available.")
+        if torch.cuda.device_count() < world:
+            raise CannotMeasureError(
+                f"{world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}.",
+                hint="Verify with fewer ranks (a plan solved for them), or on CPU.",
+            )
+    return chosen
+
+
+def _failure(folder: Path, world: int, what: str) -> CannotMeasureError:
+    """The clearest account of a failed run: the first rank that wrote an error."""
+    for rank in range(world):
+        path = folder / f"rank{rank}.json"
+        if path.is_file():
+            data = json.loads(path.read_text() or "{}")
+            if "error" in data:
+                tail = "\n".join(data.get("trace", "").strip().splitlines()[-6:])
+                return CannotMeasureError(
+                    f"Rank {rank} of {world} failed: {data['error']}",
+                    hint=f"The run stopped ({what}) and the other ranks were killed. "
+                    f"Its traceback ends:\n{tail}",
+                )
+    return CannotMeasureError(f"The distributed run failed: {what}.")
+
+
+def verify_distributed(
+    model: str,
+    plan: Plan,
+    *,
+    world_size: int | None = None,
+    steps: int = 3,
+    device: str | None = None,
+    tolerance: float = 0.05,
+    check_gradients: bool = True,
+    seed: int = 0,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_progress: Callable[[int, int, str], None] | None = None,
+) -> DistributedVerifyResult:
+    """Run ``plan`` on ``world_size`` processes (default: the plan's) and measure each rank;
+    see the module doc. Raises ``BadInputError`` for a plan it cannot run here and
+    ``CannotMeasureError`` when a rank fails, dies or times out."""
+    world = plan.world_size if world_size is None else world_size
+    if world != plan.world_size:
+        raise BadInputError(
+            f"The plan is for {plan.world_size} rank(s), not {world}: per-rank memory and the "
+            "effective batch depend on the world size.",
+            hint=f"Solve again with --world-size {world}.",
+        )
+    if world < 2:
+        raise BadInputError("verify_distributed needs at least 2 ranks; use verify_plan.")
+    if steps < 1:
+        raise BadInputError(f"--steps must be at least 1, got {steps}.")
+    if plan.strategy not in RUNNABLE_STRATEGIES:
+        raise BadInputError(
+            f"Strategy {plan.strategy} is DeepSpeed's; verify runs the torch engines only "
+            f"({', '.join(RUNNABLE_STRATEGIES)}).",
+            hint="Run it under DeepSpeed (memplan solve --format deepspeed) and compare its "
+            "memory report, or solve with --strategy zero1 or fsdp.",
+        )
+    if plan.strategy == "fsdp" and not plan.shard_units:
+        raise BadInputError("The fsdp plan names no shard_units.", hint="Solve it again.")
+    chosen = _resolve_device(plan, device, world)
+    progress = on_progress or (lambda done, total, what: None)
+    import torch.multiprocessing as mp
+
+    from memplan.schema import to_data
+
+    with tempfile.TemporaryDirectory(prefix="memplan-dist-") as tmp:
+        folder = Path(tmp)
+        config = {
+            "folder": str(folder),
+            "world_size": world,
+            "device": chosen,
+            "port": free_port(),
+            "timeout_s": timeout_s,
+            "plan": to_data(plan),
+            "model": model,
+            "seed": seed,
+            "steps": steps,
+            "check_gradients": check_gradients,
+        }
+        env = {"MASTER_ADDR": "127.0.0.1"}
+        interface = _loopback_interface()
+        if interface and chosen == "cpu":
+            env.setdefault("GLOO_SOCKET_IFNAME", interface)
+        saved = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+        progress(0, 1, f"starting {world} ranks ({'nccl' if chosen == 'cuda' else 'gloo'})")
+        try:
+            context = mp.start_processes(
+                _worker, args=(config,), nprocs=world, join=False, start_method="spawn"
+            )
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise CannotMeasureError(
+                        f"The {world}-rank run did not finish within {timeout_s:g} s; its "
+                        "processes were killed.",
+                        hint="A rank may wait on a collective another never reached; raise "
+                        "--timeout for a slow model.",
+                    )
+        except mp.ProcessRaisedException as exc:
+            raise _failure(folder, world, f"rank {exc.error_index} raised") from exc
+        except mp.ProcessExitedException as exc:
+            how = (
+                f"rank {exc.error_index} was killed by signal {exc.signal_name}"
+                if exc.signal_name
+                else f"rank {exc.error_index} exited with code {exc.exit_code}"
+            )
+            error = _failure(folder, world, how)
+            if error.message.startswith("The distributed run failed"):
+                error = CannotMeasureError(f"A rank died: {how}.")
+            raise error from exc
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join(5)
+        progress(1, 1, "done")
+        raw = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+
+    errors = [r.get("gradient_error") for r in raw]
+    return DistributedVerifyResult(
+        plan=plan,
+        device=chosen,
+        backend="nccl" if chosen == "cuda" else "gloo",
+        world_size=world,
+        steps=steps,
+        predicted_peak_bytes=plan.predicted.peak_bytes,
+        ranks=tuple(
+            RankResult(
+                rank=r["rank"],
+                peak_bytes=r["peak_bytes"],
+                tracker_peak_bytes=r["tracker_peak_bytes"],
+                step_seconds=r["step_seconds"],
+                effective_batch=r["effective_batch"],
+                cuda_max_allocated_bytes=r["cuda_max_allocated_bytes"],
+                cuda_max_reserved_bytes=r["cuda_max_reserved_bytes"],
+            )
+            for r in raw
+        ),
+        tolerance=tolerance,
+        gradient_check=_gradient_check(plan, errors, check_gradients, world),
+        predicted_step_seconds=plan.predicted.step_seconds,
+    )
+
+
+def _gradient_check(plan: Plan, errors: list[Any], asked: bool, world: int) -> GradientCheck:
+    tol = GRAD_TOLERANCE[plan.precision]
+    if not asked:
+        return GradientCheck(
+            status="skipped", max_relative_error=None, tolerance=tol, reason="not asked for"
+        )
+    reasons = [e for e in errors if isinstance(e, str)]
+    if reasons:
+        return GradientCheck(
+            status="skipped", max_relative_error=None, tolerance=tol, reason=reasons[0]
+        )
+    worst = max(float(e) for e in errors)
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    return GradientCheck(
+        status="pass" if worst <= tol else "fail",
+        max_relative_error=worst,
+        tolerance=tol,
+        reason=f"{world} ranks × {k} micro-batches of {micro} ({plan.strategy}) vs one "
+        f"process's batch of {world * k * micro} (dropout off)",
+    )

@@ -1,0 +1,163 @@
+"""Real torch.distributed runs on CPU (gloo, 127.0.0.1): gradients of N ranks × k
+micro-batches, the emitted torchrun script, and how failures are reported."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memplan.distributed import free_port, verify_distributed
+from memplan.emit import emit
+from memplan.errors import BadInputError, CannotMeasureError
+from memplan.plan import Breakdown, Plan, Prediction
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY = """
+import os, time
+import torch
+from torch import nn
+
+WHAT = {what!r}
+
+
+def _rank():
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1)) for _ in range(3)
+        )
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return nn.functional.cross_entropy(self.out(h), y)
+
+
+def build_model():
+    if WHAT == "raise" and _rank() == 1:
+        raise RuntimeError("rank one refuses")
+    if WHAT == "die" and _rank() == 1:
+        os._exit(7)
+    return Net()
+
+
+def make_batch(n):
+    if WHAT == "hang" and _rank() == 1:
+        time.sleep(120)
+    return torch.randn(n, 8), torch.randint(0, 4, (n,))
+"""
+
+
+def model_file(tmp_path: Path, what: str = "") -> str:
+    path = tmp_path / f"tiny_{what or 'ok'}.py"
+    path.write_text(TINY.format(what=what))
+    return str(path)
+
+
+def plan_for(strategy: str, *, micro: int = 3, k: int = 2, world: int = 2, **kwargs) -> Plan:
+    fields = {
+        "target_batch": micro * k * world,
+        "micro_batch_size": micro,
+        "accumulation_steps": k,
+        "world_size": world,
+        "strategy": strategy,
+        "checkpoint_layers": ("blocks.1",),
+        "shard_units": ("blocks.0", "blocks.1", "blocks.2") if strategy == "fsdp" else (),
+        "budget_bytes": 1 << 30,
+        "model": "tiny.py",
+        "predicted": Prediction(
+            peak_bytes=1 << 20,
+            step_seconds=0.01,
+            breakdown=Breakdown(
+                params=1, grads=1, optimizer=1, activations=1, transient=1, reserve=0
+            ),
+        ),
+    }
+    fields.update(kwargs)
+    return Plan(**fields)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_times_micro_batches_give_the_full_batch_gradient(strategy, tmp_path):
+    # 2 ranks × 2 micro-batches of 3, one layer checkpointed, vs one process's batch of 12.
+    result = verify_distributed(model_file(tmp_path), plan_for(strategy), steps=1, timeout_s=120)
+    check = result.gradient_check
+    assert check.status == "pass", check.reason
+    assert check.max_relative_error < 1e-5
+    assert len(result.ranks) == 2
+    assert all(r.effective_batch == 12 for r in result.ranks)
+    assert all(r.peak_bytes > 0 for r in result.ranks)
+
+
+def test_emitted_torchrun_script_runs_two_steps_on_two_ranks(tmp_path):
+    plan = plan_for("zero1", micro=2, k=2)
+    model = model_file(tmp_path)
+    _, text = emit(plan, "torchrun", model)
+    script = tmp_path / "train_torchrun.py"
+    script.write_text(text)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            str(script),
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    steps = [line for line in run.stdout.splitlines() if line.startswith("memplan-step")]
+    assert len(steps) == 2  # rank 0 only
+    assert "step=2" in steps[-1] and "effective_batch=8" in steps[-1]
+
+
+def test_a_rank_that_raises_is_named(tmp_path):
+    with pytest.raises(CannotMeasureError, match=r"Rank 1 of 2 failed: .*rank one refuses"):
+        verify_distributed(model_file(tmp_path, "raise"), plan_for("ddp"), timeout_s=120)
+
+
+def test_a_rank_that_dies_is_named(tmp_path):
+    with pytest.raises(CannotMeasureError, match="rank 1 exited with code 7"):
+        verify_distributed(model_file(tmp_path, "die"), plan_for("ddp"), timeout_s=120)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_times_out_and_is_killed(tmp_path):
+    with pytest.raises(CannotMeasureError, match="did not finish within 12 s"):
+        verify_distributed(model_file(tmp_path, "hang"), plan_for("ddp"), timeout_s=12)
+
+
+def test_plans_it_cannot_run_are_refused_before_starting(tmp_path):
+    model = model_file(tmp_path)
+    with pytest.raises(BadInputError, match="not 4"):
+        verify_distributed(model, plan_for("ddp"), world_size=4)
+    with pytest.raises(BadInputError, match="DeepSpeed"):
+        verify_distributed(model, plan_for("zero2"))
