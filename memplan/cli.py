@@ -402,7 +402,6 @@ def _verify_distributed(
 ) -> None:
     from memplan import render
     from memplan.distributed import verify_distributed
-    from memplan.units import format_bytes
 
     with render.progress("verifying on several ranks") as on_progress:
         result = verify_distributed(
@@ -427,19 +426,7 @@ def _verify_distributed(
         )
         render.print_json(data)
     else:
-        render.info(
-            f"{plan.strategy} on {result.world_size} ranks ({result.backend}, {result.device}): "
-            f"predicted {format_bytes(result.predicted_peak_bytes)} per rank"
-        )
-        for r in result.ranks:
-            render.info(
-                f"  rank {r.rank}: measured {format_bytes(r.peak_bytes)} "
-                f"({result.rank_error(r.rank):+.1%}), {r.step_seconds:.3f} s per step"
-            )
-        check = result.gradient_check
-        error = f" ({check.max_relative_error:.1e})" if check.max_relative_error is not None else ""
-        render.info(f"  gradient check: {check.status}{error}: {check.reason}")
-        render.info("PASS" if result.passed else "FAIL")
+        render.show_distributed_verify(result)
     if not result.passed:
         raise typer.Exit(1)
 

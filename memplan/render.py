@@ -7,7 +7,6 @@ should check — the numbers come from the pure modules."""
 from __future__ import annotations
 
 import contextlib
-import math
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -271,8 +270,12 @@ def show_plan(plan: Plan) -> None:
         f"checkpoint {len(plan.checkpoint_layers)} layer(s): "
         f"{compact_names(plan.checkpoint_layers)}\n"
     )
-    lines.append(f"precision {plan.precision} · device {plan.device}\n")
-    lines.append("predicted peak ")
+    sharding = (
+        f" · strategy {plan.strategy}" if plan.world_size > 1 or plan.strategy != "ddp" else ""
+    )
+    per_rank = " per rank" if plan.world_size > 1 else ""
+    lines.append(f"precision {plan.precision} · device {plan.device}{sharding}\n")
+    lines.append(f"predicted peak{per_rank} ")
     lines.append(breakdown_bar(plan))
     lines.append(f"\npeak during: {predicted.peak_phase or 'n/a'}\n")
     lines.append(
@@ -289,44 +292,34 @@ def show_plan(plan: Plan) -> None:
 
 
 def candidates_table(rows: list[dict[str, Any]], chosen_micro: int | None) -> Table:
-    """The Pareto candidates, one row per micro-batch; ``rows`` are plain dicts with keys
-    micro_batch, accumulation_steps, n_checkpointed, peak_bytes, step_seconds, feasible, note."""
-    table = Table(
-        title="candidates (one per micro-batch)", title_justify="left", header_style="bold"
-    )
-    for column in (
-        "micro",
-        "accum",
-        "ckpt layers",
-        "peak",
-        "step time",
-        "relative throughput",
-        "note",
-    ):
-        table.add_column(column, justify="left" if column == "note" else "right")
-    best = next((r for r in rows if r["micro_batch"] == chosen_micro), None)
+    """The candidates behind the choice, one row per (strategy,) micro-batch; ``rows`` are
+    plain dicts of memplan.solver.Candidate fields."""
+    strategies = {row.get("strategy", "ddp") for row in rows}
+    columns = ["micro", "accum", "ckpt layers", "peak", "step time", "rel. speed", "note"]
+    if strategies != {"ddp"}:
+        columns.insert(0, "strategy")
+    table = Table(title="candidates", title_justify="left", header_style="bold")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("note", "strategy") else "right")
+    best = next((r for r in rows if r.get("chosen")), None)
     for row in rows:
         relative = ""
         if best and row.get("feasible") and row["step_seconds"] > 0:
             relative = f"{best['step_seconds'] / row['step_seconds']:.2f}×"
-        style = (
-            "bold green"
-            if row["micro_batch"] == chosen_micro
-            else (None if row.get("feasible") else "dim")
-        )
+        style = "bold green" if row is best else (None if row.get("feasible") else "dim")
         peak = row.get("peak_bytes")
-        table.add_row(
+        cells = [
             str(row["micro_batch"]),
             str(row["accumulation_steps"]),
             "" if row.get("n_checkpointed") is None else str(row["n_checkpointed"]),
-            ""
-            if peak is None or (isinstance(peak, float) and math.isnan(peak))
-            else format_bytes(peak),
+            "" if peak is None else format_bytes(peak),
             format_seconds(row["step_seconds"]) if row.get("step_seconds") else "",
             relative,
             row.get("note", ""),
-            style=style,
-        )
+        ]
+        if "strategy" in columns:
+            cells.insert(0, row.get("strategy", "ddp"))
+        table.add_row(*cells, style=style)
     return table
 
 
@@ -408,5 +401,46 @@ def show_verify(result: Any) -> None:
     console.print(
         f"{verdict}: peak error {result.peak_error:+.1%} (tolerance "
         f"±{result.tolerance:.0%}), measured peak "
+        f"{'within' if result.within_budget else 'over'} the budget."
+    )
+
+
+def show_distributed_verify(result: Any) -> None:
+    """Per-rank predicted against measured (memplan.distributed.DistributedVerifyResult)."""
+    plan = result.plan
+    table = Table(
+        title=(
+            f"verify: {plan.strategy} on {result.world_size} ranks ({result.backend}, "
+            f"{result.device}) · micro-batch {plan.micro_batch_size} × "
+            f"{plan.accumulation_steps} · {len(plan.checkpoint_layers)} checkpointed"
+        ),
+        title_justify="left",
+        header_style="bold",
+    )
+    for column in ("rank", "predicted peak", "measured peak", "error", "step time"):
+        table.add_column(column, justify="right")
+    for rank in result.ranks:
+        error = result.rank_error(rank.rank)
+        colour = "green" if abs(error) <= result.tolerance else "red"
+        table.add_row(
+            str(rank.rank),
+            format_bytes(result.predicted_peak_bytes),
+            format_bytes(rank.peak_bytes),
+            f"[{colour}]{error:+.2%}[/{colour}]",
+            format_seconds(rank.step_seconds),
+        )
+    console.print(table)
+    check = result.gradient_check
+    if check.max_relative_error is None:
+        console.print(f"gradient check: {check.status} — {check.reason}")
+    else:
+        console.print(
+            f"gradient check: {check.status} — {check.reason}: max relative "
+            f"difference {check.max_relative_error:.2e} (tolerance {check.tolerance:.0e})"
+        )
+    verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
+    console.print(
+        f"{verdict}: worst rank error {result.peak_error:+.2%} (tolerance "
+        f"±{result.tolerance:.0%}), largest rank "
         f"{'within' if result.within_budget else 'over'} the budget."
     )

@@ -689,19 +689,15 @@ def _candidate(
     target = ctx.request.target_batch
     chosen = best is not None and option is best
     notes = []
+    # Short: the table beside it already shows peak, time and relative speed.
     if chosen:
-        notes.append("chosen: fastest plan that fits")
+        notes.append("chosen")
     elif not option.fits:
-        notes.append(
-            f"needs {format_bytes(option.peak.peak_bytes)}: over budget by "
-            f"{format_bytes(option.peak.peak_bytes - ctx.usable_bytes)}"
-        )
+        notes.append(f"over budget by {format_bytes(option.peak.peak_bytes - ctx.usable_bytes)}")
     elif option.allowed and best is not None:
         slower = option.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
         notes.append(
-            f"fits; {slower:.1%} slower"
-            if slower > 0.0005
-            else "fits; as fast, but more layers checkpointed or a smaller micro-batch"
+            f"fits; {slower:+.1%} time" if slower > 0.0005 else "fits; tie, lost on tie-break"
         )
     else:
         notes.append("fits")
