@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test lint format bench gpu-check clean
+.PHONY: install demo test lint format bench bench-deps gpu-check clean
 
 $(BIN)/memplan: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,10 +32,13 @@ format: install
 	$(BIN)/ruff format memplan tests bench examples
 	$(BIN)/ruff check --fix memplan tests bench examples
 
-bench: install
+bench-deps: install
+	$(BIN)/pip install -q -e '.[dev,bench]'
+
+bench: bench-deps
 	$(BIN)/python -m bench.run --device cpu
 
-gpu-check: install
+gpu-check: bench-deps
 	$(BIN)/python -m bench.run --device cuda
 
 clean:

@@ -21,7 +21,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-SECTIONS = ["accuracy", "probe_overhead", "solver_speed", "check_speed"]
+SECTIONS = [
+    "accuracy",
+    "zoo_accuracy",
+    "zoo_plans",
+    "distributed",
+    "probe_overhead",
+    "solver_speed",
+    "check_speed",
+]
 
 
 def _machine(device: str) -> str:
