@@ -200,8 +200,8 @@ class ModelFile:
             )
         return out
 
-    def make_optimizer(self, model: Any) -> Any:
-        """The file's ``make_optimizer(model)``, else AdamW over the trainable parameters."""
+    def make_optimizer(self, model: Any, *, lr: float = 1e-4) -> Any:
+        """The file's ``make_optimizer(model)``, else AdamW(lr) over the trainable parameters."""
         import torch
 
         if self.has_make_optimizer:
@@ -212,18 +212,25 @@ class ModelFile:
                     "not a torch.optim.Optimizer."
                 )
             return opt
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
-def load_model_file(spec: str | Path, factory: str | None = None) -> ModelFile:
+def load_model_file(
+    spec: str | Path, factory: str | None = None, *, search_dir: str | Path | None = None
+) -> ModelFile:
     """Import ``spec`` (``path.py`` or ``path.py:factory``) and check what the contract
-    requires of the file itself; calls to its functions are checked as they are made."""
+    requires of the file itself; calls to its functions are checked as they are made.
+    A relative path that does not exist is also looked up in ``search_dir`` (emitted
+    training scripts pass their own folder)."""
     if isinstance(spec, Path):
         path_text, selected = str(spec), DEFAULT_FACTORY
     else:
         path_text, selected = split_model_arg(spec)
     factory = factory or selected
     path = Path(path_text)
+    if not path.exists() and not path.is_absolute() and search_dir is not None:
+        beside = Path(search_dir) / path
+        path = beside if beside.exists() else path
     if not path.is_file():
         raise ModelFileError(
             f"Model file {path} does not exist." if not path.exists() else f"{path} is not a file.",

@@ -354,5 +354,6 @@ def test_torch_script_names_training_loss_when_the_output_is_not_a_loss(tmp_path
     plan = _small_plan(checkpoint_layers=())
     result = _run_script(tmp_path, plan, "bad_model.py", "--steps", "1", "--device", "cpu")
     assert result.returncode == 1
-    assert "define training_loss(model, batch)" in result.stderr
+    assert "not a scalar loss" in result.stderr
+    assert "Define training_loss(model, batch)" in result.stderr
     assert not STEP_LINE.findall(result.stdout)

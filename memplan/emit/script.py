@@ -36,7 +36,6 @@ It is a plain PyTorch loop around memplan.apply and memplan.Accumulator: edit fr
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 import time
@@ -45,6 +44,8 @@ from pathlib import Path
 import memplan
 import torch
 import yaml
+from memplan.errors import MemplanError
+from memplan.loader import load_model_file
 from memplan.plan import plan_from_data
 
 MODEL = __MODEL_REPR__
@@ -52,55 +53,6 @@ MODEL = __MODEL_REPR__
 script)."""
 
 PLAN_YAML = __PLAN_LITERAL__
-
-
-def load_model_file(spec):
-    """Import the model file; returns (module, factory name)."""
-    path, factory = spec, "build_model"
-    head, sep, tail = spec.rpartition(":")
-    if sep and head and tail.isidentifier():
-        path, factory = head, tail
-    file = Path(path)
-    if not file.is_absolute() and not file.exists():
-        beside = Path(__file__).resolve().parent / file
-        if beside.exists():
-            file = beside
-    if not file.is_file():
-        sys.exit(f"train_memplan: model file {file} not found; pass --model PATH[:FACTORY].")
-    file = file.resolve()
-    sys.path.insert(0, str(file.parent))  # let the model file import its neighbours
-    name = "memplan_user_model"
-    spec_ = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec_)
-    sys.modules[name] = module
-    spec_.loader.exec_module(module)
-    for required in (factory, "make_batch"):
-        if not callable(getattr(module, required, None)):
-            sys.exit(
-                f"train_memplan: {file} defines no {required}(); a memplan model file "
-                "defines build_model() (or the factory after ':') and make_batch(n)."
-            )
-    return module, factory
-
-
-def default_loss(model, batch):
-    """The model-file contract without training_loss: the batch goes in as model(**batch),
-    model(*batch) or model(batch); the output is a scalar loss or has .loss."""
-    if isinstance(batch, dict):
-        out = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        sys.exit(
-            "train_memplan: the model output is not a scalar loss and has no .loss; "
-            "define training_loss(model, batch) in the model file."
-        )
-    return loss
 
 
 def setup_device(requested):
@@ -152,18 +104,14 @@ def main(argv=None):
     world, rank, device = setup_device(args.device)
     torch.manual_seed(args.seed + rank)  # different random batches on every rank
 
-    module, factory = load_model_file(args.model)
-    model = getattr(module, factory)().to(device).train()
+    # memplan's own loader: the model-file contract, with its error messages.
+    model_file = load_model_file(args.model, search_dir=Path(__file__).resolve().parent)
+    model = model_file.build_model().to(device).train()
     memplan.apply(model, plan)
-    if callable(getattr(module, "make_optimizer", None)):
-        optimizer = module.make_optimizer(model)
-    else:
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=args.lr)
+    optimizer = model_file.make_optimizer(model, lr=args.lr)
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    loss_fn = getattr(module, "training_loss", None) or default_loss
     step = memplan.Accumulator(
         model, optimizer, plan, device=device, max_grad_norm=args.max_grad_norm or None
     )
@@ -180,7 +128,7 @@ def main(argv=None):
     for _ in range(args.steps):
         start = time.perf_counter()
         for _ in range(plan.accumulation_steps):
-            metrics = step(module.make_batch(plan.micro_batch_size), loss_fn)
+            metrics = step(model_file.make_batch(plan.micro_batch_size), model_file.loss)
         seconds = time.perf_counter() - start
         if rank == 0:
             print(
@@ -201,7 +149,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MemplanError as exc:  # the model file broke its contract: one clear line
+        sys.exit(f"train_memplan: {exc}")
 '''
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import inspect
 import os
 import sys
@@ -58,6 +57,8 @@ import memplan
 import torch
 import torch.distributed as dist
 import yaml
+from memplan.errors import MemplanError
+from memplan.loader import load_model_file
 from memplan.plan import plan_from_data
 
 MODEL = __MODEL_REPR__
@@ -65,49 +66,6 @@ MODEL = __MODEL_REPR__
 script)."""
 
 PLAN_YAML = __PLAN_LITERAL__
-
-
-def load_model_file(spec):
-    """Import the model file; returns (module, factory name)."""
-    path, factory = spec, "build_model"
-    head, sep, tail = spec.rpartition(":")
-    if sep and head and tail.isidentifier():
-        path, factory = head, tail
-    file = Path(path)
-    if not file.is_absolute() and not file.exists():
-        beside = Path(__file__).resolve().parent / file
-        if beside.exists():
-            file = beside
-    if not file.is_file():
-        sys.exit(f"train_torchrun: model file {file} not found; pass --model PATH[:FACTORY].")
-    file = file.resolve()
-    sys.path.insert(0, str(file.parent))  # let the model file import its neighbours
-    name = "memplan_user_model"
-    spec_ = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec_)
-    sys.modules[name] = module
-    spec_.loader.exec_module(module)
-    for required in (factory, "make_batch"):
-        if not callable(getattr(module, required, None)):
-            sys.exit(f"train_torchrun: {file} defines no {required}().")
-    return module, factory
-
-
-def default_loss(model, batch):
-    """The model-file contract without training_loss: model(**batch), model(*batch) or
-    model(batch); the output is a scalar loss or has .loss."""
-    if isinstance(batch, dict):
-        out = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-    if loss is None and isinstance(out, dict):
-        loss = out.get("loss")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        sys.exit("train_torchrun: define training_loss(model, batch) in the model file.")
-    return loss
 
 
 def setup():
@@ -125,16 +83,10 @@ def setup():
     return world, rank, device
 
 
-def make_optimizer(module, model, lr):
-    if callable(getattr(module, "make_optimizer", None)):
-        return module.make_optimizer(model)
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-
-
-def wrap(net, plan, module, lr, device, world):
+def wrap(net, plan, model_file, lr, device, world):
     """The model to call and its optimizer, sharded as the plan's strategy says."""
     if world == 1:
-        return net, make_optimizer(module, net, lr)
+        return net, model_file.make_optimizer(net, lr=lr)
     if plan.strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -152,13 +104,13 @@ def wrap(net, plan, module, lr, device, world):
                 net.set_requires_gradient_sync(True)
 
         net.no_sync = no_sync
-        return net, make_optimizer(module, net, lr)
+        return net, model_file.make_optimizer(net, lr=lr)
     ids = [device.index] if device.type == "cuda" else None
     # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets, no second copy
     model = torch.nn.parallel.DistributedDataParallel(
         net, device_ids=ids, gradient_as_bucket_view=True
     )
-    optimizer = make_optimizer(module, net, lr)
+    optimizer = model_file.make_optimizer(net, lr=lr)
     if plan.strategy == "zero1":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -192,19 +144,19 @@ def main(argv=None):
             "effective batch and per-rank memory differ from the plan's.",
             file=sys.stderr,
         )
-    module, factory = load_model_file(args.model)
+    # memplan's own loader: the model-file contract, with its error messages.
+    model_file = load_model_file(args.model, search_dir=Path(__file__).resolve().parent)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    net = getattr(module, factory)().to(device).train()
+    net = model_file.build_model().to(device).train()
     memplan.apply(net, plan)
-    model, optimizer = wrap(net, plan, module, args.lr, device, world)
-    loss_fn = getattr(module, "training_loss", None) or default_loss
+    model, optimizer = wrap(net, plan, model_file, args.lr, device, world)
     clip = args.max_grad_norm or None  # clip_grad_norm_ handles FSDP2's DTensor gradients
     step = memplan.Accumulator(model, optimizer, plan, device=device, max_grad_norm=clip)
     torch.manual_seed(args.seed + 1 + rank)  # different random batches on every rank
     for _ in range(args.steps):
         start = time.perf_counter()
         for _ in range(plan.accumulation_steps):
-            metrics = step(module.make_batch(plan.micro_batch_size), loss_fn)
+            metrics = step(model_file.make_batch(plan.micro_batch_size), model_file.loss)
         seconds = time.perf_counter() - start
         if rank == 0:
             print(
@@ -218,7 +170,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except MemplanError as exc:  # the model file broke its contract: one clear line
+        sys.exit(f"train_torchrun: {exc}")
 '''
 
 
