@@ -29,7 +29,7 @@ the same integers in another order) agrees with this module to the byte.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
@@ -814,6 +814,34 @@ def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int]) -> int:
     return max(best, bounds.none_bytes[-1] - prefix)
 
 
+def prefix_saving_bounds(
+    bounds: StepBounds,
+    limit_bytes: int,
+    pick: Callable[[list[int]], int],
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> list[int]:
+    """Backward induction over layers h = n-1 .. 0 on the prefix saving ``P_h``: for each
+    allowed choice of layer h (plain or checkpointed), the least ``P_h`` that keeps layer h's
+    segments and, through ``P_{h+1}``, everything after it within ``limit_bytes``; ``pick``
+    combines the choices (``min``: some completion fits; ``max``: every one does)."""
+    n = len(bounds.plain_bytes)
+    need = [0] * (n + 1)
+    need[n] = bounds.none_bytes[n] - limit_bytes
+    for h in range(n - 1, -1, -1):
+        none_need = bounds.none_bytes[h] - limit_bytes
+        options = []
+        if h not in forced_in:
+            options.append(max(none_need, bounds.plain_bytes[h] - limit_bytes, need[h + 1]))
+        if h not in forced_out:
+            options.append(
+                max(none_need, bounds.ckpt_bytes[h] - limit_bytes, need[h + 1] - bounds.savings[h])
+            )
+        need[h] = pick(options)
+    return need
+
+
 def feasible_floor_bytes(
     bounds: StepBounds,
     limit_bytes: int,
@@ -825,20 +853,9 @@ def feasible_floor_bytes(
     keeps every later point within ``limit_bytes`` (exact, by backward induction: a higher
     ``P_h`` never hurts, so the feasible values of ``P_h`` are an interval [R[h], ∞)).
     A plan exists iff ``R[0] <= 0`` and the optimizer step fits."""
-    n = len(bounds.plain_bytes)
-    floor = [0] * (n + 1)
-    floor[n] = bounds.none_bytes[n] - limit_bytes
-    for h in range(n - 1, -1, -1):
-        none_need = bounds.none_bytes[h] - limit_bytes
-        options = []
-        if h not in forced_in:
-            options.append(max(none_need, bounds.plain_bytes[h] - limit_bytes, floor[h + 1]))
-        if h not in forced_out:
-            options.append(
-                max(none_need, bounds.ckpt_bytes[h] - limit_bytes, floor[h + 1] - bounds.savings[h])
-            )
-        floor[h] = min(options)
-    return floor
+    return prefix_saving_bounds(
+        bounds, limit_bytes, min, forced_in=forced_in, forced_out=forced_out
+    )
 
 
 def fits_somehow(

@@ -174,20 +174,9 @@ def _cap_bytes(
 ) -> list[int]:
     """``cap[h]``: a prefix saving from which *every* allowed completion fits. States above
     it are interchangeable, so they are clipped to it and merged."""
-    n = len(bounds.savings)
-    cap = [0] * (n + 1)
-    cap[n] = bounds.none_bytes[n] - limit
-    for h in range(n - 1, -1, -1):
-        none_need = bounds.none_bytes[h] - limit
-        options = []
-        if h not in forced_in:
-            options.append(max(none_need, bounds.plain_bytes[h] - limit, cap[h + 1]))
-        if h not in forced_out:
-            options.append(
-                max(none_need, bounds.ckpt_bytes[h] - limit, cap[h + 1] - bounds.savings[h])
-            )
-        cap[h] = max(options)
-    return cap
+    return memory.prefix_saving_bounds(
+        bounds, limit, max, forced_in=forced_in, forced_out=forced_out
+    )
 
 
 def _greedy_cost(
