@@ -49,7 +49,7 @@ import torch
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
-from memplan.verify import GRAD_TOLERANCE, GradientCheck
+from memplan.verify import GRAD_TOLERANCE, GradientCheck, Verdict
 
 DEFAULT_TIMEOUT_S = 300.0
 """Wall-clock limit of the whole run (start-up, steps, gradient check) unless given."""
@@ -181,7 +181,7 @@ class RankResult:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DistributedVerifyResult:
+class DistributedVerifyResult(Verdict):
     plan: Plan
     device: str
     backend: str
@@ -212,18 +212,6 @@ class DistributedVerifyResult:
     @property
     def measured_step_seconds(self) -> float:
         return max(r.step_seconds for r in self.ranks)
-
-    @property
-    def within_budget(self) -> bool:
-        return self.measured_peak_bytes <= self.plan.budget_bytes
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.within_budget
-            and abs(self.peak_error) <= self.tolerance
-            and self.gradient_check.status != "fail"
-        )
 
 
 # --------------------------------------------------------------------------- the worker

@@ -42,8 +42,28 @@ class GradientCheck:
     reason: str
 
 
+class Verdict:
+    """Pass/fail of a verify run, shared by the one-process and the multi-rank result:
+    the measured peak within the budget, the peak error within tolerance, and the
+    gradient check not failed."""
+
+    __slots__ = ()
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured_peak_bytes <= self.plan.budget_bytes
+
+    @property
+    def passed(self) -> bool:
+        return (
+            self.within_budget
+            and abs(self.peak_error) <= self.tolerance
+            and self.gradient_check.status != "fail"
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
-class VerifyResult:
+class VerifyResult(Verdict):
     plan: Plan
     device: str
     device_name: str
@@ -75,18 +95,6 @@ class VerifyResult:
     def time_error(self) -> float:
         return (self.predicted_step_seconds - self.measured_step_seconds) / max(
             self.measured_step_seconds, 1e-12
-        )
-
-    @property
-    def within_budget(self) -> bool:
-        return self.measured_peak_bytes <= self.plan.budget_bytes
-
-    @property
-    def passed(self) -> bool:
-        return (
-            self.within_budget
-            and abs(self.peak_error) <= self.tolerance
-            and self.gradient_check.status != "fail"
         )
 
 
