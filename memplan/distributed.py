@@ -13,8 +13,8 @@ wraps the model as the plan's strategy says and as memplan's torchrun script doe
   accumulation skips the reduce-scatter with ``set_requires_gradient_sync(False)``.
 
 (``zero2`` is DeepSpeed's; there is no torch engine to run it with, so it is refused.)
-Then it runs ``steps`` optimizer steps with ``memplan.Accumulator`` on ``make_batch``
-batches (different on every rank) under the probe's live-tensor tracker, extended to count
+Then it runs 1 + ``steps`` optimizer steps (the first creates the optimizer state) with
+``memplan.Accumulator`` on ``make_batch`` batches (different on every rank) under the probe's live-tensor tracker, extended to count
 the local shards inside DTensors and storages FSDP2 resizes by hand, and reports its peak:
 what the plan predicts per rank. On CUDA ``max_memory_allocated``/``max_memory_reserved`` are
 reported too. Memory that gloo or NCCL allocate outside PyTorch tensors is not seen.
@@ -49,7 +49,7 @@ import torch
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
-from memplan.verify import GRAD_TOLERANCE, GradientCheck, Verdict
+from memplan.verify import GRAD_TOLERANCE, GradientCheck, Verdict, predicted_for_device
 
 DEFAULT_TIMEOUT_S = 300.0
 """Wall-clock limit of the whole run (start-up, steps, gradient check) unless given."""
@@ -284,8 +284,8 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     tracker.peak_bytes = tracker.live_bytes  # construction transients are not the step's
     effective = 0
-    with tracker:
-        for _ in range(config["steps"] * k):
+    with tracker:  # the first step creates optimizer state: measure it and `steps` more
+        for _ in range((config["steps"] + 1) * k):
             metrics = acc.step(mf.make_batch(micro), mf.loss)
             if metrics["stepped"]:
                 effective = int(metrics["effective_batch"])
@@ -534,7 +534,7 @@ def verify_distributed(
         backend="nccl" if chosen == "cuda" else "gloo",
         world_size=world,
         steps=steps,
-        predicted_peak_bytes=plan.predicted.peak_bytes,
+        predicted_peak_bytes=predicted_for_device(plan, chosen)[0],
         ranks=tuple(
             RankResult(
                 rank=r["rank"],

@@ -387,6 +387,8 @@ def show_verify(result: Any) -> None:
     )
     table.add_row("effective batch", str(plan.target_batch), str(result.effective_batch), "")
     console.print(table)
+    if result.note:
+        console.print(f"note: {result.note}")
     grad = result.gradient_check
     if grad.status == "skipped":
         console.print(f"gradient check: skipped — {grad.reason}")

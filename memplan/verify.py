@@ -26,6 +26,7 @@ from memplan.loader import ModelFile, load_model_file, map_batch
 from memplan.plan import Plan
 from memplan.probe.backends import make_backend
 from memplan.probe.tracker import resident_tensors
+from memplan.units import format_bytes
 
 # Relative tolerance of the gradient comparison: accumulation sums k partial gradients in
 # another order than one big reduction, so fp32 agrees to ~1e-6 relative and autocast
@@ -70,7 +71,8 @@ class VerifyResult(Verdict):
     steps: int
     predicted_peak_bytes: int
     measured_peak_bytes: int
-    """Tracker peak over every step, the first (optimizer state created) included. On CUDA:
+    """Tracker peak over the first step (which creates the optimizer state) and ``steps``
+    steady-state steps after it. On CUDA:
     what the process held at most (NVML, else max_memory_reserved)."""
     predicted_step_seconds: float
     measured_step_seconds: float
@@ -83,6 +85,8 @@ class VerifyResult(Verdict):
     cuda_max_allocated_bytes: int | None = None
     cuda_max_reserved_bytes: int | None = None
     nvml_process_bytes: int | None = None
+    note: str = ""
+    """How the comparison was adjusted, e.g. a CUDA plan measured on the CPU."""
 
     @property
     def peak_error(self) -> float:
@@ -96,6 +100,18 @@ class VerifyResult(Verdict):
         return (self.predicted_step_seconds - self.measured_step_seconds) / max(
             self.measured_step_seconds, 1e-12
         )
+
+
+def predicted_for_device(plan: Plan, device: str) -> tuple[int, str]:
+    """The predicted peak to compare with a run on ``device``, and why it differs from the
+    plan's. A plan for a GPU carries a CUDA context and allocator reserve; a run elsewhere
+    has neither, so it is compared with the tensor bytes alone."""
+    reserve = plan.predicted.breakdown.reserve
+    if device == "cuda" or reserve == 0:
+        return plan.predicted.peak_bytes, ""
+    return plan.predicted.peak_bytes - reserve, (
+        f"the plan's CUDA reserve ({format_bytes(reserve)}) is left out: this run is on {device}"
+    )
 
 
 def _resolve_device(plan: Plan, device: str | None) -> str:
@@ -168,11 +184,13 @@ def verify_plan(
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        progress(1, total, f"measuring {steps} step(s)")
+        progress(1, total, f"measuring 1 + {steps} step(s)")
         tracker = backend.tracker(record=False)
         tracker.track(resident_tensors(net, optimizer, None))
         with tracker:
-            effective = _run_steps(acc, mf, plan, steps)
+            # The first step creates the optimizer state, so it runs without it; the
+            # prediction is of the steady state. Measure it and ``steps`` more.
+            effective = _run_steps(acc, mf, plan, steps + 1)
         cuda_alloc = torch.cuda.max_memory_allocated() if cuda else None
         cuda_reserved = torch.cuda.max_memory_reserved() if cuda else None
         progress(2, total, f"timing {steps} step(s)")
@@ -209,12 +227,14 @@ def verify_plan(
         )
     )
     progress(total, total, "done")
+    predicted, note = predicted_for_device(plan, backend.device)
     return VerifyResult(
         plan=plan,
         device=backend.device,
         device_name=backend.device_name(),
         steps=steps,
-        predicted_peak_bytes=plan.predicted.peak_bytes,
+        predicted_peak_bytes=predicted,
+        note=note,
         measured_peak_bytes=int(measured),
         predicted_step_seconds=plan.predicted.step_seconds,
         measured_step_seconds=seconds,

@@ -251,3 +251,35 @@ def test_time_fits_never_go_negative():
     # Times that fall with the batch (noise at b=1) give a constant, not a negative slope.
     falling = fit_seconds([1, 2, 4], [0.05, 0.03, 0.02])
     assert falling.slope == 0 and falling.intercept == pytest.approx(0.1 / 3)
+
+
+@pytest.mark.parametrize(
+    ("model", "subset"),
+    [
+        # A block's output feeds an op that saves nothing (U-Net's interpolate and cat): a
+        # checkpointed block's output is freed once consumed, a plain one's is kept.
+        ("probe_unsaved_output.py", ("blocks.1",)),
+        ("probe_unsaved_output.py", ("blocks.0", "blocks.2")),
+        # Block 0's input comes from a frozen embedding: only its checkpoint keeps it.
+        ("probe_frozen_input.py", ("blocks.0",)),
+        # nn.TransformerEncoderLayer runs another op sequence at micro-batch 1 only.
+        ("probe_batch1_path.py", ("blocks.1",)),
+    ],
+)
+def test_predicted_peak_is_the_measured_peak(model: str, subset: tuple[str, ...]) -> None:
+    from memplan.memory import step_peak
+
+    path = str(MODELS / model)
+    profile = _example_profile(path)
+    assert profile.op_sequence_stable
+    batch = 8  # probed: 1, 2, 4
+    predicted = step_peak(profile, batch, list(subset), 1).allocated_bytes
+    assert predicted > profile.optimizer_step_peak_bytes.at(batch)
+    measured = measure_training_peak(path, "cpu", batch, 1, subset, "fp32", steps=1).peak_bytes
+    assert predicted == measured
+
+
+def test_a_size_with_its_own_op_sequence_is_left_out() -> None:
+    profile = _example_profile(str(MODELS / "probe_batch1_path.py"))
+    assert profile.micro_batches == (1, 2, 4)  # probed; the fits are from 2 and 4
+    assert any("Micro-batch 1 ran a different op sequence" in w for w in profile.warnings)

@@ -5,10 +5,17 @@ output (its gradient arrives: its backward begins) and on its input (its gradien
 computed: its backward has ended) mark its backward. The same hooks time each layer and
 each fixed part. Hooks only read counters and register tensor hooks: they allocate no
 tensor, and hold no reference to one, so they leave the live count alone.
+
+They also keep weak references to the storages of each layer's inputs and outputs, and when
+the forward is done (the model's and the loss's frames are gone) note which are still alive:
+whether the caller's variables, an op's saved tensors or a checkpoint keep them until the
+backward is what a layer's checkpoint really saves (``runner`` compares the plain run with
+the checkpointed one).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +52,12 @@ class LayerRecord:
     bwd_t0: float | None = None
     bwd_t1: float | None = None
     calls: int = 0
+    inputs_late: list[tuple[int, bool]] = field(default_factory=list)
+    """Per distinct storage of the layer's tensor inputs, in order: its bytes, and whether it
+    was still alive when the forward was done."""
+    outputs_late: list[tuple[int, bool]] = field(default_factory=list)
+    """The same for its outputs."""
+    _refs: tuple[list[tuple[Any, int]], list[tuple[Any, int]]] = ([], [])
 
 
 @dataclass(slots=True)
@@ -80,6 +93,23 @@ class StepRecord:
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _storage_refs(tensors: list[torch.Tensor]) -> list[tuple[Any, int]]:
+    """Weak references to the distinct storages behind ``tensors``, with their bytes."""
+    out: dict[int, tuple[Any, int]] = {}
+    for tensor in tensors:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if id(storage) not in out:
+            out[id(storage)] = (weakref.ref(storage), storage.nbytes())
+    return list(out.values())
+
+
+def _alive(refs: list[tuple[Any, int]]) -> list[tuple[int, bool]]:
+    return [(nbytes, ref() is not None) for ref, nbytes in refs]
 
 
 class Recorder:
@@ -164,6 +194,10 @@ class Recorder:
             self.rec.loss_saved_bytes = self._live() - live0
             self.rec.loss_flops = self._flops() - flops0
             self.rec.loss_seconds = self.rec.t_forward_done - t0
+        for rec in self.rec.layers:
+            ins, outs = rec._refs
+            rec.inputs_late, rec.outputs_late = _alive(ins), _alive(outs)
+            rec._refs = ([], [])
 
     def end(self) -> StepRecord:
         self._set_state(self.held, "none")
@@ -187,6 +221,7 @@ class Recorder:
             rec.pre_pos, rec.pre_live = self._pos(), self._live()
             inputs = _tensors((args, kwargs))
             rec.input_bytes = storages_bytes(inputs)
+            rec._refs = (_storage_refs(inputs), [])
             rec.flops = self._flops()
             for tensor in inputs:
                 if tensor.requires_grad:
@@ -205,6 +240,7 @@ class Recorder:
             rec.flops = self._flops() - rec.flops
             outputs = _tensors(output)
             rec.output_bytes = storages_bytes(outputs)
+            rec._refs = (rec._refs[0], _storage_refs(outputs))
             for tensor in outputs:
                 if tensor.requires_grad:
                     tensor.register_hook(self._bwd_begin(index))

@@ -421,10 +421,93 @@ def _bwd_seconds(t0: float | None, t1: float | None) -> float:
     return (t1 - t0) if t0 is not None and t1 is not None else 0.0
 
 
+def _same_sequence(a: Run, b: Run) -> bool:
+    """Whether two runs (of different sizes) ran the same ops, segment by segment, up to
+    layout ops (see ``_align``)."""
+    if a.ops == b.ops:
+        return True
+    segs_a, segs_b = a.segments(), b.segments()
+    if [k for k, _ in segs_a] != [k for k, _ in segs_b]:
+        return False
+    return all(
+        _align(ops_a, values_b, ops_b) is not None
+        for (_, (_, ops_a)), (_, (values_b, ops_b)) in zip(segs_a, segs_b, strict=True)
+    )
+
+
+def _consistent_runs(runs: list[SizeRuns], warnings: list[str]) -> list[SizeRuns]:
+    """The runs of the sizes that ran the same op sequence as most others, when one or more
+    sizes ran a different one and at least two remain. ``nn.TransformerEncoderLayer``, for
+    one, takes another path at micro-batch 1: that size tells nothing about the others, and
+    fitting segment maxima instead of points would under-predict. A sequence that differs at
+    every size (data-dependent routing) is left to ``_timeline``'s fallback."""
+    if len(runs) < 3:
+        return runs
+
+    def same(a: SizeRuns, b: SizeRuns) -> bool:
+        return all(
+            _same_sequence(getattr(a, phase), getattr(b, phase))
+            for phase in ("no_grads", "grads_resident", "ckpt_no_grads", "ckpt_grads_resident")
+        )
+
+    groups: list[list[SizeRuns]] = []
+    for r in reversed(runs):  # larger sizes first: on a tie, the larger sizes win
+        for group in groups:
+            if same(group[0], r):
+                group.append(r)
+                break
+        else:
+            groups.append([r])
+    best = max(groups, key=len)
+    if len(groups) == 1 or len(best) < 2:
+        return runs
+    kept = sorted(best, key=lambda r: r.size)
+    dropped = [r.size for r in runs if r not in kept]
+    warnings.append(
+        f"Micro-batch {', '.join(map(str, dropped))} ran a different op sequence from "
+        f"{', '.join(str(r.size) for r in kept)} (a path taken only at that size); it was left "
+        "out of the fits."
+    )
+    return kept
+
+
+def _late_difference(plain: list[tuple[int, bool]], ckpt: list[tuple[int, bool]], sign: int) -> int:
+    """Bytes of the storages (matched by position) alive at the end of the forward in one
+    run and not the other: ``sign`` 1 counts those only the plain run keeps, -1 those only
+    the checkpointed run keeps."""
+    if len(plain) != len(ckpt):
+        return 0
+    total = 0
+    for (nbytes, alive_plain), (_, alive_ckpt) in zip(plain, ckpt, strict=True):
+        if sign > 0 and alive_plain and not alive_ckpt:
+            total += nbytes
+        elif sign < 0 and alive_ckpt and not alive_plain:
+            total -= nbytes
+    return total
+
+
+def _savings(r: SizeRuns, j: int) -> int:
+    """What checkpointing layer j frees while it is held, measured: what its forward keeps
+    beyond its inputs (plain minus checkpointed, at its forward's end), plus its outputs
+    when, by the end of the forward, only the plain run still keeps them (a consumer that
+    saves nothing, like interpolate or cat, lets the checkpointed outputs go once it ran),
+    minus its inputs when only the checkpoint keeps them (an input that needs no gradient,
+    from a frozen embedding, is kept by nothing else)."""
+    plain, ckpt = r.no_grads.record, r.ckpt_no_grads.record
+    assert plain is not None and ckpt is not None
+    x, y = plain.layers[j], ckpt.layers[j]
+    own = (x.post_live - x.pre_live) - (y.post_live - y.pre_live)
+    outputs = _late_difference(x.outputs_late, y.outputs_late, 1)
+    inputs = _late_difference(x.inputs_late, y.inputs_late, -1)
+    return own + outputs + inputs
+
+
 def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> Profile:
+    warnings = list(session.warnings)
+    probed = tuple(r.size for r in runs)
+    runs = _consistent_runs(runs, warnings)
     sizes = [r.size for r in runs]
     grads, state = runs[-1].grads, runs[-1].state
-    warnings = list(session.warnings)
     modules = dict(session.model.named_modules())
     n_layers = len(session.layer_names)
 
@@ -441,10 +524,7 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
     def saved(run: Run, j: int) -> int:
         return rec(run, j).post_live - rec(run, j).pre_live
 
-    savings = [
-        layer_series(lambda r, j: saved(r.no_grads, j) - saved(r.ckpt_no_grads, j), j)
-        for j in range(n_layers)
-    ]
+    savings = [layer_series(_savings, j) for j in range(n_layers)]
 
     layers = []
     for j, name in enumerate(session.layer_names):
@@ -623,7 +703,7 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
             optimizer_class=type(session.optimizer).__name__,
             param_dtype=str(first_param.dtype).removeprefix("torch."),
         ),
-        micro_batches=tuple(sizes),
+        micro_batches=probed,
         totals=Totals(
             params_trainable_bytes=params_trainable,
             params_frozen_bytes=params_frozen,
