@@ -126,6 +126,11 @@ class Layer:
     fwd_seconds: Affine
     bwd_seconds: Affine
     fwd_flops: Affine
+    recompute_seconds: Affine | None = None
+    """Measured extra time per micro-step when checkpointed: (forward + backward under
+    checkpoint) − (forward + backward plain). The recompute is one more forward plus the
+    checkpoint machinery's own cost (saved-tensor hooks, RNG state), which on small layers
+    is as large as the forward. None (meta, older profiles): one forward is assumed."""
     affine: bool = True
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""

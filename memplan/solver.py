@@ -490,7 +490,9 @@ def _evaluate(
     times = timing.micro_step_times(
         profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
     )
-    cost = [timing.to_picoseconds(t) for t in times.fwd_seconds]
+    cost = [
+        timing.to_picoseconds(times.checkpoint_seconds(i)) for i in range(len(times.fwd_seconds))
+    ]
     forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
     chosen = least_recompute_set(bounds, ctx.limit_bytes, cost, **forced)
     fits = chosen is not None

@@ -50,6 +50,12 @@ class MicroStepTimes:
     bwd_seconds: tuple[float, ...]
     optimizer_step_seconds: float
     source: TimingSource
+    recompute_seconds: tuple[float, ...] = ()
+    """Per layer: extra time per micro-step when checkpointed (measured); empty: one
+    forward (``fwd_seconds``), as for roofline times."""
+
+    def checkpoint_seconds(self, layer: int) -> float:
+        return self.recompute_seconds[layer] if self.recompute_seconds else self.fwd_seconds[layer]
 
 
 def _seconds(value: Affine, micro_batch: int) -> float:
@@ -103,8 +109,9 @@ def _structure_key(layer: Layer) -> tuple:
     )
 
 
-def pooled_layer_seconds(profile: Profile) -> tuple[list[Affine], list[Affine]]:
-    """Per layer (fwd, bwd) time fits, each the mean over the layers of identical structure.
+def pooled_layer_seconds(profile: Profile) -> tuple[list[Affine], list[Affine], list[Affine]]:
+    """Per layer (fwd, bwd, recompute) time fits, each the mean over the layers of identical
+    structure; recompute is empty when the profile has no measured recompute times.
 
     Repeated blocks do the same work, so their measured times differ only by noise (one
     timed run each, on a machine doing other things). Left alone, that noise decides which
@@ -115,26 +122,31 @@ def pooled_layer_seconds(profile: Profile) -> tuple[list[Affine], list[Affine]]:
         groups.setdefault(_structure_key(layer), []).append(index)
     fwd = [layer.fwd_seconds for layer in profile.layers]
     bwd = [layer.bwd_seconds for layer in profile.layers]
+    measured = [layer.recompute_seconds for layer in profile.layers]
+    recompute = measured if all(r is not None for r in measured) else []
     for members in groups.values():
         if len(members) < 2:
             continue
-        for series in (fwd, bwd):
+        for series in (fwd, bwd, recompute):
+            if not series:
+                continue
             mean = Affine(
                 intercept=sum(series[i].intercept for i in members) / len(members),
                 slope=sum(series[i].slope for i in members) / len(members),
             )
             for i in members:
                 series[i] = mean
-    return fwd, bwd
+    return fwd, bwd, recompute
 
 
 def measured_times(profile: Profile, micro_batch: int) -> MicroStepTimes:
-    fwd, bwd = pooled_layer_seconds(profile)
+    fwd, bwd, recompute = pooled_layer_seconds(profile)
     return MicroStepTimes(
         micro_batch=micro_batch,
         fixed_seconds=_seconds(profile.step_fixed_seconds, micro_batch),
         fwd_seconds=tuple(_seconds(value, micro_batch) for value in fwd),
         bwd_seconds=tuple(_seconds(value, micro_batch) for value in bwd),
+        recompute_seconds=tuple(_seconds(value, micro_batch) for value in recompute),
         optimizer_step_seconds=_seconds(profile.optimizer_step_seconds, micro_batch),
         source="measured",
     )
@@ -209,8 +221,9 @@ def micro_step_times(
 
 
 def recompute_seconds(times: MicroStepTimes, checkpointed: Iterable[int]) -> float:
-    """Extra time per micro-step: one more forward of every checkpointed layer."""
-    return sum(times.fwd_seconds[i] for i in checkpointed)
+    """Extra time per micro-step of checkpointing: measured per layer where the profile
+    has it, else one more forward of every checkpointed layer."""
+    return sum(times.checkpoint_seconds(i) for i in checkpointed)
 
 
 def micro_step_seconds(times: MicroStepTimes, checkpointed: Iterable[int] = ()) -> float:
@@ -245,7 +258,7 @@ def step_picoseconds(
         to_picoseconds(times.fixed_seconds)
         + sum(to_picoseconds(t) for t in times.fwd_seconds)
         + sum(to_picoseconds(t) for t in times.bwd_seconds)
-        + sum(to_picoseconds(times.fwd_seconds[i]) for i in checkpointed)
+        + sum(to_picoseconds(times.checkpoint_seconds(i)) for i in checkpointed)
     )
     return accumulation_steps * micro + to_picoseconds(times.optimizer_step_seconds)
 

@@ -283,3 +283,14 @@ def test_a_size_with_its_own_op_sequence_is_left_out() -> None:
     profile = _example_profile(str(MODELS / "probe_batch1_path.py"))
     assert profile.micro_batches == (1, 2, 4)  # probed; the fits are from 2 and 4
     assert any("Micro-batch 1 ran a different op sequence" in w for w in profile.warnings)
+
+
+def test_checkpoint_cost_is_measured_on_cpu_not_on_meta():
+    mlp = str(ROOT / "examples" / "mlp.py")
+    cpu = probe_model(mlp, device="cpu", micro_batches=(1, 2))
+    assert all(layer.recompute_seconds is not None for layer in cpu.layers)
+    # Checkpointing adds a forward: over all layers it is not free (one layer's figure can
+    # drown in timer noise, their sum cannot).
+    assert sum(layer.recompute_seconds.at(4) for layer in cpu.layers) > 0
+    meta = probe_model(mlp, device="meta", micro_batches=(1, 2))
+    assert all(layer.recompute_seconds is None for layer in meta.layers)

@@ -120,3 +120,21 @@ def test_identical_layers_share_their_mean_time():
     mean_fwd = (0.25 + 0.5 + 0.125) / 3 * 4
     assert times.fwd_seconds == pytest.approx((mean_fwd,) * 3)
     assert times.bwd_seconds == pytest.approx((2 * mean_fwd,) * 3)
+
+
+def test_measured_checkpoint_cost_replaces_one_forward():
+    # With measured recompute times (forward + backward checkpointed − plain), the cost of
+    # checkpointing a layer is that measurement, not one more forward: 0.75 s per sample for
+    # layer 0 against its 0.25 s forward.
+    profile = spec().profile()
+    costs = [0.75, 0.5, 0.25]
+    layers = tuple(
+        dataclasses.replace(layer, recompute_seconds=Affine(intercept=0.0, slope=cost))
+        for layer, cost in zip(profile.layers, costs, strict=True)
+    )
+    times = timing.micro_step_times(dataclasses.replace(profile, layers=layers), 4)
+    assert times.recompute_seconds == (3.0, 2.0, 1.0)
+    assert timing.recompute_seconds(times, [0, 2]) == 4.0
+    assert timing.step_seconds(times, 2, [0]) == 2 * (0.125 + 3.5 + 7.0 + 3.0) + 0.5
+    # Without them (meta, older profiles): one forward, as before.
+    assert timing.recompute_seconds(timing.micro_step_times(profile, 4), [0, 2]) == 1.5

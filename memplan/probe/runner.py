@@ -50,6 +50,8 @@ from memplan.profile import (
 
 AFFINE_TOLERANCE = 0.01
 TIMING_REPEATS = 3
+TIMING_EXTRA_FACTOR = 2
+"""Times (only) are also taken at this multiple of the largest probed size."""
 """A byte quantity whose fit misses a measured size by more than 1% is flagged non-affine."""
 
 Progress = Callable[[int, int, str], None]
@@ -102,6 +104,8 @@ class SizeRuns:
     """Gradient bytes per parameter (by id), from the real gradients."""
     state: dict[int, int]
     """Optimizer-state bytes per parameter (by id), after a real optimizer step."""
+    ckpt_timing: StepRecord | None = None
+    """Untracked all-checkpointed micro-step (None on meta: no real times)."""
 
 
 @dataclass(slots=True)
@@ -227,6 +231,56 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError)
 
 
+@dataclass(slots=True)
+class TimedSize:
+    """Untracked times at one size: a plain micro-step, the same with every layer
+    checkpointed (what checkpointing costs, measured), and an optimizer step."""
+
+    size: int
+    timing: StepRecord
+    optimizer_seconds: float
+    ckpt_timing: StepRecord
+
+
+def _median_record(session: Session, batch: Any) -> StepRecord:
+    """One timed run is at the mercy of whatever else the machine does; the run with the
+    median total time of TIMING_REPEATS keeps per-layer times of one consistent run."""
+    records = []
+    for _ in range(TIMING_REPEATS):
+        session.zero_grad()
+        records.append(session.micro_step(batch, None))
+    records.sort(key=lambda r: r.t_end - r.t_start)
+    return records[len(records) // 2]
+
+
+def time_size(session: Session, batch: Any) -> tuple[StepRecord, float, StepRecord]:
+    """Untracked, so the tracker's overhead stays out of the times."""
+    with checkpointed(session.layers, context_fn=session.backend.checkpoint_context_fn()):
+        ckpt = _median_record(session, batch)
+    plain = _median_record(session, batch)
+    optimizer_seconds = statistics.median(
+        session.timed_optimizer_step() for _ in range(TIMING_REPEATS)
+    )
+    session.zero_grad()
+    return plain, optimizer_seconds, ckpt
+
+
+def time_extra_size(session: Session, size: int) -> TimedSize | None:
+    """Times only (no tracking) at a size above the probed ones. At the small sizes a probe
+    uses, a layer's time is mostly fixed overhead and its growth per sample is lost in
+    noise; one larger size makes the per-sample slope a measurement, not an extrapolation.
+    Skipped (None) when it does not fit the device."""
+    try:
+        batch = session.backend.batch(session.model_file, size)
+        timing, optimizer_seconds, ckpt_timing = time_size(session, batch)
+    except torch.OutOfMemoryError:
+        session.zero_grad()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return None
+    return TimedSize(size, timing, optimizer_seconds, ckpt_timing)
+
+
 def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRuns:
     backend, mf = session.backend, session.model_file
     batch = backend.batch(mf, size)
@@ -239,21 +293,11 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     grads, state = _grad_and_state_bytes(session.model, session.optimizer)
     tick(f"b={size}: optimizer step")
     session.zero_grad()
+    ckpt_timing = None
     if backend.device == "meta":
         timing, optimizer_seconds = no_grads.record, optimizer.virtual_seconds
-    else:  # untracked: the tracker's overhead stays out of the times
-        # One timed run is at the mercy of whatever else the machine does; the run with the
-        # median total time of TIMING_REPEATS keeps per-layer times of one consistent run.
-        records = []
-        for _ in range(TIMING_REPEATS):
-            session.zero_grad()
-            records.append(session.micro_step(batch, None))
-        records.sort(key=lambda r: r.t_end - r.t_start)
-        timing = records[len(records) // 2]
-        optimizer_seconds = statistics.median(
-            session.timed_optimizer_step() for _ in range(TIMING_REPEATS)
-        )
-        session.zero_grad()
+    else:
+        timing, optimizer_seconds, ckpt_timing = time_size(session, batch)
     tick(f"b={size}: timing")
     with checkpointed(session.layers, context_fn=backend.checkpoint_context_fn()):
         ckpt_no_grads = session.tracked_step(batch)
@@ -273,12 +317,19 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         ckpt_grads_resident,
         grads,
         state,
+        ckpt_timing,
     )
 
 
 # --------------------------------------------------------------------------- assembling
 def _fit(sizes: Sequence[int], values: Sequence[float]) -> Affine:
     return fit_affine(list(sizes), [float(v) for v in values])
+
+
+def _layer_seconds(record: StepRecord, j: int) -> float:
+    """Forward plus backward of layer j in one timed micro-step."""
+    x = record.layers[j]
+    return x.fwd_t1 - x.fwd_t0 + _bwd_seconds(x.bwd_t0, x.bwd_t1)
 
 
 def _fit_time(sizes: Sequence[int], values: Sequence[float]) -> Affine:
@@ -502,11 +553,20 @@ def _savings(r: SizeRuns, j: int) -> int:
     return own + outputs + inputs
 
 
-def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> Profile:
+def assemble(
+    session: Session,
+    runs: list[SizeRuns],
+    extra: dict[str, Any],
+    extra_timed: TimedSize | None = None,
+) -> Profile:
     warnings = list(session.warnings)
     probed = tuple(r.size for r in runs)
     runs = _consistent_runs(runs, warnings)
     sizes = [r.size for r in runs]
+    timed = [TimedSize(r.size, r.timing, r.optimizer_seconds, r.ckpt_timing) for r in runs]
+    if extra_timed is not None:
+        timed.append(extra_timed)
+    time_sizes = [t.size for t in timed]
     grads, state = runs[-1].grads, runs[-1].state
     modules = dict(session.model.named_modules())
     n_layers = len(session.layer_names)
@@ -514,8 +574,8 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
     def layer_series(attr: Callable[[SizeRuns, int], float], j: int) -> Affine:
         return _fit(sizes, [attr(r, j) for r in runs])
 
-    def layer_seconds(attr: Callable[[SizeRuns, int], float], j: int) -> Affine:
-        return _fit_time(sizes, [attr(r, j) for r in runs])
+    def layer_seconds(attr: Callable[[TimedSize, int], float], j: int) -> Affine:
+        return _fit_time(time_sizes, [attr(t, j) for t in timed])
 
     def rec(run: Run, j: int) -> Any:
         assert run.record is not None
@@ -579,6 +639,11 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
                     j,
                 ),
                 fwd_flops=layer_series(lambda r, j: rec(r.no_grads, j).flops, j),
+                recompute_seconds=None
+                if any(t.ckpt_timing is None for t in timed)
+                else layer_seconds(
+                    lambda t, j: _layer_seconds(t.ckpt_timing, j) - _layer_seconds(t.timing, j), j
+                ),
                 affine=is_affine,
                 has_batchnorm=has_batchnorm(module),
             )
@@ -607,10 +672,10 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
                 grad_bytes=sum(grads.get(id(p), 0) for p in params),
                 optimizer_state_bytes=sum(state.get(id(p), 0) for p in params),
                 saved_bytes=_fit(sizes, [part(r.no_grads).saved_bytes for r in runs]),
-                fwd_seconds=_fit_time(sizes, [part(r.timing).fwd_seconds for r in runs]),
+                fwd_seconds=_fit_time(time_sizes, [part(t.timing).fwd_seconds for t in timed]),
                 bwd_seconds=_fit_time(
-                    sizes,
-                    [_bwd_seconds(part(r.timing).bwd_t0, part(r.timing).bwd_t1) for r in runs],
+                    time_sizes,
+                    [_bwd_seconds(part(t.timing).bwd_t0, part(t.timing).bwd_t1) for t in timed],
                 ),
                 fwd_flops=_fit(sizes, [part(r.no_grads).flops for r in runs]),
             )
@@ -645,7 +710,7 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
                 grad_bytes=0,
                 optimizer_state_bytes=0,
                 saved_bytes=_fit(sizes, loss_saved),
-                fwd_seconds=_fit_time(sizes, [r.timing.loss_seconds for r in runs]),
+                fwd_seconds=_fit_time(time_sizes, [t.timing.loss_seconds for t in timed]),
                 bwd_seconds=Affine.zero(),
                 fwd_flops=_fit(sizes, loss_flops),
             )
@@ -670,7 +735,7 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
             "their micro-batch."
         )
 
-    def step_fixed(r: SizeRuns) -> float:
+    def step_fixed(r: TimedSize) -> float:
         t = r.timing
         in_layers = sum(x.fwd_t1 - x.fwd_t0 + _bwd_seconds(x.bwd_t0, x.bwd_t1) for x in t.layers)
         return (t.t_end - t.t_start) - in_layers
@@ -717,8 +782,8 @@ def assemble(session: Session, runs: list[SizeRuns], extra: dict[str, Any]) -> P
         fixed=tuple(fixed),
         timeline=timeline,
         optimizer_step_peak_bytes=_fit(sizes, [r.optimizer.peak_bytes for r in runs]),
-        optimizer_step_seconds=_fit_time(sizes, [r.optimizer_seconds for r in runs]),
-        step_fixed_seconds=_fit_time(sizes, [step_fixed(r) for r in runs]),
+        optimizer_step_seconds=_fit_time(time_sizes, [t.optimizer_seconds for t in timed]),
+        step_fixed_seconds=_fit_time(time_sizes, [step_fixed(t) for t in timed]),
         allocator_reserve_bytes=extra.get("allocator_reserve_bytes"),
         context_bytes=extra.get("context_bytes"),
         has_batchnorm=bn,
@@ -745,7 +810,7 @@ def probe_model(
             f"micro_batches {tuple(micro_batches)} must hold at least two distinct positive sizes.",
             hint="For example 1,2,4: affine fits need two sizes; three give a residual.",
         )
-    total = 2 + 6 * len(sizes) + 1
+    total = 2 + 6 * len(sizes) + 1 + (device != "meta")  # + the timing-only size
     done = 0
 
     def tick(what: str) -> None:
@@ -818,7 +883,11 @@ def probe_model(
                     f"At micro-batch {size} the tracker saw a peak of {tracked} B but "
                     f"torch.cuda.max_memory_allocated says {allocated} B (>5% apart)."
                 )
-    profile = assemble(session, runs, extra)
+    extra_timed = None
+    if session.backend.device != "meta" and len(runs) == len(sizes):
+        extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
+        tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only")
+    profile = assemble(session, runs, extra, extra_timed)
     session.recorder.remove()
     tick("fitted the timeline")
     return profile
