@@ -33,7 +33,7 @@ def run(device: str) -> str:
 
     if device == "cuda" and torch.cuda.device_count() < WORLD:
         return (
-            "## Data-parallel strategies (per rank)\n\n"
+            "### Data-parallel strategies (per rank)\n\n"
             f"Not run: {WORLD} GPUs are needed, this machine has {torch.cuda.device_count()}.\n"
         )
     model = str(ROOT / EXAMPLE)
@@ -41,7 +41,7 @@ def run(device: str) -> str:
     profile = probe_model(model, device=device, micro_batches=(1, 2, 4))
     print(f"{EXAMPLE}: probed in {time.perf_counter() - started:.1f} s", flush=True)
     lines = [
-        "## Data-parallel strategies (per rank)\n",
+        "### Data-parallel strategies (per rank)\n",
         f"`{EXAMPLE}` probed on one process ({device}); plans for {WORLD} ranks solved per "
         f"strategy and run on {WORLD} real processes "
         f"({'NCCL' if device == 'cuda' else 'gloo'}), {STEPS} optimizer steps each. "

@@ -236,6 +236,7 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
     try:
         result = _run_rank(rank, config)
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
+        torch.distributed.barrier()  # no rank tears gloo down while a peer still talks to it
     except BaseException as exc:
         (folder / f"rank{rank}.json").write_text(
             json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})

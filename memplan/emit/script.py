@@ -144,6 +144,7 @@ def main(argv=None):
             flush=True,
         )
     if world > 1:
+        torch.distributed.barrier()  # no rank tears gloo down while a peer still talks to it
         torch.distributed.destroy_process_group()
     return 0
 

@@ -165,6 +165,7 @@ def main(argv=None):
                 flush=True,
             )
     if world > 1:
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
         dist.destroy_process_group()
     return 0
 

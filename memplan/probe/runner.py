@@ -50,7 +50,7 @@ from memplan.profile import (
 
 AFFINE_TOLERANCE = 0.01
 TIMING_REPEATS = 3
-TIMING_EXTRA_FACTOR = 2
+TIMING_EXTRA_FACTOR = 4
 """Times (only) are also taken at this multiple of the largest probed size."""
 """A byte quantity whose fit misses a measured size by more than 1% is flagged non-affine."""
 
