@@ -222,14 +222,36 @@ def test_a_gpu_plan_verified_on_cpu_leaves_out_the_cuda_reserve(profile_path, tm
     # Planned for a T4: the prediction carries a CUDA context and allocator reserve that a
     # CPU run does not have; verify compares the tensor bytes and says so.
     plan_path = tmp_path / "t4.yaml"
-    result = invoke("solve", profile_path, "--target-batch", 8, "--budget", "4GiB",
-                    "--device-profile", "t4", "-o", plan_path)
+    result = invoke(
+        "solve",
+        profile_path,
+        "--target-batch",
+        8,
+        "--budget",
+        "4GiB",
+        "--device-profile",
+        "t4",
+        "-o",
+        plan_path,
+    )
     assert result.exit_code == 0, result.output
     plan = load_plan(plan_path)
     reserve = plan.predicted.breakdown.reserve
     assert reserve >= 512 * 1024**2
-    result = runner.invoke(app, ["verify", MODEL, str(plan_path), "--steps", "1", "--device",
-                                 "cpu", "--no-grad-check", "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "verify",
+            MODEL,
+            str(plan_path),
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+            "--no-grad-check",
+            "--json",
+        ],
+    )
     data = json.loads(result.stdout)
     assert data["predicted_peak_bytes"] == plan.predicted.peak_bytes - reserve
     assert "CUDA reserve" in data["note"]
