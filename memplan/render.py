@@ -79,7 +79,8 @@ def _short_bytes(value: float) -> str:
     value = abs(value)
     for unit, scale in (("T", 1024**4), ("G", 1024**3), ("M", 1024**2), ("K", 1024)):
         if value >= scale:
-            return f"{sign}{value / scale:.1f}{unit}"
+            shown = value / scale
+            return f"{sign}{shown:.0f}{unit}" if shown >= 100 else f"{sign}{shown:.1f}{unit}"
     return f"{sign}{value:.0f}"
 
 
@@ -94,107 +95,105 @@ def _ms(value: Affine, batch: int) -> str:
     return f"{value.at(batch) * 1e3:.2f}"
 
 
-def profile_table(profile: Profile) -> Table:
-    """One row per fixed part and layer. Memory columns are at the largest probed
-    micro-batch, with the per-sample slope in the ``/sample`` columns; sizes are binary
-    (K = KiB, M = MiB, G = GiB)."""
+def profile_table(profile: Profile, width: int | None = None) -> Table:
+    """One row per fixed part and layer. Activation columns are per sample (the slope of
+    the affine fit: bytes grow by this much per sample of micro-batch); time columns are at
+    the largest probed micro-batch. Sizes are binary (K = KiB, M = MiB, G = GiB). Below 100
+    columns of terminal the input and FLOPs columns are left out."""
     batch = max(profile.micro_batches)
     env = profile.environment
-    title = (
-        f"{profile.model.path} · {env.device_name} · {env.precision} · {env.optimizer_class} · "
-        f"probed at {','.join(map(str, profile.micro_batches))} · values at micro-batch {batch}"
-    )
-    table = Table(
-        title=title,
-        title_justify="left",
-        header_style="bold",
-        pad_edge=False,
-        caption="sizes binary (M = MiB); /sample = slope per sample; "
-        "ckpt saves = bytes freed by checkpointing the layer",
-        caption_justify="left",
-    )
-    columns = (
+    narrow = (width or console.width) < 100
+    columns = [
         "layer",
         "params",
         "frozen",
         "grads",
         "optim",
-        "input",
-        "saved",
-        "saved/sample",
-        "ckpt saves",
-        "fwd peak",
+        "input/s",
+        "saved/s",
+        "ckpt/s",
         "fwd ms",
         "bwd ms",
         "FLOPs",
         "fit",
+    ]
+    if profile.totals.params_frozen_bytes == 0:
+        columns.remove("frozen")
+    if narrow:
+        columns = [c for c in columns if c not in ("input/s", "FLOPs")]
+    table = Table(
+        title=(
+            f"{profile.model.path} · {env.device_name} · {env.precision} · "
+            f"{env.optimizer_class} · probed at {','.join(map(str, profile.micro_batches))}"
+        ),
+        title_justify="left",
+        header_style="bold",
+        caption=f"sizes binary (M = MiB); /s = per sample; ckpt = bytes checkpointing the layer "
+        f"frees; times at micro-batch {batch}",
+        caption_justify="left",
+    )
+    longest = max(
+        (len(n) for n in [*profile.layer_names, *(p.name for p in profile.fixed)]), default=5
     )
     for column in columns:
         table.add_column(
             column,
             justify="left" if column == "layer" else "right",
-            overflow="fold",
-            min_width=14 if column == "layer" else None,
-            no_wrap=column != "layer",
+            no_wrap=True,
+            overflow="ellipsis",
+            min_width=min(longest, 28) if column == "layer" else None,
         )
+
+    def add(cells: dict[str, str]) -> None:
+        table.add_row(*(cells.get(column, "") for column in columns))
+
+    def state(part: Any) -> dict[str, str]:
+        return {
+            "params": _short_bytes(part.params_trainable_bytes),
+            "frozen": _short_bytes(part.params_frozen_bytes),
+            "grads": _short_bytes(part.grad_bytes),
+            "optim": _short_bytes(part.optimizer_state_bytes),
+            "fwd ms": _ms(part.fwd_seconds, batch),
+            "bwd ms": _ms(part.bwd_seconds, batch),
+            "FLOPs": _flops(part.fwd_flops.at(batch)),
+        }
+
     for part in profile.fixed:
-        table.add_row(
-            f"[italic]{part.name}[/italic]",
-            _short_bytes(part.params_trainable_bytes),
-            _short_bytes(part.params_frozen_bytes),
-            _short_bytes(part.grad_bytes),
-            _short_bytes(part.optimizer_state_bytes),
-            "",
-            _short_bytes(part.saved_bytes.at(batch)),
-            _short_bytes(part.saved_bytes.slope),
-            "",
-            "",
-            _ms(part.fwd_seconds, batch),
-            _ms(part.bwd_seconds, batch),
-            _flops(part.fwd_flops.at(batch)),
-            "",
+        add(
+            {
+                "layer": f"[italic]{part.name}[/italic]",
+                **state(part),
+                "saved/s": _short_bytes(part.saved_bytes.slope),
+            }
         )
     for layer in profile.layers:
         worst = max(
             layer.saved_bytes.residual, layer.savings_bytes.residual, layer.input_bytes.residual
         )
-        fit = "ok" if layer.affine else f"[red]{worst:.1%}[/red]"
-        table.add_row(
-            layer.name,
-            _short_bytes(layer.params_trainable_bytes),
-            _short_bytes(layer.params_frozen_bytes),
-            _short_bytes(layer.grad_bytes),
-            _short_bytes(layer.optimizer_state_bytes),
-            _short_bytes(layer.input_bytes.at(batch)),
-            _short_bytes(layer.saved_bytes.at(batch)),
-            _short_bytes(layer.saved_bytes.slope),
-            _short_bytes(layer.savings_bytes.at(batch)),
-            _short_bytes(layer.fwd_transient_bytes.at(batch)),
-            _ms(layer.fwd_seconds, batch),
-            _ms(layer.bwd_seconds, batch),
-            _flops(layer.fwd_flops.at(batch)),
-            fit,
+        add(
+            {
+                "layer": layer.name,
+                **state(layer),
+                "input/s": _short_bytes(layer.input_bytes.slope),
+                "saved/s": _short_bytes(layer.saved_bytes.slope),
+                "ckpt/s": _short_bytes(layer.savings_bytes.slope),
+                "fit": "ok" if layer.affine else f"[red]{worst:.1%}[/red]",
+            }
         )
     totals = profile.totals
     saved = _sum_affine(
         [p.saved_bytes for p in profile.layers] + [p.saved_bytes for p in profile.fixed]
     )
     table.add_section()
-    table.add_row(
-        "[bold]total[/bold]",
-        _short_bytes(totals.params_trainable_bytes),
-        _short_bytes(totals.params_frozen_bytes),
-        _short_bytes(totals.grad_bytes),
-        _short_bytes(totals.optimizer_state_bytes),
-        "",
-        _short_bytes(saved.at(batch)),
-        _short_bytes(saved.slope),
-        "",
-        "",
-        "",
-        "",
-        "",
-        "",
+    add(
+        {
+            "layer": "[bold]total[/bold]",
+            "params": _short_bytes(totals.params_trainable_bytes),
+            "frozen": _short_bytes(totals.params_frozen_bytes),
+            "grads": _short_bytes(totals.grad_bytes),
+            "optim": _short_bytes(totals.optimizer_state_bytes),
+            "saved/s": _short_bytes(saved.slope),
+        }
     )
     return table
 
