@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 $(BIN)/memplan: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q torch==$(TORCH_VERSION) -e '.[dev]'
 	touch $(BIN)/memplan
 
 install: $(BIN)/memplan
