@@ -5,9 +5,10 @@
     python -m bench.run --device cpu --only solver_speed
 
 Each section module has ``run(device) -> str`` returning markdown (and printing its figures
-as it goes). The markdown of a device's run is kept in ``bench/results/<device>.md``;
-BENCHMARKS.md is composed from every device's latest results, so a CPU run does not erase
-the GPU figures recorded on another machine."""
+as it goes). Each section's markdown is kept in ``bench/results/<device>/<section>.md``, so
+``--only`` refreshes one section without erasing the others; BENCHMARKS.md is composed from
+every device's latest section results, so a CPU run does not erase the GPU figures recorded
+on another machine, and each section says when and where it was run."""
 
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ def compose() -> str:
         "run. Raw rows are in `bench/results/*.csv`.\n",
     ]
     for device in ("cpu", "cuda"):
-        file = RESULTS / f"{device}.md"
-        if file.exists():
-            parts.append(file.read_text(encoding="utf-8"))
+        files = [RESULTS / device / f"{name}.md" for name in SECTIONS]
+        files = [f for f in files if f.exists()]
+        if files:
+            parts.append(f"## {device.upper()}\n")
+            parts.extend(f.read_text(encoding="utf-8") for f in files)
         elif device == "cuda":
             parts.append(
                 "## CUDA\n\nNot run yet: no GPU was available to the session that "
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         action="append",
         choices=SECTIONS,
-        help="run only these sections (repeatable); results are not saved",
+        help="run only these sections (repeatable); the others keep their saved results",
     )
     args = parser.parse_args(argv)
     if args.device == "cuda":
@@ -81,23 +84,23 @@ def main(argv: list[str] | None = None) -> int:
             print("bench: --device cuda needs a CUDA GPU; none is visible.", file=sys.stderr)
             return 3
     sections = args.only or SECTIONS
+    machine = _machine(args.device)
+    out_dir = RESULTS / args.device
+    out_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    body = [
-        f"## {args.device.upper()}\n",
-        f"Run {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {_machine(args.device)}.\n",
-    ]
     for name in sections:
         print(f"== {name}", flush=True)
+        section_started = time.perf_counter()
         module = importlib.import_module(f"bench.{name}")
-        body.append(module.run(args.device))
+        markdown = module.run(args.device)
+        seconds = time.perf_counter() - section_started
+        stamp = (
+            f"_Run {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {machine}; "
+            f"section wall time {seconds:.0f} s._\n"
+        )
+        (out_dir / f"{name}.md").write_text(f"{markdown.rstrip()}\n\n{stamp}", encoding="utf-8")
     elapsed = time.perf_counter() - started
-    body.append(f"_Suite wall time: {elapsed:.0f} s._\n")
     print(f"== done in {elapsed:.0f} s")
-    if args.only:
-        print("\n".join(body))
-        return 0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.device}.md").write_text("\n".join(body), encoding="utf-8")
     (ROOT / "BENCHMARKS.md").write_text(compose(), encoding="utf-8")
     print(f"wrote {ROOT / 'BENCHMARKS.md'}")
     return 0
