@@ -1,0 +1,196 @@
+"""``memplan report``: where the peak is, drawn. A page (self-contained HTML) or a PNG of
+the predicted live-memory timeline of one optimizer step, the candidates behind a plan, the
+per-layer choices, and (from ``memplan verify --report``) the measured timeline over them.
+
+``data`` computes everything (pure, no torch); ``draw`` is the only place matplotlib is
+imported, lazily; ``page`` writes the HTML. This module loads inputs and writes files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memplan.devices import DeviceSpec, load_device
+from memplan.errors import BadInputError, NoPlanFitsError
+from memplan.plan import Plan, plan_from_data
+from memplan.profile import Profile, load_profile, profile_from_data
+from memplan.report.data import (
+    MeasuredTimeline,
+    Report,
+    Timeline,
+    TimelineBar,
+    plan_report,
+    predicted_timeline,
+    profile_report,
+)
+from memplan.schema import load_yaml_file
+
+__all__ = [
+    "MeasuredTimeline",
+    "Report",
+    "Timeline",
+    "TimelineBar",
+    "build_report",
+    "device_spec_for_plan",
+    "plan_candidates",
+    "predicted_timeline",
+    "render_report",
+    "report_for_plan",
+    "write_report",
+]
+
+REPORT_SUFFIXES = (".html", ".htm", ".png")
+MAX_HTML_BYTES = 5 * 1024 * 1024
+"""The page must stay small enough to mail and to open instantly (issue #14: under 5 MB)."""
+
+
+def device_spec_for_plan(plan: Plan) -> DeviceSpec | None:
+    """The GPU spec a plan was solved for (its ``device`` names one), else None."""
+    if plan.device in ("cpu", "cuda", "meta"):
+        return None
+    try:
+        return load_device(plan.device)
+    except BadInputError:
+        return None
+
+
+def plan_candidates(profile: Profile, plan: Plan, device_spec: DeviceSpec | None):
+    """The solver's candidates table for the plan's request (target batch, budget, margin,
+    ranks, strategy), solved again from ``profile``, and a note when that differs from the
+    plan (constraints such as --always-checkpoint are not stored in a plan)."""
+    from memplan.solver import SolveRequest, solve
+
+    request = SolveRequest(
+        target_batch=plan.target_batch,
+        budget_bytes=plan.budget_bytes,
+        world_size=plan.world_size,
+        strategy=plan.strategy,
+        margin=plan.margin,
+        device_spec=device_spec,
+        profile_path=plan.profile,
+    )
+    try:
+        result = solve(profile, request)
+    except NoPlanFitsError as exc:
+        return (), [f"No candidate fits the plan's budget any more: {exc}"]
+    except BadInputError as exc:
+        return (), [f"The candidates could not be solved again: {exc}"]
+    chosen = result.plan
+    notes = []
+    if (chosen.micro_batch_size, chosen.accumulation_steps, set(chosen.checkpoint_layers)) != (
+        plan.micro_batch_size,
+        plan.accumulation_steps,
+        set(plan.checkpoint_layers),
+    ):
+        notes.append(
+            f"Solved again from this profile, the choice is micro-batch "
+            f"{chosen.micro_batch_size} × {chosen.accumulation_steps} with "
+            f"{len(chosen.checkpoint_layers)} checkpointed layers; the plan was solved with "
+            "other constraints or another profile. The timeline shows the plan."
+        )
+    return result.candidates, notes
+
+
+def _resolve_profile_path(plan: Plan, plan_path: Path, override: Path | None) -> Path:
+    if override is not None:
+        return override
+    if not plan.profile:
+        raise BadInputError(
+            f"{plan_path} does not name the profile it was solved from.",
+            hint="Pass it with --profile PROFILE.",
+        )
+    named = Path(plan.profile)
+    for candidate in (named, plan_path.parent / named):
+        if candidate.is_file():
+            return candidate
+    raise BadInputError(
+        f"{plan_path} was solved from {plan.profile}, which is not found (looked in the "
+        f"current folder and beside the plan).",
+        hint="Pass the profile with --profile PROFILE.",
+    )
+
+
+def report_for_plan(
+    plan: Plan,
+    profile: Profile,
+    *,
+    measured: MeasuredTimeline | None = None,
+    candidates: bool = True,
+) -> Report:
+    spec = device_spec_for_plan(plan)
+    rows, notes = plan_candidates(profile, plan, spec) if candidates else ((), [])
+    return plan_report(
+        profile, plan, device_spec=spec, candidates=rows, measured=measured, notes=notes
+    )
+
+
+def build_report(
+    path: Path,
+    *,
+    profile_path: Path | None = None,
+    target_batch: int | None = None,
+    budget: str | None = None,
+    device_profile: str | None = None,
+) -> Report:
+    """A report from a plan (and the profile it names) or from a profile: with
+    ``target_batch`` and ``budget`` the profile is solved first, else it is shown alone."""
+    data = load_yaml_file(path, what="profile or plan")
+    if "target_batch" in data:
+        plan = plan_from_data(data, source=str(path))
+        profile = load_profile(_resolve_profile_path(plan, path, profile_path))
+        return report_for_plan(plan, profile)
+    profile = profile_from_data(data, source=str(path))
+    spec = load_device(device_profile) if device_profile else None
+    if (target_batch is None) != (budget is None):
+        raise BadInputError(
+            "--target-batch and --budget go together: give both to report a plan solved "
+            "from the profile, or neither to report the profile alone."
+        )
+    if target_batch is None:
+        return profile_report(profile, device_spec=spec)
+    from memplan.solver import SolveRequest, solve
+    from memplan.units import parse_budget
+
+    capacity = spec.memory_bytes if spec else profile.environment.device_capacity_bytes
+    request = SolveRequest(
+        target_batch=target_batch,
+        budget_bytes=parse_budget(budget or "", capacity_bytes=capacity),
+        device_spec=spec,
+        profile_path=str(path),
+    )
+    result = solve(profile, request)
+    return plan_report(profile, result.plan, device_spec=spec, candidates=result.candidates)
+
+
+def render_report(report: Report, suffix: str) -> bytes:
+    """The report as HTML or PNG bytes (``suffix``: .html, .htm or .png)."""
+    from memplan.report import draw
+
+    if suffix == ".png":
+        return draw.png_bytes(draw.combined_figure(report))
+    from memplan.report.page import render_html
+
+    timeline_svg = draw.svg_text(draw.timeline_figure(report))
+    candidates_svg = draw.svg_text(draw.candidates_figure(report)) if report.candidates else None
+    page = render_html(report, timeline_svg=timeline_svg, candidates_svg=candidates_svg)
+    return page.encode("utf-8")
+
+
+def check_output(path: Path) -> str:
+    """The output's suffix, or a clear error for any other (before any work is done)."""
+    suffix = path.suffix.lower()
+    if suffix not in REPORT_SUFFIXES:
+        raise BadInputError(
+            f"-o {path}: a report is written as .html or .png, not {suffix or 'no suffix'!r}.",
+            hint="For example -o report.html (a page to open) or -o report.png (an image).",
+        )
+    return suffix
+
+
+def write_report(report: Report, path: Path, *, force: bool = False) -> int:
+    """Render and write atomically (never overwriting without ``force``); the bytes written."""
+    from memplan.fileio import write_bytes_atomic
+
+    body = render_report(report, check_output(path))
+    write_bytes_atomic(path, body, force=force)
+    return len(body)

@@ -1,0 +1,302 @@
+"""What a report shows, as plain data: no torch, no matplotlib, no rich.
+
+The predicted timeline is memplan's own memory model read segment by segment
+(memplan.memory, the functions ``step_peak`` uses): for every segment of every phase the
+live bytes are ``segment_points_bytes − held savings + per-rank adjustment``, plus the
+reserve for that level. Its highest bar is therefore exactly the predicted peak, not a
+redrawing of it. The split of each bar into parameters, gradients, optimizer state, saved
+activations and transients is ``memory.breakdown_at`` (the total is exact, the split an
+estimate, as in a plan's breakdown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from memplan import memory, timing
+from memplan.devices import DeviceSpec
+from memplan.memory import Reserve, Sharding
+from memplan.plan import Plan
+from memplan.profile import Profile
+from memplan.solver import Candidate
+
+KINDS = ("params", "grads", "optimizer", "activations", "transient", "reserve")
+"""The stacked kinds of a timeline bar, bottom to top (fields of memplan.plan.Breakdown)."""
+
+KIND_LABELS = {
+    "params": "parameters",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "saved activations",
+    "transient": "transient",
+    "reserve": "CUDA reserve",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TimelineBar:
+    """One segment of the step: the live bytes while it runs, split by kind."""
+
+    micro_step: str
+    """``micro-step 1``, ``micro-steps 2-4`` (gradients resident) or ``optimizer step``."""
+    phase: str
+    """``no_grads``, ``grads_resident`` or ``optimizer_step``."""
+    segment_index: int | None
+    """Index into ``profile.timeline[phase]``; None for the optimizer step."""
+    where: str
+    """In words, e.g. 'backward of h.3' (memory.describe_segment)."""
+    active: str
+    """``fwd``, ``bwd`` or ``none`` (no candidate layer running; also the optimizer step)."""
+    layer: str | None
+    """The candidate layer running (``active`` != none), else None."""
+    checkpointed: bool
+    """The running layer is checkpointed (its forward keeps only its input; its backward
+    recomputes)."""
+    total_bytes: int
+    """Predicted live bytes, reserve included."""
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    reserve: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Timeline:
+    bars: tuple[TimelineBar, ...]
+    peak_index: int
+    """Index of the first bar reaching the peak (the model's own tie rule: first wins)."""
+    micro_batch: int
+    accumulation_steps: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.bars[self.peak_index].total_bytes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerRow:
+    """One candidate layer at the plan's micro-batch."""
+
+    name: str
+    module_type: str
+    held_bytes: int
+    """What its forward keeps alive for backward, not checkpointed."""
+    savings_bytes: int
+    """What checkpointing it frees while it is held."""
+    recompute_seconds: float
+    """Extra time per optimizer step if checkpointed (all micro-steps)."""
+    checkpointed: bool
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredTimeline:
+    """Live bytes after every op of one measured optimizer step (the tracker's count)."""
+
+    micro_steps: tuple[tuple[int, ...], ...]
+    """Per micro-step, in order (the optimizer step excluded)."""
+    optimizer_step: tuple[int, ...]
+    label: str = "measured"
+    """E.g. 'measured (cpu)', 'measured, rank 1 of 2 (worst)'."""
+
+    @property
+    def peak_bytes(self) -> int:
+        values = [v for step in self.micro_steps for v in step] + list(self.optimizer_step)
+        return max(values, default=0)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Report:
+    title: str
+    profile: Profile
+    plan: Plan | None
+    timeline: Timeline
+    layers: tuple[LayerRow, ...]
+    candidates: tuple[Candidate, ...] = ()
+    budget_bytes: int | None = None
+    usable_bytes: int | None = None
+    """Budget less the safety margin."""
+    notes: tuple[str, ...] = ()
+    measured: MeasuredTimeline | None = None
+
+
+def predicted_timeline(
+    profile: Profile,
+    micro_batch: int,
+    checkpointed: frozenset[int],
+    accumulation_steps: int,
+    *,
+    reserve: Reserve = memory.NO_RESERVE,
+    sharding: Sharding = memory.SINGLE,
+) -> Timeline:
+    """Every segment of one optimizer step, as memory.step_peak walks them. With
+    accumulation the gradients-resident micro-step is drawn once (micro-steps 2..k are
+    identical)."""
+    savings = memory.savings_bytes(profile, micro_batch)
+    held = memory.held_savings_prefix_bytes(savings, checkpointed)
+    names = profile.layer_names
+    k = accumulation_steps
+    bars: list[TimelineBar] = []
+
+    def bar(phase: str, index: int | None, label: str, allocated: int) -> TimelineBar:
+        reserve_bytes = reserve.bytes_for(allocated)
+        parts = memory.breakdown_at(
+            profile,
+            phase,
+            index,
+            micro_batch,
+            checkpointed,
+            allocated,
+            reserve_bytes,
+            sharding=sharding,
+            accumulation_steps=k,
+        )
+        if index is None:
+            active, layer, ckpt, where = "none", None, False, "optimizer step"
+        else:
+            segment = profile.timeline[phase][index]
+            active = segment.active
+            layer = names[segment.held] if active != "none" else None
+            ckpt = active != "none" and segment.held in checkpointed
+            where = memory.describe_segment(profile, phase, index, checkpointed)
+        return TimelineBar(
+            micro_step=label,
+            phase=phase,
+            segment_index=index,
+            where=where,
+            active=active,
+            layer=layer,
+            checkpointed=ckpt,
+            total_bytes=allocated + reserve_bytes,
+            params=parts.params,
+            grads=parts.grads,
+            optimizer=parts.optimizer,
+            activations=parts.activations,
+            transient=parts.transient,
+            reserve=parts.reserve,
+        )
+
+    for phase in memory.phases_for(k):
+        label = "micro-step 1" if phase == memory.PHASE_NO_GRADS else _later_steps(k)
+        for index, segment in enumerate(profile.timeline[phase]):
+            # The same sum as memory.micro_step_peak_bytes, segment by segment.
+            top = memory.segment_points_bytes(segment, micro_batch, segment.held in checkpointed)
+            value = top - held[segment.held]
+            if sharding != memory.SINGLE:
+                value += memory.segment_adjust_bytes(profile, sharding, phase, index, k)
+            bars.append(bar(phase, index, label, value))
+    optimizer = memory.optimizer_step_peak_bytes(profile, micro_batch)
+    optimizer += memory.optimizer_adjust_bytes(profile, sharding)
+    bars.append(bar(memory.OPTIMIZER_STEP, None, "optimizer step", optimizer))
+    best = max(b.total_bytes for b in bars)
+    peak_index = next(i for i, b in enumerate(bars) if b.total_bytes == best)
+    return Timeline(
+        bars=tuple(bars), peak_index=peak_index, micro_batch=micro_batch, accumulation_steps=k
+    )
+
+
+def _later_steps(k: int) -> str:
+    return "micro-step 2" if k == 2 else f"micro-steps 2-{k}"
+
+
+def layer_rows(
+    profile: Profile,
+    micro_batch: int,
+    accumulation_steps: int,
+    checkpointed: frozenset[int],
+    times: timing.MicroStepTimes,
+) -> tuple[LayerRow, ...]:
+    savings = memory.savings_bytes(profile, micro_batch)
+    return tuple(
+        LayerRow(
+            name=layer.name,
+            module_type=layer.module_type,
+            held_bytes=memory.affine_bytes(layer.saved_bytes, micro_batch),
+            savings_bytes=savings[i],
+            recompute_seconds=accumulation_steps * times.checkpoint_seconds(i),
+            checkpointed=i in checkpointed,
+        )
+        for i, layer in enumerate(profile.layers)
+    )
+
+
+def plan_report(
+    profile: Profile,
+    plan: Plan,
+    *,
+    device_spec: DeviceSpec | None = None,
+    candidates: Sequence[Candidate] = (),
+    measured: MeasuredTimeline | None = None,
+    notes: Sequence[str] = (),
+) -> Report:
+    """The report of a plan solved from ``profile``. Says so in ``notes`` when the profile
+    no longer predicts the plan's peak (it changed since the plan was solved)."""
+    chosen = memory.layer_indices(profile, plan.checkpoint_layers)
+    reserve = memory.reserve_for(profile, device_spec)
+    sharding = memory.sharding_for(plan)
+    line = predicted_timeline(
+        profile,
+        plan.micro_batch_size,
+        chosen,
+        plan.accumulation_steps,
+        reserve=reserve,
+        sharding=sharding,
+    )
+    extra = list(notes)
+    if line.peak_bytes != plan.predicted.peak_bytes:
+        extra.append(
+            f"This profile predicts a peak of {line.peak_bytes:,} bytes for the plan, which "
+            f"says {plan.predicted.peak_bytes:,}: the profile changed since the plan was "
+            "solved, or another device spec was used. The charts show the profile's figures."
+        )
+    source, _ = timing.choose_timing_source(profile, device_spec, "auto")
+    times = timing.micro_step_times(
+        profile, plan.micro_batch_size, source=source, device_spec=device_spec
+    )
+    per_rank = f" · {plan.world_size} ranks ({plan.strategy}), per rank" if plan.world_size > 1 else ""
+    return Report(
+        title=(
+            f"{plan.model} · micro-batch {plan.micro_batch_size} × accumulation "
+            f"{plan.accumulation_steps}{per_rank} · {len(plan.checkpoint_layers)} of "
+            f"{len(profile.layers)} layers checkpointed · {plan.device} · {plan.precision}"
+        ),
+        profile=profile,
+        plan=plan,
+        timeline=line,
+        layers=layer_rows(
+            profile, plan.micro_batch_size, plan.accumulation_steps, chosen, times
+        ),
+        candidates=tuple(candidates),
+        budget_bytes=plan.budget_bytes,
+        usable_bytes=memory.usable_budget_bytes(plan.budget_bytes, plan.margin),
+        notes=tuple(extra),
+        measured=measured,
+    )
+
+
+def profile_report(profile: Profile, *, device_spec: DeviceSpec | None = None) -> Report:
+    """A profile without a plan: one step at the largest probed micro-batch, no
+    accumulation, nothing checkpointed, no budget."""
+    micro = max(profile.micro_batches)
+    line = predicted_timeline(
+        profile, micro, frozenset(), 1, reserve=memory.reserve_for(profile, device_spec)
+    )
+    source, _ = timing.choose_timing_source(profile, device_spec, "auto")
+    times = timing.micro_step_times(profile, micro, source=source, device_spec=device_spec)
+    env = profile.environment
+    return Report(
+        title=(
+            f"{profile.model.path} · micro-batch {micro}, nothing checkpointed (no plan) · "
+            f"{env.device_name} · {env.precision}"
+        ),
+        profile=profile,
+        plan=None,
+        timeline=line,
+        layers=layer_rows(profile, micro, 1, frozenset(), times),
+        notes=(
+            "No plan: this is the profile at its largest probed micro-batch with nothing "
+            "checkpointed. Pass --target-batch and --budget (or a plan) to see a plan.",
+        ),
+    )
