@@ -352,6 +352,10 @@ def verify(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the result as JSON on stdout.")
     ] = False,
+    report_path: Annotated[
+        Path | None,
+        typer.Option("--report", help="Also write report.html/.png: measured over predicted."),
+    ] = None,
 ) -> None:
     """Run the plan for real and compare measured with predicted memory and time."""
     from memplan import render
@@ -359,9 +363,21 @@ def verify(
     from memplan.verify import verify_plan
 
     plan = load_plan(plan_path)
+    if report_path is not None:
+        _check_report_path(report_path)
     if (world_size or plan.world_size) > 1:
         _verify_distributed(
-            model, plan, world_size, steps, device, tolerance, grad_check, timeout, as_json
+            model,
+            plan,
+            world_size,
+            steps,
+            device,
+            tolerance,
+            grad_check,
+            timeout,
+            as_json,
+            report_path,
+            plan_path,
         )
         return
     with render.progress("verifying") as on_progress:
@@ -373,7 +389,9 @@ def verify(
             tolerance=tolerance,
             check_gradients=grad_check,
             on_progress=on_progress,
+            record_timeline=report_path is not None,
         )
+    _write_verify_report(result, plan_path, report_path)
     if as_json:
         data = to_data(result)
         data.update(
@@ -399,6 +417,8 @@ def _verify_distributed(
     grad_check: bool,
     timeout: float,
     as_json: bool,
+    report_path: Path | None = None,
+    plan_path: Path | None = None,
 ) -> None:
     from memplan import render
     from memplan.distributed import verify_distributed
@@ -414,7 +434,9 @@ def _verify_distributed(
             check_gradients=grad_check,
             timeout_s=timeout,
             on_progress=on_progress,
+            record_timeline=report_path is not None,
         )
+    _write_verify_report(result, plan_path, report_path)
     if as_json:
         data = to_data(result)
         data.update(
@@ -476,6 +498,28 @@ def report(
         f"wrote {output} ({format_bytes(size)}): peak {format_bytes(result.timeline.peak_bytes)}"
         f" during {result.timeline.bars[result.timeline.peak_index].where}"
     )
+
+
+def _check_report_path(path: Path) -> None:
+    """Refuse a bad or existing --report path, or a missing matplotlib, before running."""
+    from memplan.fileio import refuse_existing
+    from memplan.report import check_output
+    from memplan.report.draw import matplotlib_pyplot
+
+    check_output(path)
+    refuse_existing(path)
+    matplotlib_pyplot()
+
+
+def _write_verify_report(result: Any, plan_path: Path | None, path: Path | None) -> None:
+    if path is None or plan_path is None:
+        return
+    from memplan import render
+    from memplan.report import write_verify_report
+    from memplan.units import format_bytes
+
+    size = write_verify_report(result, plan_path, path)
+    render.info(f"wrote {path} ({format_bytes(size)})")
 
 
 # ---------------------------------------------------------------------------- devices

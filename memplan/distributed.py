@@ -49,7 +49,13 @@ import torch
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
-from memplan.verify import GRAD_TOLERANCE, GradientCheck, Verdict, predicted_for_device
+from memplan.verify import (
+    GRAD_TOLERANCE,
+    GradientCheck,
+    Verdict,
+    last_step_timeline,
+    predicted_for_device,
+)
 
 DEFAULT_TIMEOUT_S = 300.0
 """Wall-clock limit of the whole run (start-up, steps, gradient check) unless given."""
@@ -178,6 +184,9 @@ class RankResult:
     effective_batch: int
     cuda_max_allocated_bytes: int | None = None
     cuda_max_reserved_bytes: int | None = None
+    timeline: tuple[tuple[int, ...], ...] = ()
+    """With ``record_timeline``: live bytes after every op of the last step, per micro-step
+    and the optimizer step (memplan.verify.last_step_timeline)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -274,6 +283,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
     runtime.apply(net, plan)
+    record = bool(config.get("record_timeline"))
     tracker = DistributedTracker(record=False)
     tracker.track(resident_tensors(net, None, None))
     with tracker:  # DDP's buckets are made here: count them
@@ -284,12 +294,18 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     tracker.peak_bytes = tracker.live_bytes  # construction transients are not the step's
+    tracker.record = record
+    marks: list[int] = []
+    step_marks: list[int] = []
+    hook = optimizer.register_step_pre_hook(lambda *_: step_marks.append(tracker.position))
     effective = 0
     with tracker:  # the first step creates optimizer state: measure it and `steps` more
         for _ in range((config["steps"] + 1) * k):
+            marks.append(tracker.position)
             metrics = acc.step(mf.make_batch(micro), mf.loss)
             if metrics["stepped"]:
                 effective = int(metrics["effective_batch"])
+    hook.remove()
     alloc = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     dist.barrier()
@@ -314,6 +330,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         "effective_batch": effective,
         "cuda_max_allocated_bytes": alloc,
         "cuda_max_reserved_bytes": reserved,
+        "timeline": last_step_timeline(tracker.values, marks, step_marks, k) if record else (),
     }
     del acc, optimizer, model, net
     if config["check_gradients"]:
@@ -437,6 +454,7 @@ def verify_distributed(
     seed: int = 0,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_progress: Callable[[int, int, str], None] | None = None,
+    record_timeline: bool = False,
 ) -> DistributedVerifyResult:
     """Run ``plan`` on ``world_size`` processes (default: the plan's) and measure each rank;
     see the module doc. Raises ``BadInputError`` for a plan it cannot run here and
@@ -480,6 +498,7 @@ def verify_distributed(
             "seed": seed,
             "steps": steps,
             "check_gradients": check_gradients,
+            "record_timeline": record_timeline,
         }
         env = {"MASTER_ADDR": "127.0.0.1"}
         interface = _loopback_interface()
@@ -545,6 +564,7 @@ def verify_distributed(
                 effective_batch=r["effective_batch"],
                 cuda_max_allocated_bytes=r["cuda_max_allocated_bytes"],
                 cuda_max_reserved_bytes=r["cuda_max_reserved_bytes"],
+                timeline=tuple(tuple(piece) for piece in r.get("timeline", ())),
             )
             for r in raw
         ),

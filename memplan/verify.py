@@ -14,6 +14,7 @@ for the comparison)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -87,6 +88,9 @@ class VerifyResult(Verdict):
     nvml_process_bytes: int | None = None
     note: str = ""
     """How the comparison was adjusted, e.g. a CUDA plan measured on the CPU."""
+    timeline: tuple[tuple[int, ...], ...] = ()
+    """With ``record_timeline``: the tracker's live bytes after every op of the last
+    measured optimizer step, one tuple per micro-step, then one for the optimizer step."""
 
     @property
     def peak_error(self) -> float:
@@ -139,9 +143,18 @@ def _micro_batches(mf: ModelFile, micro: int, count: int) -> Any:
         yield mf.make_batch(micro)
 
 
-def _run_steps(acc: runtime.Accumulator, mf: ModelFile, plan: Plan, steps: int) -> int:
+def _run_steps(
+    acc: runtime.Accumulator,
+    mf: ModelFile,
+    plan: Plan,
+    steps: int,
+    marks: list[int] | None = None,
+    position: Callable[[], int] | None = None,
+) -> int:
     effective = 0
     for batch in _micro_batches(mf, plan.micro_batch_size, steps * plan.accumulation_steps):
+        if marks is not None and position is not None:
+            marks.append(position())
         metrics = acc.step(batch, mf.loss)
         if metrics["stepped"]:
             effective = int(metrics["effective_batch"])
@@ -158,8 +171,11 @@ def verify_plan(
     check_gradients: bool = True,
     seed: int = 0,
     on_progress: Callable[[int, int, str], None] | None = None,
+    record_timeline: bool = False,
 ) -> VerifyResult:
-    """Run ``steps`` optimizer steps of ``plan`` and measure them; see the module doc."""
+    """Run ``steps`` optimizer steps of ``plan`` and measure them; see the module doc.
+    ``record_timeline`` keeps the live bytes after every op of the last step (for
+    ``memplan verify --report``)."""
     if steps < 1:
         raise BadInputError(f"--steps must be at least 1, got {steps}.")
     if plan.world_size != 1:
@@ -185,12 +201,21 @@ def verify_plan(
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         progress(1, total, f"measuring 1 + {steps} step(s)")
-        tracker = backend.tracker(record=False)
+        tracker = backend.tracker(record=record_timeline)
         tracker.track(resident_tensors(net, optimizer, None))
+        marks: list[int] = []
+        step_marks: list[int] = []
+        hook = optimizer.register_step_pre_hook(lambda *_: step_marks.append(tracker.position))
         with tracker:
             # The first step creates the optimizer state, so it runs without it; the
             # prediction is of the steady state. Measure it and ``steps`` more.
-            effective = _run_steps(acc, mf, plan, steps + 1)
+            effective = _run_steps(acc, mf, plan, steps + 1, marks, lambda: tracker.position)
+        hook.remove()
+        timeline = (
+            last_step_timeline(tracker.values, marks, step_marks, plan.accumulation_steps)
+            if record_timeline
+            else ()
+        )
         cuda_alloc = torch.cuda.max_memory_allocated() if cuda else None
         cuda_reserved = torch.cuda.max_memory_reserved() if cuda else None
         progress(2, total, f"timing {steps} step(s)")
@@ -245,7 +270,20 @@ def verify_plan(
         cuda_max_allocated_bytes=cuda_alloc,
         cuda_max_reserved_bytes=cuda_reserved,
         nvml_process_bytes=nvml_bytes,
+        timeline=timeline,
     )
+
+
+def last_step_timeline(
+    values: list[int], micro_marks: list[int], step_marks: list[int], accumulation_steps: int
+) -> tuple[tuple[int, ...], ...]:
+    """Cut the last optimizer step out of a recorded run: ``micro_marks`` are the positions
+    where each micro-step began, ``step_marks`` where each optimizer step began."""
+    if len(micro_marks) < accumulation_steps or not step_marks:
+        return ()
+    starts = [*micro_marks[-accumulation_steps:], step_marks[-1]]
+    pieces = [tuple(values[a:b]) for a, b in itertools.pairwise(starts)]
+    return (*pieces, tuple(values[step_marks[-1] :]))
 
 
 def _split(batch: Any, parts: int, size: int) -> list[Any]:

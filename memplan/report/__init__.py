@@ -8,7 +8,9 @@ imported, lazily; ``page`` writes the HTML. This module loads inputs and writes 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 from memplan.devices import DeviceSpec, load_device
 from memplan.errors import BadInputError, NoPlanFitsError
@@ -32,11 +34,13 @@ __all__ = [
     "TimelineBar",
     "build_report",
     "device_spec_for_plan",
+    "measured_timeline",
     "plan_candidates",
     "predicted_timeline",
     "render_report",
     "report_for_plan",
     "write_report",
+    "write_verify_report",
 ]
 
 REPORT_SUFFIXES = (".html", ".htm", ".png")
@@ -160,6 +164,43 @@ def build_report(
     )
     result = solve(profile, request)
     return plan_report(profile, result.plan, device_spec=spec, candidates=result.candidates)
+
+
+def measured_timeline(result: Any) -> MeasuredTimeline | None:
+    """The measured timeline of a verify result (one process, or the rank with the highest
+    peak of a multi-rank run), or None when none was recorded."""
+    ranks = getattr(result, "ranks", None)
+    if ranks:
+        worst = max(ranks, key=lambda r: r.tracker_peak_bytes)
+        pieces, label = (
+            worst.timeline,
+            (f"measured, rank {worst.rank} of {len(ranks)} (highest peak)"),
+        )
+    else:
+        pieces, label = result.timeline, f"measured ({result.device})"
+    if len(pieces) < 2:
+        return None
+    return MeasuredTimeline(
+        micro_steps=tuple(pieces[:-1]), optimizer_step=tuple(pieces[-1]), label=label
+    )
+
+
+def write_verify_report(result: Any, plan_path: Path, output: Path, *, force: bool = False) -> int:
+    """``memplan verify --report``: the plan's report with the measured timeline drawn over
+    the predicted one. ``result`` is a VerifyResult or a DistributedVerifyResult."""
+    plan = result.plan
+    profile = load_profile(_resolve_profile_path(plan, plan_path, None))
+    notes = []
+    reserve = plan.predicted.breakdown.reserve
+    if reserve and getattr(result, "device", "") != "cuda":
+        notes.append(
+            f"The run was on {result.device}: the measured line has no CUDA reserve "
+            f"({reserve:,} bytes of the predicted bars)."
+        )
+    report = report_for_plan(plan, profile, measured=measured_timeline(result))
+    if notes:
+        report = dataclasses.replace(report, notes=(*report.notes, *notes))
+    return write_report(report, output, force=force)
 
 
 def render_report(report: Report, suffix: str) -> bytes:

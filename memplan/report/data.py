@@ -255,7 +255,9 @@ def plan_report(
     times = timing.micro_step_times(
         profile, plan.micro_batch_size, source=source, device_spec=device_spec
     )
-    per_rank = f" · {plan.world_size} ranks ({plan.strategy}), per rank" if plan.world_size > 1 else ""
+    per_rank = (
+        f" · {plan.world_size} ranks ({plan.strategy}), per rank" if plan.world_size > 1 else ""
+    )
     return Report(
         title=(
             f"{plan.model} · micro-batch {plan.micro_batch_size} × accumulation "
@@ -265,9 +267,7 @@ def plan_report(
         profile=profile,
         plan=plan,
         timeline=line,
-        layers=layer_rows(
-            profile, plan.micro_batch_size, plan.accumulation_steps, chosen, times
-        ),
+        layers=layer_rows(profile, plan.micro_batch_size, plan.accumulation_steps, chosen, times),
         candidates=tuple(candidates),
         budget_bytes=plan.budget_bytes,
         usable_bytes=memory.usable_budget_bytes(plan.budget_bytes, plan.margin),

@@ -253,7 +253,9 @@ def candidates_axes(ax_peak: Any, ax_time: Any, report: Report) -> None:
     top = max([r.peak_bytes for r in rows] + [report.budget_bytes or 0])
     scale, unit = _unit(top)
     colors = [
-        "#009E73" if r.chosen else ("#0072B2" if r.feasible else ("#999999" if r.fits else "#D55E00"))
+        "#009E73"
+        if r.chosen
+        else ("#0072B2" if r.feasible else ("#999999" if r.fits else "#D55E00"))
         for r in rows
     ]
     xs = list(range(len(rows)))
@@ -288,7 +290,11 @@ def candidates_axes(ax_peak: Any, ax_time: Any, report: Report) -> None:
     for x, row in zip(xs, rows, strict=True):
         if row.step_seconds > 0:
             ax_time.text(
-                x, row.step_seconds, format_seconds(row.step_seconds), ha="center", va="bottom",
+                x,
+                row.step_seconds,
+                format_seconds(row.step_seconds),
+                ha="center",
+                va="bottom",
                 fontsize=7,
             )
     ax_time.set_xticks(xs, labels, rotation=45 if len(rows) > 6 else 0, fontsize=8)
