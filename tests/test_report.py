@@ -1,0 +1,238 @@
+"""memplan report: the drawn timeline is the memory model's, the files are real images and
+self-contained pages, bad input is a clean exit 2."""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from profiles_factory import ChainSpec, uniform_chain
+from typer.testing import CliRunner
+
+from memplan import memory
+from memplan.cli import app
+from memplan.plan import plan_to_yaml
+from memplan.profile import profile_to_yaml
+from memplan.report import MAX_HTML_BYTES, build_report, predicted_timeline, render_report
+from memplan.report.data import KINDS
+from memplan.solver import SolveRequest, solve
+
+runner = CliRunner()
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """Width and height from the IHDR chunk (PNG spec, section 11.2.2)."""
+    assert data[:8] == PNG_SIGNATURE
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def non_white_fraction(path: Path) -> float:
+    from matplotlib.image import imread
+
+    pixels = imread(str(path))[..., :3]
+    return float((pixels.min(axis=-1) < 0.9).mean())
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """A profile and a plan solved from it, written as a user would have them."""
+    folder = tmp_path_factory.mktemp("report")
+    spec = uniform_chain(6, saved=[100, 400, 100, 400, 100, 100])
+    profile = spec.profile()
+    (folder / "m.profile.yaml").write_text(profile_to_yaml(profile))
+    # A budget that forces checkpointing and accumulation (found by scanning budgets:
+    # 29,750 bytes fits micro-batch 1 only, with two of six layers checkpointed).
+    budget = 29_750
+    result = solve(
+        profile,
+        SolveRequest(target_batch=64, budget_bytes=budget, profile_path="m.profile.yaml"),
+    )
+    assert result.plan.checkpoint_layers and any(not c.fits for c in result.candidates)
+    (folder / "m.plan.yaml").write_text(plan_to_yaml(result.plan))
+    return {"folder": folder, "profile": folder / "m.profile.yaml", "plan": folder / "m.plan.yaml"}
+
+
+# --------------------------------------------------------------------------- the numbers
+@settings(max_examples=40, deadline=None)
+@given(
+    saved=st.lists(st.integers(20, 400), min_size=1, max_size=5),
+    b=st.integers(1, 32),
+    k=st.integers(1, 3),
+    data=st.data(),
+)
+def test_timeline_peak_is_the_models_peak(saved, b, k, data):
+    n = len(saved)
+    profile = ChainSpec(
+        params=[1000] * n, saved=saved, output=[5] * n, fwd_seconds=[0.25] * n
+    ).profile()
+    chosen = frozenset(data.draw(st.sets(st.integers(0, n - 1))))
+    strategy = data.draw(st.sampled_from(["ddp", "zero1", "fsdp"]))
+    world = data.draw(st.integers(1, 4))
+    sharding = memory.Sharding(strategy=strategy, world_size=world)
+    reserve = memory.Reserve(fixed_bytes=512, fragmentation_fraction=0.05)
+    line = predicted_timeline(profile, b, chosen, k, reserve=reserve, sharding=sharding)
+    peak = memory.step_peak(profile, b, chosen, k, reserve=reserve, sharding=sharding)
+    assert line.peak_bytes == peak.peak_bytes
+    assert line.bars[line.peak_index].where == peak.where
+    for bar in line.bars:  # every bar's kinds add up to its height
+        assert sum(getattr(bar, kind) for kind in KINDS) == bar.total_bytes
+    # One bar per segment of each phase the step runs, then the optimizer step.
+    phases = memory.phases_for(k)
+    assert len(line.bars) == sum(len(profile.timeline[p]) for p in phases) + 1
+
+
+def test_plan_report_peak_equals_the_plan_and_the_drawn_line(files):
+    from memplan.plan import load_plan
+    from memplan.report import draw
+
+    report = build_report(files["plan"])
+    plan = load_plan(files["plan"])
+    assert report.timeline.peak_bytes == plan.predicted.peak_bytes
+    assert report.timeline.bars[report.timeline.peak_index].where == plan.predicted.peak_phase
+    assert not report.notes
+    # The chart: the predicted total line's highest point is the predicted peak.
+    fig = draw.timeline_figure(report)
+    (line,) = [a for a in fig.axes[0].lines if a.get_gid() == "predicted-total"]
+    scale, _ = draw._unit(max(report.timeline.peak_bytes, plan.budget_bytes))
+    assert round(max(line.get_ydata()) * scale) == plan.predicted.peak_bytes
+    # Checkpointed layers are the plan's, and only those are shaded as running checkpointed.
+    shaded = {b.layer for b in report.timeline.bars if b.checkpointed}
+    assert shaded == set(plan.checkpoint_layers)
+    rows = {row.name: row for row in report.layers}
+    assert {n for n, r in rows.items() if r.checkpointed} == set(plan.checkpoint_layers)
+    # Candidates are the solver's: one per micro-batch dividing 64, the plan's chosen.
+    assert [c.micro_batch for c in report.candidates] == [1, 2, 4, 8, 16, 32, 64]
+    (chosen,) = [c for c in report.candidates if c.chosen]
+    assert chosen.micro_batch == plan.micro_batch_size
+
+
+def test_layer_rows_are_the_profiles_bytes_at_the_plan_micro_batch(files):
+    report = build_report(files["plan"])
+    b = report.plan.micro_batch_size
+    for row, layer in zip(report.layers, report.profile.layers, strict=True):
+        assert row.held_bytes == memory.affine_bytes(layer.saved_bytes, b)
+        assert row.savings_bytes == int(layer.savings_bytes.at(b) // 1)
+        # uniform_chain: every layer's forward takes 0.25 s; recompute = one forward per
+        # micro-step when the profile has no measured recompute.
+        assert row.recompute_seconds == pytest.approx(
+            report.plan.accumulation_steps * layer.fwd_seconds.at(b)
+        )
+
+
+def test_a_changed_profile_is_said_not_hidden(files, tmp_path):
+    spec = uniform_chain(6, saved=[100, 400, 100, 400, 100, 300])  # layer 5 grew
+    (tmp_path / "grown.yaml").write_text(profile_to_yaml(spec.profile()))
+    report = build_report(files["plan"], profile_path=tmp_path / "grown.yaml")
+    assert any("profile changed" in note for note in report.notes)
+
+
+# --------------------------------------------------------------------------- the files
+def test_html_is_one_self_contained_page_under_5mb(files, tmp_path):
+    out = tmp_path / "r.html"
+    result = invoke("report", files["plan"], "-o", out)
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert len(text.encode()) < MAX_HTML_BYTES
+    assert text.count("<svg") == 2 and 'id="timeline-chart"' in text
+    assert 'id="candidates-chart"' in text and 'id="layers"' in text
+    # Nothing to fetch: every src/href is a fragment inside the page; no URL anywhere
+    # but the SVG namespace declarations; no script.
+    links = re.findall(r'(?:src|href)\s*=\s*"([^"]*)"', text)
+    assert links and all(link.startswith("#") for link in links)
+    without_ns = re.sub(r'xmlns(:\w+)?="[^"]*"', "", text)
+    assert not re.search(r"https?:|//[a-z]", without_ns, re.I)
+    assert "<script" not in text and "<link" not in text and "@import" not in text
+
+
+def test_png_is_a_real_non_blank_image(files, tmp_path):
+    out = tmp_path / "r.png"
+    result = invoke("report", files["plan"], "-o", out)
+    assert result.exit_code == 0, result.output
+    data = out.read_bytes()
+    width, height = png_size(data)
+    assert (width, height) == (1200, 960)  # 12 × 9.6 in at 100 dpi
+    assert 0.2 < non_white_fraction(out) < 0.95
+
+
+def test_profile_alone_and_profile_solved(files, tmp_path):
+    result = invoke("report", files["profile"], "-o", tmp_path / "p.html")
+    assert result.exit_code == 0, result.output
+    assert "No plan" in (tmp_path / "p.html").read_text()
+    result = invoke(
+        "report",
+        files["profile"],
+        "-o",
+        tmp_path / "s.png",
+        "--target-batch",
+        "64",
+        "--budget",
+        "1GiB",
+    )
+    assert result.exit_code == 0, result.output
+    assert png_size((tmp_path / "s.png").read_bytes())[0] == 1200
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["-o", "{dir}/r.pdf"], "not '.pdf'"),
+        (["-o", "{dir}/r"], "no suffix"),
+        (["-o", "{dir}/r.html", "--target-batch", "64"], "go together"),
+        (["-o", "{dir}/r.html", "--profile", "{dir}/missing.yaml"], "missing.yaml"),
+    ],
+)
+def test_bad_input_exits_2(files, tmp_path, args, needle):
+    source = files["profile"] if "--target-batch" in args else files["plan"]
+    result = invoke("report", source, *[a.format(dir=tmp_path) for a in args])
+    assert result.exit_code == 2, result.output
+    assert needle in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+
+
+def test_existing_output_is_kept_and_a_lost_profile_named(files, tmp_path):
+    out = tmp_path / "r.html"
+    out.write_text("mine")
+    result = invoke("report", files["plan"], "-o", out)
+    assert result.exit_code == 2 and out.read_text() == "mine"
+    assert invoke("report", files["plan"], "-o", out, "--force").exit_code == 0
+    lonely = tmp_path / "plan.yaml"
+    lonely.write_text(files["plan"].read_text())  # its profile is not beside it
+    result = invoke("report", lonely, "-o", tmp_path / "x.html")
+    assert result.exit_code == 2
+    assert "--profile" in result.output
+
+
+def test_missing_matplotlib_is_exit_2_naming_the_extra(files, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
+    result = invoke("report", files["plan"], "-o", tmp_path / "r.png")
+    assert result.exit_code == 2
+    assert "pip install 'memplan[report]'" in result.output
+    assert not (tmp_path / "r.png").exists()
+
+
+def test_matplotlib_is_imported_only_when_drawing():
+    code = (
+        "import sys, memplan.report, memplan.cli, memplan.memory, memplan.solver; "
+        "print(sorted(m for m in ('matplotlib', 'torch', 'rich') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "matplotlib" not in out.stdout and "torch" not in out.stdout
+
+
+def test_report_renders_bytes_in_both_formats(files):
+    report = build_report(files["plan"])
+    assert render_report(report, ".png")[:8] == PNG_SIGNATURE
+    assert render_report(report, ".html").startswith(b"<!DOCTYPE html>")
