@@ -37,6 +37,7 @@ def _run(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from memplan import render
 
+        render.reset_warnings()
         try:
             return func(*args, **kwargs)
         except MemplanError as exc:

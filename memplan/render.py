@@ -7,6 +7,8 @@ should check — the numbers come from the pure modules."""
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -22,8 +24,23 @@ from memplan.plan import Plan
 from memplan.profile import Affine, Profile
 from memplan.units import format_bytes, format_seconds
 
-console = Console(stderr=True, highlight=False)
+PIPED_WIDTH = 120
+"""Columns when output is not a terminal and $COLUMNS is unset: rich would use 80, which
+cut numbers to ``2…`` and made long layer names indistinguishable in logs and CI."""
+
+
+def _width(stream: object) -> int | None:
+    """None (rich measures the terminal, or reads $COLUMNS) unless the output is piped
+    with no $COLUMNS: then PIPED_WIDTH."""
+    isatty = getattr(stream, "isatty", None)
+    if os.environ.get("COLUMNS") or (isatty is not None and isatty()):
+        return None
+    return PIPED_WIDTH
+
+
+console = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 stdout = Console(highlight=False, soft_wrap=True)
+_warned: set[str] = set()
 
 _BREAKDOWN_COLORS = {
     "params": "blue",
@@ -44,7 +61,15 @@ def error(exc: MemplanError, *, debug: bool = False) -> None:
 
 
 def warn(message: str) -> None:
+    """A warning, once per command (``reset_warnings`` starts a command)."""
+    if message in _warned:
+        return
+    _warned.add(message)
     console.print(Text("warning: ", style="bold yellow") + Text(message))
+
+
+def reset_warnings() -> None:
+    _warned.clear()
 
 
 def info(message: str) -> None:
@@ -74,14 +99,14 @@ def progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
 
 # ---------------------------------------------------------------- profile
 def _short_bytes(value: float) -> str:
-    """Compact binary size for wide tables: ``5.0M`` is 5.0 MiB."""
+    """Compact binary size for wide tables, its unit named: ``5.0MiB``, ``640B``."""
     sign = "-" if value < 0 else ""
     value = abs(value)
-    for unit, scale in (("T", 1024**4), ("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+    for unit, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if value >= scale:
             shown = value / scale
             return f"{sign}{shown:.0f}{unit}" if shown >= 100 else f"{sign}{shown:.1f}{unit}"
-    return f"{sign}{value:.0f}"
+    return f"{sign}{value:.0f}B"
 
 
 def _flops(value: float) -> str:
@@ -96,13 +121,23 @@ def _ms(value: Affine, batch: int) -> str:
 
 
 def profile_table(profile: Profile, width: int | None = None) -> Table:
+    """``_profile_table``, without the input and FLOPs columns when the whole table would
+    not fit ``width`` (default: the console's) even with its names wrapped."""
+    limit = width or console.width
+    table = _profile_table(profile, narrow=limit < 100)
+    unbounded = console.options.update_width(10_000)  # a measurement is capped at its width
+    if console.measure(table, options=unbounded).minimum > limit:
+        table = _profile_table(profile, narrow=True)
+    return table
+
+
+def _profile_table(profile: Profile, *, narrow: bool) -> Table:
     """One row per fixed part and layer. Activation columns are per sample (the slope of
     the affine fit: bytes grow by this much per sample of micro-batch); time columns are at
-    the largest probed micro-batch. Sizes are binary (K = KiB, M = MiB, G = GiB). Below 100
+    the largest probed micro-batch. Sizes name their binary unit (KiB, MiB, GiB). Below 100
     columns of terminal the input and FLOPs columns are left out."""
     batch = max(profile.micro_batches)
     env = profile.environment
-    narrow = (width or console.width) < 100
     columns = [
         "layer",
         "params",
@@ -128,19 +163,20 @@ def profile_table(profile: Profile, width: int | None = None) -> Table:
         ),
         title_justify="left",
         header_style="bold",
-        caption=f"sizes binary (M = MiB); /s = per sample; ckpt = bytes checkpointing the layer "
-        f"frees; times at micro-batch {batch}",
+        caption=f"/s = per sample; ckpt = bytes checkpointing the layer frees; times at "
+        f"micro-batch {batch}",
         caption_justify="left",
     )
     longest = max(
         (len(n) for n in [*profile.layer_names, *(p.name for p in profile.fixed)]), default=5
     )
     for column in columns:
+        # Names wrap (whole, folded) when space runs out; numbers never shrink.
         table.add_column(
             column,
             justify="left" if column == "layer" else "right",
-            no_wrap=True,
-            overflow="ellipsis",
+            no_wrap=column != "layer",
+            overflow="fold",
             min_width=min(longest, 28) if column == "layer" else None,
         )
 
@@ -167,8 +203,10 @@ def profile_table(profile: Profile, width: int | None = None) -> Table:
             }
         )
     for layer in profile.layers:
-        worst = max(
-            layer.saved_bytes.residual, layer.savings_bytes.residual, layer.input_bytes.residual
+        worst = max(  # the worst fit of the layer's byte counts (what ``affine`` judges)
+            getattr(layer, f).residual
+            for f in layer.__slots__
+            if f.endswith("_bytes") and isinstance(getattr(layer, f), Affine)
         )
         add(
             {
@@ -299,7 +337,11 @@ def candidates_table(rows: list[dict[str, Any]], chosen_micro: int | None) -> Ta
         columns.insert(0, "strategy")
     table = Table(title="candidates", title_justify="left", header_style="bold")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("note", "strategy") else "right")
+        table.add_column(
+            column,
+            justify="left" if column in ("note", "strategy") else "right",
+            no_wrap=column != "note",  # the note wraps; numbers are never cut
+        )
     best = next((r for r in rows if r.get("chosen")), None)
     for row in rows:
         relative = ""

@@ -956,8 +956,24 @@ def _warnings(ctx: _Context, best: _Option) -> list[str]:
             "reduce_bucket_size elements), not verified by memplan: run it under DeepSpeed "
             "and compare its memory report"
         )
-    warnings.extend(f"profile: {message}" for message in profile.warnings)
+    warnings.extend(f"profile: {message}" for message in _profile_warnings(profile, warnings))
     return warnings
+
+
+def _profile_warnings(profile: Profile, said: Sequence[str]) -> list[str]:
+    """The probe's warnings a plan repeats: not those the solver has already said in its
+    own words for this plan (BatchNorm; bytes extrapolated from a non-affine layer), so
+    each warning appears once."""
+    bn_said = any("BatchNorm" in w for w in said)
+    extrapolated = any("extrapolated" in w for w in said)
+    kept = []
+    for message in profile.warnings:
+        if bn_said and "BatchNorm" in message:
+            continue
+        if extrapolated and "not affine" in message:
+            continue
+        kept.append(message)
+    return kept
 
 
 def _no_plan_fits(
