@@ -72,8 +72,15 @@ def _summary(report: Report) -> str:
             f"<li>predicted time per optimizer step "
             f"{format_seconds(plan.predicted.step_seconds)}</li>"
         )
-        items.extend(f"<li>{html.escape(reason)}</li>" for reason in plan.reasons)
     return "<ul>" + "".join(items) + "</ul>"
+
+
+def _reasons(report: Report) -> str:
+    if report.plan is None or not report.plan.reasons:
+        return ""
+    items = "".join(f"<li>{html.escape(reason)}</li>" for reason in report.plan.reasons)
+    return f'<h2>Why this plan</h2><ul id="reasons">{items}</ul>'
+
 
 
 def render_html(report: Report, *, timeline_svg: str, candidates_svg: str | None) -> str:
@@ -113,6 +120,7 @@ split an estimate. Shaded: checkpointed layers. {measured}</p>
 {candidates}
 <h2>Layers</h2>
 {_layer_table(report)}
+{_reasons(report)}
 <p>Written by memplan from {html.escape(report.profile.model.path)}'s profile.</p>
 </body></html>
 """
