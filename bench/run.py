@@ -30,6 +30,7 @@ SECTIONS = [
     "probe_overhead",
     "solver_speed",
     "check_speed",
+    "report",
 ]
 
 
