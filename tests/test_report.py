@@ -218,7 +218,7 @@ def test_missing_matplotlib_is_exit_2_naming_the_extra(files, tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import raises ImportError
     result = invoke("report", files["plan"], "-o", tmp_path / "r.png")
     assert result.exit_code == 2
-    assert "pip install 'memplan[report]'" in result.output
+    assert "pip install 'memplan[report]'" in " ".join(result.output.split())
     assert not (tmp_path / "r.png").exists()
 
 
@@ -309,3 +309,17 @@ def test_the_worst_rank_is_drawn():
     ]
     measured = measured_timeline(SimpleNamespace(ranks=ranks))
     assert measured.peak_bytes == 120 and "rank 1 of 2" in measured.label
+
+
+def test_step_summary_section_holds_a_small_png(files):
+    import base64
+
+    from memplan.plan import load_plan
+    from memplan.profile import load_profile
+    from memplan.report import summary_markdown
+
+    text = summary_markdown("tiny", load_profile(files["profile"]), load_plan(files["plan"]))
+    encoded = re.search(r'src="data:image/png;base64,([^"]+)"', text).group(1)
+    data = base64.b64decode(encoded)
+    assert png_size(data) == (720, 576)  # 12 × 9.6 in at 60 dpi
+    assert len(text) < 300 * 1024  # GitHub caps a step summary at 1 MiB

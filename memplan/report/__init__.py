@@ -39,6 +39,7 @@ __all__ = [
     "predicted_timeline",
     "render_report",
     "report_for_plan",
+    "summary_markdown",
     "write_report",
     "write_verify_report",
 ]
@@ -86,12 +87,22 @@ def plan_candidates(profile: Profile, plan: Plan, device_spec: DeviceSpec | None
         plan.accumulation_steps,
         set(plan.checkpoint_layers),
     ):
+        # Highlight the plan's row, not the one an unconstrained solve would choose.
+        def relabel(c: Any) -> Any:
+            mine = (c.micro_batch, c.strategy) == (plan.micro_batch_size, plan.strategy)
+            note = "the plan's choice" if mine else c.note
+            if c.chosen:
+                note = "fastest without the plan's constraints"
+            return dataclasses.replace(c, chosen=mine, note=note)
+
+        rows = tuple(relabel(c) for c in result.candidates)
         notes.append(
             f"Solved again from this profile, the choice is micro-batch "
             f"{chosen.micro_batch_size} × {chosen.accumulation_steps} with "
             f"{len(chosen.checkpoint_layers)} checkpointed layers; the plan was solved with "
-            "other constraints or another profile. The timeline shows the plan."
+            "other constraints or another profile. The charts show the plan's choice."
         )
+        return rows, notes
     return result.candidates, notes
 
 
@@ -104,7 +115,7 @@ def _resolve_profile_path(plan: Plan, plan_path: Path, override: Path | None) ->
             hint="Pass it with --profile PROFILE.",
         )
     named = Path(plan.profile)
-    for candidate in (named, plan_path.parent / named):
+    for candidate in (named, plan_path.parent / named, plan_path.parent / named.name):
         if candidate.is_file():
             return candidate
     raise BadInputError(
@@ -201,6 +212,34 @@ def write_verify_report(result: Any, plan_path: Path, output: Path, *, force: bo
     if notes:
         report = dataclasses.replace(report, notes=(*report.notes, *notes))
     return write_report(report, output, force=force)
+
+
+SUMMARY_DPI = 60
+"""The step summary's PNG is drawn smaller: GitHub caps a step's summary at 1 MiB."""
+
+
+def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
+    """A markdown section with the report's PNG inline (a base64 data URI), for
+    ``$GITHUB_STEP_SUMMARY``; empty when matplotlib is not installed (the summary's text is
+    written anyway)."""
+    import base64
+    import html
+
+    from memplan.report import draw
+
+    try:
+        draw.matplotlib_pyplot()
+    except BadInputError:
+        return ""
+    report = report_for_plan(plan, profile)
+    png = draw.png_bytes(draw.combined_figure(report), dpi=SUMMARY_DPI)
+    encoded = base64.b64encode(png).decode("ascii")
+    where = report.timeline.bars[report.timeline.peak_index].where
+    alt = html.escape(f"{name}: predicted memory over one step, peak during {where}")
+    return (
+        f"\n#### {html.escape(name)}: where the peak is\n\n"
+        f'<img alt="{alt}" src="data:image/png;base64,{encoded}">\n'
+    )
 
 
 def render_report(report: Report, suffix: str) -> bytes:

@@ -8,6 +8,7 @@ Charts are drawn from the report's numbers only; nothing here computes a byte co
 from __future__ import annotations
 
 import io
+import textwrap
 from typing import Any
 
 from memplan.errors import BadInputError
@@ -63,6 +64,12 @@ def _runs(flags: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
+def _budget_on_chart(report: Report, top: int) -> bool:
+    """Draw the budget line only when it is within 3× of what is drawn: a budget far
+    above the peak would flatten every bar to the axis."""
+    return bool(report.budget_bytes) and (report.budget_bytes or 0) <= 3 * max(top, 1)
+
+
 def _checkpoint_band(bars: Any) -> list[bool]:
     flags = [b.checkpointed for b in bars]
     for i, b in enumerate(bars):
@@ -90,9 +97,10 @@ def timeline_axes(ax: Any, report: Report) -> None:
     line: Timeline = report.timeline
     bars = line.bars
     n = len(bars)
-    top = max([line.peak_bytes, report.budget_bytes or 0])
-    if report.measured is not None:
-        top = max(top, report.measured.peak_bytes)
+    top = max(line.peak_bytes, report.measured.peak_bytes if report.measured else 0)
+    budget_shown = _budget_on_chart(report, top)
+    if budget_shown:
+        top = max(top, report.budget_bytes or 0)
     scale, unit = _unit(top)
     edges = list(range(n + 1))
 
@@ -156,7 +164,16 @@ def timeline_axes(ax: Any, report: Report) -> None:
     ax.set_xticks([i + 0.5 for i, _ in shown], [t for _, t in shown], rotation=90, fontsize=6)
     ax.set_xlim(0, n)
 
-    if report.budget_bytes:
+    if report.budget_bytes and not budget_shown:
+        ax.text(
+            0.5,
+            top / scale * 1.02,
+            f"budget {format_bytes(report.budget_bytes)}: far above, off the chart",
+            color=BUDGET_COLOR,
+            fontsize=8,
+            va="bottom",
+        )
+    if budget_shown:
         ax.axhline(report.budget_bytes / scale, color=BUDGET_COLOR, linewidth=1.2)
         ax.text(
             0.5,
@@ -166,7 +183,7 @@ def timeline_axes(ax: Any, report: Report) -> None:
             fontsize=8,
             va="bottom",
         )
-    if report.usable_bytes and report.usable_bytes != report.budget_bytes:
+    if budget_shown and report.usable_bytes and report.usable_bytes != report.budget_bytes:
         ax.axhline(report.usable_bytes / scale, color=BUDGET_COLOR, linewidth=1, linestyle="--")
         ax.text(
             0.5,
@@ -250,7 +267,10 @@ def candidates_axes(ax_peak: Any, ax_time: Any, report: Report) -> None:
     rows = report.candidates
     strategies = {r.strategy for r in rows}
     labels = [_candidate_label(r, strategies) for r in rows]
-    top = max([r.peak_bytes for r in rows] + [report.budget_bytes or 0])
+    top = max(r.peak_bytes for r in rows)
+    budget_shown = _budget_on_chart(report, top)
+    if budget_shown:
+        top = max(top, report.budget_bytes or 0)
     scale, unit = _unit(top)
     colors = [
         "#009E73"
@@ -260,7 +280,7 @@ def candidates_axes(ax_peak: Any, ax_time: Any, report: Report) -> None:
     ]
     xs = list(range(len(rows)))
     ax_peak.bar(xs, [r.peak_bytes / scale for r in rows], color=colors, edgecolor="#333333")
-    floor = (report.budget_bytes or 0) / scale
+    floor = (report.budget_bytes or 0) / scale if budget_shown else 0
     for x, row in zip(xs, rows, strict=True):
         note = row.note + (f" · {row.n_checkpointed} ckpt" if row.n_checkpointed else "")
         ax_peak.text(
@@ -273,9 +293,9 @@ def candidates_axes(ax_peak: Any, ax_time: Any, report: Report) -> None:
             fontsize=7,
             fontweight="bold" if row.chosen else "normal",
         )
-    if report.budget_bytes:
+    if budget_shown:
         ax_peak.axhline(report.budget_bytes / scale, color=BUDGET_COLOR, linewidth=1.2)
-    if report.usable_bytes and report.usable_bytes != report.budget_bytes:
+    if budget_shown and report.usable_bytes and report.usable_bytes != report.budget_bytes:
         ax_peak.axhline(
             report.usable_bytes / scale, color=BUDGET_COLOR, linewidth=1, linestyle="--"
         )
@@ -328,6 +348,8 @@ def combined_figure(report: Report) -> Any:
     timeline_axes(fig.add_subplot(grid[0, :]), report)
     candidates_axes(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), report)
     fig.suptitle(report.title, fontsize=10)
+    if report.notes:
+        fig.supxlabel("\n".join(textwrap.wrap(" ".join(report.notes), 180)), fontsize=7)
     return fig
 
 

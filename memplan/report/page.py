@@ -82,7 +82,6 @@ def _reasons(report: Report) -> str:
     return f'<h2>Why this plan</h2><ul id="reasons">{items}</ul>'
 
 
-
 def render_html(report: Report, *, timeline_svg: str, candidates_svg: str | None) -> str:
     notes = "".join(f'<p class="note">{html.escape(n)}</p>' for n in report.notes)
     if report.plan is not None:
