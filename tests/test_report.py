@@ -323,3 +323,20 @@ def test_step_summary_section_holds_a_small_png(files):
     data = base64.b64decode(encoded)
     assert png_size(data) == (720, 576)  # 12 × 9.6 in at 60 dpi
     assert len(text) < 300 * 1024  # GitHub caps a step summary at 1 MiB
+
+
+def test_a_corrupt_plan_or_foreign_layers_exit_2(files, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("target_batch: [unclosed\n")
+    result = invoke("report", broken, "-o", tmp_path / "r.html")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    # A plan naming layers the profile does not have (another model's profile).
+    other = uniform_chain(2, names=["enc.0", "enc.1"]).profile()
+    (tmp_path / "other.yaml").write_text(profile_to_yaml(other))
+    plan_text = files["plan"].read_text()
+    result = invoke(
+        "report", files["plan"], "-o", tmp_path / "r.html", "--profile", tmp_path / "other.yaml"
+    )
+    assert "checkpoint_layers" in plan_text
+    assert result.exit_code == 2, result.output
+    assert "not a checkpoint candidate" in " ".join(result.output.split())
