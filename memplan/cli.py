@@ -392,9 +392,9 @@ def verify(
             on_progress=on_progress,
             record_timeline=report_path is not None,
         )
-    _write_verify_report(result, plan_path, report_path)
     if as_json:
         data = to_data(result)
+        data.pop("timeline", None)  # per-op bytes are for --report, not the JSON
         data.update(
             peak_error=result.peak_error,
             time_error=result.time_error,
@@ -404,6 +404,7 @@ def verify(
         render.print_json(data)
     else:
         render.show_verify(result)
+    _write_verify_report(result, plan_path, report_path)
     if not result.passed:
         raise typer.Exit(1)
 
@@ -437,9 +438,10 @@ def _verify_distributed(
             on_progress=on_progress,
             record_timeline=report_path is not None,
         )
-    _write_verify_report(result, plan_path, report_path)
     if as_json:
         data = to_data(result)
+        for rank in data["ranks"]:
+            rank.pop("timeline", None)  # per-op bytes are for --report, not the JSON
         data.update(
             measured_peak_bytes=result.measured_peak_bytes,
             peak_error=result.peak_error,
@@ -450,6 +452,7 @@ def _verify_distributed(
         render.print_json(data)
     else:
         render.show_distributed_verify(result)
+    _write_verify_report(result, plan_path, report_path)
     if not result.passed:
         raise typer.Exit(1)
 
