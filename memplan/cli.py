@@ -498,6 +498,8 @@ def report(
         device_profile=device_profile,
     )
     size = write_report(result, output, force=force)
+    for note in result.notes:
+        render.warn(note)
     render.info(
         f"wrote {output} ({format_bytes(size)}): peak {format_bytes(result.timeline.peak_bytes)}"
         f" during {result.timeline.bars[result.timeline.peak_index].where}"

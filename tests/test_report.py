@@ -209,9 +209,23 @@ def test_existing_output_is_kept_and_a_lost_profile_named(files, tmp_path):
     assert invoke("report", files["plan"], "-o", out, "--force").exit_code == 0
     lonely = tmp_path / "plan.yaml"
     lonely.write_text(files["plan"].read_text())  # its profile is not beside it
-    result = invoke("report", lonely, "-o", tmp_path / "x.html")
-    assert result.exit_code == 2
-    assert "--profile" in result.output
+    result = invoke("report", lonely, "-o", tmp_path / "x.html", "--profile", tmp_path / "no")
+    assert result.exit_code == 2  # a profile named on the command line must exist
+
+
+def test_a_plan_without_its_profile_still_draws_its_peak(files, tmp_path):
+    from memplan.plan import load_plan
+
+    lonely = tmp_path / "plan.yaml"
+    lonely.write_text(files["plan"].read_text())  # its profile is not beside it
+    plan = load_plan(lonely)
+    report = build_report(lonely)
+    assert report.timeline.peak_bytes == plan.predicted.peak_bytes
+    assert "--profile" in report.notes[0]
+    for suffix in ("html", "png"):
+        result = invoke("report", lonely, "-o", tmp_path / f"x.{suffix}")
+        assert result.exit_code == 0, result.output
+    assert "--profile" in (tmp_path / "x.html").read_text()
 
 
 def test_missing_matplotlib_is_exit_2_naming_the_extra(files, tmp_path, monkeypatch):

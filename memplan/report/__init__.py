@@ -21,6 +21,7 @@ from memplan.report.data import (
     Report,
     Timeline,
     TimelineBar,
+    plan_only_report,
     plan_report,
     predicted_timeline,
     profile_report,
@@ -152,8 +153,17 @@ def build_report(
     data = load_yaml_file(path, what="profile or plan")
     if "target_batch" in data:
         plan = plan_from_data(data, source=str(path))
-        profile = load_profile(_resolve_profile_path(plan, path, profile_path))
-        return report_for_plan(plan, profile)
+        try:
+            found = _resolve_profile_path(plan, path, profile_path)
+        except BadInputError as exc:
+            if profile_path is not None:
+                raise
+            # The plan alone still has its peak and breakdown: draw those, say what is missing.
+            return plan_only_report(
+                plan,
+                f"{exc.message} Without it only the peak's breakdown is drawn; {exc.hint}",
+            )
+        return report_for_plan(plan, load_profile(found))
     profile = profile_from_data(data, source=str(path))
     spec = load_device(device_profile) if device_profile else None
     if (target_batch is None) != (budget is None):

@@ -110,7 +110,8 @@ class MeasuredTimeline:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Report:
     title: str
-    profile: Profile
+    profile: Profile | None
+    """None when only the plan could be read (see ``plan_only_report``)."""
     plan: Plan | None
     timeline: Timeline
     layers: tuple[LayerRow, ...]
@@ -299,4 +300,40 @@ def profile_report(profile: Profile, *, device_spec: DeviceSpec | None = None) -
             "No plan: this is the profile at its largest probed micro-batch with nothing "
             "checkpointed. Pass --target-batch and --budget (or a plan) to see a plan.",
         ),
+    )
+
+
+def plan_only_report(plan: Plan, why: str) -> Report:
+    """A plan whose profile cannot be read: one bar, the plan's own predicted peak split as
+    its breakdown says, and ``why`` the timeline is missing."""
+    parts = plan.predicted.breakdown
+    bar = TimelineBar(
+        micro_step="peak",
+        phase="peak",
+        segment_index=None,
+        where=plan.predicted.peak_phase or "the predicted peak",
+        active="none",
+        layer=None,
+        checkpointed=False,
+        total_bytes=plan.predicted.peak_bytes,
+        **{kind: getattr(parts, kind) for kind in KINDS},
+    )
+    return Report(
+        title=(
+            f"{plan.model} · micro-batch {plan.micro_batch_size} × accumulation "
+            f"{plan.accumulation_steps} · {len(plan.checkpoint_layers)} layers checkpointed · "
+            f"{plan.device} · {plan.precision}"
+        ),
+        profile=None,
+        plan=plan,
+        timeline=Timeline(
+            bars=(bar,),
+            peak_index=0,
+            micro_batch=plan.micro_batch_size,
+            accumulation_steps=plan.accumulation_steps,
+        ),
+        layers=(),
+        budget_bytes=plan.budget_bytes,
+        usable_bytes=memory.usable_budget_bytes(plan.budget_bytes, plan.margin),
+        notes=(why,),
     )

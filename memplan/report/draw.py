@@ -158,40 +158,45 @@ def timeline_axes(ax: Any, report: Report) -> None:
         for i, b in enumerate(bars)
         if b.active != "none" and (i == 0 or bars[i - 1].layer != b.layer)
     ]
-    ticks.append((n - 1, "optimizer"))
+    ticks.append((n - 1, "optimizer" if bars[-1].phase == "optimizer_step" else "peak"))
     stride = max(1, len(ticks) // 24)
     shown = ticks[::stride] if ticks[-1] in ticks[::stride] else [*ticks[::stride], ticks[-1]]
-    ax.set_xticks([i + 0.5 for i, _ in shown], [t for _, t in shown], rotation=90, fontsize=6)
+    ax.set_xticks(
+        [i + 0.5 for i, _ in shown], [t for _, t in shown], rotation=90 if n > 1 else 0, fontsize=6
+    )
     ax.set_xlim(0, n)
 
     if report.budget_bytes and not budget_shown:
         ax.text(
-            0.5,
+            0.005,
             top / scale * 1.02,
             f"budget {format_bytes(report.budget_bytes)}: far above, off the chart",
             color=BUDGET_COLOR,
             fontsize=8,
             va="bottom",
+            transform=ax.get_yaxis_transform(),
         )
     if budget_shown:
         ax.axhline(report.budget_bytes / scale, color=BUDGET_COLOR, linewidth=1.2)
         ax.text(
-            0.5,
+            0.005,
             report.budget_bytes / scale,
             f"budget {format_bytes(report.budget_bytes)}",
             color=BUDGET_COLOR,
             fontsize=8,
             va="bottom",
+            transform=ax.get_yaxis_transform(),
         )
     if budget_shown and report.usable_bytes and report.usable_bytes != report.budget_bytes:
         ax.axhline(report.usable_bytes / scale, color=BUDGET_COLOR, linewidth=1, linestyle="--")
         ax.text(
-            0.5,
+            0.005,
             report.usable_bytes / scale,
             f"budget less safety margin {format_bytes(report.usable_bytes)}",
             color=BUDGET_COLOR,
             fontsize=8,
             va="top",
+            transform=ax.get_yaxis_transform(),
         )
 
     if report.measured is not None:
@@ -341,12 +346,13 @@ def candidates_figure(report: Report) -> Any:
 def combined_figure(report: Report) -> Any:
     """Timeline above candidates, in one figure (the PNG)."""
     plt = matplotlib_pyplot()
-    if not report.candidates:
-        return timeline_figure(report)
-    fig = plt.figure(figsize=(12, 9.6), layout="constrained")
-    grid = fig.add_gridspec(2, 2, height_ratios=[5.2, 4.2])
-    timeline_axes(fig.add_subplot(grid[0, :]), report)
-    candidates_axes(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), report)
+    if report.candidates:
+        fig = plt.figure(figsize=(12, 9.6), layout="constrained")
+        grid = fig.add_gridspec(2, 2, height_ratios=[5.2, 4.2])
+        timeline_axes(fig.add_subplot(grid[0, :]), report)
+        candidates_axes(fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1]), report)
+    else:
+        fig = timeline_figure(report)
     fig.suptitle(report.title, fontsize=10)
     if report.notes:
         fig.supxlabel("\n".join(textwrap.wrap(" ".join(report.notes), 180)), fontsize=7)

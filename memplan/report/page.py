@@ -82,6 +82,12 @@ def _reasons(report: Report) -> str:
     return f'<h2>Why this plan</h2><ul id="reasons">{items}</ul>'
 
 
+def _source(report: Report) -> str:
+    if report.profile is None:
+        return " from the plan alone"
+    return f" from {html.escape(report.profile.model.path)}'s profile"
+
+
 def render_html(report: Report, *, timeline_svg: str, candidates_svg: str | None) -> str:
     notes = "".join(f'<p class="note">{html.escape(n)}</p>' for n in report.notes)
     if report.plan is not None:
@@ -120,6 +126,6 @@ split an estimate. Shaded: checkpointed layers. {measured}</p>
 <h2>Layers</h2>
 {_layer_table(report)}
 {_reasons(report)}
-<p>Written by memplan from {html.escape(report.profile.model.path)}'s profile.</p>
+<p>Written by memplan{_source(report)}.</p>
 </body></html>
 """
