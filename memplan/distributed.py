@@ -187,6 +187,7 @@ class RankResult:
     timeline: tuple[tuple[int, ...], ...] = ()
     """With ``record_timeline``: live bytes after every op of the last step, per micro-step
     and the optimizer step (memplan.verify.last_step_timeline)."""
+    timeline_forward_ops: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -297,7 +298,9 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     tracker.record = record
     marks: list[int] = []
     step_marks: list[int] = []
+    forward_marks: list[int] = []
     hook = optimizer.register_step_pre_hook(lambda *_: step_marks.append(tracker.position))
+    fwd_hook = net.register_forward_hook(lambda *_: forward_marks.append(tracker.position))
     effective = 0
     with tracker:  # the first step creates optimizer state: measure it and `steps` more
         for _ in range((config["steps"] + 1) * k):
@@ -306,6 +309,12 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
             if metrics["stepped"]:
                 effective = int(metrics["effective_batch"])
     hook.remove()
+    fwd_hook.remove()
+    timeline, forward_ops = (
+        last_step_timeline(tracker.values, marks, step_marks, k, forward_marks)
+        if record
+        else ((), ())
+    )
     alloc = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     dist.barrier()
@@ -330,7 +339,8 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         "effective_batch": effective,
         "cuda_max_allocated_bytes": alloc,
         "cuda_max_reserved_bytes": reserved,
-        "timeline": last_step_timeline(tracker.values, marks, step_marks, k) if record else (),
+        "timeline": timeline,
+        "timeline_forward_ops": forward_ops,
     }
     del acc, optimizer, model, net
     if config["check_gradients"]:
@@ -565,6 +575,7 @@ def verify_distributed(
                 cuda_max_allocated_bytes=r["cuda_max_allocated_bytes"],
                 cuda_max_reserved_bytes=r["cuda_max_reserved_bytes"],
                 timeline=tuple(tuple(piece) for piece in r.get("timeline", ())),
+                timeline_forward_ops=tuple(r.get("timeline_forward_ops", ())),
             )
             for r in raw
         ),

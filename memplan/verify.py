@@ -91,6 +91,9 @@ class VerifyResult(Verdict):
     timeline: tuple[tuple[int, ...], ...] = ()
     """With ``record_timeline``: the tracker's live bytes after every op of the last
     measured optimizer step, one tuple per micro-step, then one for the optimizer step."""
+    timeline_forward_ops: tuple[int | None, ...] = ()
+    """Per micro-step of ``timeline``: how many of its ops ran before the model's forward
+    returned (loss and backward follow); None where that was not seen."""
 
     @property
     def peak_error(self) -> float:
@@ -205,16 +208,21 @@ def verify_plan(
         tracker.track(resident_tensors(net, optimizer, None))
         marks: list[int] = []
         step_marks: list[int] = []
+        forward_marks: list[int] = []
         hook = optimizer.register_step_pre_hook(lambda *_: step_marks.append(tracker.position))
+        fwd_hook = net.register_forward_hook(lambda *_: forward_marks.append(tracker.position))
         with tracker:
             # The first step creates the optimizer state, so it runs without it; the
             # prediction is of the steady state. Measure it and ``steps`` more.
             effective = _run_steps(acc, mf, plan, steps + 1, marks, lambda: tracker.position)
         hook.remove()
-        timeline = (
-            last_step_timeline(tracker.values, marks, step_marks, plan.accumulation_steps)
+        fwd_hook.remove()
+        timeline, forward_ops = (
+            last_step_timeline(
+                tracker.values, marks, step_marks, plan.accumulation_steps, forward_marks
+            )
             if record_timeline
-            else ()
+            else ((), ())
         )
         cuda_alloc = torch.cuda.max_memory_allocated() if cuda else None
         cuda_reserved = torch.cuda.max_memory_reserved() if cuda else None
@@ -271,19 +279,30 @@ def verify_plan(
         cuda_max_reserved_bytes=cuda_reserved,
         nvml_process_bytes=nvml_bytes,
         timeline=timeline,
+        timeline_forward_ops=forward_ops,
     )
 
 
 def last_step_timeline(
-    values: list[int], micro_marks: list[int], step_marks: list[int], accumulation_steps: int
-) -> tuple[tuple[int, ...], ...]:
+    values: list[int],
+    micro_marks: list[int],
+    step_marks: list[int],
+    accumulation_steps: int,
+    forward_marks: list[int] = (),
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int | None, ...]]:
     """Cut the last optimizer step out of a recorded run: ``micro_marks`` are the positions
-    where each micro-step began, ``step_marks`` where each optimizer step began."""
+    where each micro-step began, ``step_marks`` where each optimizer step began,
+    ``forward_marks`` where the model's forward returned. Returns the pieces (micro-steps,
+    then the optimizer step) and, per micro-step, its ops before the forward returned."""
     if len(micro_marks) < accumulation_steps or not step_marks:
-        return ()
+        return (), ()
     starts = [*micro_marks[-accumulation_steps:], step_marks[-1]]
     pieces = [tuple(values[a:b]) for a, b in itertools.pairwise(starts)]
-    return (*pieces, tuple(values[step_marks[-1] :]))
+    forward_ops = tuple(
+        max((m - a for m in forward_marks if a <= m < b), default=None)
+        for a, b in itertools.pairwise(starts)
+    )
+    return (*pieces, tuple(values[step_marks[-1] :])), forward_ops
 
 
 def _split(batch: Any, parts: int, size: int) -> list[Any]:

@@ -285,6 +285,10 @@ def test_verify_records_the_last_step_and_draws_it(stack_plan, tmp_path):
     plan = load_plan(stack_plan)
     result = verify_plan(str(STACK), plan, steps=1, check_gradients=False, record_timeline=True)
     assert len(result.timeline) == plan.accumulation_steps + 1  # 4 micro-steps, optimizer
+    # Each micro-step's forward is seen, and ends before its backward does.
+    assert len(result.timeline_forward_ops) == plan.accumulation_steps
+    for ops, piece in zip(result.timeline_forward_ops, result.timeline, strict=False):
+        assert ops is not None and 0 < ops < len(piece)
     measured = measured_timeline(result)
     # The steady step is the run's highest (the first lacks optimizer state); the model
     # predicts it within a few bytes on this stack (measured 4 bytes over, 0.01%).
@@ -304,12 +308,13 @@ def test_last_step_is_cut_at_the_marks():
 
     values = list(range(20))
     # Two optimizer steps of k = 2: micro-steps begin at 0, 4, 10, 13; optimizer at 8, 17.
-    assert last_step_timeline(values, [0, 4, 10, 13], [8, 17], 2) == (
-        (10, 11, 12),
-        (13, 14, 15, 16),
-        (17, 18, 19),
+    # The model's forward returned at 2, 6, 11 and 15.
+    assert last_step_timeline(values, [0, 4, 10, 13], [8, 17], 2, [2, 6, 11, 15]) == (
+        ((10, 11, 12), (13, 14, 15, 16), (17, 18, 19)),
+        (1, 2),
     )
-    assert last_step_timeline(values, [0], [], 1) == ()
+    assert last_step_timeline(values, [0, 4], [8], 1, [])[1] == (None,)
+    assert last_step_timeline(values, [0], [], 1) == ((), ())
 
 
 def test_the_worst_rank_is_drawn():
@@ -318,8 +323,12 @@ def test_the_worst_rank_is_drawn():
     from memplan.report import measured_timeline
 
     ranks = [
-        SimpleNamespace(rank=0, tracker_peak_bytes=90, timeline=((1, 90), (5,))),
-        SimpleNamespace(rank=1, tracker_peak_bytes=120, timeline=((2, 120), (6,))),
+        SimpleNamespace(
+            rank=0, tracker_peak_bytes=90, timeline=((1, 90), (5,)), timeline_forward_ops=(1,)
+        ),
+        SimpleNamespace(
+            rank=1, tracker_peak_bytes=120, timeline=((2, 120), (6,)), timeline_forward_ops=(1,)
+        ),
     ]
     measured = measured_timeline(SimpleNamespace(ranks=ranks))
     assert measured.peak_bytes == 120 and "rank 1 of 2" in measured.label

@@ -192,17 +192,18 @@ def measured_timeline(result: Any) -> MeasuredTimeline | None:
     peak of a multi-rank run), or None when none was recorded."""
     ranks = getattr(result, "ranks", None)
     if ranks:
-        worst = max(ranks, key=lambda r: r.tracker_peak_bytes)
-        pieces, label = (
-            worst.timeline,
-            (f"measured, rank {worst.rank} of {len(ranks)} (highest peak)"),
-        )
+        source = max(ranks, key=lambda r: r.tracker_peak_bytes)
+        label = f"measured, rank {source.rank} of {len(ranks)} (highest peak)"
     else:
-        pieces, label = result.timeline, f"measured ({result.device})"
+        source, label = result, f"measured ({result.device})"
+    pieces = source.timeline
     if len(pieces) < 2:
         return None
     return MeasuredTimeline(
-        micro_steps=tuple(pieces[:-1]), optimizer_step=tuple(pieces[-1]), label=label
+        micro_steps=tuple(pieces[:-1]),
+        optimizer_step=tuple(pieces[-1]),
+        forward_ops=tuple(getattr(source, "timeline_forward_ops", ())),
+        label=label,
     )
 
 

@@ -53,6 +53,9 @@ class TimelineBar:
     checkpointed: bool
     """The running layer is checkpointed (its forward keeps only its input; its backward
     recomputes)."""
+    after_forward: bool
+    """The model's forward has returned here (head and loss after the last layer, the
+    backward, the optimizer step): where a measured micro-step's ops after its forward go."""
     total_bytes: int
     """Predicted live bytes, reserve included."""
     params: int
@@ -98,6 +101,9 @@ class MeasuredTimeline:
     micro_steps: tuple[tuple[int, ...], ...]
     """Per micro-step, in order (the optimizer step excluded)."""
     optimizer_step: tuple[int, ...]
+    forward_ops: tuple[int | None, ...] = ()
+    """Per micro-step: its ops before the model's forward returned (None: not seen); they
+    are drawn over the forward's bars, the rest over the loss and backward."""
     label: str = "measured"
     """E.g. 'measured (cpu)', 'measured, rank 1 of 2 (worst)'."""
 
@@ -155,13 +161,17 @@ def predicted_timeline(
             accumulation_steps=k,
         )
         if index is None:
-            active, layer, ckpt, where = "none", None, False, "optimizer step"
+            active, layer, ckpt, where, after = "none", None, False, "optimizer step", True
         else:
-            segment = profile.timeline[phase][index]
+            segments = profile.timeline[phase]
+            segment = segments[index]
             active = segment.active
             layer = names[segment.held] if active != "none" else None
             ckpt = active != "none" and segment.held in checkpointed
             where = memory.describe_segment(profile, phase, index, checkpointed)
+            after = segment.held == len(names) or any(
+                s.active == "bwd" for s in segments[: index + 1]
+            )
         return TimelineBar(
             micro_step=label,
             phase=phase,
@@ -170,6 +180,7 @@ def predicted_timeline(
             active=active,
             layer=layer,
             checkpointed=ckpt,
+            after_forward=after,
             total_bytes=allocated + reserve_bytes,
             params=parts.params,
             grads=parts.grads,
@@ -315,6 +326,7 @@ def plan_only_report(plan: Plan, why: str) -> Report:
         active="none",
         layer=None,
         checkpointed=False,
+        after_forward=True,
         total_bytes=plan.predicted.peak_bytes,
         **{kind: getattr(parts, kind) for kind in KINDS},
     )

@@ -236,20 +236,30 @@ def _measured_overlay(ax: Any, report: Report, scale: float) -> None:
     for i, b in enumerate(bars):
         lo, _ = ranges.get(b.phase, (i, i))
         ranges[b.phase] = (lo, i + 1)
-    pieces = []
+    forward = list(measured.forward_ops) + [None] * len(measured.micro_steps)
+    pieces: list[tuple[str, tuple[int, ...], int | None]] = []
     if measured.micro_steps:
-        pieces.append(("no_grads", measured.micro_steps[0]))
-        later = measured.micro_steps[1:]
+        pieces.append(("no_grads", measured.micro_steps[0], forward[0]))
+        later = list(enumerate(measured.micro_steps))[1:]
         if later:
-            pieces.append(("grads_resident", max(later, key=lambda s: max(s, default=0))))
-    pieces.append(("optimizer_step", measured.optimizer_step))
+            i, values = max(later, key=lambda item: max(item[1], default=0))
+            pieces.append(("grads_resident", values, forward[i]))
+    pieces.append(("optimizer_step", measured.optimizer_step, None))
     first = True
-    for phase, values in pieces:
+    for phase, values, forward_ops in pieces:
         if phase not in ranges or not values:
             continue
         lo, hi = ranges[phase]
-        count = len(values)
-        xs = [lo + (hi - lo) * (j + 0.5) / count for j in range(count)]
+        # Ops up to the end of the model's forward over the forward's bars, the rest over
+        # the loss and backward; each part spread evenly (op order, not time).
+        split = next((i for i in range(lo, hi) if bars[i].after_forward), hi)
+        parts = [(values, lo, hi)]
+        if forward_ops is not None and lo < split < hi:
+            parts = [(values[:forward_ops], lo, split), (values[forward_ops:], split, hi)]
+        xs: list[float] = []
+        for part, start, end in parts:
+            count = len(part)
+            xs += [start + (end - start) * (j + 0.5) / count for j in range(count)]
         artist = ax.plot(
             xs,
             [v / scale for v in values],
