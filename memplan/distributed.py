@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from memplan.errors import BadInputError, CannotMeasureError
+from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.verify import (
@@ -249,7 +249,14 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
         torch.distributed.barrier()  # no rank tears gloo down while a peer still talks to it
     except BaseException as exc:
         (folder / f"rank{rank}.json").write_text(
-            json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+            json.dumps(
+                {
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "bad_input": isinstance(exc, BadInputError),
+                    "message": str(exc),
+                    "trace": traceback.format_exc(),
+                }
+            )
         )
         raise
     finally:
@@ -263,6 +270,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     from memplan import runtime
     from memplan.loader import load_model_file, map_batch
     from memplan.plan import plan_from_data
+    from memplan.verify import fingerprint_note
 
     dist = torch.distributed
     world = int(config["world_size"])
@@ -283,6 +291,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
+    fingerprint_note(plan, net, str(config["model"]))  # raises for another model's plan
     runtime.apply(net, plan)
     record = bool(config.get("record_timeline"))
     tracker = DistributedTracker(record=False)
@@ -412,6 +421,8 @@ def _gradient_error(
         got = captured.get(name)
         if got is None:
             return math.inf
+        if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
+            return math.nan  # max() would drop it: the driver fails the check on it
         scale = ref.abs().max().item()
         if scale > 0:
             worst = max(worst, (got - ref).abs().max().item() / scale)
@@ -436,12 +447,14 @@ def _resolve_device(plan: Plan, device: str | None, world: int) -> str:
     return chosen
 
 
-def _failure(folder: Path, world: int, what: str) -> CannotMeasureError:
+def _failure(folder: Path, world: int, what: str) -> MemplanError:
     """The clearest account of a failed run: the first rank that wrote an error."""
     for rank in range(world):
         path = folder / f"rank{rank}.json"
         if path.is_file():
             data = json.loads(path.read_text() or "{}")
+            if data.get("bad_input"):  # the model file or plan, not the run: exit 2
+                return BadInputError(str(data.get("message", data["error"])))
             if "error" in data:
                 tail = "\n".join(data.get("trace", "").strip().splitlines()[-6:])
                 return CannotMeasureError(
@@ -596,8 +609,16 @@ def _gradient_check(plan: Plan, errors: list[Any], asked: bool, world: int) -> G
         return GradientCheck(
             status="skipped", max_relative_error=None, tolerance=tol, reason=reasons[0]
         )
-    worst = max(float(e) for e in errors)
     k, micro = plan.accumulation_steps, plan.micro_batch_size
+    if not all(math.isfinite(float(e)) for e in errors):
+        return GradientCheck(
+            status="fail",
+            max_relative_error=None,
+            tolerance=tol,
+            reason="NaN or inf in a gradient (accumulated or full-batch) on rank "
+            f"{next(r for r, e in enumerate(errors) if not math.isfinite(float(e)))}",
+        )
+    worst = max(float(e) for e in errors)
     return GradientCheck(
         status="pass" if worst <= tol else "fail",
         max_relative_error=worst,

@@ -53,6 +53,17 @@ class Prediction:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFingerprint:
+    """What the plan knows of the model it was made for, so ``verify`` can refuse to run it
+    on another model (whose memory it does not describe)."""
+
+    parameter_bytes: int
+    """Bytes of all parameters (trainable and frozen), each storage counted once."""
+    candidate_layers: tuple[str, ...] = ()
+    """The checkpoint candidates of the profile, by fully-qualified module name."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     target_batch: int
@@ -80,6 +91,8 @@ class Plan:
     predicted: Prediction
     model: str
     """The model file (``path`` or ``path:factory``)."""
+    model_fingerprint: ModelFingerprint | None = None
+    """Of the profiled model; None in plans written before memplan recorded it."""
     profile: str = ""
     """The profile the plan was solved from."""
     reasons: tuple[str, ...] = ()
@@ -129,7 +142,40 @@ def plan_from_data(data: dict, *, source: str = "<plan>") -> Plan:
             f"memplan understands ({PLAN_SCHEMA_VERSION}).",
             hint="Upgrade memplan.",
         )
-    return from_data(Plan, data, source=source, path="plan")
+    plan = from_data(Plan, data, source=source, path="plan")
+    problem = plan_problem(plan)
+    if problem is not None:
+        raise ProfileError(
+            f"{source}: field '{problem[0]}' {problem[1]}.",
+            hint="The plan was edited or corrupted: solve again with `memplan solve`.",
+        )
+    return plan
+
+
+PLAN_DEVICES = ("cpu", "cuda", "meta")
+
+
+def plan_problem(plan: Plan) -> tuple[str, str] | None:
+    """``(field path, what is wrong)`` for the first value ``solve`` never writes, else None.
+    The schema has already refused NaN, infinity and absurd magnitudes."""
+    from memplan.devices import ALIASES, list_devices
+
+    predicted = plan.predicted
+    if predicted.peak_bytes < 0:
+        return "plan.predicted.peak_bytes", f"is {predicted.peak_bytes}, negative"
+    if predicted.step_seconds < 0:
+        return "plan.predicted.step_seconds", f"is {predicted.step_seconds}, negative"
+    if not 0 <= plan.margin < 1:
+        return "plan.margin", f"is {plan.margin}, not a fraction in [0, 1)"
+    known = {*PLAN_DEVICES, *list_devices(), *ALIASES}
+    if plan.device.lower() not in known:
+        return "plan.device", (
+            f"is {plan.device!r}, not one of {', '.join(PLAN_DEVICES)} or a device profile "
+            f"({', '.join(list_devices())})"
+        )
+    if plan.model_fingerprint is not None and plan.model_fingerprint.parameter_bytes < 0:
+        return "plan.model_fingerprint.parameter_bytes", "is negative"
+    return None
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -266,7 +266,76 @@ def _check_version(data: dict, source: str) -> None:
 
 def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
     _check_version(data, source)
-    return from_data(Profile, data, source=source, path="profile")
+    profile = from_data(Profile, data, source=source, path="profile")
+    problem = profile_problem(profile)
+    if problem is not None:
+        raise ProfileError(
+            f"{source}: field '{problem[0]}' {problem[1]}; a probe never writes that.",
+            hint="The file was edited or corrupted: probe the model again.",
+        )
+    return profile
+
+
+# Affine quantities that may be negative: a checkpoint can keep more than the plain run
+# (savings < 0, e.g. LoRA inputs), a fixed part can free more than it keeps (the loss:
+# saved_bytes < 0 in examples/ci/baselines/gpt.profile.yaml) and a recompute can be
+# measured as cheaper than noise. The rest are sizes, times and FLOPs.
+_SIGNED_AFFINE = {"savings_bytes", "recompute_seconds", "saved_bytes"}
+_COUNT_FIELDS = (
+    "params_trainable_bytes",
+    "params_frozen_bytes",
+    "buffer_bytes",
+    "grad_bytes",
+    "optimizer_state_bytes",
+)
+
+
+def profile_problem(profile: Profile) -> tuple[str, str] | None:
+    """``(field path, what is wrong)`` for the first value no measurement can produce —
+    negative bytes or times, an empty timeline — else None. The schema has already
+    refused NaN, infinity and absurd magnitudes."""
+    sizes = profile.micro_batches
+    largest = max(sizes)
+    parts = [("profile.totals", profile.totals)]
+    parts += [(f"profile.layers[{i}]", layer) for i, layer in enumerate(profile.layers)]
+    parts += [(f"profile.fixed[{i}]", part) for i, part in enumerate(profile.fixed)]
+    for path, part in parts:
+        for name in _COUNT_FIELDS:
+            value = getattr(part, name, 0)
+            if value < 0:
+                return f"{path}.{name}", f"is {value}, a negative number of bytes"
+        if path == "profile.totals":
+            continue
+        for name in part.__slots__:
+            value = getattr(part, name)
+            if isinstance(value, Affine) and name not in _SIGNED_AFFINE:
+                at = value.at(largest)
+                if at < 0:
+                    return (
+                        f"{path}.{name}",
+                        f"is negative at micro-batch {largest} ({at:.4g})",
+                    )
+    for name in ("optimizer_step_peak_bytes", "optimizer_step_seconds", "step_fixed_seconds"):
+        at = getattr(profile, name).at(largest)
+        if at < 0:
+            return f"profile.{name}", f"is negative at micro-batch {largest} ({at:.4g})"
+    for name in ("allocator_reserve_bytes", "context_bytes"):
+        value = getattr(profile, name)
+        if value is not None and value < 0:
+            return f"profile.{name}", f"is {value}, a negative number of bytes"
+    for phase, segments in profile.timeline.items():
+        if not segments:
+            return f"profile.timeline.{phase}", "is empty (no live-byte points were recorded)"
+        for j, seg in enumerate(segments):
+            for kind in ("points", "ckpt_points"):
+                for point in getattr(seg, kind):
+                    low = min(point_at(point, b) for b in sizes)
+                    if low < 0:
+                        return (
+                            f"profile.timeline.{phase}[{j}].{kind}",
+                            f"holds a negative live-byte count ({low:.4g})",
+                        )
+    return None
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -7,6 +7,7 @@ should check — the numbers come from the pure modules."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import traceback
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -158,7 +160,7 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
         columns = [c for c in columns if c not in ("input/s", "FLOPs")]
     table = Table(
         title=(
-            f"{profile.model.path} · {env.device_name} · {env.precision} · "
+            f"{escape(profile.model.path)} · {escape(env.device_name)} · {env.precision} · "
             f"{env.optimizer_class} · probed at {','.join(map(str, profile.micro_batches))}"
         ),
         title_justify="left",
@@ -197,7 +199,7 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
     for part in profile.fixed:
         add(
             {
-                "layer": f"[italic]{part.name}[/italic]",
+                "layer": f"[italic]{escape(part.name)}[/italic]",
                 **state(part),
                 "saved/s": _short_bytes(part.saved_bytes.slope),
             }
@@ -210,7 +212,7 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
         )
         add(
             {
-                "layer": layer.name,
+                "layer": escape(layer.name),
                 **state(layer),
                 "input/s": _short_bytes(layer.input_bytes.slope),
                 "saved/s": _short_bytes(layer.saved_bytes.slope),
@@ -323,7 +325,7 @@ def show_plan(plan: Plan) -> None:
     if plan.reasons:
         console.print("[bold]why[/bold]")
         for reason in plan.reasons:
-            console.print(f"  • {reason}")
+            console.print(Text(f"  • {reason}"))
     for message in plan.warnings:
         warn(message)
 
@@ -356,7 +358,7 @@ def candidates_table(rows: list[dict[str, Any]], chosen_micro: int | None) -> Ta
             "" if peak is None else format_bytes(peak),
             format_seconds(row["step_seconds"]) if row.get("step_seconds") else "",
             relative,
-            row.get("note", ""),
+            escape(str(row.get("note", ""))),
         ]
         if "strategy" in columns:
             cells.insert(0, row.get("strategy", "ddp"))
@@ -368,11 +370,24 @@ def show_candidates(rows: list[dict[str, Any]], chosen_micro: int | None) -> Non
     console.print(candidates_table(rows, chosen_micro))
 
 
+def json_safe(data: Any) -> Any:
+    """``data`` with every NaN or infinite float replaced by ``null``: JSON has no NaN, and a
+    consumer's parser must never choke on memplan's output."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: json_safe(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(value) for value in data]
+    return data
+
+
 def print_json(data: Any) -> None:
-    """One machine-readable object on stdout."""
+    """One machine-readable object on stdout (strict JSON: no NaN or Infinity)."""
     import json
 
-    stdout.out(json.dumps(data, indent=2, default=str), highlight=False)
+    text = json.dumps(json_safe(data), indent=2, default=str, allow_nan=False)
+    stdout.out(text, highlight=False)
 
 
 # ---------------------------------------------------------------- verify
@@ -429,14 +444,16 @@ def show_verify(result: Any) -> None:
     table.add_row("effective batch", str(plan.target_batch), str(result.effective_batch), "")
     console.print(table)
     if result.note:
-        console.print(f"note: {result.note}")
+        console.print(Text(f"note: {result.note}"))
     grad = result.gradient_check
     if grad.status == "skipped":
-        console.print(f"gradient check: skipped — {grad.reason}")
+        console.print(Text(f"gradient check: skipped — {grad.reason}"))
+    elif grad.max_relative_error is None:
+        console.print(f"gradient check: [red]{grad.status}[/red] — {escape(grad.reason)}")
     else:
         colour = "green" if grad.status == "pass" else "red"
         console.print(
-            f"gradient check: [{colour}]{grad.status}[/{colour}] — {grad.reason}: "
+            f"gradient check: [{colour}]{grad.status}[/{colour}] — {escape(grad.reason)}: "
             f"max relative difference {grad.max_relative_error:.2e} "
             f"(tolerance {grad.tolerance:.0e})"
         )
@@ -475,10 +492,10 @@ def show_distributed_verify(result: Any) -> None:
     console.print(table)
     check = result.gradient_check
     if check.max_relative_error is None:
-        console.print(f"gradient check: {check.status} — {check.reason}")
+        console.print(Text(f"gradient check: {check.status} — {check.reason}"))
     else:
         console.print(
-            f"gradient check: {check.status} — {check.reason}: max relative "
+            f"gradient check: {check.status} — {escape(check.reason)}: max relative "
             f"difference {check.max_relative_error:.2e} (tolerance {check.tolerance:.0e})"
         )
     verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"

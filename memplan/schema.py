@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -33,14 +34,45 @@ def to_data(obj: Any) -> Any:
     return obj
 
 
+# libyaml's C loader and dumper when PyYAML was built with it (about 10× faster on a
+# 200-layer profile); both are the "safe" variants, with the same resolver and types.
+SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+SAFE_DUMPER: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+
+LARGEST_INT = 2**62
+"""Larger integers are not bytes, counts or sizes of anything real (4.6 EB)."""
+LARGEST_FLOAT = 1e30
+"""Larger numbers are not seconds, FLOPs or bytes of anything real."""
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` with the C loader when present."""
+    return yaml.load(text, Loader=SAFE_LOADER)  # a SafeLoader: no arbitrary objects
+
+
 def dump_yaml(obj: Any) -> str:
-    return yaml.safe_dump(to_data(obj), sort_keys=False, default_flow_style=None, width=100)
+    return yaml.dump(
+        to_data(obj),
+        Dumper=SAFE_DUMPER,
+        sort_keys=False,
+        default_flow_style=None,
+        width=100,
+        allow_unicode=False,
+    )
 
 
 def from_data(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
     """Build ``cls`` from plain data, checking every key and type; errors name
     ``source`` (the file) and the dotted field path."""
     return _convert(cls, data, source=source, path=path or cls.__name__)
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to 40 characters (a 400-digit number is not worth printing)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _fail(source: str, path: str, problem: str, hint: str | None = None) -> ProfileError:
@@ -100,13 +132,20 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
         return _convert_dataclass(tp, data, source=source, path=path)
     if tp is float:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
-            raise _fail(source, path, f"must be a number, got {data!r}")
+            raise _fail(source, path, f"must be a number, got {_short(data)}")
+        if isinstance(data, float) and not math.isfinite(data):
+            raise _fail(source, path, f"is {data}, not a finite number")
+        if abs(data) > LARGEST_FLOAT:
+            raise _fail(source, path, f"is {_short(data)}, absurdly large (over {LARGEST_FLOAT:g})")
         return float(data)
     if tp is int:
         if isinstance(data, bool) or not isinstance(data, int):
             if isinstance(data, float) and data.is_integer():
-                return int(data)
-            raise _fail(source, path, f"must be an integer, got {data!r}")
+                data = int(data)
+            else:
+                raise _fail(source, path, f"must be an integer, got {_short(data)}")
+        if abs(data) > LARGEST_INT:
+            raise _fail(source, path, f"is {_short(data)}, absurdly large (over 2**62)")
         return data
     if tp is bool:
         if not isinstance(data, bool):
@@ -153,10 +192,21 @@ def load_yaml_file(path: str | Path, *, what: str) -> dict[str, Any]:
     if not file.is_file():
         raise ProfileError(f"{what} file {file} does not exist.", hint="Check the path.")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
         raise ProfileError(
-            f"{file} is not valid YAML ({str(exc).splitlines()[0]}).",
+            f"Cannot read {what} file {file}: {exc.strerror or exc}.", hint="Check its permissions."
+        ) from None
+    except UnicodeDecodeError:
+        text = None
+    try:
+        if text is None:
+            raise ValueError("not UTF-8 text")
+        data = safe_load(text)
+    except (yaml.YAMLError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ProfileError(
+            f"{file} is not valid YAML ({first}).",
             hint=f"The file may be corrupted; write the {what} again.",
         ) from None
     if not isinstance(data, dict):

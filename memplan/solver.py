@@ -39,7 +39,7 @@ from memplan import memory, timing
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory import Peak, Reserve, Sharding, StepBounds
-from memplan.plan import STRATEGIES, Plan, Prediction
+from memplan.plan import STRATEGIES, ModelFingerprint, Plan, Prediction
 from memplan.profile import Profile
 from memplan.timing import MicroStepTimes, TimingMode
 from memplan.units import format_bytes, format_seconds
@@ -570,6 +570,11 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
             peak_phase=option.peak.where,
         ),
         model=_model_ref(profile, request),
+        model_fingerprint=ModelFingerprint(
+            parameter_bytes=profile.totals.params_trainable_bytes
+            + profile.totals.params_frozen_bytes,
+            candidate_layers=profile.layer_names,
+        ),
         profile=request.profile_path,
         reasons=tuple(reasons),
         warnings=tuple(warnings),

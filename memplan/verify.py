@@ -15,6 +15,7 @@ for the comparison)."""
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -136,6 +137,35 @@ def _resolve_device(plan: Plan, device: str | None) -> str:
     return chosen
 
 
+def fingerprint_note(plan: Plan, model: torch.nn.Module, model_ref: str) -> str:
+    """Raise ``BadInputError`` when ``model`` is not the model ``plan`` was made for (its
+    parameter bytes or checkpoint candidates differ); a note when the plan predates
+    fingerprints and nothing could be checked, else ''."""
+    from memplan.probe.layers import param_bytes
+
+    recorded = plan.model_fingerprint
+    if recorded is None:
+        return (
+            "the plan records no model fingerprint (written by an older memplan): nothing "
+            f"checks that it was made for {model_ref}"
+        )
+    trainable, frozen = param_bytes(model)
+    modules = {name for name, _ in model.named_modules()}
+    missing = [name for name in recorded.candidate_layers if name not in modules]
+    if trainable + frozen != recorded.parameter_bytes or missing:
+        found = f"{model_ref} has {format_bytes(trainable + frozen)} of parameters"
+        if missing:
+            found += f" and no module {missing[0]!r}"
+        raise BadInputError(
+            f"The plan was made for another model: it records "
+            f"{format_bytes(recorded.parameter_bytes)} of parameters and "
+            f"{len(recorded.candidate_layers)} checkpoint candidates; {found}.",
+            hint="Verify it with the model file it was solved for, or probe and solve this "
+            "model again.",
+        )
+    return ""
+
+
 def _build(mf: ModelFile, device: torch.device, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return mf.build_model().to(device)
@@ -153,15 +183,32 @@ def _run_steps(
     steps: int,
     marks: list[int] | None = None,
     position: Callable[[], int] | None = None,
+    bad_losses: list[str] | None = None,
 ) -> int:
+    """Run ``steps`` optimizer steps; the effective batch the Accumulator reported. A loss
+    that is not finite is noted in ``bad_losses`` (``max()`` and comparisons ignore NaN, so
+    it must be looked for)."""
     effective = 0
-    for batch in _micro_batches(mf, plan.micro_batch_size, steps * plan.accumulation_steps):
+    k = plan.accumulation_steps
+    for i, batch in enumerate(_micro_batches(mf, plan.micro_batch_size, steps * k)):
         if marks is not None and position is not None:
             marks.append(position())
         metrics = acc.step(batch, mf.loss)
+        loss = metrics.get("micro_loss")
+        if bad_losses is not None and isinstance(loss, float) and not math.isfinite(loss):
+            bad_losses.append(f"the loss was {loss} at step {i // k + 1}, micro-batch {i % k + 1}")
         if metrics["stepped"]:
             effective = int(metrics["effective_batch"])
     return effective
+
+
+def _non_finite(grads: dict[str, torch.Tensor]) -> str | None:
+    """The first parameter whose gradient holds NaN or inf, named, else None."""
+    for name, grad in grads.items():
+        if not bool(torch.isfinite(grad).all()):
+            kind = "NaN" if bool(torch.isnan(grad).any()) else "inf"
+            return f"parameter {name} has {kind} in its gradient"
+    return None
 
 
 def verify_plan(
@@ -195,10 +242,12 @@ def verify_plan(
 
     progress(0, total, "building the model")
     net = _build(mf, torch_device, seed)
+    fingerprint = fingerprint_note(plan, net, str(model if isinstance(model, str) else mf.path))
     optimizer = mf.make_optimizer(net)
     runtime.apply(net, plan)
     acc = runtime.Accumulator(net, optimizer, plan, device=torch_device)
     cuda = backend.device == "cuda"
+    bad_losses: list[str] = []
     try:
         if cuda:
             torch.cuda.synchronize()
@@ -214,7 +263,9 @@ def verify_plan(
         with tracker:
             # The first step creates the optimizer state, so it runs without it; the
             # prediction is of the steady state. Measure it and ``steps`` more.
-            effective = _run_steps(acc, mf, plan, steps + 1, marks, lambda: tracker.position)
+            effective = _run_steps(
+                acc, mf, plan, steps + 1, marks, lambda: tracker.position, bad_losses
+            )
         hook.remove()
         fwd_hook.remove()
         timeline, forward_ops = (
@@ -250,7 +301,14 @@ def verify_plan(
     del acc, optimizer, net
     progress(3, total, "gradient check")
     grad = (
-        _gradient_check(mf, plan, backend, seed)
+        GradientCheck(
+            status="fail",
+            max_relative_error=None,
+            tolerance=GRAD_TOLERANCE[plan.precision],
+            reason=f"{bad_losses[0]} while running the plan",
+        )
+        if bad_losses
+        else _gradient_check(mf, plan, backend, seed)
         if check_gradients
         else GradientCheck(
             status="skipped",
@@ -261,6 +319,7 @@ def verify_plan(
     )
     progress(total, total, "done")
     predicted, note = predicted_for_device(plan, backend.device)
+    note = "; ".join(n for n in (note, fingerprint) if n)
     return VerifyResult(
         plan=plan,
         device=backend.device,
@@ -346,6 +405,13 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
     try:
         with backend.forward_context():
             loss = mf.loss(net, full_dev)
+        if not bool(torch.isfinite(loss.detach()).all()):
+            return GradientCheck(
+                status="fail",
+                max_relative_error=None,
+                tolerance=tol,
+                reason=f"the loss of the full batch of {k * micro} is {float(loss)}",
+            )
         loss.backward()
         reference = {
             n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None
@@ -383,6 +449,16 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
             max_relative_error=None,
             tolerance=tol,
             reason=f"the full batch of {k * micro} does not fit this device",
+        )
+    problem = _non_finite(reference)
+    if problem is None:
+        problem = _non_finite(grads)
+        where = f"after {k} accumulated micro-batches of {micro}"
+    else:
+        where = f"in the full batch of {k * micro}"
+    if problem is not None:
+        return GradientCheck(
+            status="fail", max_relative_error=None, tolerance=tol, reason=f"{problem} {where}"
         )
     worst = 0.0
     for name, ref in reference.items():

@@ -3,6 +3,7 @@ Pure text; no torch."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
@@ -47,12 +48,59 @@ def summary(plan: Plan, *, model_path: str) -> list[str]:
     ]
 
 
+# ---------------------------------------------------------------- serializers
+# Every string that reaches an emitted file goes through one of these (or a format's own
+# serializer: yaml.safe_dump for YAML values, json.dumps for JSON): a model path or layer
+# name may hold a newline, quotes or a backslash, and must not add a key to a config or end
+# a Python string early. The property test in tests/test_fuzz.py holds them to it.
+
+
+def _escape_char(ch: str) -> str:
+    code = ord(ch)
+    if ch in '\\"':
+        return "\\" + ch
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def one_line(text: str) -> str:
+    """``text`` unchanged when it is one line of printable characters; otherwise in double
+    quotes with Python-style escapes (``\\n``, ``\\x01``, ``\\u2028``), so it can never break
+    a line of a comment or docstring, nor hold a character a YAML reader rejects."""
+    if text.isprintable():
+        return text
+    escaped = "".join(
+        ch if ch.isprintable() and ch not in '\\"' else _escape_char(ch) for ch in text
+    )
+    return f'"{escaped}"'
+
+
+def docstring_text(text: str) -> str:
+    """``text`` (made :func:`one_line`) for the inside of a plain triple-quoted Python string:
+    backslashes and double quotes escaped, so it neither ends the string nor forms an
+    invalid escape."""
+    return one_line(text).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def python_literal(text: str) -> str:
+    """``text`` as a Python string literal: the JSON spelling (double quotes) when it is
+    printable, as the golden scripts have it, else ``repr`` (which escapes the rest)."""
+    if text.isprintable():
+        return json.dumps(text, ensure_ascii=False)
+    return repr(text)
+
+
 def comment(lines: Iterable[str]) -> str:
-    """Lines as a YAML/Python comment block (blank lines become a bare ``#``)."""
-    return "".join(f"# {line}\n" if line else "#\n" for line in lines)
+    """Lines as a YAML/Python comment block (blank lines become a bare ``#``); each line
+    goes through :func:`one_line`, so no value can start a line of its own."""
+    return "".join(f"# {one_line(line)}\n" if line else "#\n" for line in lines)
 
 
 def dump_yaml(data: dict[str, Any]) -> str:
+    """YAML values through the YAML serializer (it quotes and escapes what it must)."""
     return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=100)
 
 

@@ -9,10 +9,14 @@ in DDP. The plan is embedded as YAML, so the script needs nothing but memplan an
 
 from __future__ import annotations
 
-import json
 import re
 
-from memplan.emit._common import batch_equation, layers_phrase
+from memplan.emit._common import (
+    batch_equation,
+    docstring_text,
+    layers_phrase,
+    python_literal,
+)
 from memplan.plan import Plan, plan_to_yaml
 
 _TEMPLATE = '''\
@@ -166,15 +170,14 @@ def _string_literal(text: str) -> str:
 
 def emit_torch(plan: Plan, *, model_path: str) -> str:
     """The training script's text, for ``model_path`` (``path`` or ``path:factory``)."""
-    # it goes into the script's docstring: keep it free of quotes and backslashes
-    model_name = model_path.replace("\\", "/").rsplit("/", 1)[-1].replace('"', "'")
+    model_name = model_path.replace("\\", "/").rsplit("/", 1)[-1]
     replacements = {
-        "__MODEL_NAME__": model_name,
-        "__EQUATION__": batch_equation(plan),
+        "__MODEL_NAME__": docstring_text(model_name),
+        "__EQUATION__": docstring_text(batch_equation(plan)),
         "__PRECISION__": plan.precision,
-        "__LAYERS__": layers_phrase(plan),
+        "__LAYERS__": docstring_text(layers_phrase(plan)),
         "__WORLD__": str(plan.world_size),
-        "__MODEL_REPR__": json.dumps(model_path, ensure_ascii=False),  # a valid Python literal
+        "__MODEL_REPR__": python_literal(model_path),
         "__PLAN_LITERAL__": _string_literal(plan_to_yaml(plan)),
     }
     pattern = "|".join(map(re.escape, replacements))  # one pass: values are never rescanned

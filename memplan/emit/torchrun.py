@@ -17,10 +17,14 @@ so the script needs nothing but memplan, torch and the model file.
 
 from __future__ import annotations
 
-import json
 import re
 
-from memplan.emit._common import batch_equation, layers_phrase
+from memplan.emit._common import (
+    batch_equation,
+    docstring_text,
+    layers_phrase,
+    python_literal,
+)
 from memplan.errors import BadInputError
 from memplan.plan import Plan, plan_to_yaml
 
@@ -207,16 +211,16 @@ def emit_torchrun(
             "A zero2 plan runs under DeepSpeed (ZeRO stage 2 has no torch engine).",
             hint="Emit --format deepspeed (or accelerate), or solve with --strategy zero1 or fsdp.",
         )
-    model_name = model_path.replace("\\", "/").rsplit("/", 1)[-1].replace('"', "'")
+    model_name = model_path.replace("\\", "/").rsplit("/", 1)[-1]
     replacements = {
-        "__MODEL_NAME__": model_name,
+        "__MODEL_NAME__": docstring_text(model_name),
         "__WORLD__": str(plan.world_size),
         "__STRATEGY__": plan.strategy,
-        "__EQUATION__": batch_equation(plan),
+        "__EQUATION__": docstring_text(batch_equation(plan)),
         "__PRECISION__": plan.precision,
-        "__LAYERS__": layers_phrase(plan),
+        "__LAYERS__": docstring_text(layers_phrase(plan)),
         "__LAUNCH__": "\n".join(launch_commands(plan, "train_torchrun.py", gpus_per_node)),
-        "__MODEL_REPR__": json.dumps(model_path, ensure_ascii=False),
+        "__MODEL_REPR__": python_literal(model_path),
         "__PLAN_LITERAL__": _string_literal(plan_to_yaml(plan)),
     }
     pattern = "|".join(map(re.escape, replacements))
