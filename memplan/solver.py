@@ -341,14 +341,68 @@ def least_recompute_set(
 
 
 # --------------------------------------------------------------------------- splits
+def _is_prime(n: int) -> bool:
+    """Miller–Rabin with the first 12 prime bases: exact below 3.3e24 (Sorenson & Webster
+    2015), far beyond any batch size."""
+    if n < 2:
+        return False
+    bases = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+    for p in bases:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in bases:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def _factor(n: int, factors: dict[int, int]) -> None:
+    """Prime factors of ``n`` into ``factors``: small primes by trial division, the rest by
+    Pollard's rho (Brent's cycle finding), so 10**18 or a large prime takes microseconds
+    where trial division up to sqrt(n) takes minutes."""
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        while n % p == 0:
+            factors[p] = factors.get(p, 0) + 1
+            n //= p
+    stack = [n] if n > 1 else []
+    while stack:
+        m = stack.pop()
+        if _is_prime(m):
+            factors[m] = factors.get(m, 0) + 1
+            continue
+        c = 1
+        while True:
+            x = y = 2
+            d = 1
+            while d == 1:
+                x = (x * x + c) % m
+                y = (y * y + c) % m
+                y = (y * y + c) % m
+                d = math.gcd(abs(x - y), m)
+            if d != m:
+                stack += [d, m // d]
+                break
+            c += 1
+
+
 def _divisors(value: int) -> list[int]:
-    small, large = [], []
-    for d in range(1, math.isqrt(value) + 1):
-        if value % d == 0:
-            small.append(d)
-            if d != value // d:
-                large.append(value // d)
-    return small + large[::-1]
+    """Every divisor of ``value``, ascending, from its prime factorisation."""
+    factors: dict[int, int] = {}
+    _factor(value, factors)
+    divisors = [1]
+    for prime, power in factors.items():
+        divisors = [d * prime**k for d in divisors for k in range(power + 1)]
+    return sorted(divisors)
 
 
 def _micro_batches(target: int, world: int, lo: int, hi: int | None) -> list[int]:
@@ -647,9 +701,9 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
     )
     per_rank = target // world
     options = [
-        _evaluate(ctx, b, per_rank // b, allowed=bn_floor is None or b >= bn_floor, strategy=st)
+        option
         for st in strategies
-        for b in micro_batches
+        for option in _evaluate_micro_batches(ctx, micro_batches, per_rank, bn_floor, st)
     ]
     fitting = [o for o in options if o.allowed and o.fits]
     if not fitting:
@@ -669,6 +723,40 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
         reserve=reserve,
         timing_source=source_reason,
     )
+
+
+MANY_MICRO_BATCHES = 256
+"""Above this many candidate micro-batches (a target like 897612484786617600 has 103,680
+divisors) the search stops at the first one that does not fit."""
+
+
+def _evaluate_micro_batches(
+    ctx: _Context, micro_batches: list[int], per_rank: int, bn_floor: int | None, strategy: str
+) -> list[_Option]:
+    """Every candidate micro-batch of ``strategy``; for very many, ascending until the first
+    that does not fit even with its best checkpoint set — a larger micro-batch with
+    accumulation holds more activations, so it cannot fit either — plus ``per_rank`` itself
+    (accumulation 1, whose gradients are never resident with activations)."""
+    options = []
+    for b in micro_batches:
+        option = _evaluate(
+            ctx, b, per_rank // b, allowed=bn_floor is None or b >= bn_floor, strategy=strategy
+        )
+        options.append(option)
+        if len(micro_batches) > MANY_MICRO_BATCHES and not option.fits and b != per_rank:
+            if micro_batches[-1] == per_rank:
+                last = micro_batches[-1]
+                options.append(
+                    _evaluate(
+                        ctx,
+                        last,
+                        1,
+                        allowed=bn_floor is None or last >= bn_floor,
+                        strategy=strategy,
+                    )
+                )
+            break
+    return options
 
 
 # --------------------------------------------------------------------------- explaining
