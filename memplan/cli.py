@@ -4,15 +4,20 @@ in one place (``_run``)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+import math
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
 
 from memplan import __version__
-from memplan.errors import BadInputError, MemplanError
+from memplan.errors import BadInputError, Interrupted, MemplanError
 from memplan.schema import load_yaml_file, to_data
 
 app = typer.Typer(
@@ -63,6 +68,48 @@ def _main(
     _state["debug"] = debug
 
 
+@contextlib.contextmanager
+def _running_user_code(model: str, *, as_json: bool) -> Iterator[None]:
+    """Around a call that runs the model file: its exits become a clean error
+    (``loader.contain_exits``), and with ``--json`` whatever it prints goes to stderr —
+    Python's ``print`` and writes to file descriptor 1 by native code or child processes —
+    so stdout stays one JSON object."""
+    from memplan.loader import contain_exits
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contain_exits(model))
+        if as_json:
+            stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+            stack.enter_context(_fd1_to_stderr())
+        yield
+
+
+@contextlib.contextmanager
+def _fd1_to_stderr() -> Iterator[None]:
+    try:
+        sys.__stdout__.flush()  # type: ignore[union-attr]
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except (OSError, AttributeError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.__stderr__.flush()  # type: ignore[union-attr]
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _finite(value: float, flag: str, *, positive: bool) -> float:
+    """``value`` if finite and > 0 (``positive``) or >= 0, else exit 2 naming ``flag``."""
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        need = "a positive" if positive else "a non-negative"
+        raise BadInputError(f"{flag} {value} must be {need} finite number.")
+    return value
+
+
 def _parse_micro_batches(text: str) -> tuple[int, ...]:
     try:
         sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
@@ -104,7 +151,7 @@ def probe(
 ) -> None:
     """Measure a model per layer (memory and time) and write a profile."""
     from memplan import render
-    from memplan.fileio import write_text_atomic
+    from memplan.fileio import check_output, write_text_atomic
     from memplan.probe import probe_model
     from memplan.profile import profile_to_yaml
 
@@ -113,10 +160,9 @@ def probe(
     if precision not in ("fp32", "bf16", "fp16"):
         raise BadInputError(f"--precision {precision!r} is not one of fp32, bf16, fp16.")
     sizes = _parse_micro_batches(micro_batches)
-    if output is not None and output.exists() and not force:
-        # Fail before minutes of probing, not after.
-        write_text_atomic(output, "", force=False)
-    with render.progress("probing") as on_progress:
+    if output is not None:
+        check_output(output, force=force)  # refuse before minutes of probing, not after
+    with _running_user_code(model, as_json=as_json), render.progress("probing") as on_progress:
         profile = probe_model(
             model,
             device=device,
@@ -223,15 +269,13 @@ def solve(
     from memplan.devices import load_device, local_gpu
     from memplan.emit import FORMATS, emit
     from memplan.errors import NoPlanFitsError
-    from memplan.fileio import write_text_atomic
+    from memplan.fileio import check_outputs, write_outputs
     from memplan.plan import plan_to_yaml
     from memplan.profile import load_profile
     from memplan.solver import SolveRequest
     from memplan.solver import solve as run_solver
     from memplan.units import format_bytes, parse_budget
 
-    profile = load_profile(profile_path)
-    spec = load_device(device_profile) if device_profile else None
     wanted = [f.strip() for f in (formats or "").split(",") if f.strip()]
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown:
@@ -239,6 +283,19 @@ def solve(
             f"--format {', '.join(unknown)} is not a known format.",
             hint=f"Known formats: {', '.join(FORMATS)}.",
         )
+    folder = out_dir or (output.parent if output is not None else Path("."))
+    targets: list[tuple[Path, str | None]] = [] if output is None else [(output, None)]
+    targets += [
+        (folder / FORMATS[fmt].filename, fmt)
+        for fmt in wanted
+        if not (fmt == "plan" and output is not None)
+    ]
+    # Every refusal (exists, not a regular file, unwritable, the same file twice) comes
+    # before anything is solved or written.
+    check_outputs((path for path, _ in targets), force=force)
+    _finite(margin, "--margin", positive=False)
+    profile = load_profile(profile_path)
+    spec = load_device(device_profile) if device_profile else None
     capacity = spec.memory_bytes if spec else profile.environment.device_capacity_bytes
     free = None
     if budget.strip().lower() == "auto":
@@ -287,22 +344,11 @@ def solve(
         render.show_plan(plan)
         render.show_candidates(rows, plan.micro_batch_size)
 
-    # Refuse every clobber before writing anything, so a refused run writes nothing.
-    outputs: list[tuple[Path, str]] = []
-    if output is not None:
-        outputs.append((output, plan_to_yaml(plan)))
-    folder = out_dir or (output.parent if output is not None else Path("."))
-    for fmt in wanted:
-        if fmt == "plan" and output is not None:
-            continue
-        filename, text = emit(plan, fmt, model_path=plan.model)
-        outputs.append((folder / filename, text))
-    if not force:
-        for path, _ in outputs:
-            if path.exists():
-                write_text_atomic(path, "", force=False)  # raises OutputExistsError
-    for path, text in outputs:
-        write_text_atomic(path, text, force=force)
+    outputs = [
+        (path, plan_to_yaml(plan) if fmt is None else emit(plan, fmt, model_path=plan.model)[1])
+        for path, fmt in targets
+    ]
+    for path in write_outputs(outputs, force=force):
         render.info(f"wrote {path}")
 
 
@@ -363,25 +409,40 @@ def verify(
     from memplan.plan import load_plan
     from memplan.verify import verify_plan
 
+    if world_size is not None and world_size < 1:
+        raise BadInputError(f"--world-size {world_size} must be at least 1.")
+    if steps < 1:
+        raise BadInputError(f"--steps {steps} must be at least 1.")
+    _finite(tolerance, "--tolerance", positive=False)
+    _finite(timeout, "--timeout", positive=True)
+    if device is not None and device not in ("cpu", "cuda"):
+        raise BadInputError(
+            f"--device {device!r}: verify runs on cpu or cuda.",
+            hint="Choose --device cpu or --device cuda (pick a GPU with CUDA_VISIBLE_DEVICES=N).",
+        )
     plan = load_plan(plan_path)
     if report_path is not None:
         _check_report_path(report_path)
     if (world_size or plan.world_size) > 1:
-        _verify_distributed(
-            model,
-            plan,
-            world_size,
-            steps,
-            device,
-            tolerance,
-            grad_check,
-            timeout,
-            as_json,
-            report_path,
-            plan_path,
-        )
+        with _running_user_code(model, as_json=as_json):
+            _verify_distributed(
+                model,
+                plan,
+                world_size,
+                steps,
+                device,
+                tolerance,
+                grad_check,
+                timeout,
+                as_json,
+                report_path,
+                plan_path,
+            )
         return
-    with render.progress("verifying") as on_progress:
+    with (
+        _running_user_code(model, as_json=as_json),
+        render.progress("verifying") as on_progress,
+    ):
         result = verify_plan(
             model,
             plan,
@@ -565,12 +626,26 @@ from memplan.cli_check import register as _register_check  # noqa: E402
 _register_check(app)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. SIGINT and SIGTERM unwind the command (so temporary files
+    and child processes are cleaned up), print one line and exit 128 + the signal number:
+    130 for Ctrl-C, 143 for SIGTERM."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
     try:
         app()
-    except KeyboardInterrupt:
-        raise SystemExit(130) from None
+    except (Interrupted, KeyboardInterrupt) as exc:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+        raise SystemExit(128 + signum) from None
 
 
 if __name__ == "__main__":

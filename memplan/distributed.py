@@ -29,12 +29,17 @@ N × k × micro samples (the data-parallel form of DESIGN.md's accumulation rule
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import inspect
 import json
 import math
 import os
+import shutil
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import weakref
@@ -240,9 +245,42 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _die_with_parent(parent_pid: int, folder: Path) -> None:
+    """A rank must not outlive the ``memplan verify`` that started it (killed by SIGKILL,
+    it cannot kill its ranks itself). Linux: the kernel sends SIGTERM when the parent dies
+    (``prctl(PR_SET_PDEATHSIG)``, see prctl(2)); elsewhere a thread watches the parent pid.
+    Either way the rank removes the run's temporary folder and exits 143 at once, without
+    the traceback a KeyboardInterrupt in atexit would print. Ctrl-C reaches the whole
+    process group: ranks ignore it and let the parent end them."""
+
+    def parent_gone(signum: int = signal.SIGTERM, frame: Any = None) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, parent_gone)
+    armed = False
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            pr_set_pdeathsig = 1
+            armed = libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) == 0
+    if os.getppid() != parent_pid:  # it died before the line above took effect
+        parent_gone()
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
+            parent_gone()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+
 def _worker(rank: int, config: dict[str, Any]) -> None:
     """One rank. Writes ``rank<r>.json`` (result or error) into ``config['folder']``."""
     folder = Path(config["folder"])
+    _die_with_parent(int(config["parent_pid"]), folder)
     try:
         result = _run_rank(rank, config)
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
@@ -512,6 +550,7 @@ def verify_distributed(
         folder = Path(tmp)
         config = {
             "folder": str(folder),
+            "parent_pid": os.getpid(),
             "world_size": world,
             "device": chosen,
             "port": free_port(),

@@ -74,3 +74,13 @@ class CannotMeasureError(MemplanError):
     data-dependent shape on meta, out of memory at the smallest size, no GPU for cuda."""
 
     exit_code = EXIT_CANNOT_MEASURE
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived. A BaseException, like KeyboardInterrupt, so nothing that
+    catches ``Exception`` swallows it and cleanups (``finally``) run; the console script
+    prints one line and exits 128 + the signal number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum

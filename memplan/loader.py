@@ -9,16 +9,18 @@ code is reported at the user's own ``file:line``, not at memplan's frames.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import MemplanError, ModelFileError
+from memplan.errors import Interrupted, MemplanError, ModelFileError
 
 DEFAULT_FACTORY = "build_model"
 
@@ -58,7 +60,7 @@ def _describe(exc: BaseException) -> str:
 
 def _is_passthrough(exc: BaseException) -> bool:
     """Errors that are not the user's fault or that callers handle themselves."""
-    if isinstance(exc, MemplanError | KeyboardInterrupt | SystemExit):
+    if isinstance(exc, MemplanError | KeyboardInterrupt | SystemExit | Interrupted):
         return True
     return type(exc).__name__ == "OutOfMemoryError"  # torch.cuda.OutOfMemoryError, no import
 
@@ -256,7 +258,7 @@ def load_model_file(
         ) from exc
     except BaseException as exc:
         sys.modules.pop(module_name, None)
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
+        if isinstance(exc, KeyboardInterrupt | SystemExit | Interrupted):
             raise
         raise ModelFileError(
             f"{_user_location(exc, path)}: importing the model file raised {_describe(exc)}",
@@ -283,3 +285,34 @@ def load_model_file(
         has_training_loss=callable(getattr(module, "training_loss", None)),
         has_make_optimizer=callable(getattr(module, "make_optimizer", None)),
     )
+
+
+class _OsExit(SystemExit):
+    """``os._exit`` called by model-file code while :func:`contain_exits` holds it."""
+
+
+@contextlib.contextmanager
+def contain_exits(model: str) -> Iterator[None]:
+    """Run model-file code so that it cannot end memplan's process with a code of its own:
+    ``sys.exit(n)`` (SystemExit) and ``os._exit(n)`` (replaced for the duration) become a
+    ``ModelFileError`` (exit 2) naming the model file. Exits from native code or signals
+    are out of reach in-process; docs/contract.md says so."""
+    real_exit = os._exit
+
+    def refuse_exit(code: int) -> None:
+        raise _OsExit(code)
+
+    os._exit = refuse_exit  # type: ignore[assignment]
+    try:
+        yield
+    except SystemExit as exc:
+        how = "os._exit" if isinstance(exc, _OsExit) else "sys.exit"
+        path = Path(split_model_arg(model)[0])
+        raise ModelFileError(
+            f"{_user_location(exc, path)}: the model file called {how}({exc.code!r}); "
+            "memplan runs it in its own process, so it must not exit.",
+            hint=f"Remove the exit from {path} (guard script code with "
+            "`if __name__ == '__main__':`).",
+        ) from None
+    finally:
+        os._exit = real_exit
