@@ -121,3 +121,19 @@ def local_gpu(index: int = 0) -> GpuInfo | None:
     except Exception:
         pass
     return None
+
+
+def host_available_bytes() -> int | None:
+    """Memory the host can still give this process: ``MemAvailable`` from /proc/meminfo
+    (Linux), else free physical pages; None when the system does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None

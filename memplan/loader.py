@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import Interrupted, MemplanError, ModelFileError
+from memplan.errors import CannotMeasureError, Interrupted, MemplanError, ModelFileError
 
 DEFAULT_FACTORY = "build_model"
 
@@ -56,6 +56,18 @@ def _user_location(exc: BaseException, path: Path) -> str:
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _out_of_host_memory(exc: BaseException) -> bool:
+    """MemoryError, or torch's CPU allocator failing ("DefaultCPUAllocator: can't allocate
+    memory"): the machine, not the model file, is at fault."""
+    return isinstance(exc, MemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )
+
+
+def _args_text(args: tuple[Any, ...]) -> str:
+    return f"({args[0]})" if args and isinstance(args[0], int) else "()"
 
 
 def _is_passthrough(exc: BaseException) -> bool:
@@ -131,6 +143,12 @@ class ModelFile:
         except BaseException as exc:
             if _is_passthrough(exc):
                 raise
+            if _out_of_host_memory(exc):
+                raise CannotMeasureError(
+                    f"Out of host memory in {name}{_args_text(args)} ({_describe(exc)}).",
+                    hint="The size asked for does not fit this machine: use a smaller "
+                    "micro-batch, or plan for this machine's memory.",
+                ) from exc
             raise ModelFileError(
                 f"{_user_location(exc, self.path)}: {name}() raised {_describe(exc)}",
                 hint=f"Fix {name}() in {self.path}; memplan runs it as a training script would.",
@@ -159,6 +177,13 @@ class ModelFile:
                 f"{self.path}: make_batch({batch_size}) returned {type(batch).__name__}; "
                 "it must return a tensor, a tuple/list of tensors or a dict of tensors.",
                 hint="Return tensors on CPU; memplan moves them to the device.",
+            )
+        if any(getattr(t, "is_meta", False) for t in batch_tensors(batch)):
+            raise ModelFileError(
+                f"{self.path}: make_batch({batch_size}) returned meta tensors, which hold "
+                "no data to train on.",
+                hint="Return real tensors on CPU; memplan moves them to the device itself "
+                "(also to meta for --device meta).",
             )
         return batch
 

@@ -166,6 +166,23 @@ def fingerprint_note(plan: Plan, model: torch.nn.Module, model_ref: str) -> str:
     return ""
 
 
+def refuse_if_machine_too_small(plan: Plan, device: str) -> None:
+    """CannotMeasureError (exit 3) before running a plan whose predicted peak exceeds what
+    this machine has free: the run would be killed or fail in the user's code, which looks
+    like the model file's fault."""
+    from memplan.probe.runner import available_bytes
+
+    need = predicted_for_device(plan, device)[0]
+    have = available_bytes(device)
+    if have is not None and need > have:
+        raise CannotMeasureError(
+            f"The plan needs {format_bytes(need)} per process on {device} and this machine "
+            f"has {format_bytes(have)} available: it cannot be run here.",
+            hint="Verify it on a machine (or GPU) with that much memory free, or solve for "
+            "this one (e.g. --budget auto on it).",
+        )
+
+
 def _build(mf: ModelFile, device: torch.device, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     return mf.build_model().to(device)
@@ -239,6 +256,7 @@ def verify_plan(
     mf = model if isinstance(model, ModelFile) else load_model_file(model)
     backend = make_backend(_resolve_device(plan, device), plan.precision, None)
     torch_device = backend.torch_device
+    refuse_if_machine_too_small(plan, backend.device)
 
     progress(0, total, "building the model")
     net = _build(mf, torch_device, seed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import gc
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ import torch
 import memplan
 from memplan.devices import local_gpu
 from memplan.errors import BadInputError, CannotMeasureError
-from memplan.loader import ModelFile, load_model_file
+from memplan.loader import ModelFile, batch_tensors, load_model_file
 from memplan.probe.backends import Backend, make_backend
 from memplan.probe.checkpointing import checkpointed
 from memplan.probe.fitting import add_affine, fit_affine, fit_seconds, sum_affine, undominated
@@ -47,6 +48,7 @@ from memplan.profile import (
     Segment,
     Totals,
 )
+from memplan.units import format_bytes
 
 AFFINE_TOLERANCE = 0.01
 TIMING_REPEATS = 3
@@ -106,6 +108,8 @@ class SizeRuns:
     """Optimizer-state bytes per parameter (by id), after a real optimizer step."""
     ckpt_timing: StepRecord | None = None
     """Untracked all-checkpointed micro-step (None on meta: no real times)."""
+    batch_bytes: int = 0
+    """Bytes of the batch's tensors (made on the host by ``make_batch``)."""
 
 
 @dataclass(slots=True)
@@ -135,9 +139,24 @@ class Session:
             if scale != 1.0:
                 loss = loss * scale
         recorder.forward_done()
+        if loss.device.type != "meta" and not bool(torch.isfinite(loss.detach())):
+            self._warn_loss(float(loss.detach()), batch)
         loss.backward()
         del loss
         return recorder.end()
+
+    def _warn_loss(self, value: float, batch: Any) -> None:
+        """A NaN or infinite loss is measured all the same (the memory is real) but named:
+        a plan trained on it learns nothing."""
+        sizes = [t.shape[0] for t in batch_tensors(batch) if t.dim() > 0]
+        size = f"micro-batch {sizes[0]}" if sizes else "a micro-batch"
+        message = (
+            f"The training loss was {value} at {size} during the probe (a probe step of "
+            f"{self.model_file.spec}); check the model and make_batch for that size "
+            "(e.g. statistics over a batch of one)."
+        )
+        if message not in self.warnings:
+            self.warnings.append(message)
 
     def tracked_step(self, batch: Any) -> Run:
         tracker = self.backend.tracker()
@@ -281,6 +300,44 @@ def time_extra_size(session: Session, size: int) -> TimedSize | None:
     return TimedSize(size, timing, optimizer_seconds, ckpt_timing)
 
 
+def available_bytes(device: str) -> int | None:
+    """What a micro-step may still allocate: free GPU memory on cuda, the host's available
+    memory on cpu and meta (meta allocates nothing but the batch, which is on the host)."""
+    from memplan.devices import host_available_bytes, local_gpu
+
+    if device == "cuda":
+        info = local_gpu(torch.cuda.current_device())
+        return info.free_bytes if info else None
+    return host_available_bytes()
+
+
+def estimated_bytes(session: Session, first: SizeRuns, size: int) -> tuple[float, str]:
+    """A linear estimate of what micro-batch ``size`` will allocate, from the first probed
+    size: the live bytes above the start of its step scale with the batch (on meta only
+    the host batch is real). Used to refuse a size before allocating it, not to plan."""
+    run = first.no_grads
+    scale = size / first.size
+    if session.backend.device == "meta":
+        return first.batch_bytes * scale, "for the batch on the host"
+    start = run.values[0] if run.values else 0
+    return start + max(run.peak_bytes - start, 0) * scale, ""
+
+
+def refuse_unfit_size(session: Session, first: SizeRuns, size: int) -> None:
+    """BadInputError when micro-batch ``size`` cannot fit this machine (estimated from the
+    first probed size), rather than letting the kernel kill the process."""
+    need, what = estimated_bytes(session, first, size)
+    have = available_bytes(session.backend.device)
+    if have is not None and need > have:
+        raise BadInputError(
+            f"--micro-batches: size {size} would need about {format_bytes(int(need))} "
+            f"{what or 'on ' + session.backend.device} (scaled from micro-batch "
+            f"{first.size}), and only {format_bytes(have)} is available.",
+            hint="Probe smaller sizes (e.g. --micro-batches 1,2,4): the fits extrapolate "
+            "to larger micro-batches.",
+        )
+
+
 def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRuns:
     backend, mf = session.backend, session.model_file
     batch = backend.batch(mf, size)
@@ -318,6 +375,7 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         grads,
         state,
         ckpt_timing,
+        sum(t.numel() * t.element_size() for t in batch_tensors(batch)),
     )
 
 
@@ -842,6 +900,8 @@ def probe_model(
     runs: list[SizeRuns] = []
     extra: dict[str, Any] = {}
     for size in sizes:
+        if runs:
+            refuse_unfit_size(session, runs[0], size)
         try:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
@@ -884,7 +944,12 @@ def probe_model(
                     f"torch.cuda.max_memory_allocated says {allocated} B (>5% apart)."
                 )
     extra_timed = None
-    if session.backend.device != "meta" and len(runs) == len(sizes):
+    if (
+        session.backend.device != "meta"
+        and len(runs) == len(sizes)
+        and estimated_bytes(session, runs[0], TIMING_EXTRA_FACTOR * sizes[-1])[0]
+        <= (available_bytes(session.backend.device) or math.inf)
+    ):
         extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
         tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only")
     profile = assemble(session, runs, extra, extra_timed)

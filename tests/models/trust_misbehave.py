@@ -1,0 +1,63 @@
+"""A tiny model file that misbehaves on request (tests/test_trust.py, tests/test_fuzz.py):
+MEMPLAN_TEST_MISBEHAVE names what it does — exit at import or in build_model, print,
+raise, return meta tensors or NaN losses. Unset, it is a well-behaved two-block MLP."""
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+MODE = os.environ.get("MEMPLAN_TEST_MISBEHAVE", "")
+D = 8
+
+if MODE == "import_sys_exit_0":
+    sys.exit(0)
+if MODE == "import_sys_exit_3":
+    sys.exit(3)
+if MODE == "import_os_exit_0":
+    os._exit(0)
+if MODE in ("print", "print_everywhere"):
+    print("hello from the model file at import")
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if MODE == "print_everywhere":
+            print("forward says hi")
+        return torch.relu(self.lin(x))
+
+
+def build_model() -> nn.Module:
+    if MODE == "build_sys_exit_0":
+        sys.exit(0)
+    if MODE == "build_os_exit_0":
+        os._exit(0)
+    if MODE == "build_raise":
+        raise RuntimeError("boom")
+    torch.manual_seed(0)
+    return nn.Sequential(Block(), Block())
+
+
+def make_batch(batch_size: int):
+    if MODE == "meta_batch":
+        return torch.randn(batch_size, D, device="meta")
+    if MODE == "print_everywhere":
+        print("make_batch says hi")
+    return torch.randn(batch_size, D)
+
+
+def training_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    out = model(batch)
+    if MODE == "nan_loss_at_1" and batch.shape[0] == 1:
+        # statistics over a batch of one: the unbiased std of one sample is NaN
+        out = (out - out.mean(0)) / out.std(0)
+    loss = out.square().mean()
+    if MODE == "nan_grad_at_1" and batch.shape[0] == 1:
+        # a finite loss (sqrt(0) = 0) whose gradient is NaN (d sqrt at 0 is inf, times 0)
+        loss = loss + torch.sqrt((out * 0.0).sum())
+    return loss

@@ -1,0 +1,436 @@
+"""Issue 10, "nothing silent, nothing lost": each hole an adversarial pass found, reproduced.
+Wrong answers (NaN passing a check, impossible profiles, another model's plan), data loss
+(device nodes, races, clobbers, permissions, stale temporaries), signals, and crashes that
+looked like verdicts."""
+
+import json
+import math
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from memplan.cli import app
+from memplan.errors import OutputExistsError
+from memplan.fileio import write_text_atomic
+from memplan.plan import Breakdown, Plan, Prediction, plan_to_yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = Path(__file__).parent / "models"
+MISBEHAVE = str(MODELS / "trust_misbehave.py")
+TINY = str(MODELS / "cli_tiny_gpt.py")
+GPT_PROFILE = ROOT / "examples" / "ci" / "baselines" / "gpt.profile.yaml"
+MEMPLAN = [sys.executable, "-m", "memplan.cli"]
+runner = CliRunner()
+
+
+def invoke(*args, env=None):
+    return runner.invoke(app, [str(a) for a in args], env=env)
+
+
+def hand_plan(model: str, *, micro: int = 1, k: int = 4, peak: int = 10**6, **extra) -> Plan:
+    return Plan(
+        target_batch=micro * k,
+        micro_batch_size=micro,
+        accumulation_steps=k,
+        budget_bytes=10**9,
+        predicted=Prediction(
+            peak_bytes=peak,
+            step_seconds=0.01,
+            breakdown=Breakdown(
+                params=peak, grads=0, optimizer=0, activations=0, transient=0, reserve=0
+            ),
+        ),
+        model=model,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("trust") / "tiny.yaml"
+    result = invoke("probe", TINY, "--device", "cpu", "--micro-batches", "1,2", "-o", path)
+    assert result.exit_code == 0, result.output
+    return path
+
+
+# ------------------------------------------------------------------ 2: NaN never passes
+@pytest.mark.parametrize(
+    ("mode", "needle"), [("nan_loss_at_1", "NaN"), ("nan_grad_at_1", "NaN")]
+)
+def test_nan_in_losses_or_gradients_fails_the_gradient_check(monkeypatch, mode, needle):
+    from memplan.verify import verify_plan
+
+    monkeypatch.setenv("MEMPLAN_TEST_MISBEHAVE", mode)
+    result = verify_plan(MISBEHAVE, hand_plan(MISBEHAVE), steps=1, device="cpu")
+    check = result.gradient_check
+    assert check.status == "fail", check
+    assert "nan" in check.reason.lower()
+    assert check.max_relative_error is None  # not a number that reads as "0.00e+00"
+    assert not result.passed
+    # The comparison itself, on fresh weights: accumulated micro-batch-1 gradients are NaN
+    # while the full batch's are not; max() used to drop the NaN and report 0.00e+00.
+    from memplan.loader import load_model_file
+    from memplan.probe.backends import make_backend
+    from memplan.verify import _gradient_check
+
+    backend = make_backend("cpu", "fp32", None)
+    direct = _gradient_check(load_model_file(MISBEHAVE), hand_plan(MISBEHAVE), backend, 0)
+    assert direct.status == "fail" and needle in direct.reason, direct
+
+
+def test_nan_loss_during_probe_is_a_warning_naming_the_step(monkeypatch):
+    from memplan.probe import probe_model
+
+    monkeypatch.setenv("MEMPLAN_TEST_MISBEHAVE", "nan_loss_at_1")
+    profile = probe_model(MISBEHAVE, device="cpu", micro_batches=(1, 2))
+    assert any("loss was nan at micro-batch 1" in w for w in profile.warnings), profile.warnings
+
+
+# ------------------------------------------------------------------ 3: data is validated
+def _mutated(tmp_path, edit) -> Path:
+    data = yaml.safe_load(GPT_PROFILE.read_text())
+    edit(data)
+    path = tmp_path / "mutated.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["totals"].update(params_trainable_bytes=-5), "totals.params_trainable_bytes"),
+        (lambda d: d["totals"].update(grad_bytes=10**400), "totals.grad_bytes"),
+        (lambda d: d["layers"][0]["fwd_seconds"].update(slope=10**400), "fwd_seconds.slope"),
+        (lambda d: d["layers"][0]["fwd_seconds"].update(slope=-1.0), "layers[0].fwd_seconds"),
+        (lambda d: d["layers"][1]["input_bytes"].update(slope=math.nan), "input_bytes.slope"),
+        (lambda d: d["optimizer_step_seconds"].update(intercept=math.inf), "optimizer_step"),
+        (lambda d: d["timeline"].update(no_grads=[]), "timeline.no_grads"),
+    ],
+)
+def test_impossible_profiles_exit_2_naming_the_field(tmp_path, edit, field):
+    path = _mutated(tmp_path, edit)
+    for args in (("show", path), ("solve", path, "--target-batch", 8, "--budget", "24GiB")):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert field in " ".join(result.output.split()), result.output
+        assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("edit", "field"),
+    [
+        (lambda d: d["predicted"].update(step_seconds=math.nan), "step_seconds"),
+        (lambda d: d.update(device="tpu"), "plan.device"),
+        (lambda d: d["predicted"].update(peak_bytes=-1), "peak_bytes"),
+    ],
+)
+def test_impossible_plans_exit_2(tmp_path, edit, field):
+    data = yaml.safe_load(plan_to_yaml(hand_plan(TINY)))
+    edit(data)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    for args in (("show", path), ("verify", TINY, path)):
+        result = invoke(*args)
+        assert result.exit_code == 2, result.output
+        assert field in " ".join(result.output.split())
+
+
+def test_a_plan_for_another_model_is_refused_and_old_plans_say_nothing_is_checked(
+    tiny_profile, tmp_path
+):
+    plan_path = tmp_path / "plan.yaml"
+    result = invoke("solve", tiny_profile, "--target-batch", 4, "--budget", "1GiB", "-o", plan_path)
+    assert result.exit_code == 0, result.output
+    plan = yaml.safe_load(plan_path.read_text())
+    assert plan["model_fingerprint"]["candidate_layers"] == ["blocks.0", "blocks.1", "blocks.2"]
+
+    result = invoke("verify", MISBEHAVE, plan_path, "--steps", 1)
+    assert result.exit_code == 2, result.output
+    assert "made for another model" in " ".join(result.output.split())
+
+    del plan["model_fingerprint"]  # as an older memplan wrote it
+    old = tmp_path / "old.yaml"
+    old.write_text(yaml.safe_dump(plan))
+    result = invoke("verify", TINY, old, "--steps", 1, "--json", "--no-grad-check")
+    assert result.exit_code in (0, 1), result.output
+    assert "nothing checks" in json.loads(result.stdout)["note"]
+
+
+# ------------------------------------------------------------------ 4 and 7: file safety
+def test_only_regular_files_are_ever_replaced(tmp_path):
+    before = os.stat("/dev/null")
+    result = invoke("solve", GPT_PROFILE, "--target-batch", 8, "--budget", "24GiB")
+    assert result.exit_code == 0
+    for target in ("/dev/null", "/dev/full", tmp_path):
+        if not os.path.exists(target):
+            continue
+        result = invoke(
+            "solve", GPT_PROFILE, "--target-batch", 8, "--budget", "24GiB", "-o", target, "--force"
+        )
+        assert result.exit_code == 2, result.output
+        assert "not a regular file" in " ".join(result.output.split())
+    after = os.stat("/dev/null")
+    assert stat.S_ISCHR(after.st_mode) and after.st_rdev == before.st_rdev
+
+
+def test_no_clobber_is_atomic_under_a_race(tmp_path):
+    target = tmp_path / "plan.yaml"
+    outcomes: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def write(i: int) -> None:
+        barrier.wait()
+        try:
+            write_text_atomic(target, f"writer {i}\n")
+            outcomes.append("wrote")
+        except OutputExistsError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["refused"] * 7 + ["wrote"]
+    assert target.read_text().startswith("writer ")
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]  # no temporaries left
+
+
+def test_replacing_keeps_permission_bits_and_removes_stale_temporaries(tmp_path):
+    target = tmp_path / "plan.yaml"
+    target.write_text("old\n")
+    target.chmod(0o600)
+    stale = tmp_path / ".plan.yaml.memplan-999999999-dead.tmp"  # no such pid
+    stale.write_text("half")
+    live = tmp_path / f".plan.yaml.memplan-{os.getpid()}-alive.tmp"  # a writer still running
+    live.write_text("busy")
+    write_text_atomic(target, "new\n", force=True)
+    assert target.read_text() == "new\n"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert not stale.exists() and live.exists()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [("--format", "hf,hf"), ("-o", "{dir}/hf_training_args.yaml", "--format", "hf,plan")],
+)
+def test_duplicate_targets_are_refused_before_anything_is_written(tmp_path, extra):
+    args = [a.format(dir=tmp_path) for a in extra]
+    result = invoke(
+        "solve",
+        GPT_PROFILE,
+        "--target-batch",
+        8,
+        "--budget",
+        "24GiB",
+        "--out-dir",
+        tmp_path,
+        "--force",
+        *args,
+    )
+    assert result.exit_code == 2, result.output
+    assert "same file" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_output_paths_fail_before_the_probe(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for output, force in ((a_file / "p.yaml", False), (tmp_path, True)):
+        start = time.perf_counter()
+        result = invoke("probe", TINY, "--device", "cpu", "-o", output, *(["--force"] * force))
+        assert result.exit_code == 2, result.output
+        assert "probing" not in result.output
+        assert time.perf_counter() - start < 5  # refused, not probed (a probe takes longer)
+
+
+# ------------------------------------------------------------------ 8: signals
+def _wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_ranks_die_with_the_parent_and_leave_no_temporary_folder(tmp_path, tiny_profile, sig):
+    plan_path = tmp_path / "plan2.yaml"
+    solved = invoke(
+        "solve",
+        tiny_profile,
+        "--target-batch",
+        8,
+        "--budget",
+        "1GiB",
+        "--world-size",
+        2,
+        "-o",
+        plan_path,
+    )
+    assert solved.exit_code == 0, solved.output
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen(
+        [*MEMPLAN, "verify", TINY, str(plan_path), "--steps", "200"],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert _wait_for(lambda: list(tmp.glob("memplan-dist-*"))), "the ranks never started"
+        time.sleep(1.5)  # let the ranks get past their start
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143
+        assert err.strip().splitlines()[-1] == "interrupted"
+        assert "Traceback" not in err
+    assert _wait_for(lambda: not list(tmp.glob("memplan-dist-*")), timeout=15)
+
+
+def test_sigint_prints_one_line_and_exits_130(tmp_path):
+    proc = subprocess.Popen(
+        [*MEMPLAN, "probe", TINY, "--device", "cpu", "--micro-batches", "1,2,4,8,16"],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "interrupted"
+    assert "Traceback" not in err
+
+
+# ------------------------------------------------------------------ model files that exit
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "import_sys_exit_0",
+        "import_sys_exit_3",
+        "import_os_exit_0",
+        "build_sys_exit_0",
+        "build_os_exit_0",
+    ],
+)
+def test_a_model_file_cannot_exit_memplan_with_its_own_code(mode):
+    env = {**os.environ, "MEMPLAN_TEST_MISBEHAVE": mode}
+    done = subprocess.run(
+        [*MEMPLAN, "probe", MISBEHAVE, "--device", "cpu", "--micro-batches", "1,2"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    how = "os._exit" if "os_exit" in mode else "sys.exit"
+    err = " ".join(done.stderr.split())
+    assert f"called {how}(" in err and "trust_misbehave.py" in err
+    assert "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------ crashes that were verdicts
+def test_meta_tensors_from_make_batch_are_a_model_file_error():
+    result = invoke(
+        "probe", MISBEHAVE, "--device", "cpu", env={"MEMPLAN_TEST_MISBEHAVE": "meta_batch"}
+    )
+    assert result.exit_code == 2, result.output
+    assert "meta tensors" in result.output
+
+
+def test_rich_markup_in_paths_and_names_is_shown_verbatim(tmp_path):
+    folder = tmp_path / "d[" / "]x"
+    folder.mkdir(parents=True)
+    model = folder / "model[red].py"
+    model.write_text(Path(MISBEHAVE).read_text())
+    result = invoke("probe", model, "--device", "cpu", "--micro-batches", "1,2")
+    assert result.exit_code == 0, result.output
+    assert "model[red].py" in result.output.replace("\n", "")
+
+
+def test_micro_batches_that_cannot_fit_the_machine_are_refused_before_allocating():
+    start = time.perf_counter()
+    result = invoke("probe", TINY, "--device", "cpu", "--micro-batches", "1,100000000000")
+    assert result.exit_code == 2, result.output
+    assert "is available" in " ".join(result.output.split())
+    assert time.perf_counter() - start < 30
+
+
+def test_a_huge_target_batch_is_factorised_not_trial_divided():
+    start = time.perf_counter()
+    for target in (10**18, 897612484786617600):  # the second has 103,680 divisors
+        result = invoke(
+            "solve", GPT_PROFILE, "--target-batch", target, "--budget", "24GiB", "--json"
+        )
+        assert result.exit_code in (0, 1), result.output
+    assert time.perf_counter() - start < 20
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--world-size", "0"),
+        ("--tolerance", "-1"),
+        ("--tolerance", "nan"),
+        ("--timeout", "-5"),
+        ("--steps", "0"),
+        ("--device", "cuda:7"),
+    ],
+)
+def test_verify_rejects_bad_numbers_and_devices(tmp_path, args):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(plan_to_yaml(hand_plan(TINY)))
+    result = invoke("verify", TINY, plan, *args)
+    assert result.exit_code == 2, result.output
+    assert "meta" not in result.output
+
+
+def test_json_stdout_stays_json_when_user_code_prints():
+    result = invoke(
+        "probe",
+        MISBEHAVE,
+        "--device",
+        "cpu",
+        "--micro-batches",
+        "1,2",
+        "--json",
+        env={"MEMPLAN_TEST_MISBEHAVE": "print_everywhere"},
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["micro_batches"] == [1, 2]
+    assert "forward says hi" in result.stderr
+
+
+def test_json_output_never_holds_nan():
+    from memplan import render
+
+    assert render.json_safe({"a": [math.nan, math.inf, 1.5], "b": -math.inf}) == {
+        "a": [None, None, 1.5],
+        "b": None,
+    }
+
+
+def test_a_plan_too_big_for_the_machine_cannot_be_measured_not_a_model_error(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(plan_to_yaml(hand_plan(TINY, peak=2**50)))  # 1 PiB
+    result = invoke("verify", TINY, plan)
+    assert result.exit_code == 3, result.output
+    assert "cannot be run here" in " ".join(result.output.split())
+    assert "make_batch" not in result.output
