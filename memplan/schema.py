@@ -51,14 +51,12 @@ def safe_load(text: str) -> Any:
 
 
 def dump_yaml(obj: Any) -> str:
-    return yaml.dump(
-        to_data(obj),
-        Dumper=SAFE_DUMPER,
-        sort_keys=False,
-        default_flow_style=None,
-        width=100,
-        allow_unicode=False,
-    )
+    data = to_data(obj)
+    options = {"sort_keys": False, "default_flow_style": None, "width": 100}
+    try:
+        return yaml.dump(data, Dumper=SAFE_DUMPER, **options)
+    except UnicodeEncodeError:  # libyaml cannot take a lone surrogate; PyYAML escapes it
+        return yaml.dump(data, Dumper=yaml.SafeDumper, **options)
 
 
 def from_data(cls: type[T], data: Any, *, source: str, path: str = "") -> T:

@@ -63,9 +63,7 @@ def tiny_profile(tmp_path_factory) -> Path:
 
 
 # ------------------------------------------------------------------ 2: NaN never passes
-@pytest.mark.parametrize(
-    ("mode", "needle"), [("nan_loss_at_1", "NaN"), ("nan_grad_at_1", "NaN")]
-)
+@pytest.mark.parametrize(("mode", "needle"), [("nan_loss_at_1", "NaN"), ("nan_grad_at_1", "NaN")])
 def test_nan_in_losses_or_gradients_fails_the_gradient_check(monkeypatch, mode, needle):
     from memplan.verify import verify_plan
 
