@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -156,11 +157,18 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
     raise TypeError(f"schema: unsupported field type {tp!r} at {path}")  # a bug in memplan
 
 
+@functools.cache
+def _fields_of(cls: Any) -> tuple[dict[str, Any], dict[str, dataclasses.Field]]:
+    """Resolved type hints and init fields of a dataclass, once per class (resolving the
+    hints is most of the cost of reading a 200-layer profile otherwise)."""
+    hints = typing.get_type_hints(cls)
+    return hints, {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
 def _convert_dataclass(cls: Any, data: Any, *, source: str, path: str) -> Any:
     if not isinstance(data, dict):
         raise _fail(source, path, f"must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints, fields = _fields_of(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
         suggestions = [m for key in unknown for m in difflib.get_close_matches(str(key), fields, 1)]
