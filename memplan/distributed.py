@@ -249,12 +249,13 @@ def _die_with_parent(parent_pid: int, folder: Path) -> None:
     """A rank must not outlive the ``memplan verify`` that started it (killed by SIGKILL,
     it cannot kill its ranks itself). Linux: the kernel sends SIGTERM when the parent dies
     (``prctl(PR_SET_PDEATHSIG)``, see prctl(2)); elsewhere a thread watches the parent pid.
-    Either way the rank removes the run's temporary folder and exits 143 at once, without
+    Either way an orphaned rank removes the run's temporary folder and exits 143 at once, without
     the traceback a KeyboardInterrupt in atexit would print. Ctrl-C reaches the whole
     process group: ranks ignore it and let the parent end them."""
 
     def parent_gone(signum: int = signal.SIGTERM, frame: Any = None) -> None:
-        shutil.rmtree(folder, ignore_errors=True)
+        if os.getppid() != parent_pid:  # else the parent ended us and reads the folder
+            shutil.rmtree(folder, ignore_errors=True)
         os._exit(128 + signum)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -492,7 +493,8 @@ def _failure(folder: Path, world: int, what: str) -> MemplanError:
         if path.is_file():
             data = json.loads(path.read_text() or "{}")
             if data.get("bad_input"):  # the model file or plan, not the run: exit 2
-                return BadInputError(str(data.get("message", data["error"])))
+                message = data.get("message", data["error"])
+                return BadInputError(f"Rank {rank} of {world} failed: {message}")
             if "error" in data:
                 tail = "\n".join(data.get("trace", "").strip().splitlines()[-6:])
                 return CannotMeasureError(

@@ -140,7 +140,8 @@ def test_emitted_torchrun_script_runs_two_steps_on_two_ranks(tmp_path):
 
 
 def test_a_rank_that_raises_is_named(tmp_path):
-    with pytest.raises(CannotMeasureError, match=r"Rank 1 of 2 failed: .*rank one refuses"):
+    # The model file's fault, as in one process: exit 2 (ModelFileError), not 3.
+    with pytest.raises(BadInputError, match=r"Rank 1 of 2 failed: .*rank one refuses"):
         verify_distributed(model_file(tmp_path, "raise"), plan_for("ddp"), timeout_s=120)
 
 
