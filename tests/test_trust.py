@@ -55,9 +55,10 @@ def hand_plan(model: str, *, micro: int = 1, k: int = 4, peak: int = 10**6, **ex
 
 
 @pytest.fixture(scope="module")
-def tiny_profile(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("trust") / "tiny.yaml"
-    result = invoke("probe", TINY, "--device", "cpu", "--micro-batches", "1,2", "-o", path)
+def small_profile(tmp_path_factory) -> Path:
+    """A profile of trust_misbehave.py (two Linear blocks: probes fast)."""
+    path = tmp_path_factory.mktemp("trust") / "small.yaml"
+    result = invoke("probe", MISBEHAVE, "--device", "cpu", "--micro-batches", "1,2", "-o", path)
     assert result.exit_code == 0, result.output
     return path
 
@@ -143,22 +144,28 @@ def test_impossible_plans_exit_2(tmp_path, edit, field):
 
 
 def test_a_plan_for_another_model_is_refused_and_old_plans_say_nothing_is_checked(
-    tiny_profile, tmp_path
+    small_profile, tmp_path
 ):
     plan_path = tmp_path / "plan.yaml"
-    result = invoke("solve", tiny_profile, "--target-batch", 4, "--budget", "1GiB", "-o", plan_path)
+    result = invoke(
+        "solve", small_profile, "--target-batch", 4, "--budget", "1GiB", "-o", plan_path
+    )
     assert result.exit_code == 0, result.output
     plan = yaml.safe_load(plan_path.read_text())
-    assert plan["model_fingerprint"]["candidate_layers"] == ["blocks.0", "blocks.1", "blocks.2"]
+    # two Linear(8, 8) blocks: 2 × (64 + 8) fp32 parameters
+    assert plan["model_fingerprint"] == {
+        "parameter_bytes": 2 * (8 * 8 + 8) * 4,
+        "candidate_layers": ["0", "1"],
+    }
 
-    result = invoke("verify", MISBEHAVE, plan_path, "--steps", 1)
+    result = invoke("verify", TINY, plan_path, "--steps", 1)
     assert result.exit_code == 2, result.output
     assert "made for another model" in " ".join(result.output.split())
 
     del plan["model_fingerprint"]  # as an older memplan wrote it
     old = tmp_path / "old.yaml"
     old.write_text(yaml.safe_dump(plan))
-    result = invoke("verify", TINY, old, "--steps", 1, "--json", "--no-grad-check")
+    result = invoke("verify", MISBEHAVE, old, "--steps", 1, "--json", "--no-grad-check")
     assert result.exit_code in (0, 1), result.output
     assert "nothing checks" in json.loads(result.stdout)["note"]
 
@@ -263,11 +270,11 @@ def _wait_for(predicate, timeout=60.0):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_ranks_die_with_the_parent_and_leave_no_temporary_folder(tmp_path, tiny_profile, sig):
+def test_ranks_die_with_the_parent_and_leave_no_temporary_folder(tmp_path, small_profile, sig):
     plan_path = tmp_path / "plan2.yaml"
     solved = invoke(
         "solve",
-        tiny_profile,
+        small_profile,
         "--target-batch",
         8,
         "--budget",
@@ -282,7 +289,7 @@ def test_ranks_die_with_the_parent_and_leave_no_temporary_folder(tmp_path, tiny_
     tmp.mkdir()
     env = {**os.environ, "TMPDIR": str(tmp)}
     proc = subprocess.Popen(
-        [*MEMPLAN, "verify", TINY, str(plan_path), "--steps", "200"],
+        [*MEMPLAN, "verify", MISBEHAVE, str(plan_path), "--steps", "1000000"],
         env=env,
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -318,16 +325,8 @@ def test_sigint_prints_one_line_and_exits_130(tmp_path):
 
 
 # ------------------------------------------------------------------ model files that exit
-@pytest.mark.parametrize(
-    "mode",
-    [
-        "import_sys_exit_0",
-        "import_sys_exit_3",
-        "import_os_exit_0",
-        "build_sys_exit_0",
-        "build_os_exit_0",
-    ],
-)
+# In a real process (the console script); tests/test_fuzz.py runs every mode in-process.
+@pytest.mark.parametrize("mode", ["import_sys_exit_3", "build_os_exit_0"])
 def test_a_model_file_cannot_exit_memplan_with_its_own_code(mode):
     env = {**os.environ, "MEMPLAN_TEST_MISBEHAVE": mode}
     done = subprocess.run(
@@ -365,7 +364,7 @@ def test_rich_markup_in_paths_and_names_is_shown_verbatim(tmp_path):
 
 def test_micro_batches_that_cannot_fit_the_machine_are_refused_before_allocating():
     start = time.perf_counter()
-    result = invoke("probe", TINY, "--device", "cpu", "--micro-batches", "1,100000000000")
+    result = invoke("probe", MISBEHAVE, "--device", "cpu", "--micro-batches", "1,100000000000")
     assert result.exit_code == 2, result.output
     assert "is available" in " ".join(result.output.split())
     assert time.perf_counter() - start < 30
