@@ -134,6 +134,14 @@ def probe(
         str, typer.Option("--micro-batches", help="Sizes to measure, e.g. 1,2,4.")
     ] = "1,2,4",
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (autocast).")] = "fp32",
+    mixed_precision: Annotated[
+        str,
+        typer.Option(
+            "--mixed-precision",
+            help="autocast (single device, DDP) or params: parameters in --precision, as "
+            "FSDP's mixed-precision policy trains (for --strategy fsdp plans).",
+        ),
+    ] = "autocast",
     layers: Annotated[
         str | None, typer.Option(help="Glob of checkpoint candidates, e.g. 'transformer.h.*'.")
     ] = None,
@@ -171,6 +179,7 @@ def probe(
             layers=layers,
             device_profile=device_profile,
             on_progress=on_progress,
+            mixed_precision=mixed_precision,
         )
     if as_json:
         render.print_json(to_data(profile))

@@ -9,8 +9,11 @@ wraps the model as the plan's strategy says and as memplan's torchrun script doe
   optimizer;
 * ``zero1``: the same DDP, with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around
   the optimizer's class (so each rank keeps the state of its parameter partition);
-* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` and then on the root;
-  accumulation skips the reduce-scatter with ``set_requires_gradient_sync(False)``.
+* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` and then on the root,
+  with ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)`` when the plan's
+  ``mixed_precision`` is ``params``; with ``grad_sync: last_micro_step`` accumulation skips
+  the reduce-scatter with ``set_requires_gradient_sync(False)``, with ``every_micro_step``
+  every micro-step reduce-scatters into sharded gradients.
 
 (``zero2`` is DeepSpeed's; there is no torch engine to run it with, so it is refused.)
 Then it runs 1 + ``steps`` optimizer steps (the first creates the optimizer state) with
@@ -138,27 +141,58 @@ def fsdp_no_sync(model: torch.nn.Module) -> None:
     model.no_sync = no_sync  # type: ignore[assignment]
 
 
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fsdp_mixed_precision(plan: Plan) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the plan: parameters gathered and computed in the
+    plan's precision, gradients reduced (and kept) in fp32; None for fp32 or autocast plans."""
+    if getattr(plan, "mixed_precision", "autocast") != "params":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=_COMPUTE_DTYPES[plan.precision], reduce_dtype=torch.float32
+    )
+
+
+def shard_fsdp(net: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    """FSDP2 ``fully_shard`` on each of ``plan.shard_units``, then on the root, with the
+    plan's mixed-precision policy; accumulation as ``plan.grad_sync`` says."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = dict(net.named_modules())
+    missing = [name for name in plan.shard_units if name not in modules]
+    if missing:
+        raise BadInputError(
+            f"The plan's shard_units {', '.join(missing)} are not modules of the model."
+        )
+    policy = fsdp_mixed_precision(plan)
+    options = {} if policy is None else {"mp_policy": policy}
+    for name in plan.shard_units:  # one all-gather unit per layer, then the root
+        fully_shard(modules[name], **options)
+    fully_shard(net, **options)
+    if getattr(plan, "grad_sync", "last_micro_step") == "last_micro_step":
+        fsdp_no_sync(net)  # without it, the Accumulator reduce-scatters every micro-step
+    return net
+
+
 def wrap_for_plan(
     net: torch.nn.Module,
     plan: Plan,
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
     device: torch.device,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """(model to call, optimizer) for ``plan.strategy`` in an initialised process group."""
+    """(model to call, optimizer) for ``plan.strategy`` in an initialised process group:
+    what ``verify --world-size`` runs and what the emitted torchrun script imports."""
     strategy = plan.strategy
+    if strategy == "zero2":
+        raise BadInputError(
+            "A zero2 plan runs under DeepSpeed (ZeRO stage 2 has no torch engine).",
+            hint="Emit --format deepspeed (or accelerate), or solve with --strategy zero1 or fsdp.",
+        )
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        modules = dict(net.named_modules())
-        missing = [name for name in plan.shard_units if name not in modules]
-        if missing:
-            raise BadInputError(
-                f"The plan's shard_units {', '.join(missing)} are not modules of the model."
-            )
-        for name in plan.shard_units:
-            fully_shard(modules[name])
-        fully_shard(net)
-        fsdp_no_sync(net)
+        shard_fsdp(net, plan)
         return net, make_optimizer(net)
     ids = [device.index] if device.type == "cuda" else None
     model = torch.nn.parallel.DistributedDataParallel(
@@ -396,6 +430,32 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _mixed_precision_reference(
+    net: torch.nn.Module, mf: Any, plan: Plan, full: Any, world: int, map_batch: Any
+) -> dict[str, torch.Tensor]:
+    """The reference gradient under FSDP's mixed-precision policy, in one process: each of
+    the world × k micro-batches' loss / k back-propagated with bf16 parameters and inputs,
+    each gradient upcast to fp32 and the sum divided by the world size, as the ranks' fp32
+    reduction does. (An fp32 reference would differ by bf16's own rounding through every op,
+    several percent: that would test bf16, not the data-parallel accumulation.)"""
+    from memplan.probe.backends import cast_parameters
+
+    dtype = _COMPUTE_DTYPES[plan.precision]
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    cast_parameters(net, dtype)
+    total: dict[str, torch.Tensor] = {}
+    for i in range(world * k):
+        piece = map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro])
+        piece = map_batch(piece, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        net.zero_grad(set_to_none=True)
+        (mf.loss(net, piece) / k).backward()
+        for name, p in net.named_parameters():
+            if p.grad is not None:
+                grad = p.grad.detach().float()
+                total[name] = total[name] + grad if name in total else grad.clone()
+    return {name: grad / world for name, grad in total.items()}
+
+
 def _full_grad(tensor: torch.Tensor) -> torch.Tensor:
     full = getattr(tensor, "full_tensor", None)
     return (full() if callable(full) else tensor).detach().float()
@@ -420,12 +480,16 @@ def _gradient_error(
             module.p = 0.0
     torch.manual_seed(seed + 10_000)  # the same full batch on every rank
     full = map_batch(mf.make_batch(world * k * micro), lambda t: t.to(device))
-    mf.loss(reference_net, full).backward()
-    reference = {
-        name: p.grad.detach().float().clone()
-        for name, p in reference_net.named_parameters()
-        if p.grad is not None
-    }
+    policy = fsdp_mixed_precision(plan)
+    if policy is None:
+        mf.loss(reference_net, full).backward()
+        reference = {
+            name: p.grad.detach().float().clone()
+            for name, p in reference_net.named_parameters()
+            if p.grad is not None
+        }
+    else:
+        reference = _mixed_precision_reference(reference_net, mf, plan, full, world, map_batch)
     del reference_net
 
     torch.manual_seed(seed)

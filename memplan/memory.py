@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
-from memplan.plan import STRATEGIES, Breakdown, Plan, Strategy
+from memplan.plan import GRAD_SYNCS, STRATEGIES, Breakdown, GradSync, Plan, Strategy
 from memplan.profile import Affine, Phase, Point, Profile, Segment
 from memplan.units import MiB
 
@@ -254,6 +254,9 @@ class Sharding:
     zero2_bucket_elements: int = 500_000_000
     """DeepSpeed ``reduce_bucket_size`` (elements); 5e8 is DeepSpeed's documented default and
     what memplan's DeepSpeed config writes."""
+    grad_sync: GradSync = "last_micro_step"
+    """FSDP with accumulation: reduce-scatter on the last micro-step only (unsharded gradients
+    until then) or on every micro-step (sharded gradients); see ``memplan.plan.GradSync``."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -262,6 +265,10 @@ class Sharding:
             )
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(
+                f"grad_sync must be one of {', '.join(GRAD_SYNCS)}, got {self.grad_sync!r}"
+            )
 
 
 SINGLE = Sharding()
@@ -269,7 +276,7 @@ SINGLE = Sharding()
 
 
 def sharding_for(plan: Plan) -> Sharding:
-    return Sharding(strategy=plan.strategy, world_size=plan.world_size)
+    return Sharding(strategy=plan.strategy, world_size=plan.world_size, grad_sync=plan.grad_sync)
 
 
 def element_bytes(profile: Profile) -> int:
@@ -277,6 +284,34 @@ def element_bytes(profile: Profile) -> int:
     return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(
         profile.environment.param_dtype, 4
     )
+
+
+MASTER_ELEMENT_BYTES = 4
+"""fp32: the dtype of master parameters, their gradients once reduced, and the optimizer
+state under a mixed-precision policy (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=float32)``)."""
+
+
+def mixed_precision_params(profile: Profile, sharding: Sharding) -> bool:
+    """Whether the profile was probed with parameters in the compute dtype (``params``) and
+    the plan shards them with FSDP's mixed-precision policy: the probe's parameter, gradient
+    and optimizer-state bytes are then those of bf16 copies, and a rank keeps fp32 ones."""
+    return profile.environment.mixed_precision == "params" and sharding.strategy == "fsdp"
+
+
+def master_element_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Bytes per element of what a rank keeps at rest (params, reduced grads, state)."""
+    if mixed_precision_params(profile, sharding):
+        return MASTER_ELEMENT_BYTES
+    return element_bytes(profile)
+
+
+def master_bytes(profile: Profile, sharding: Sharding, probed_bytes: int) -> int:
+    """``probed_bytes`` of parameter-shaped tensors (params, grads, Adam moments) at the
+    dtype a rank keeps them in: ×2 from bf16 to fp32 masters under a mixed-precision policy,
+    unchanged otherwise. (AdamW's per-tensor ``step`` counters are fp32 already and get
+    doubled too: a few bytes per parameter tensor, on the safe side.)"""
+    e = element_bytes(profile)
+    return probed_bytes * master_element_bytes(profile, sharding) // e
 
 
 def shard_bytes(total_bytes: int, world_size: int, element: int = 4) -> int:
@@ -311,12 +346,17 @@ def rank_params_bytes(profile: Profile, sharding: Sharding) -> int:
     """Parameters and buffers one rank holds at rest. FSDP / ZeRO-3 keeps 1/world of every
     unit's parameters (ZeRO paper, Rajbhandari et al. 2020, §5.3 "P_os+g+p"); buffers are
     not sharded (FSDP2 only converts parameters to DTensor). The others keep them all."""
-    if sharding.strategy != "fsdp" or sharding.world_size == 1:
+    if sharding.strategy != "fsdp" or (
+        sharding.world_size == 1 and not mixed_precision_params(profile, sharding)
+    ):
         return params_bytes(profile)
-    w, e = sharding.world_size, element_bytes(profile)
+    w, e = sharding.world_size, master_element_bytes(profile, sharding)
     units = [unit_params_bytes(profile, i) for i in range(len(profile.layers))]
     units.append(root_params_bytes(profile))
-    return sum(shard_bytes(u, w, e) for u in units) + profile.totals.buffer_bytes
+    return (
+        sum(shard_bytes(master_bytes(profile, sharding, u), w, e) for u in units)
+        + profile.totals.buffer_bytes
+    )
 
 
 def rank_optimizer_state_bytes(profile: Profile, sharding: Sharding) -> int:
@@ -324,10 +364,10 @@ def rank_optimizer_state_bytes(profile: Profile, sharding: Sharding) -> int:
     paper §5.1 "P_os"; torch.distributed.optim.ZeroRedundancyOptimizer docs: each rank keeps
     the state of its parameter partition). ZeroRedundancyOptimizer partitions whole tensors
     greedily, so a rank's share can differ from 1/world by part of one tensor."""
-    state = optimizer_state_bytes(profile)
+    state = master_bytes(profile, sharding, optimizer_state_bytes(profile))
     if sharding.strategy == "ddp" or sharding.world_size == 1:
         return state
-    return shard_bytes(state, sharding.world_size, element_bytes(profile))
+    return shard_bytes(state, sharding.world_size, master_element_bytes(profile, sharding))
 
 
 def optimizer_transient_bytes(profile: Profile) -> int:
@@ -361,10 +401,15 @@ def zero2_bucket_bytes(profile: Profile, sharding: Sharding) -> int:
 
 def syncs_every_micro_step(sharding: Sharding, accumulation_steps: int) -> bool:
     """Whether gradients are reduced (and, sharded, scattered) in every micro-step. DDP and
-    ZeRO-1 skip all-reduce with ``no_sync`` and FSDP2 skips reduce-scatter with
-    ``set_requires_gradient_sync(False)`` on all but the last micro-step; DeepSpeed ZeRO-2
+    ZeRO-1 skip all-reduce with ``no_sync`` on all but the last micro-step; FSDP2 skips
+    reduce-scatter with ``set_requires_gradient_sync(False)`` when ``grad_sync`` is
+    ``last_micro_step`` and reduce-scatters every micro-step otherwise; DeepSpeed ZeRO-2
     reduces every micro-step (its gradients are partitioned, so it cannot defer)."""
-    return accumulation_steps == 1 or sharding.strategy == "zero2"
+    return (
+        accumulation_steps == 1
+        or sharding.strategy == "zero2"
+        or (sharding.strategy == "fsdp" and sharding.grad_sync == "every_micro_step")
+    )
 
 
 def sharded_grads_removed_bytes(
@@ -375,14 +420,21 @@ def sharded_grads_removed_bytes(
     only when it reduce-scatters every micro-step: under ``set_requires_gradient_sync(False)``
     FSDP2 accumulates *unsharded* gradients (FSDP2 docs: "the equivalence of no_sync"), so
     with accumulation the gradients stay whole until the last micro-step (conservatively:
-    counted whole in every micro-step)."""
-    if sharding.world_size == 1 or held_grads <= 0:
+    counted whole in every micro-step). Under FSDP's mixed-precision policy the probe held
+    bf16 gradients, and a rank holds fp32 ones (``reduce_dtype``): sharded, or, unsharded
+    under ``set_requires_gradient_sync(False)``, upcast to fp32 after each unit's backward
+    (FSDP2 ``FSDPParam.to_accumulated_grad_if_needed``), so the result can be negative."""
+    if held_grads <= 0 or (
+        sharding.world_size == 1 and not mixed_precision_params(profile, sharding)
+    ):
         return 0
+    kept = master_bytes(profile, sharding, held_grads)
     if sharding.strategy == "zero2" or (
         sharding.strategy == "fsdp" and syncs_every_micro_step(sharding, accumulation_steps)
     ):
-        return held_grads - shard_bytes(held_grads, sharding.world_size, element_bytes(profile))
-    return 0
+        e = master_element_bytes(profile, sharding)
+        return held_grads - shard_bytes(kept, sharding.world_size, e)
+    return held_grads - kept
 
 
 def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index: int) -> int:
@@ -422,14 +474,15 @@ def fsdp_reduce_scatter_bytes(
     """The reduce-scatter input FSDP2 builds from a unit's gradients at the end of its
     backward (a padded flat copy, alive next to the unsharded gradients until the collective
     ends). Only in micro-steps that synchronise: every one when not accumulating, else the
-    last one (the ``grads_resident`` phase; counted in all of them, conservatively)."""
+    last one (the ``grads_resident`` phase; counted in all of them, conservatively). Under
+    the mixed-precision policy the input is in ``reduce_dtype`` (fp32)."""
     if sharding.strategy != "fsdp" or sharding.world_size == 1 or segment.active != "bwd":
         return 0
     synced = syncs_every_micro_step(sharding, accumulation_steps) or phase == PHASE_GRADS_RESIDENT
     if not synced:
         return 0
-    grads = profile.layers[segment.held].grad_bytes
-    e = element_bytes(profile)
+    grads = master_bytes(profile, sharding, profile.layers[segment.held].grad_bytes)
+    e = master_element_bytes(profile, sharding)
     return shard_bytes(grads, sharding.world_size, e) * sharding.world_size
 
 
@@ -474,14 +527,15 @@ def optimizer_adjust_bytes(profile: Profile, sharding: Sharding) -> int:
     buckets are the gradients (bucket views); without bucket views they are a second copy."""
     if sharding == SINGLE:
         return 0
-    w, e = sharding.world_size, element_bytes(profile)
+    w, e = sharding.world_size, master_element_bytes(profile, sharding)
     delta = -(params_bytes(profile) - rank_params_bytes(profile, sharding))
     delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
     if sharding.strategy in ("zero2", "fsdp"):
-        delta -= grads_bytes(profile) - shard_bytes(grads_bytes(profile), w, e)
+        grads = grads_bytes(profile)
+        delta -= grads - shard_bytes(master_bytes(profile, sharding, grads), w, e)
     if sharding.strategy != "ddp":
         transient = optimizer_transient_bytes(profile)
-        delta -= transient - shard_bytes(transient, w, e)
+        delta -= transient - shard_bytes(master_bytes(profile, sharding, transient), w, e)
     if ddp_bucket_bytes(profile, sharding) and not sharding.gradient_as_bucket_view:
         delta += ddp_bucket_bytes(profile, sharding)
     return delta
@@ -489,10 +543,10 @@ def optimizer_adjust_bytes(profile: Profile, sharding: Sharding) -> int:
 
 def rank_state_bytes(profile: Profile, sharding: Sharding) -> tuple[int, int, int]:
     """(params, grads, optimizer state) one rank holds in the optimizer step."""
-    w, e = sharding.world_size, element_bytes(profile)
+    w, e = sharding.world_size, master_element_bytes(profile, sharding)
     grads = grads_bytes(profile)
     if sharding.strategy in ("zero2", "fsdp"):
-        grads = shard_bytes(grads, w, e)
+        grads = shard_bytes(master_bytes(profile, sharding, grads), w, e)
     return (
         rank_params_bytes(profile, sharding),
         grads,

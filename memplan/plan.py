@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from memplan.errors import ProfileError
-from memplan.profile import Precision
+from memplan.profile import MixedPrecision, Precision
 from memplan.schema import dump_yaml, from_data, load_yaml_file
 
 PLAN_SCHEMA_VERSION = 1
@@ -16,6 +16,13 @@ PLAN_SCHEMA_VERSION = 1
 Strategy = Literal["ddp", "zero1", "zero2", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "fsdp")
 """Data-parallel strategies, least to most sharded (``auto`` prefers them in this order)."""
+
+GradSync = Literal["last_micro_step", "every_micro_step"]
+"""When an accumulating step synchronises gradients across ranks: only on the last
+micro-step (DDP ``no_sync``; FSDP2 ``set_requires_gradient_sync(False)``, which keeps
+*unsharded* gradients until then), or on every micro-step (FSDP2 reduce-scatters each
+micro-step's gradients into sharded ones: less memory, k times the reduce-scatters)."""
+GRAD_SYNCS: tuple[GradSync, ...] = ("last_micro_step", "every_micro_step")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +90,13 @@ class Plan:
     shard_unit_types: tuple[str, ...] = ()
     """Class names of ``shard_units`` (for wrap policies that name classes: Accelerate)."""
     precision: Precision = "fp32"
+    mixed_precision: MixedPrecision = "autocast"
+    """How bf16/fp16 runs: ``autocast`` over fp32 parameters, or ``params``: the engine's
+    mixed-precision policy (FSDP2 ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``:
+    parameters gathered in the compute dtype, fp32 master shards, gradients reduced in fp32)."""
+    grad_sync: GradSync = "last_micro_step"
+    """For ``fsdp`` with accumulation: reduce-scatter only on the last micro-step (unsharded
+    gradients held until then) or on every micro-step (sharded gradients). See ``GradSync``."""
     device: str = "cpu"
     """Device the plan is for: cpu, cuda, or a device profile name."""
     budget_bytes: int
@@ -113,6 +127,13 @@ class Plan:
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        if self.mixed_precision == "params" and (
+            self.precision == "fp32" or self.strategy != "fsdp"
+        ):
+            raise ValueError(
+                "mixed_precision 'params' needs precision bf16 or fp16 and strategy fsdp, got "
+                f"{self.precision} and {self.strategy}"
             )
         if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
             raise ValueError("checkpoint_layers has duplicates")

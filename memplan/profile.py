@@ -42,6 +42,11 @@ Device = Literal["cpu", "cuda", "meta"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Phase = Literal["no_grads", "grads_resident"]
 Active = Literal["none", "fwd", "bwd"]
+MixedPrecision = Literal["autocast", "params"]
+"""How a bf16/fp16 step was run: ``autocast`` over fp32 parameters (single device, DDP), or
+``params``: parameters cast to the compute dtype for the step and fp32 master weights kept
+elsewhere, as FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` does
+(activations, gathered parameters and unsharded gradients in bf16)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,6 +171,10 @@ class Environment:
     precision: Precision = "fp32"
     optimizer_class: str = "AdamW"
     param_dtype: str = "float32"
+    """Dtype of the parameters during the probed step (``bfloat16`` under ``params``)."""
+    mixed_precision: MixedPrecision = "autocast"
+    """``params``: probed with parameters in the compute dtype (no autocast), for sharded
+    plans that run under the engine's mixed-precision policy; see ``MixedPrecision``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,6 +222,10 @@ class Profile:
     """False when the op sequence differed between probed sizes (data-dependent routing):
     segment maxima, not points, were fitted; plans should be verified at their size."""
     warnings: tuple[str, ...] = ()
+    deduplicated_layers: tuple[str, ...] = ()
+    """Candidate layers not traced themselves: each is identical to an earlier one (same
+    class, parameter shapes and dtypes, input shapes) and reuses its measurement; see
+    ``memplan.probe.dedup``. Empty for a full probe."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:

@@ -306,7 +306,10 @@ class Accumulator:
         self.normalize: Normalize = normalize
         self.device = torch.device(device) if device is not None else _model_device(model)
         self.precision: str = getattr(plan, "precision", "fp32")
-        self.autocast_dtype = _AUTOCAST_DTYPES.get(self.precision)
+        # Under the engine's mixed-precision policy (FSDP2 MixedPrecisionPolicy) parameters
+        # are already in the compute dtype: no autocast on top.
+        mixed = getattr(plan, "mixed_precision", "autocast")
+        self.autocast_dtype = None if mixed == "params" else _AUTOCAST_DTYPES.get(self.precision)
         if scaler is None and self.precision == "fp16" and self.device.type == "cuda":
             scaler = torch.amp.GradScaler("cuda")
         self.scaler = scaler

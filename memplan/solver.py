@@ -13,6 +13,12 @@ communication, and every rank's state depends on every other), then the fastest 
 strategy; when a more sharded strategy would be faster (it fits with less recompute or a
 larger micro-batch), the reasons say so and by how much.
 
+FSDP with accumulation is tried both ways (``memplan.plan.GradSync``): reduce-scatter on the
+last micro-step only (unsharded gradients until then, one reduce-scatter) and on every
+micro-step (sharded gradients, k reduce-scatters); the faster one that fits wins, and the
+reasons give the other's peak and time. A profile probed with ``--mixed-precision params``
+plans FSDP only: that is the engine whose mixed-precision policy it measured.
+
 Why it is exact and fast (DESIGN.md, "Solver"): with ``P_h`` the savings of the
 checkpointed layers before layer h, every point of the step is a lower bound on a prefix
 sum, ``P_h >= point − limit``, whose point depends only on whether layer h itself is
@@ -39,7 +45,7 @@ from memplan import memory, timing
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory import Peak, Reserve, Sharding, StepBounds
-from memplan.plan import STRATEGIES, ModelFingerprint, Plan, Prediction
+from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, ModelFingerprint, Plan, Prediction
 from memplan.profile import Profile
 from memplan.timing import MicroStepTimes, TimingMode
 from memplan.units import format_bytes, format_seconds
@@ -155,6 +161,8 @@ class Candidate:
     """Why it was or was not chosen."""
     strategy: str = "ddp"
     """Data-parallel strategy of this row (one row per strategy and micro-batch)."""
+    grad_sync: GradSync = "last_micro_step"
+    """FSDP with accumulation: when gradients are reduce-scattered (one row per way)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -503,14 +511,16 @@ class _Option:
     step_picoseconds: int
     comm_seconds: float
     comm_bytes: float
+    grad_sync: GradSync = "last_micro_step"
 
     @property
-    def rank(self) -> tuple[int, int, int, int]:
+    def rank(self) -> tuple[int, int, int, int, int]:
         return (
             self.step_picoseconds,
             STRATEGIES.index(self.strategy),
             len(self.checkpointed),
             -self.micro_batch,
+            GRAD_SYNCS.index(self.grad_sync),
         )
 
 
@@ -531,15 +541,27 @@ class _Context:
     strategies: tuple[str, ...] = ("ddp",)
 
 
-def _sharding(ctx: _Context, strategy: str) -> Sharding:
-    return Sharding(strategy=strategy, world_size=ctx.request.world_size)
+def _sharding(ctx: _Context, strategy: str, grad_sync: GradSync = "last_micro_step") -> Sharding:
+    return Sharding(strategy=strategy, world_size=ctx.request.world_size, grad_sync=grad_sync)
+
+
+def _grad_syncs(strategy: str, accumulation: int, world: int) -> tuple[GradSync, ...]:
+    """The ways a step may synchronise gradients: both for FSDP with accumulation."""
+    if strategy == "fsdp" and accumulation > 1 and world > 1:
+        return GRAD_SYNCS
+    return ("last_micro_step",)
 
 
 def _evaluate(
-    ctx: _Context, micro_batch: int, accumulation: int, allowed: bool, strategy: str = "ddp"
+    ctx: _Context,
+    micro_batch: int,
+    accumulation: int,
+    allowed: bool,
+    strategy: str = "ddp",
+    grad_sync: GradSync = "last_micro_step",
 ) -> _Option:
     profile = ctx.profile
-    sharding = _sharding(ctx, strategy)
+    sharding = _sharding(ctx, strategy, grad_sync)
     bounds = memory.step_bounds(profile, micro_batch, accumulation, sharding)
     times = timing.micro_step_times(
         profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
@@ -561,8 +583,9 @@ def _evaluate(
         strategy,
         ctx.request.world_size,
         params_bytes=memory.params_bytes(profile) - profile.totals.buffer_bytes,
-        grads_bytes=memory.grads_bytes(profile),
+        grads_bytes=memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
         accumulation_steps=accumulation,
+        reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
     )
     comm = timing.communication_seconds(comm_bytes, ctx.bandwidth)
     return _Option(
@@ -579,6 +602,7 @@ def _evaluate(
         + timing.to_picoseconds(comm),
         comm_seconds=comm,
         comm_bytes=comm_bytes,
+        grad_sync=grad_sync,
     )
 
 
@@ -614,6 +638,8 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
         if option.strategy == "fsdp"
         else (),
         precision=profile.environment.precision,
+        mixed_precision=profile.environment.mixed_precision,
+        grad_sync=option.grad_sync,
         device=_device_label(profile, request),
         budget_bytes=request.budget_bytes,
         margin=request.margin,
@@ -636,6 +662,42 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
 
 
 # --------------------------------------------------------------------------- solve
+def _strategies(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
+    """The strategies to try. Low precision under sharding runs the engine's mixed-precision
+    policy (FSDP2 ``MixedPrecisionPolicy``), which a profile measures only when probed with
+    parameters in the compute dtype (``--mixed-precision params``); autocast over fp32
+    parameters is what single devices and DDP run."""
+    env = profile.environment
+    world = request.world_size
+    if env.mixed_precision == "params":
+        if request.strategy not in ("fsdp", "auto") or world == 1 and request.strategy == "auto":
+            raise BadInputError(
+                f"The profile was probed with {env.precision} parameters (--mixed-precision "
+                f"params), which is how FSDP's mixed-precision policy runs; strategy "
+                f"{request.strategy if world > 1 else 'ddp'} on {world} rank(s) runs autocast "
+                "over fp32 parameters instead.",
+                hint=f"Solve with --strategy fsdp, or probe again with --precision "
+                f"{env.precision} (autocast) for single-device and DDP plans.",
+            )
+        return ("fsdp",)
+    if request.strategy != "auto":
+        if request.strategy == "fsdp" and env.precision != "fp32":
+            raise BadInputError(
+                f"The profile was probed under {env.precision} autocast over fp32 parameters; "
+                "FSDP trains in low precision with its mixed-precision policy instead (bf16 "
+                "parameters gathered one unit at a time, bf16 activations, fp32 master shards), "
+                "whose memory that profile does not measure.",
+                hint=f"Probe again with --precision {env.precision} --mixed-precision params "
+                "and solve that profile with --strategy fsdp.",
+            )
+        return (request.strategy,)
+    if world == 1:
+        return ("ddp",)
+    if env.precision != "fp32":  # FSDP needs a profile probed with --mixed-precision params
+        return tuple(st for st in STRATEGIES if st != "fsdp")
+    return STRATEGIES
+
+
 def solve(profile: Profile, request: SolveRequest) -> SolveResult:
     """Choose micro-batch, accumulation and checkpoint set for ``request``.
 
@@ -682,10 +744,7 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
         profile, request.device_spec, request.timing
     )
     bandwidth, bandwidth_source = timing.interconnect_bandwidth(request.device_spec)
-    if request.strategy != "auto":
-        strategies: tuple[str, ...] = (request.strategy,)
-    else:
-        strategies = STRATEGIES if world > 1 else ("ddp",)
+    strategies = _strategies(profile, request)
     ctx = _Context(
         profile=profile,
         request=request,
@@ -738,12 +797,22 @@ def _evaluate_micro_batches(
     accumulation holds more activations, so it cannot fit either — plus ``per_rank`` itself
     (accumulation 1, whose gradients are never resident with activations)."""
     options = []
+    world = ctx.request.world_size
     for b in micro_batches:
-        option = _evaluate(
-            ctx, b, per_rank // b, allowed=bn_floor is None or b >= bn_floor, strategy=strategy
-        )
-        options.append(option)
-        if len(micro_batches) > MANY_MICRO_BATCHES and not option.fits and b != per_rank:
+        mine = [
+            _evaluate(
+                ctx,
+                b,
+                per_rank // b,
+                allowed=bn_floor is None or b >= bn_floor,
+                strategy=strategy,
+                grad_sync=sync,
+            )
+            for sync in _grad_syncs(strategy, per_rank // b, world)
+        ]
+        options.extend(mine)
+        fits = any(option.fits for option in mine)
+        if len(micro_batches) > MANY_MICRO_BATCHES and not fits and b != per_rank:
             if micro_batches[-1] == per_rank:
                 last = micro_batches[-1]
                 options.append(
@@ -801,6 +870,7 @@ def _candidate(
         peak_phase=option.peak.where,
         note="; ".join(notes),
         strategy=option.strategy,
+        grad_sync=option.grad_sync,
     )
 
 
@@ -873,11 +943,14 @@ def _strategy_reasons(ctx: _Context, best: _Option, options: Sequence[_Option]) 
             "DDP with gradient_as_bucket_view=True: its gradient buckets are resident all "
             "step, and are the gradients once synchronised"
         )
-    if best.strategy == "fsdp" and best.accumulation_steps > 1:
+    if best.strategy == "fsdp" and ctx.profile.environment.mixed_precision == "params":
         lines.append(
-            "FSDP accumulates with set_requires_gradient_sync(False): gradients stay "
-            "unsharded until the last micro-step (one reduce-scatter per step)"
+            f"FSDP mixed precision: parameters gathered and computed in "
+            f"{ctx.profile.environment.precision}, fp32 master shards and optimizer state, "
+            "gradients reduced in fp32 (MixedPrecisionPolicy(param_dtype, reduce_dtype=float32))"
         )
+    if best.strategy == "fsdp" and best.accumulation_steps > 1:
+        lines.append(_grad_sync_reason(best, options))
     if world > 1:
         lines.append(
             f"communication: {format_bytes(round(best.comm_bytes))} sent per rank per step "
@@ -885,6 +958,41 @@ def _strategy_reasons(ctx: _Context, best: _Option, options: Sequence[_Option]) 
             f"+{format_seconds(best.comm_seconds)}, counted without overlap"
         )
     return lines
+
+
+def _grad_sync_reason(best: _Option, options: Sequence[_Option]) -> str:
+    """Why FSDP reduce-scatters when it does: the other way's peak and time at this size."""
+    other = next(
+        (
+            o
+            for o in options
+            if o.strategy == best.strategy
+            and o.micro_batch == best.micro_batch
+            and o.grad_sync != best.grad_sync
+        ),
+        None,
+    )
+    if best.grad_sync == "last_micro_step":
+        line = (
+            "FSDP accumulates with set_requires_gradient_sync(False): gradients stay "
+            "unsharded until the last micro-step (one reduce-scatter per step)"
+        )
+    else:
+        line = (
+            f"FSDP reduce-scatters every micro-step: gradients stay sharded "
+            f"({best.accumulation_steps} reduce-scatters per step)"
+        )
+    if other is None:
+        return line
+    if not other.fits:
+        why = f"the other way needs {format_bytes(other.peak.peak_bytes)} per rank and does not fit"
+    else:
+        slower = other.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+        why = (
+            f"the other way also fits ({format_bytes(other.peak.peak_bytes)} per rank) but "
+            f"takes {format_seconds(other.step_seconds)} per step ({slower:+.1%})"
+        )
+    return f"{line}; {why}"
 
 
 def _reasons(
@@ -964,7 +1072,7 @@ def _reasons(
             ctx.forced_in,
             best.accumulation_steps,
             reserve=ctx.reserve,
-            sharding=_sharding(ctx, best.strategy),
+            sharding=_sharding(ctx, best.strategy, best.grad_sync),
         )
         without = (
             ""
@@ -1142,7 +1250,7 @@ def _smaller_micro_hints(
     smallest = min(o.micro_batch for o in options)
     per_rank = request.target_batch // request.world_size
     least_option = min(options, key=lambda o: (o.peak.peak_bytes, o.rank))
-    sharding = _sharding(ctx, least_option.strategy)
+    sharding = _sharding(ctx, least_option.strategy, least_option.grad_sync)
     for b in range(smallest - 1, max(0, smallest - 65), -1):  # the largest smaller one that fits
         accumulation = per_rank // b if per_rank % b == 0 else 2
         bounds = memory.step_bounds(ctx.profile, b, accumulation, sharding)

@@ -283,6 +283,7 @@ def communication_bytes(
     params_bytes: int,
     grads_bytes: int,
     accumulation_steps: int,
+    reduce_every_micro_step: bool = False,
 ) -> float:
     """Bytes one rank sends per optimizer step (ZeRO paper, Rajbhandari et al. 2020, §7:
     data parallelism all-reduces the gradients, 2Ψ; ZeRO-3 adds a parameter all-gather in
@@ -295,7 +296,11 @@ def communication_bytes(
     * zero2: DeepSpeed reduce-scatters the gradients every micro-step and all-gathers the
       updated parameters once;
     * fsdp: all-gathers the parameters in every micro-step's forward and backward, and
-      reduce-scatters the gradients once (``set_requires_gradient_sync(False)`` before).
+      reduce-scatters the gradients once (``set_requires_gradient_sync(False)`` before), or
+      every micro-step with ``reduce_every_micro_step``.
+
+    ``params_bytes`` is what the all-gathers move (bf16 under a mixed-precision policy) and
+    ``grads_bytes`` what the reductions move (fp32 under ``reduce_dtype=float32``).
     """
     if world_size <= 1:
         return 0.0
@@ -308,7 +313,8 @@ def communication_bytes(
     if strategy == "zero2":
         return k * ring * grads_bytes + ring * params_bytes
     if strategy == "fsdp":
-        return 2 * k * ring * params_bytes + ring * grads_bytes
+        reductions = k if reduce_every_micro_step else 1
+        return 2 * k * ring * params_bytes + reductions * ring * grads_bytes
     raise ValueError(f"unknown strategy {strategy!r}")
 
 

@@ -1,6 +1,8 @@
 """Where the probe runs: ``cpu`` (real tensors), ``cuda`` (real GPU) or ``meta`` (shapes
 only; times from a device spec's roofline). Each backend builds the model, moves batches,
-makes trackers and clocks, and enters autocast for the chosen precision."""
+makes trackers and clocks, and enters autocast for the chosen precision, or, with
+``mixed_precision="params"``, casts the parameters to it instead, as FSDP2's
+``MixedPrecisionPolicy(param_dtype=...)`` does for compute (``cast_params``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import torch
 
 from memplan.devices import DeviceSpec, load_device, local_gpu
 from memplan.errors import BadInputError, CannotMeasureError
-from memplan.loader import ModelFile, move_batch
+from memplan.loader import ModelFile, map_batch, move_batch
+from memplan.probe.dedup import MetaOpCache
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.tracker import LiveTracker, Roofline
 
@@ -42,10 +45,31 @@ class Backend:
     precision: str
     spec: DeviceSpec | None = None
     """Device spec: meta timing, and capacity where the hardware cannot say."""
+    reuse_identical: bool = True
+    """Meta only: reuse meta-kernel results across identical calls (memplan.probe.dedup)."""
+    mixed_precision: str = "autocast"
+    """``autocast`` over fp32 parameters, or ``params``: parameters (and floating inputs)
+    in the compute dtype, no autocast (see ``memplan.profile.MixedPrecision``)."""
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPES:
             raise BadInputError(f"precision {self.precision!r} is not one of fp32, bf16, fp16.")
+        if self.mixed_precision not in ("autocast", "params"):
+            raise BadInputError(
+                f"mixed precision {self.mixed_precision!r} is not one of autocast, params."
+            )
+        if self.mixed_precision == "params" and self.precision == "fp32":
+            raise BadInputError(
+                "--mixed-precision params casts parameters to the compute dtype, and fp32 "
+                "has none to cast to.",
+                hint="Add --precision bf16 (or fp16).",
+            )
+        self.cast_params = self.mixed_precision == "params"
+        self.op_cache: MetaOpCache | None = None
+        """On meta: identical ops (identical blocks) reuse one meta-kernel result; see
+        memplan.probe.dedup. ``None`` runs every kernel."""
+        if self.device == "meta" and self.reuse_identical:
+            self.op_cache = MetaOpCache()
         self.dtype = DTYPES[self.precision]
         self.torch_device = torch.device(self.device)
         self.roofline: Roofline | None = None
@@ -67,15 +91,26 @@ class Backend:
         if self.device == "meta":
             with torch.device("meta"):
                 model = model_file.build_model()
-            return model.to("meta")  # anything the factory made on CPU explicitly
-        model = model_file.build_model()
-        return model.to(self.torch_device)
+            model = model.to("meta")  # anything the factory made on CPU explicitly
+        else:
+            model = model_file.build_model().to(self.torch_device)
+        if self.cast_params:
+            cast_parameters(model, self.dtype)
+        return model
 
     def batch(self, model_file: ModelFile, size: int) -> Any:
-        return move_batch(model_file.make_batch(size), self.torch_device)
+        batch = move_batch(model_file.make_batch(size), self.torch_device)
+        if self.cast_params:  # FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True)
+            batch = map_batch(batch, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+        return batch
 
     def tracker(self, *, record: bool = True) -> LiveTracker:
-        return LiveTracker(record=record, roofline=self.roofline, meta=self.device == "meta")
+        return LiveTracker(
+            record=record,
+            roofline=self.roofline,
+            meta=self.device == "meta",
+            op_cache=self.op_cache,
+        )
 
     def guard(self) -> Any:
         """Around untracked steps: on meta, a tracker anyway, so that an op without a meta
@@ -94,7 +129,7 @@ class Backend:
     @contextmanager
     def forward_context(self) -> Iterator[None]:
         """Around the forward (the loss): autocast at the chosen precision."""
-        if self.precision == "fp32":
+        if self.precision == "fp32" or self.cast_params:
             yield
         elif self.device == "meta":
             with _meta_autocast(self.dtype):
@@ -106,7 +141,7 @@ class Backend:
     def checkpoint_context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
         """For checkpoint's ``context_fn``: real autocast state is restored by checkpoint
         itself during recompute; the meta emulation has to be entered again."""
-        if self.device != "meta" or self.precision == "fp32":
+        if self.device != "meta" or self.precision == "fp32" or self.cast_params:
             return None
         dtype = self.dtype
         return lambda: (nullcontext(), _meta_autocast(dtype))
@@ -125,10 +160,31 @@ class Backend:
         return self.spec.memory_bytes if self.spec else None
 
 
-def make_backend(device: str, precision: str, device_profile: str | None) -> Backend:
+def make_backend(
+    device: str,
+    precision: str,
+    device_profile: str | None,
+    mixed_precision: str = "autocast",
+    reuse_identical: bool = True,
+) -> Backend:
     resolved = resolve_device(device)
     spec = load_device(device_profile) if device_profile else None
-    return Backend(device=resolved, precision=precision, spec=spec)
+    return Backend(
+        device=resolved,
+        precision=precision,
+        spec=spec,
+        mixed_precision=mixed_precision,
+        reuse_identical=reuse_identical,
+    )
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point parameters to ``dtype`` in place, buffers left as they are: what
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=dtype)`` computes with (it casts parameters
+    only; torch.distributed.fsdp.MixedPrecisionPolicy docs). Shared parameters stay shared."""
+    for param in {id(p): p for p in model.parameters()}.values():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 @contextmanager

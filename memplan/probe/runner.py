@@ -10,6 +10,7 @@ docstring says how the solver reads them).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import gc
 import math
@@ -26,6 +27,7 @@ from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import ModelFile, batch_tensors, load_model_file
 from memplan.probe.backends import Backend, make_backend
 from memplan.probe.checkpointing import checkpointed
+from memplan.probe.dedup import ForwardMisses
 from memplan.probe.fitting import add_affine, fit_affine, fit_seconds, sum_affine, undominated
 from memplan.probe.layers import (
     default_layers,
@@ -825,6 +827,7 @@ def assemble(
             precision=backend.precision,  # type: ignore[arg-type]
             optimizer_class=type(session.optimizer).__name__,
             param_dtype=str(first_param.dtype).removeprefix("torch."),
+            mixed_precision=backend.mixed_precision,  # type: ignore[arg-type]
         ),
         micro_batches=probed,
         totals=Totals(
@@ -860,8 +863,12 @@ def probe_model(
     layers: str | None = None,
     device_profile: str | None = None,
     on_progress: Progress | None = None,
+    mixed_precision: str = "autocast",
+    reuse_identical: bool = True,
 ) -> Profile:
-    """Measure ``model_file_path`` per layer and return its Profile (see profile.py)."""
+    """Measure ``model_file_path`` per layer and return its Profile (see profile.py). On
+    meta, identical blocks reuse their representative's meta results unless
+    ``reuse_identical`` is False (memplan.probe.dedup)."""
     sizes = sorted(set(int(b) for b in micro_batches))
     if len(sizes) < 2 or sizes[0] < 1:
         raise BadInputError(
@@ -878,7 +885,7 @@ def probe_model(
             on_progress(done, total, what)
 
     model_file = load_model_file(model_file_path)
-    backend = make_backend(device, precision, device_profile)
+    backend = make_backend(device, precision, device_profile, mixed_precision, reuse_identical)
     session = open_session(model_file, backend, layers)
     if not session.layer_names:
         session.warnings.append(
@@ -888,6 +895,11 @@ def probe_model(
         )
     tick("built the model")
     cuda = backend.device == "cuda"
+    forward_misses = (
+        None
+        if backend.op_cache is None
+        else ForwardMisses(backend.op_cache, session.layers, session.layer_names)
+    )
     try:
         warm_up(session, sizes[0])
     except torch.OutOfMemoryError as exc:
@@ -953,6 +965,11 @@ def probe_model(
         extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
         tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only")
     profile = assemble(session, runs, extra, extra_timed)
+    if forward_misses is not None:
+        forward_misses.remove()
+        profile = dataclasses.replace(
+            profile, deduplicated_layers=forward_misses.reusing(session.layer_names)
+        )
     session.recorder.remove()
     tick("fitted the timeline")
     return profile

@@ -71,7 +71,12 @@ class LiveTracker(TorchDispatchMode):
     """Counts live tensor-storage bytes; records the count after every op when ``record``."""
 
     def __init__(
-        self, *, record: bool = True, roofline: Roofline | None = None, meta: bool = False
+        self,
+        *,
+        record: bool = True,
+        roofline: Roofline | None = None,
+        meta: bool = False,
+        op_cache: Any = None,
     ) -> None:
         super().__init__()
         self.live_bytes = 0
@@ -87,6 +92,8 @@ class LiveTracker(TorchDispatchMode):
         """Roofline time of the ops seen so far (only with ``roofline``)."""
         self.roofline = roofline
         self.meta = meta
+        self.op_cache = op_cache
+        """A ``memplan.probe.dedup.MetaOpCache`` (meta only): identical calls reuse results."""
         # id(storage) -> (weak reference, bytes). The weak reference's callback removes the
         # entry before the id can be reused.
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
@@ -129,6 +136,12 @@ class LiveTracker(TorchDispatchMode):
     # ------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or _EMPTY
+        cache = self.op_cache
+        if cache is not None:
+            key = cache.key(func, args, kwargs)
+            entry = cache.lookup(key)
+            if entry is not None:
+                return self._cached(func, entry)
         try:
             out = func(*args, **kwargs)
         except (NotImplementedError, RuntimeError) as exc:
@@ -157,11 +170,32 @@ class LiveTracker(TorchDispatchMode):
             except Exception:  # a formula that does not fit this call: count no FLOPs
                 op_flops = 0.0
             self.flops += op_flops
-        if self.roofline is not None:
+        moved = 0
+        if self.roofline is not None or cache is not None:
             moved = sum(_tensor_bytes(a) for a in _tensors_in((args, kwargs), []))
             moved += sum(_tensor_bytes(t) for t in outputs)
+        if self.roofline is not None:
             dtype = outputs[0].dtype if outputs else None
             self.virtual_seconds += self.roofline.seconds(op_flops, moved, dtype)
+        if cache is not None:
+            cache.store(key, args, kwargs, out, op_flops, moved)
+        return out
+
+    def _cached(self, func: Any, entry: Any) -> Any:
+        """The bookkeeping of ``__torch_dispatch__`` for a result rebuilt from the cache."""
+        out = entry.build()
+        outputs = _tensors_in(out, [])
+        for tensor in outputs:
+            self._add_tensor(tensor)
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        if self.record:
+            self.values.append(self.live_bytes)
+            self.ops.append(func._overloadpacket.__name__)
+        self.flops += entry.flops
+        if self.roofline is not None:
+            dtype = outputs[0].dtype if outputs else None
+            self.virtual_seconds += self.roofline.seconds(entry.flops, entry.moved_bytes, dtype)
         return out
 
 
