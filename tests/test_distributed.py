@@ -162,3 +162,38 @@ def test_plans_it_cannot_run_are_refused_before_starting(tmp_path):
         verify_distributed(model, plan_for("ddp"), world_size=4)
     with pytest.raises(BadInputError, match="DeepSpeed"):
         verify_distributed(model, plan_for("zero2"))
+
+
+def test_fsdp_mixed_precision_plans_verify_within_5_percent_both_ways(tmp_path):
+    """Probe with bf16 parameters, solve FSDP on 2 ranks with accumulation, run it under
+    MixedPrecisionPolicy(bf16, fp32) with each way of reducing gradients."""
+    import dataclasses
+
+    from memplan import memory
+    from memplan.probe.runner import probe_model
+    from memplan.solver import SolveRequest, solve
+
+    model = model_file(tmp_path)
+    profile = probe_model(
+        model, device="cpu", precision="bf16", mixed_precision="params", micro_batches=(2, 4)
+    )
+    assert profile.environment.param_dtype == "bfloat16"
+    request = SolveRequest(
+        target_batch=16,
+        world_size=2,
+        strategy="fsdp",
+        budget_bytes=1 << 30,
+        max_micro=4,
+        min_micro=4,
+    )
+    base = solve(profile, request).plan
+    assert (base.mixed_precision, base.accumulation_steps) == ("params", 2)
+    for sync in ("last_micro_step", "every_micro_step"):
+        plan = dataclasses.replace(base, grad_sync=sync, checkpoint_layers=("blocks.1",))
+        peak = memory.plan_peak(profile, plan)
+        plan = dataclasses.replace(
+            plan, predicted=dataclasses.replace(plan.predicted, peak_bytes=peak.peak_bytes)
+        )
+        result = verify_distributed(model, plan, steps=1, timeout_s=120)
+        assert abs(result.peak_error) <= 0.05, (sync, result.peak_error)
+        assert result.gradient_check.status == "pass", result.gradient_check

@@ -147,9 +147,7 @@ class MetaOpCache:
         }
         for item in (*args, *kwargs.values()):
             if isinstance(item, list | tuple):
-                inputs.update(
-                    id(t.untyped_storage()) for t in item if isinstance(t, torch.Tensor)
-                )
+                inputs.update(id(t.untyped_storage()) for t in item if isinstance(t, torch.Tensor))
         seen: set[int] = set()
         try:
             if isinstance(out, torch.Tensor):

@@ -1,0 +1,164 @@
+"""FSDP as big models train: the mixed-precision policy (bf16 parameters gathered per unit,
+fp32 master shards) and the two ways to accumulate (reduce-scatter on the last micro-step or
+on every one), by hand on a hand-made profile, through the solver, and for real on 2 gloo
+ranks."""
+
+import dataclasses
+
+import pytest
+from profiles_factory import uniform_chain
+
+from memplan import memory, timing
+from memplan.errors import BadInputError
+from memplan.memory import Sharding
+from memplan.plan import Breakdown, Plan, Prediction
+from memplan.solver import SolveRequest, solve
+
+# uniform_chain(4) read as a bf16-parameter probe: layers of 1000 B (500 bf16 elements),
+# embedding and head 500 B each. P = G = 5000 B of bf16, AdamW moments S = 10000 B.
+# A rank keeps fp32 masters: 2 × those bytes, split over the ranks.
+P, G, S, ROOT, UNIT = 5000, 5000, 10000, 1000, 1000
+
+
+def mixed(profile=None):
+    profile = profile or uniform_chain(4).profile()
+    env = dataclasses.replace(
+        profile.environment, precision="bf16", param_dtype="bfloat16", mixed_precision="params"
+    )
+    return dataclasses.replace(profile, environment=env)
+
+
+def index_of(profile, phase, where):
+    for index in range(len(profile.timeline[phase])):
+        if memory.describe_segment(profile, phase, index).split(" (")[0] == where:
+            return index
+    raise AssertionError(where)
+
+
+def test_rank_state_is_fp32_master_shards():
+    profile = mixed()
+    for world in (2, 4):
+        fsdp = Sharding(strategy="fsdp", world_size=world)
+        assert memory.rank_state_bytes(profile, fsdp) == (
+            2 * P // world,
+            2 * G // world,
+            2 * S // world,
+        )
+    # The optimizer step works on those: bf16 copies out, fp32 shards in (no transient here).
+    fsdp = Sharding(strategy="fsdp", world_size=4)
+    assert memory.optimizer_adjust_bytes(profile, fsdp) == -(P + S + G) + 2 * (P + S + G) // 4
+
+
+def test_forward_holds_shards_and_one_gathered_bf16_unit():
+    profile = mixed()
+    fwd = index_of(profile, "no_grads", "forward of h.1")
+    fsdp = Sharding(strategy="fsdp", world_size=4)
+    # bf16 params and moments measured (P + S) out; fp32 quarters in; root + h.1 gathered.
+    assert memory.segment_adjust_bytes(profile, fsdp, "no_grads", fwd, 2) == (
+        -(P + S) + 2 * (P + S) // 4 + ROOT + UNIT
+    )
+
+
+@pytest.mark.parametrize(
+    ("grad_sync", "phase", "expected"),
+    [
+        # first micro-step, backward of h.2: h.3's and the root's gradients done (2000 B of
+        # bf16). Skipping the reduce-scatter keeps them unsharded, upcast to fp32 (+2000);
+        # reducing every micro-step keeps a quarter of their fp32 bytes (−1000) and copies
+        # h.2's gradients in fp32 for the reduce-scatter (+2000).
+        ("last_micro_step", "no_grads", -2500 - 5000 + 2000 + 3000),
+        ("every_micro_step", "no_grads", -2500 - 5000 - 1000 + 3000 + 2000),
+        # later micro-steps: all 5000 B of gradients exist: unsharded fp32 (+5000) or a
+        # quarter of fp32 (−2500); the last micro-step's reduce-scatter copy is counted.
+        ("last_micro_step", "grads_resident", -2500 - 5000 + 5000 + 3000 + 2000),
+        ("every_micro_step", "grads_resident", -2500 - 5000 - 2500 + 3000 + 2000),
+    ],
+)
+def test_accumulating_backward_by_hand(grad_sync, phase, expected):
+    profile = mixed()
+    fsdp = Sharding(strategy="fsdp", world_size=4, grad_sync=grad_sync)
+    bwd = index_of(profile, phase, "backward of h.2")
+    # gathered: root, h.2 and the prefetched h.1 (3000), all bf16 as measured
+    assert memory.fsdp_gathered_bytes(profile, fsdp, phase, bwd) == ROOT + 2 * UNIT
+    assert memory.segment_adjust_bytes(profile, fsdp, phase, bwd, 2) == expected
+
+
+def test_reduce_scatter_every_micro_step_costs_k_reductions():
+    kw = {"params_bytes": 100, "grads_bytes": 200, "accumulation_steps": 3}
+    last = timing.communication_bytes("fsdp", 4, **kw)
+    every = timing.communication_bytes("fsdp", 4, **kw, reduce_every_micro_step=True)
+    assert last == pytest.approx(2 * 3 * 0.75 * 100 + 0.75 * 200)
+    assert every == pytest.approx(2 * 3 * 0.75 * 100 + 3 * 0.75 * 200)
+
+
+def request(**kwargs):
+    fields = {
+        "target_batch": 16,
+        "world_size": 4,
+        "strategy": "fsdp",
+        "budget_bytes": 10**9,
+        "margin": 0.0,
+        "min_micro": 1,
+        "max_micro": 1,
+    }
+    fields.update(kwargs)
+    return SolveRequest(**fields)
+
+
+def test_the_solver_picks_the_sync_by_memory_then_time():
+    profile = mixed()
+    peaks = {
+        sync: memory.step_peak(
+            profile,
+            1,
+            [0, 1, 2, 3],
+            4,
+            sharding=Sharding(strategy="fsdp", world_size=4, grad_sync=sync),
+        ).peak_bytes
+        for sync in ("last_micro_step", "every_micro_step")
+    }
+    assert peaks["every_micro_step"] < peaks["last_micro_step"]
+    # Room for both: one reduce-scatter per step is faster.
+    roomy = solve(profile, request()).plan
+    assert roomy.grad_sync == "last_micro_step"
+    assert roomy.mixed_precision == "params"
+    assert any("the other way also fits" in r for r in roomy.reasons)
+    # Only sharded gradients fit: the plan says so and records it.
+    tight = solve(profile, request(budget_bytes=peaks["last_micro_step"] - 1)).plan
+    assert tight.grad_sync == "every_micro_step"
+    assert tight.predicted.peak_bytes <= peaks["last_micro_step"] - 1
+    assert any(
+        "reduce-scatters every micro-step" in r and "does not fit" in r for r in tight.reasons
+    )
+
+
+def test_profiles_and_strategies_that_do_not_go_together_are_refused():
+    with pytest.raises(BadInputError, match="--strategy fsdp"):
+        solve(mixed(), request(strategy="ddp"))
+    autocast = dataclasses.replace(
+        uniform_chain(4).profile(),
+        environment=dataclasses.replace(mixed().environment, mixed_precision="autocast"),
+    )
+    with pytest.raises(BadInputError, match="--mixed-precision params"):
+        solve(autocast, request())
+    auto = solve(autocast, request(strategy="auto", max_micro=None))
+    assert "fsdp" not in {c.strategy for c in auto.candidates}
+    with pytest.raises(ValueError, match="mixed_precision 'params' needs"):
+        Plan(
+            target_batch=2,
+            micro_batch_size=1,
+            accumulation_steps=1,
+            world_size=2,
+            strategy="ddp",
+            precision="bf16",
+            mixed_precision="params",
+            budget_bytes=1,
+            model="m.py",
+            predicted=Prediction(
+                peak_bytes=1,
+                step_seconds=1.0,
+                breakdown=Breakdown(
+                    params=1, grads=0, optimizer=0, activations=0, transient=0, reserve=0
+                ),
+            ),
+        )
