@@ -670,7 +670,8 @@ def _strategies(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
     env = profile.environment
     world = request.world_size
     if env.mixed_precision == "params":
-        if request.strategy not in ("fsdp", "auto") or (world == 1 and request.strategy == "auto"):
+        single = world == 1 and request.strategy == "auto"
+        if request.strategy not in ("fsdp", "auto") or single:
             raise BadInputError(
                 f"The profile was probed with {env.precision} parameters (--mixed-precision "
                 f"params), which is how FSDP's mixed-precision policy runs; strategy "
