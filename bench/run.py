@@ -31,6 +31,7 @@ SECTIONS = [
     "solver_speed",
     "check_speed",
     "report",
+    "big_models",
 ]
 
 

@@ -3,33 +3,57 @@ hidden 8192, intermediate 28672, 64 query heads sharing 8 key/value heads (group
 attention), vocabulary 32000, sequence 4096 (Touvron et al. 2023, "Llama 2", Table 1 and
 §2.2; the released config: num_key_value_heads 8).
 
-Only ever probed on meta (`memplan probe examples/llama70b.py --device meta --precision
-bf16`): it has 6.9e10 parameters, 276 GB in fp32. docs/big-models.md plans it for 64 GPUs.
+Only ever probed on meta: it has 6.9e10 parameters, 276 GB in fp32. Planned the way it is
+trained, with FSDP's mixed-precision policy (docs/big-models.md)::
+
+    memplan probe examples/llama70b.py --device meta --precision bf16 \\
+        --mixed-precision params -o llama70b.yaml
+    memplan solve llama70b.yaml --target-batch 512 --world-size 64 --strategy fsdp \\
+        --budget 80GiB --device-profile h100-80gb
+
+``build_llama2_7b`` and ``build_llama2_13b`` build the smaller Llama 2 shapes with the same
+code (``examples/llama70b.py:build_llama2_13b``); the big-model benchmark uses all three.
 """
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-VOCAB = 32000
-HIDDEN = 8192
-INTERMEDIATE = 28672
-HEADS = 64
-KV_HEADS = 8
-LAYERS = 80
-SEQ_LEN = 4096
-NORM_EPS = 1e-5
-HEAD_DIM = HIDDEN // HEADS
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int = 32000
+    seq_len: int = 4096
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+# The released Llama 2 configs (config.json of each size).
+LLAMA2_7B = Shape(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32)
+LLAMA2_13B = Shape(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40)
+LLAMA2_70B = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8)
+SEQ_LEN, VOCAB = 4096, 32000  # the same for all three: make_batch serves every factory
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, eps: float) -> None:
         super().__init__()
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + NORM_EPS)).type_as(x) * self.weight
+        return (x.float() * torch.rsqrt(var + self.eps)).type_as(x) * self.weight
 
 
 def rotary_tables(head_dim: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,45 +69,48 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: 8 key/value heads, each shared by 8 query heads."""
+    """Grouped-query attention: ``kv_heads`` key/value heads shared by the query heads."""
 
-    def __init__(self) -> None:
+    def __init__(self, s: Shape) -> None:
         super().__init__()
-        self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
-        self.k_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
-        self.v_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
-        self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden, s.heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden, s.kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.heads * s.head_dim, s.hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        s = self.s
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, HEADS, HEAD_DIM).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         cos, sin = cos[:t].to(q.dtype), sin[:t].to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, HIDDEN))
+        gqa = s.kv_heads != s.heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, s.hidden))
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, s: Shape) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.up_proj = nn.Linear(HIDDEN, INTERMEDIATE, bias=False)
-        self.down_proj = nn.Linear(INTERMEDIATE, HIDDEN, bias=False)
+        self.gate_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.up_proj = nn.Linear(s.hidden, s.intermediate, bias=False)
+        self.down_proj = nn.Linear(s.intermediate, s.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, s: Shape) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(HIDDEN)
-        self.self_attn = Attention()
-        self.post_attention_layernorm = RMSNorm(HIDDEN)
-        self.mlp = MLP()
+        self.input_layernorm = RMSNorm(s.hidden, s.norm_eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden, s.norm_eps)
+        self.mlp = MLP(s)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -91,13 +118,14 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, s: Shape) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(VOCAB, HIDDEN)
-        self.layers = nn.ModuleList(DecoderLayer() for _ in range(LAYERS))
-        self.norm = RMSNorm(HIDDEN)
-        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
-        cos, sin = rotary_tables(HEAD_DIM, SEQ_LEN)
+        self.s = s
+        self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.layers))
+        self.norm = RMSNorm(s.hidden, s.norm_eps)
+        self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
+        cos, sin = rotary_tables(s.head_dim, s.seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -106,11 +134,19 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, self.cos, self.sin)
         logits = self.lm_head(self.norm(x)).float()
-        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+        return F.cross_entropy(logits.view(-1, self.s.vocab), targets.view(-1))
 
 
 def build_model() -> nn.Module:
-    return Llama()
+    return Llama(LLAMA2_70B)
+
+
+def build_llama2_13b() -> nn.Module:
+    return Llama(LLAMA2_13B)
+
+
+def build_llama2_7b() -> nn.Module:
+    return Llama(LLAMA2_7B)
 
 
 def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

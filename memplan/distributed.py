@@ -729,5 +729,10 @@ def _gradient_check(plan: Plan, errors: list[Any], asked: bool, world: int) -> G
         max_relative_error=worst,
         tolerance=tol,
         reason=f"{world} ranks × {k} micro-batches of {micro} ({plan.strategy}) vs one "
-        f"process's batch of {world * k * micro} (dropout off)",
+        f"process's batch of {world * k * micro} (dropout off"
+        + (
+            f"; {plan.precision} parameters, each micro-batch's gradient summed in fp32)"
+            if plan.mixed_precision == "params"
+            else ")"
+        ),
     )

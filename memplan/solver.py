@@ -857,6 +857,12 @@ def _candidate(
         notes.append("fits")
     if not option.allowed:
         notes.append(f"below the BatchNorm floor of {bn_floor}")
+    if option.strategy == "fsdp" and option.accumulation_steps > 1:
+        notes.append(
+            "reduce-scatter every micro-step"
+            if option.grad_sync == "every_micro_step"
+            else "reduce-scatter on the last micro-step"
+        )
     return Candidate(
         micro_batch=option.micro_batch,
         accumulation_steps=option.accumulation_steps,
