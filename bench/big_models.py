@@ -27,6 +27,7 @@ from pathlib import Path
 
 from memplan import memory
 from memplan.devices import load_device
+from memplan.errors import NoPlanFitsError
 from memplan.memory import Sharding
 from memplan.profile import load_profile
 from memplan.solver import SolveRequest, solve
@@ -52,8 +53,9 @@ start = time.perf_counter()
 profile = probe_model(sys.argv[1], device="meta", precision="bf16", mixed_precision="params",
                       device_profile=sys.argv[4], reuse_identical=sys.argv[3] == "1")
 seconds = time.perf_counter() - start
+usage = resource.getrusage(resource.RUSAGE_SELF)
 open(sys.argv[2], "w").write(profile_to_yaml(profile))
-print(json.dumps({"seconds": seconds,
+print(json.dumps({"seconds": seconds, "cpu": usage.ru_utime + usage.ru_stime,
                   "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "reused": len(profile.deduplicated_layers)}))
 """
@@ -148,20 +150,21 @@ def run(device: str) -> str:
             measured = layer.saved_bytes.at(1)
             megatron = megatron_layer_bytes(s, 1)
             speed = (
-                f"{full['seconds']:.1f} s ({full['seconds'] / reused['seconds']:.1f}×)"
+                f"{full['seconds']:.1f} s, {full['cpu']:.1f} s CPU "
+                f"({full['cpu'] / reused['cpu']:.1f}× the CPU)"
                 if full
                 else "—"
             )
+            took = f"{reused['seconds']:.1f} s ({reused['cpu']:.1f} s CPU)"
             print(
-                f"big_models: {name} probe {reused['seconds']:.1f} s, "
-                f"{reused['rss'] / GiB:.2f} GiB RSS, {reused['reused']} layers reused; full {speed}",
+                f"big_models: {name} probe {took}, {reused['rss'] / GiB:.2f} GiB RSS, "
+                f"{reused['reused']} layers reused; full {speed}",
                 flush=True,
             )
             probe_rows.append(
-                f"| {name} | {total_params(s) / 1e9:.2f} B | {s.layers} | "
-                f"{reused['seconds']:.1f} s | {reused['rss'] / GiB:.2f} GiB | "
-                f"{reused['reused']} of {s.layers} | {speed} | {_gib(measured)} | "
-                f"{_gib(megatron)} | {measured / megatron:.2f} |"
+                f"| {name} | {total_params(s) / 1e9:.2f} B | {s.layers} | {took} | "
+                f"{reused['rss'] / GiB:.2f} GiB | {reused['reused']} of {s.layers} | {speed} | "
+                f"{_gib(measured)} | {_gib(megatron)} | {measured / megatron:.2f} |"
             )
             for world in WORLDS:
                 target = SAMPLES_PER_RANK * world
@@ -170,7 +173,10 @@ def run(device: str) -> str:
                     target_batch=target, world_size=world, strategy="fsdp",
                     budget_bytes=BUDGET, device_spec=spec,
                 )  # fmt: skip
-                plan = solve(profile, request).plan
+                try:
+                    plan = solve(profile, request).plan
+                except NoPlanFitsError as error:  # 70B on 8 ranks: the state alone is too big
+                    plan, least_fit = None, error.min_peak_bytes
                 seconds = time.perf_counter() - started
                 least = least_allocated_bytes(profile, world, SAMPLES_PER_RANK)
                 hand = hand_count_bytes(s, world)["total"]
@@ -178,18 +184,22 @@ def run(device: str) -> str:
                     memory.rank_state_bytes(profile, Sharding(strategy="fsdp", world_size=world))
                 )
                 ds = deepspeed_zero3_bytes(s, world)
-                sync = "every" if plan.grad_sync == "every_micro_step" else "last"
+                if plan is None:
+                    chosen = f"no plan fits (needs {_gib(least_fit)} GiB) | — | — | —"
+                else:
+                    sync = "every" if plan.grad_sync == "every_micro_step" else "last"
+                    chosen = (
+                        f"{plan.micro_batch_size} × {plan.accumulation_steps} | "
+                        f"{len(plan.checkpoint_layers)} | {sync} | "
+                        f"{_gib(plan.predicted.peak_bytes)}"
+                    )
                 print(
-                    f"big_models: {name} on {world}: {plan.micro_batch_size}×"
-                    f"{plan.accumulation_steps}, {len(plan.checkpoint_layers)} ckpt, sync {sync}, "
-                    f"peak {_gib(plan.predicted.peak_bytes)} GiB; least {_gib(least)}; hand "
+                    f"big_models: {name} on {world}: {chosen}; least {_gib(least)}; hand "
                     f"{_gib(hand)}; solve {seconds:.2f} s",
                     flush=True,
                 )
                 plan_rows.append(
-                    f"| {name} | {world} | {target} | {plan.micro_batch_size} × "
-                    f"{plan.accumulation_steps} | {len(plan.checkpoint_layers)} | {sync} | "
-                    f"{_gib(plan.predicted.peak_bytes)} | {_gib(least)} | {_gib(hand)} | "
+                    f"| {name} | {world} | {target} | {chosen} | {_gib(least)} | {_gib(hand)} | "
                     f"{least / hand:.2f} | {_gib(states)} | {_gib(ds)} | {seconds:.2f} s |"
                 )
     return (
@@ -203,7 +213,7 @@ def run(device: str) -> str:
                 "sample, measured, next to Megatron's s·b·h·(34 + 5as/h) (Korthikanti et al. "
                 "2022, eq. 1; it counts dropout masks this model lacks, and, like the meta "
                 "probe's math attention path, materialised attention scores).\n",
-                "| model | params | layers | probe | peak RSS | layers reused | full probe | "
+                "| model | params | layers | probe (wall, CPU) | peak RSS | layers reused | full probe | "
                 "activations/layer (GiB) | Megatron (GiB) | ratio |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
                 *probe_rows,

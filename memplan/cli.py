@@ -185,6 +185,11 @@ def probe(
         render.print_json(to_data(profile))
     else:
         render.show_profile(profile)
+        if profile.deduplicated_layers:
+            render.info(
+                f"{len(profile.deduplicated_layers)} of {len(profile.layers)} layers are "
+                "identical to an earlier one and reused its meta measurements"
+            )
     if output is not None:
         write_text_atomic(output, profile_to_yaml(profile), force=force)
         render.info(f"wrote {output}")

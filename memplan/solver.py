@@ -680,6 +680,13 @@ def _strategies(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
                 hint=f"Solve with --strategy fsdp, or probe again with --precision "
                 f"{env.precision} (autocast) for single-device and DDP plans.",
             )
+        if world == 1:
+            raise BadInputError(
+                "FSDP's mixed-precision policy shards over ranks; this profile (probed with "
+                "--mixed-precision params) plans --world-size 2 or more.",
+                hint=f"Solve with --world-size N --strategy fsdp, or probe again with "
+                f"--precision {env.precision} (autocast) for one device.",
+            )
         return ("fsdp",)
     if request.strategy != "auto":
         if request.strategy == "fsdp" and env.precision != "fp32":

@@ -135,6 +135,8 @@ def test_the_solver_picks_the_sync_by_memory_then_time():
 def test_profiles_and_strategies_that_do_not_go_together_are_refused():
     with pytest.raises(BadInputError, match="--strategy fsdp"):
         solve(mixed(), request(strategy="ddp"))
+    with pytest.raises(BadInputError, match="--world-size 2 or more"):
+        solve(mixed(), request(world_size=1, target_batch=4))
     autocast = dataclasses.replace(
         uniform_chain(4).profile(),
         environment=dataclasses.replace(mixed().environment, mixed_precision="autocast"),
@@ -162,3 +164,12 @@ def test_profiles_and_strategies_that_do_not_go_together_are_refused():
                 ),
             ),
         )
+
+
+def test_probing_params_needs_a_low_precision():
+    from memplan.probe.backends import make_backend
+
+    with pytest.raises(BadInputError, match="--precision bf16"):
+        make_backend("meta", "fp32", None, "params")
+    with pytest.raises(BadInputError, match="autocast, params"):
+        make_backend("meta", "bf16", None, "fp8")
