@@ -207,9 +207,10 @@ def run(device: str) -> str:
             [
                 "### Big models: FSDP with mixed precision\n",
                 "Llama 2 shapes (examples/llama70b.py and its 7B/13B factories) probed on meta in "
-                "bf16 with `--mixed-precision params`, each probe in its own process; *full* is "
-                "the same probe without reusing identical blocks (memplan.probe.dedup), its "
-                "speed-up measured in this run. Activations: bytes one middle layer saves per "
+                "bf16 with `--mixed-precision params`, each probe in its own process (wall time "
+                "on a shared machine; CPU time of the process, torch import included); *full* "
+                "is the same probe without reusing identical blocks (memplan.probe.dedup), in "
+                "the same run. Activations: bytes one middle layer saves per "
                 "sample, measured, next to Megatron's s·b·h·(34 + 5as/h) (Korthikanti et al. "
                 "2022, eq. 1; it counts dropout masks this model lacks, and, like the meta "
                 "probe's math attention path, materialised attention scores).\n",
