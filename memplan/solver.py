@@ -651,8 +651,12 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
         ),
         model=_model_ref(profile, request),
         model_fingerprint=ModelFingerprint(
-            parameter_bytes=profile.totals.params_trainable_bytes
-            + profile.totals.params_frozen_bytes,
+            # as the model file builds them: fp32 masters when the probe cast to bf16
+            parameter_bytes=memory.master_bytes(
+                profile,
+                _sharding(ctx, option.strategy),
+                profile.totals.params_trainable_bytes + profile.totals.params_frozen_bytes,
+            ),
             candidate_layers=profile.layer_names,
         ),
         profile=request.profile_path,
