@@ -319,7 +319,7 @@ def test_torchrun_script_launch_lines_and_strategy():
     assert "torchrun --standalone --nproc_per_node 16" in text
     assert "--nnodes 2 --nproc_per_node 8" in text
     # The script shards with memplan's own wrapping code, the code verify runs: no copy.
-    assert "from memplan.distributed import wrap_for_plan" in text
+    assert "from memplan.wrap import wrap_for_plan" in text
     assert "wrap_for_plan(net, plan, make_optimizer, device)" in text
     for copied in ("fully_shard", "set_requires_gradient_sync", "DistributedDataParallel("):
         assert copied not in text

@@ -1,7 +1,7 @@
 """``train_torchrun.py``: the training script (memplan.emit.script's template and loop) for
 ``torchrun``, with the launch commands for one node and for several in its docstring.
 
-Every rank shards the model with ``memplan.distributed.wrap_for_plan``, the code memplan's
+Every rank shards the model with ``memplan.wrap.wrap_for_plan``, the code memplan's
 memory model assumes and ``memplan verify --world-size N`` runs:
 
 * ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)``;
