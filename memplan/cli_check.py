@@ -49,6 +49,7 @@ def check(
     if junit is not None and junit.exists() and not force:
         write_text_atomic(junit, "", force=False)  # refuse now, not after minutes of probing
     names = [c.name for c in loaded.checks if not only or c.name in only]
+    plots = _step_summary_plots()
     with render.progress("memplan check") as on_progress:
         done: list[str] = []
 
@@ -56,8 +57,13 @@ def check(
             if name not in done:
                 done.append(name)
             on_progress(len(done) - 1, len(names), f"{name}: {what}")
+            if plots is not None:
+                plots.on_check(name, what)
 
-        report = run_checks(loaded, only=only, update_baseline=update_baseline, on_check=on_check)
+        extra = {"solve_fn": plots.solve} if plots is not None else {}
+        report = run_checks(
+            loaded, only=only, update_baseline=update_baseline, on_check=on_check, **extra
+        )
     if as_json:
         render.stdout.out(to_json(report), highlight=False)
     else:
@@ -66,9 +72,27 @@ def check(
         write_text_atomic(junit, to_junit_xml(report), force=True)
         render.info(f"wrote {junit}")
     summary = append_step_summary(report)
+    if summary is not None and plots is not None:
+        plots.append_to(summary)  # the report's PNG of each check, under its text
     if summary is not None and not as_json:
         render.info(f"appended a summary to {summary}")
     raise typer.Exit(report.exit_code)
+
+
+def _step_summary_plots() -> Any:
+    """memplan.report.CheckPlots when $GITHUB_STEP_SUMMARY is set and matplotlib is
+    installed (the report extra), else None: the summary is then text only."""
+    import os
+
+    if not os.environ.get("GITHUB_STEP_SUMMARY"):
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        return None
+    from memplan.report import CheckPlots
+
+    return CheckPlots()
 
 
 def show_report(report: Any) -> None:
