@@ -168,13 +168,38 @@ class Environment:
     param_dtype: str = "float32"
 
 
+DEFAULT_FACTORY = "build_model"
+"""The factory a model reference without ``:factory`` names."""
+
+
+def split_model_arg(text: str) -> tuple[str, str]:
+    """``"model.py:other_factory"`` → ``("model.py", "other_factory")``; no suffix → the
+    default factory. A colon that is part of the path (``C:\\x.py``) is not a selector.
+    The one parser of the ``path:factory`` model reference; ``model_arg`` writes it."""
+    head, sep, tail = text.rpartition(":")
+    if sep and tail.isidentifier() and head and not head.endswith(("\\", "/")):
+        return head, tail
+    return text, DEFAULT_FACTORY
+
+
+def model_arg(path: str, factory: str = DEFAULT_FACTORY) -> str:
+    """The model reference as a user types it: ``path``, or ``path:factory`` when the
+    factory is not the default."""
+    return path if factory == DEFAULT_FACTORY else f"{path}:{factory}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelRef:
     path: str
     """The model file as given on the command line."""
-    factory: str = "build_model"
+    factory: str = DEFAULT_FACTORY
     sha256: str = ""
     """Of the model file's bytes, so `check` can tell a changed model from a stale profile."""
+
+    @property
+    def spec(self) -> str:
+        """The model argument as a user would type it (``path`` or ``path:factory``)."""
+        return model_arg(self.path, self.factory)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

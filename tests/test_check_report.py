@@ -249,6 +249,18 @@ def fake_solver(min_peak_of):
     return solve
 
 
+def fakes(min_peak_of):
+    """``run_checks`` keyword arguments for the stand-in solver and its least peak."""
+
+    def least_peak(prof, request):
+        need = min_peak_of(prof)
+        target = request.target_batch
+        plan = fake_plan(need, request.budget_bytes, micro=2, target=target, ckpt=4)
+        return SimpleNamespace(peak_bytes=need, plan=plan)
+
+    return {"solve_fn": fake_solver(min_peak_of), "least_peak_fn": least_peak}
+
+
 def need_bytes(prof: Profile) -> int:
     return int(
         sum(4 * x.params_trainable_bytes for x in prof.layers)
@@ -269,6 +281,7 @@ def config(tmp_path):
         }
         for n in ("a", "b")
     ]
+    checks[1]["layers"] = "h.*"  # probed differently from "a": not one shared probe
     path.write_text(yaml.safe_dump({"checks": checks}), encoding="utf-8")
     return path
 
@@ -300,15 +313,13 @@ def test_diff_profiles_reports_added_and_removed_layers():
 
 
 def test_growth_flips_pass_to_fail_and_names_the_layer(config):
-    solve = fake_solver(need_bytes)
-    report = run_checks(
-        config, update_baseline=True, probe_fn=lambda *a, **k: small(), solve_fn=solve
-    )
+    solve = fakes(need_bytes)
+    report = run_checks(config, update_baseline=True, probe_fn=lambda *a, **k: small(), **solve)
     assert report.exit_code == 0 and report.passed
     assert all(r.baseline_updated for r in report.results)
     assert (config.parent / "a.profile.yaml").is_file()
 
-    report = run_checks(config, probe_fn=lambda *a, **k: grown(), solve_fn=solve)
+    report = run_checks(config, probe_fn=lambda *a, **k: grown(), **solve)
     assert report.exit_code == 1
     result = report.results[0]
     assert result.status == "fail"
@@ -325,41 +336,81 @@ def test_growth_flips_pass_to_fail_and_names_the_layer(config):
     assert kept.layers[2].params_trainable_bytes == MiB
 
 
-def test_exit_code_ranks_errors_over_failures(config):
-    def probe(model, **kwargs):
+def test_exit_code_over_budget_outranks_errors(config):
+    """The run's exit code (memplan.check.result): 1 when any check is over budget, else 2
+    when a check could not run, else 3 when one could not be measured."""
+
+    def probe(request):
         raise CannotMeasureError("aten::nonzero has no meta kernel")
 
-    report = run_checks(config, probe_fn=probe, solve_fn=fake_solver(need_bytes))
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
     assert report.exit_code == 3
     assert {r.status for r in report.results} == {"error"}
     validate_json_shape(to_json_data(report))
 
-    calls = []
+    def by_model(outcomes):
+        def probe(request):
+            outcome = outcomes[Path(request.model_arg).name]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
 
-    def mixed(model, **kwargs):
-        calls.append(model)
-        if len(calls) == 1:
-            return grown()
-        raise ModelFileError("m.py: make_batch() raised ValueError")
+        return probe
 
-    report = run_checks(config, probe_fn=mixed, solve_fn=fake_solver(need_bytes))
+    data = yaml.safe_load(config.read_text())
+    data["checks"][1]["model"] = str(MODELS / "check_grown.py")
+    config.write_text(yaml.safe_dump(data), encoding="utf-8")
+    broken = ModelFileError("m.py: make_batch() raised ValueError")
+    probe = by_model({"check_small.py": grown(), "check_grown.py": broken})
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
     assert [r.status for r in report.results] == ["fail", "error"]
+    assert [r.exit_code for r in report.results] == [1, 2]
+    assert report.exit_code == 1
+
+    probe = by_model({"check_small.py": small(), "check_grown.py": broken})
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert [r.status for r in report.results] == ["pass", "error"]
     assert report.exit_code == 2
+
+    cannot = CannotMeasureError("no GPU")
+    probe = by_model({"check_small.py": cannot, "check_grown.py": broken})
+    assert run_checks(config, probe_fn=probe, **fakes(need_bytes)).exit_code == 2
+
+
+def test_identical_probes_are_shared(config, tmp_path):
+    """Checks that probe the same model the same way probe it once; another device or
+    precision is another probe."""
+    data = yaml.safe_load(config.read_text())
+    data["checks"] += [
+        {**data["checks"][0], "name": "c", "target_batch": 64, "budget": "64MiB"},
+        {**data["checks"][0], "name": "d", "precision": "bf16"},
+    ]
+    config.write_text(yaml.safe_dump(data), encoding="utf-8")
+    seen = []
+
+    def probe(request):
+        seen.append(request)
+        return small()
+
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert [r.status for r in report.results] == ["pass"] * 4
+    # a and c share a probe; b (its own layers glob) and d (bf16) each have their own.
+    assert [(r.precision, r.layers) for r in seen] == [
+        ("fp32", None),
+        ("fp32", "h.*"),
+        ("bf16", None),
+    ]
 
 
 def test_only_runs_the_named_check(config):
-    report = run_checks(
-        config, only=["b"], probe_fn=lambda *a, **k: small(), solve_fn=fake_solver(need_bytes)
-    )
+    report = run_checks(config, only=["b"], probe_fn=lambda *a, **k: small(), **fakes(need_bytes))
     assert [r.name for r in report.results] == ["b"]
     assert report.results[0].baseline_note.startswith("baseline b.profile.yaml does not exist")
 
 
 def test_junit_counts_failures_and_errors(config):
     probes = iter([small(), grown()])
-    report = run_checks(
-        config, probe_fn=lambda *a, **k: next(probes), solve_fn=fake_solver(need_bytes)
-    )
+    report = run_checks(config, probe_fn=lambda *a, **k: next(probes), **fakes(need_bytes))
     root = ET.fromstring(to_junit_xml(report))
     (suite,) = root.findall("testsuite")
     assert suite.get("tests") == "2" and suite.get("failures") == "1"
@@ -374,9 +425,7 @@ def test_junit_counts_failures_and_errors(config):
 
 def test_markdown_summary(config, monkeypatch, tmp_path):
     probes = iter([small(), grown()])
-    report = run_checks(
-        config, probe_fn=lambda *a, **k: next(probes), solve_fn=fake_solver(need_bytes)
-    )
+    report = run_checks(config, probe_fn=lambda *a, **k: next(probes), **fakes(need_bytes))
     text = to_markdown(report)
     assert "| a | ✅ pass |" in text and "| b | ❌ fail |" in text
     assert "exceeded by" in text
@@ -402,6 +451,6 @@ def test_suggested_budget_rounds_up_and_fits():
 
 def test_config_loaded_once_is_reusable(config):
     loaded = load_config(config)
-    report = run_checks(loaded, probe_fn=lambda *a, **k: small(), solve_fn=fake_solver(need_bytes))
+    report = run_checks(loaded, probe_fn=lambda *a, **k: small(), **fakes(need_bytes))
     assert report.results[0].probe_seconds >= 0 and report.results[0].seconds >= 0
     assert dataclasses.is_dataclass(report)
