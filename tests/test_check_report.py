@@ -20,9 +20,19 @@ from memplan.check import (
     to_junit_xml,
     to_markdown,
 )
-from memplan.errors import CannotMeasureError, ModelFileError, NoPlanFitsError
+from memplan.errors import BadInputError, CannotMeasureError, ModelFileError, NoPlanFitsError
 from memplan.plan import Breakdown, Plan, Prediction
-from memplan.profile import Affine, Environment, Layer, ModelRef, Profile, Segment, Totals
+from memplan.profile import (
+    Affine,
+    Environment,
+    Layer,
+    ModelRef,
+    Profile,
+    Segment,
+    Totals,
+    load_profile,
+    profile_to_yaml,
+)
 from memplan.units import GiB, MiB
 
 MODELS = Path(__file__).parent / "models"
@@ -330,8 +340,6 @@ def test_growth_flips_pass_to_fail_and_names_the_layer(config):
     assert not any("checkpoint more" in tip for tip in result.advice)  # all 4 already are
     validate_json_shape(to_json_data(report))
     # The baseline was not touched by a run without --update-baseline.
-    from memplan.profile import load_profile
-
     kept = load_profile(config.parent / "a.profile.yaml")
     assert kept.layers[2].params_trainable_bytes == MiB
 
@@ -454,3 +462,75 @@ def test_config_loaded_once_is_reusable(config):
     report = run_checks(loaded, probe_fn=lambda *a, **k: small(), **fakes(need_bytes))
     assert report.results[0].probe_seconds >= 0 and report.results[0].seconds >= 0
     assert dataclasses.is_dataclass(report)
+
+
+# ----------------------------------------------------------------------------- hostile input
+def test_control_characters_in_a_name_still_make_valid_junit(config):
+    """XML 1.0 cannot hold \\x01 even escaped: the name is written with it spelled out."""
+    data = yaml.safe_load(config.read_text())
+    data["checks"][0]["name"] = "evil\x01name\x1b[31m"
+    data["checks"][1]["name"] = "bad\ufffe"
+    config.write_text(yaml.safe_dump(data), encoding="utf-8")
+
+    def probe(request):
+        if request.layers:
+            raise ModelFileError("m.py: raised ValueError: \x00\x07 in a message")
+        return grown()
+
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert [r.status for r in report.results] == ["fail", "error"]
+    suite = ET.fromstring(to_junit_xml(report)).find("testsuite")
+    names = [case.get("name") for case in suite.iter("testcase")]
+    assert names == ["evil\\x01name\\x1b[31m", "bad\\ufffe"]
+    error = suite.find("testcase/error")
+    assert error.get("message") == "m.py: raised ValueError: \\x00\\x07 in a message"
+    assert (suite.get("failures"), suite.get("errors")) == ("1", "1")
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["../outside/victim.txt", "model.py", "memplan.yaml", "folder", "link.yaml"],
+)
+def test_update_baseline_never_writes_outside_the_tree_or_over_a_non_profile(tmp_path, target):
+    """#10 item 5: --update-baseline refuses a baseline outside the config's folder, a
+    model's source, the config itself, a folder and a link out of the tree, before probing."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("keep me\n", encoding="utf-8")
+    model = root / "model.py"
+    model.write_text((MODELS / "check_small.py").read_text(), encoding="utf-8")
+    (root / "folder").mkdir()
+    (root / "link.yaml").symlink_to(victim)
+    config = root / "memplan.yaml"
+    checks = [{"name": "a", "model": "model.py", "target_batch": 32, "budget": "32MiB"}]
+    checks[0]["baseline"] = target
+    config.write_text(yaml.safe_dump({"checks": checks}), encoding="utf-8")
+    before = {p: p.read_bytes() for p in (victim, model, config)}
+    probed = []
+
+    def probe(request):
+        probed.append(request)
+        return small()
+
+    with pytest.raises(BadInputError, match=r"checks\[0\]\.baseline"):
+        run_checks(config, update_baseline=True, probe_fn=probe, **fakes(need_bytes))
+    assert probed == []
+    assert {p: p.read_bytes() for p in before} == before
+    assert (root / "folder").is_dir() and (root / "link.yaml").is_symlink()
+
+    # Without --update-baseline the same config only reads (and says the file is no profile).
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert report.results[0].status == "pass"
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_update_baseline_writes_inside_the_tree_and_over_a_profile(config):
+    (config.parent / "a.profile.yaml").write_text(profile_to_yaml(grown()), encoding="utf-8")
+    report = run_checks(
+        config, update_baseline=True, probe_fn=lambda request: small(), **fakes(need_bytes)
+    )
+    assert [r.baseline_updated for r in report.results] == [True, True]
+    assert load_profile(config.parent / "a.profile.yaml").layers[2].params_trainable_bytes == MiB
