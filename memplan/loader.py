@@ -1,4 +1,4 @@
-"""Import a user's model file and hold it to the model-file contract (DESIGN.md).
+"""Import a user's model file and hold it to the model-file contract (docs/design.md, "The model file").
 
 A model file defines ``build_model()`` and ``make_batch(batch_size)``, optionally
 ``training_loss(model, batch)`` and ``make_optimizer(model)``; ``model.py:other_factory``

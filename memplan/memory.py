@@ -2,7 +2,7 @@
 
 Reads a :class:`memplan.profile.Profile` (see its module docstring for the timeline of
 segments) and nothing else; no torch. One small function per term. The model
-(DESIGN.md, "Memory model")::
+(docs/design.md, "The memory model")::
 
     peak_segment(b, C) = max(points(b) if active layer not in C else ckpt_points(b))
                          - sum(savings_j(b) for j < held if j in C)

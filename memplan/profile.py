@@ -4,7 +4,7 @@ No torch here: the probe builds a Profile, the memory model, timing model and so
 it, and YAML stores it (schema-versioned, strict). All byte and second quantities that grow
 with the micro-batch ``b`` are ``Affine`` fits over the probed sizes.
 
-How the memory timeline works (DESIGN.md, "Getting the peak right"): the probe records live
+How the memory timeline works (docs/design.md, "The profile"): the probe records live
 bytes after every op of a training micro-step. Candidate layers (the checkpointable blocks)
 run once each, in order, so every point of the step lies in a *segment* described by
 

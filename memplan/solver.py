@@ -13,7 +13,7 @@ communication, and every rank's state depends on every other), then the fastest 
 strategy; when a more sharded strategy would be faster (it fits with less recompute or a
 larger micro-batch), the reasons say so and by how much.
 
-Why it is exact and fast (DESIGN.md, "Solver"): with ``P_h`` the savings of the
+Why it is exact and fast (docs/design.md, "The solver"): with ``P_h`` the savings of the
 checkpointed layers before layer h, every point of the step is a lower bound on a prefix
 sum, ``P_h >= point − limit``, whose point depends only on whether layer h itself is
 checkpointed (memplan.memory.StepBounds). So a left-to-right DP over layers whose state is
