@@ -40,13 +40,21 @@ def test_exiting_model_files_are_errors_and_the_other_checks_still_run(tmp_path)
         entry("small", SMALL),
         entry("os_exit", str(MODELS / "check_os_exit.py")),
         entry("exit3", str(MODELS / "check_exit3.py")),
+        entry("noisy", str(MODELS / "check_noisy.py")),
     ]
     proc, junit, summary = run_cli(tmp_path, checks)
     assert proc.returncode == 2, proc.stderr  # a model that cannot be run: exit 2, not 0 or 3
     assert "Traceback" not in proc.stderr
     data = json.loads(proc.stdout)
     status = {c["name"]: c["status"] for c in data["checks"]}
-    assert status == {"exit0": "error", "small": "pass", "os_exit": "error", "exit3": "error"}
+    assert status == {
+        "exit0": "error",
+        "small": "pass",
+        "os_exit": "error",
+        "exit3": "error",
+        "noisy": "pass",
+    }
+    assert "building the model" in proc.stderr  # the model's prints: stderr, not the JSON
     by_name = {c["name"]: c for c in data["checks"]}
     assert "sys.exit(0)" in by_name["exit0"]["message"]
     assert "sys.exit(3)" in by_name["exit3"]["message"]
@@ -54,7 +62,7 @@ def test_exiting_model_files_are_errors_and_the_other_checks_still_run(tmp_path)
     assert {by_name[n]["exit_code"] for n in ("exit0", "os_exit", "exit3")} == {2}
     assert data["exit_code"] == 2 and data["summary"]["errors"] == 3
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("4", "0", "3")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("5", "0", "3")
     assert "⚠️ error" in summary.read_text(encoding="utf-8")
 
 

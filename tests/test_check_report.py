@@ -10,8 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.check import (
+    CheckReport,
+    CheckResult,
     diff_profiles,
     load_config,
     run_checks,
@@ -20,6 +24,7 @@ from memplan.check import (
     to_junit_xml,
     to_markdown,
 )
+from memplan.check.formats import xml_safe
 from memplan.errors import BadInputError, CannotMeasureError, ModelFileError, NoPlanFitsError
 from memplan.plan import Breakdown, Plan, Prediction
 from memplan.profile import (
@@ -485,6 +490,36 @@ def test_control_characters_in_a_name_still_make_valid_junit(config):
     error = suite.find("testcase/error")
     assert error.get("message") == "m.py: raised ValueError: \\x00\\x07 in a message"
     assert (suite.get("failures"), suite.get("errors")) == ("1", "1")
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text(min_size=1), message=st.text())
+def test_any_name_or_message_makes_parseable_junit(name, message):
+    """Whatever a check is called and whatever its error says, the JUnit file parses and
+    keeps every character XML can hold."""
+    common = {
+        "model": "m.py",
+        "device": "meta",
+        "device_profile": None,
+        "precision": "fp32",
+        "target_batch": 8,
+        "world_size": 1,
+        "budget_bytes": MiB,
+        "margin": 0.03,
+    }
+    report = CheckReport(
+        config="memplan.yaml",
+        results=(
+            CheckResult(name=name, status="error", message=message, exit_code=2, **common),
+            CheckResult(name=name + "2", status="pass", min_peak_bytes=1, **common),
+        ),
+    )
+    suite = ET.fromstring(to_junit_xml(report).encode("utf-8")).find("testsuite")
+    names = [case.get("name") for case in suite.iter("testcase")]
+    # ElementTree writes tab, newline and carriage return in attributes as character
+    # references, so they survive the parser's attribute normalisation.
+    assert names == [xml_safe(name), xml_safe(name + "2")]
+    assert suite.find("testcase/error").get("message") == xml_safe(message)
 
 
 @pytest.mark.parametrize(
