@@ -2,7 +2,7 @@
 must not reach ``memplan check --json``'s stdout."""
 
 from check_small import build_model as _build_small
-from check_small import make_batch  # noqa: F401  (part of the model-file contract)
+from check_small import make_batch, training_loss  # noqa: F401  (the model-file contract)
 
 print("hello from the model file's top level")
 
