@@ -122,20 +122,36 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def probe_isolated(request: ProbeRequest) -> Profile:
-    """Probe in a child process; the profile, or IsolatedProbeError/the child's MemplanError
-    (with its exit code) naming how the child failed."""
-    context = _context()
-    receive, send = context.Pipe(duplex=False)
-    process = context.Process(target=_child_main, args=(send, request), daemon=True)
+def _noop() -> None:
+    return None
+
+
+def _start(process: multiprocessing.process.BaseProcess) -> None:
     # multiprocessing re-runs the parent's main module in each child (pytest, the memplan
-    # script); the child needs none of it, only _child_main, pickled by reference.
+    # script); the child needs none of it, only its target, pickled by reference.
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
         process.start()
     finally:
         sys.modules["__main__"] = main
+
+
+def start_fork_server() -> None:
+    """Start the fork server and wait until it has imported torch and the probe, rather than
+    at the first probe (the benchmark does, so torch's import is not the first check's)."""
+    process = _context().Process(target=_noop, daemon=True)
+    _start(process)
+    process.join()
+
+
+def probe_isolated(request: ProbeRequest) -> Profile:
+    """Probe in a child process; the profile, or IsolatedProbeError/the child's MemplanError
+    (with its exit code) naming how the child failed."""
+    context = _context()
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_child_main, args=(send, request), daemon=True)
+    _start(process)
     send.close()
     reply: Profile | ChildError | None
     try:
