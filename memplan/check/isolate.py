@@ -146,8 +146,8 @@ def start_fork_server() -> None:
 
 
 def probe_isolated(request: ProbeRequest) -> Profile:
-    """Probe in a child process; the profile, or IsolatedProbeError/the child's MemplanError
-    (with its exit code) naming how the child failed."""
+    """Probe in a child process and return the profile; else IsolatedProbeError with the
+    child's memplan error (and its exit code), or naming how the child ended (exit 2)."""
     context = _context()
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_child_main, args=(send, request), daemon=True)
@@ -158,6 +158,9 @@ def probe_isolated(request: ProbeRequest) -> Profile:
         reply = receive.recv()
     except EOFError:  # the child ended without a word
         reply = None
+    except BaseException:  # Ctrl-C or SIGTERM in the parent: the child goes with it
+        process.kill()
+        raise
     finally:
         receive.close()
         process.join()
