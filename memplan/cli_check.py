@@ -49,12 +49,12 @@ def check(
     config or a model that cannot be loaded or run, else 3 cannot measure (docs/ci.md)."""
     from memplan import render
     from memplan.check import append_step_summary, load_config, run_checks, to_json, to_junit_xml
-    from memplan.fileio import refuse_existing, write_text_atomic
+    from memplan.fileio import check_output, write_text_atomic
     from memplan.render.check import check_progress, show_report
 
     loaded = load_config(config)
-    if junit is not None and not force:
-        refuse_existing(junit)  # now, not after minutes of probing
+    if junit is not None:
+        check_output(junit, force=force)  # now, not after minutes of probing
     plots = _step_summary_plots()
     hooks = {"solve_fn": plots.solve} if plots is not None else {}
     with check_progress(loaded, only, also=plots.on_check if plots else None) as on_check:
@@ -115,11 +115,10 @@ def init_check(
     """Write a starter memplan.yaml for `memplan check`."""
     from memplan import render
     from memplan.check import make_starter
-    from memplan.fileio import refuse_existing, write_text_atomic
+    from memplan.fileio import check_output, write_text_atomic
     from memplan.units import format_bytes
 
-    if not force:
-        refuse_existing(output)
+    check_output(output, force=force)
     with render.progress("writing a starter config (probing when no --budget)"):
         starter = make_starter(
             model,
