@@ -1,23 +1,26 @@
 """The ``memplan`` command line: each command loads its input, calls one library function
 and renders the result. Domain errors become one paragraph on stderr and an exit code here,
-in one place (``_run``)."""
+in one place (``memplan.cli_base.run_command``, imported here as ``_run``)."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
-from memplan import __version__
-from memplan.errors import BadInputError, Interrupted, MemplanError
+from memplan import __version__, cli_check
+from memplan.cli_base import run_command as _run
+from memplan.cli_base import state as _state
+from memplan.emit import FORMATS
+from memplan.errors import BadInputError, Interrupted
+from memplan.memory import DEFAULT_MARGIN
 from memplan.schema import load_yaml_file, to_data
 
 app = typer.Typer(
@@ -29,27 +32,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-_state = {"debug": False}
-F = TypeVar("F", bound=Callable[..., Any])
-
-FORMATS_HELP = "Comma-separated: plan, hf, deepspeed, accelerate, lightning, torch, torchrun."
-
-
-def _run(func: F) -> F:
-    """Map MemplanError (and only it) to its exit code with a clean message."""
-
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from memplan import render
-
-        render.reset_warnings()
-        try:
-            return func(*args, **kwargs)
-        except MemplanError as exc:
-            render.error(exc, debug=_state["debug"])
-            raise typer.Exit(exc.exit_code) from None
-
-    return wrapper  # type: ignore[return-value]
+FORMATS_HELP = f"Comma-separated: {', '.join(FORMATS)}."
 
 
 def _version(value: bool) -> None:
@@ -247,7 +230,9 @@ def solve(
         str | None,
         typer.Option("--device-profile", help="GPU to plan for (see `memplan devices`)."),
     ] = None,
-    margin: Annotated[float, typer.Option(help="Fraction of the budget kept free.")] = 0.03,
+    margin: Annotated[
+        float, typer.Option(help="Fraction of the budget kept free.")
+    ] = DEFAULT_MARGIN,
     min_micro: Annotated[int, typer.Option("--min-micro")] = 1,
     max_micro: Annotated[int | None, typer.Option("--max-micro")] = None,
     always: Annotated[
@@ -367,8 +352,7 @@ def solve(
 
 
 def _model_ref(profile: Any) -> str:
-    ref = profile.model
-    return ref.path if ref.factory == "build_model" else f"{ref.path}:{ref.factory}"
+    return profile.model.spec
 
 
 def _candidate_rows(result: Any) -> list[dict[str, Any]]:
@@ -610,34 +594,18 @@ def devices(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """List the GPU specs memplan can plan for (profiles/devices/)."""
-    from rich.table import Table
-
     from memplan import render
     from memplan.devices import list_devices, load_device
-    from memplan.units import format_bytes
 
     specs = [load_device(name) for name in list_devices()]
     if as_json:
         render.print_json([to_data(s) for s in specs])
-        return
-    table = Table(header_style="bold")
-    for column in ("name", "GPU", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth"):
-        table.add_column(column)
-    for s in specs:
-        table.add_row(
-            s.name,
-            s.display_name,
-            format_bytes(s.memory_bytes) if s.memory_bytes else "-",
-            f"{s.bf16_flops / 1e12:.0f}" if s.bf16_flops else "-",
-            f"{s.fp32_flops / 1e12:.1f}",
-            f"{s.memory_bandwidth / 1e9:.0f} GB/s",
-        )
-    render.console.print(table)
+    else:
+        render.show_devices(specs)
 
 
-from memplan.cli_check import register as _register_check  # noqa: E402
-
-_register_check(app)
+# ---------------------------------------------------------------------------- check
+cli_check.register(app)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -26,7 +26,7 @@ A rank that raises, dies or outlives ``timeout_s`` ends the run: the others are 
 and a ``CannotMeasureError`` says which rank, how, and the tail of its error.
 
 It also checks that N ranks × k micro-batches give the gradient of one batch of
-N × k × micro samples (the data-parallel form of DESIGN.md's accumulation rule).
+N × k × micro samples (the data-parallel form of the accumulation rule of docs/design.md).
 """
 
 from __future__ import annotations

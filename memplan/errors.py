@@ -1,7 +1,7 @@
 """Domain errors: every failure a user can cause or meet, each with its exit code.
 
 The CLI catches ``MemplanError`` in one place and turns it into one paragraph on stderr and
-``exit_code``; library callers get the exception. Codes follow DESIGN.md:
+``exit_code``; library callers get the exception. Codes follow docs/design.md ("Exit codes"):
 0 ok · 1 over budget / no plan fits · 2 bad input or usage · 3 cannot measure.
 """
 

@@ -1,4 +1,4 @@
-"""Import a user's model file and hold it to the model-file contract (DESIGN.md).
+"""Import a user's model file and hold it to the model-file contract (docs/design.md, "The model file").
 
 A model file defines ``build_model()`` and ``make_batch(batch_size)``, optionally
 ``training_loss(model, batch)`` and ``make_optimizer(model)``; ``model.py:other_factory``
@@ -21,17 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.errors import CannotMeasureError, Interrupted, MemplanError, ModelFileError
-
-DEFAULT_FACTORY = "build_model"
-
-
-def split_model_arg(text: str) -> tuple[str, str]:
-    """``"model.py:other_factory"`` → ``("model.py", "other_factory")``; no suffix → the
-    default factory. A colon that is part of the path (``C:\\x.py``) is not a selector."""
-    head, sep, tail = text.rpartition(":")
-    if sep and tail.isidentifier() and head and not head.endswith(("\\", "/")):
-        return head, tail
-    return text, DEFAULT_FACTORY
+from memplan.profile import DEFAULT_FACTORY, model_arg, split_model_arg
 
 
 def _user_location(exc: BaseException, path: Path) -> str:
@@ -134,7 +124,7 @@ class ModelFile:
     @property
     def spec(self) -> str:
         """The model argument as a user would type it."""
-        return str(self.path) if self.factory == DEFAULT_FACTORY else f"{self.path}:{self.factory}"
+        return model_arg(str(self.path), self.factory)
 
     def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self.module, name)

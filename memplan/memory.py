@@ -2,7 +2,7 @@
 
 Reads a :class:`memplan.profile.Profile` (see its module docstring for the timeline of
 segments) and nothing else; no torch. One small function per term. The model
-(DESIGN.md, "Memory model")::
+(docs/design.md, "The memory model")::
 
     peak_segment(b, C) = max(points(b) if active layer not in C else ckpt_points(b))
                          - sum(savings_j(b) for j < held if j in C)
@@ -390,6 +390,20 @@ def ddp_bucket_bytes(profile: Profile, sharding: Sharding) -> int:
     return grads_bytes(profile)
 
 
+def bucket_views_replace_grads(sharding: Sharding, phase: str, accumulation_steps: int) -> bool:
+    """The DDP bucket-view rule, in one place: with ``gradient_as_bucket_view=True`` and a
+    synchronised first micro-step (no accumulation), each new gradient is copied into its
+    bucket and freed, so the gradients the probe saw grow are the buckets (counted once);
+    otherwise the buckets are resident on top of whatever gradients are held."""
+    return (
+        sharding.gradient_as_bucket_view
+        and accumulation_steps == 1
+        and phase == PHASE_NO_GRADS
+        and sharding.world_size > 1
+        and sharding.strategy in ("ddp", "zero1")
+    )
+
+
 def zero2_bucket_bytes(profile: Profile, sharding: Sharding) -> int:
     """DeepSpeed ZeRO-2's gradient reduction bucket (``reduce_bucket_size`` elements,
     DeepSpeed config docs; contiguous_gradients keeps one such buffer), no larger than the
@@ -513,8 +527,8 @@ def segment_adjust_bytes(
     delta -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
     bucket = ddp_bucket_bytes(profile, sharding)
     if bucket:
-        synced_first = accumulation_steps == 1 and phase == PHASE_NO_GRADS
-        delta += bucket - (held_grads if synced_first and sharding.gradient_as_bucket_view else 0)
+        replaced = bucket_views_replace_grads(sharding, phase, accumulation_steps)
+        delta += bucket - (held_grads if replaced else 0)
     delta += zero2_bucket_bytes(profile, sharding)
     delta += fsdp_gathered_bytes(profile, sharding, phase, index)
     delta += fsdp_reduce_scatter_bytes(profile, sharding, phase, segment, accumulation_steps)
@@ -730,10 +744,8 @@ def breakdown_at(
             params += fsdp_gathered_bytes(profile, sharding, phase, index)
             grads -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
             grads += ddp_bucket_bytes(profile, sharding) + zero2_bucket_bytes(profile, sharding)
-            if (
-                accumulation_steps == 1
-                and phase == PHASE_NO_GRADS
-                and ddp_bucket_bytes(profile, sharding)
+            if ddp_bucket_bytes(profile, sharding) and bucket_views_replace_grads(
+                sharding, phase, accumulation_steps
             ):
                 grads -= held_grads  # bucket views replace the gradients
     params, optimizer, grads, acts, transient = _split(

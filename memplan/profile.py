@@ -4,7 +4,7 @@ No torch here: the probe builds a Profile, the memory model, timing model and so
 it, and YAML stores it (schema-versioned, strict). All byte and second quantities that grow
 with the micro-batch ``b`` are ``Affine`` fits over the probed sizes.
 
-How the memory timeline works (DESIGN.md, "Getting the peak right"): the probe records live
+How the memory timeline works (docs/design.md, "The profile"): the probe records live
 bytes after every op of a training micro-step. Candidate layers (the checkpointable blocks)
 run once each, in order, so every point of the step lies in a *segment* described by
 
@@ -177,13 +177,38 @@ class Environment:
     plans that run under the engine's mixed-precision policy; see ``MixedPrecision``."""
 
 
+DEFAULT_FACTORY = "build_model"
+"""The factory a model reference without ``:factory`` names."""
+
+
+def split_model_arg(text: str) -> tuple[str, str]:
+    """``"model.py:other_factory"`` → ``("model.py", "other_factory")``; no suffix → the
+    default factory. A colon that is part of the path (``C:\\x.py``) is not a selector.
+    The one parser of the ``path:factory`` model reference; ``model_arg`` writes it."""
+    head, sep, tail = text.rpartition(":")
+    if sep and tail.isidentifier() and head and not head.endswith(("\\", "/")):
+        return head, tail
+    return text, DEFAULT_FACTORY
+
+
+def model_arg(path: str, factory: str = DEFAULT_FACTORY) -> str:
+    """The model reference as a user types it: ``path``, or ``path:factory`` when the
+    factory is not the default."""
+    return path if factory == DEFAULT_FACTORY else f"{path}:{factory}"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelRef:
     path: str
     """The model file as given on the command line."""
-    factory: str = "build_model"
+    factory: str = DEFAULT_FACTORY
     sha256: str = ""
     """Of the model file's bytes, so `check` can tell a changed model from a stale profile."""
+
+    @property
+    def spec(self) -> str:
+        """The model argument as a user would type it (``path`` or ``path:factory``)."""
+        return model_arg(self.path, self.factory)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

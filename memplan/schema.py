@@ -60,6 +60,11 @@ def dump_yaml(obj: Any) -> str:
         return yaml.dump(data, Dumper=yaml.SafeDumper, **options)
 
 
+TOP_LEVEL = "(top level)"
+"""``from_data(..., path=TOP_LEVEL)``: the file itself is ``cls``, so its fields are named
+bare (``checks[0].budget``), and a problem with the whole mapping names ``(top level)``."""
+
+
 def from_data(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
     """Build ``cls`` from plain data, checking every key and type; errors name
     ``source`` (the file) and the dotted field path."""
@@ -72,6 +77,10 @@ def _short(value: Any) -> str:
         return f"an integer of {len(str(abs(value)))} digits"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _child(path: str, name: object) -> str:
+    return str(name) if path == TOP_LEVEL else f"{path}.{name}"
 
 
 def _fail(source: str, path: str, problem: str, hint: str | None = None) -> ProfileError:
@@ -123,7 +132,7 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
             raise _fail(source, path, f"must be a mapping, got {type(data).__name__}")
         return {
             _convert(key_tp, k, source=source, path=path): _convert(
-                value_tp, v, source=source, path=f"{path}.{k}"
+                value_tp, v, source=source, path=_child(path, k)
             )
             for k, v in data.items()
         }
@@ -183,9 +192,9 @@ def _convert_dataclass(cls: Any, data: Any, *, source: str, path: str) -> Any:
                 field.default is dataclasses.MISSING
                 and field.default_factory is dataclasses.MISSING
             ):
-                raise _fail(source, f"{path}.{name}", "is missing")
+                raise _fail(source, _child(path, name), "is missing")
             continue
-        kwargs[name] = _convert(hints[name], data[name], source=source, path=f"{path}.{name}")
+        kwargs[name] = _convert(hints[name], data[name], source=source, path=_child(path, name))
     try:
         return cls(**kwargs)
     except ValueError as exc:  # __post_init__ validation names the field

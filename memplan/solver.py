@@ -19,7 +19,7 @@ micro-step (sharded gradients, k reduce-scatters); the faster one that fits wins
 reasons give the other's peak and time. A profile probed with ``--mixed-precision params``
 plans FSDP only: that is the engine whose mixed-precision policy it measured.
 
-Why it is exact and fast (DESIGN.md, "Solver"): with ``P_h`` the savings of the
+Why it is exact and fast (docs/design.md, "The solver"): with ``P_h`` the savings of the
 checkpointed layers before layer h, every point of the step is a lower bound on a prefix
 sum, ``P_h >= point − limit``, whose point depends only on whether layer h itself is
 checkpointed (memplan.memory.StepBounds). So a left-to-right DP over layers whose state is
@@ -52,9 +52,11 @@ from memplan.units import format_bytes, format_seconds
 
 __all__ = [
     "Candidate",
+    "LeastPeak",
     "SolveRequest",
     "SolveRequestError",
     "SolveResult",
+    "least_peak",
     "least_recompute_set",
     "solve",
 ]
@@ -609,8 +611,7 @@ def _evaluate(
 def _model_ref(profile: Profile, request: SolveRequest) -> str:
     if request.model_path:
         return request.model_path
-    ref = profile.model
-    return ref.path if ref.factory == "build_model" else f"{ref.path}:{ref.factory}"
+    return profile.model.spec
 
 
 def _device_label(profile: Profile, request: SolveRequest) -> str:
@@ -710,12 +711,19 @@ def _strategies(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
     return STRATEGIES
 
 
-def solve(profile: Profile, request: SolveRequest) -> SolveResult:
-    """Choose micro-batch, accumulation and checkpoint set for ``request``.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Setup:
+    """What ``solve`` and ``least_peak`` share: the context and every option evaluated."""
 
-    Raises BadInputError when the target cannot be split or a layer name is unknown, and
-    NoPlanFitsError (with the least peak any plan needs and the closest plan) when no
-    plan fits the budget."""
+    ctx: _Context
+    options: tuple[_Option, ...]
+    bn_floor: int | None
+    source_reason: str
+
+
+def _setup(profile: Profile, request: SolveRequest, *, limit_bytes: int | None = None) -> _Setup:
+    """Validate ``request`` against ``profile`` and evaluate every (strategy, micro-batch)
+    option against the allocated limit of the request's budget, or ``limit_bytes``."""
     forced_in = _resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
     forced_out = _resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
     if forced_in & forced_out:
@@ -763,7 +771,9 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
         forced_in=forced_in,
         forced_out=forced_out,
         reserve=reserve,
-        limit_bytes=memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve),
+        limit_bytes=memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
+        if limit_bytes is None
+        else limit_bytes,
         usable_bytes=memory.usable_budget_bytes(request.budget_bytes, request.margin),
         timing_source=source,
         bandwidth=bandwidth,
@@ -771,11 +781,22 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
         strategies=strategies,
     )
     per_rank = target // world
-    options = [
+    options = tuple(
         option
         for st in strategies
         for option in _evaluate_micro_batches(ctx, micro_batches, per_rank, bn_floor, st)
-    ]
+    )
+    return _Setup(ctx=ctx, options=options, bn_floor=bn_floor, source_reason=source_reason)
+
+
+def solve(profile: Profile, request: SolveRequest) -> SolveResult:
+    """Choose micro-batch, accumulation and checkpoint set for ``request``.
+
+    Raises BadInputError when the target cannot be split or a layer name is unknown, and
+    NoPlanFitsError (with the least peak any plan needs and the closest plan) when no
+    plan fits the budget."""
+    setup = _setup(profile, request)
+    ctx, options, bn_floor = setup.ctx, setup.options, setup.bn_floor
     fitting = [o for o in options if o.allowed and o.fits]
     if not fitting:
         raise _no_plan_fits(ctx, options, bn_floor)
@@ -784,15 +805,15 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
         (o for o in fitting if STRATEGIES.index(o.strategy) == least_sharded),
         key=lambda o: o.rank,
     )
-    reasons = _reasons(ctx, best, options, bn_floor, source_reason)
+    reasons = _reasons(ctx, best, options, bn_floor, setup.source_reason)
     warnings = _warnings(ctx, best)
     plan = _plan(ctx, best, reasons, warnings)
     return SolveResult(
         plan=plan,
         candidates=tuple(_candidate(ctx, o, best, bn_floor) for o in options),
         usable_budget_bytes=ctx.usable_bytes,
-        reserve=reserve,
-        timing_source=source_reason,
+        reserve=ctx.reserve,
+        timing_source=setup.source_reason,
     )
 
 
@@ -838,6 +859,28 @@ def _evaluate_micro_batches(
                 )
             break
     return options
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeastPeak:
+    """The least per-rank peak any plan for a target batch needs, whatever the budget."""
+
+    peak_bytes: int
+    """Predicted peak of ``plan`` (allocated bytes plus the reserve)."""
+    plan: Plan
+    """A plan of least peak (ties broken in the solver's order: fastest, fewest checkpoints)."""
+
+
+def least_peak(profile: Profile, request: SolveRequest) -> LeastPeak:
+    """The least peak any allowed plan for ``request``'s target batch, world size and
+    strategies needs; ``request.budget_bytes`` is not consulted. Each option's peak is the
+    least its checkpoint sets reach (``memory.min_allocated_bytes``): the number a
+    ``NoPlanFitsError`` reports. Raises BadInputError when the target cannot be split."""
+    setup = _setup(profile, request, limit_bytes=-1)  # nothing fits: each option at its least
+    allowed = [o for o in setup.options if o.allowed]
+    closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
+    plan = _plan(setup.ctx, closest, (), _warnings(setup.ctx, closest))
+    return LeastPeak(peak_bytes=closest.peak.peak_bytes, plan=plan)
 
 
 # --------------------------------------------------------------------------- explaining

@@ -10,8 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.check import (
+    CheckReport,
+    CheckResult,
     diff_profiles,
     load_config,
     run_checks,
@@ -20,9 +24,20 @@ from memplan.check import (
     to_junit_xml,
     to_markdown,
 )
-from memplan.errors import CannotMeasureError, ModelFileError, NoPlanFitsError
+from memplan.check.formats import xml_safe
+from memplan.errors import BadInputError, CannotMeasureError, ModelFileError, NoPlanFitsError
 from memplan.plan import Breakdown, Plan, Prediction
-from memplan.profile import Affine, Environment, Layer, ModelRef, Profile, Segment, Totals
+from memplan.profile import (
+    Affine,
+    Environment,
+    Layer,
+    ModelRef,
+    Profile,
+    Segment,
+    Totals,
+    load_profile,
+    profile_to_yaml,
+)
 from memplan.units import GiB, MiB
 
 MODELS = Path(__file__).parent / "models"
@@ -249,6 +264,18 @@ def fake_solver(min_peak_of):
     return solve
 
 
+def fakes(min_peak_of):
+    """``run_checks`` keyword arguments for the stand-in solver and its least peak."""
+
+    def least_peak(prof, request):
+        need = min_peak_of(prof)
+        target = request.target_batch
+        plan = fake_plan(need, request.budget_bytes, micro=2, target=target, ckpt=4)
+        return SimpleNamespace(peak_bytes=need, plan=plan)
+
+    return {"solve_fn": fake_solver(min_peak_of), "least_peak_fn": least_peak}
+
+
 def need_bytes(prof: Profile) -> int:
     return int(
         sum(4 * x.params_trainable_bytes for x in prof.layers)
@@ -269,6 +296,7 @@ def config(tmp_path):
         }
         for n in ("a", "b")
     ]
+    checks[1]["layers"] = "h.*"  # probed differently from "a": not one shared probe
     path.write_text(yaml.safe_dump({"checks": checks}), encoding="utf-8")
     return path
 
@@ -300,15 +328,13 @@ def test_diff_profiles_reports_added_and_removed_layers():
 
 
 def test_growth_flips_pass_to_fail_and_names_the_layer(config):
-    solve = fake_solver(need_bytes)
-    report = run_checks(
-        config, update_baseline=True, probe_fn=lambda *a, **k: small(), solve_fn=solve
-    )
+    solve = fakes(need_bytes)
+    report = run_checks(config, update_baseline=True, probe_fn=lambda *a, **k: small(), **solve)
     assert report.exit_code == 0 and report.passed
     assert all(r.baseline_updated for r in report.results)
     assert (config.parent / "a.profile.yaml").is_file()
 
-    report = run_checks(config, probe_fn=lambda *a, **k: grown(), solve_fn=solve)
+    report = run_checks(config, probe_fn=lambda *a, **k: grown(), **solve)
     assert report.exit_code == 1
     result = report.results[0]
     assert result.status == "fail"
@@ -319,47 +345,85 @@ def test_growth_flips_pass_to_fail_and_names_the_layer(config):
     assert not any("checkpoint more" in tip for tip in result.advice)  # all 4 already are
     validate_json_shape(to_json_data(report))
     # The baseline was not touched by a run without --update-baseline.
-    from memplan.profile import load_profile
-
     kept = load_profile(config.parent / "a.profile.yaml")
     assert kept.layers[2].params_trainable_bytes == MiB
 
 
-def test_exit_code_ranks_errors_over_failures(config):
-    def probe(model, **kwargs):
+def test_exit_code_over_budget_outranks_errors(config):
+    """The run's exit code (memplan.check.result): 1 when any check is over budget, else 2
+    when a check could not run, else 3 when one could not be measured."""
+
+    def probe(request):
         raise CannotMeasureError("aten::nonzero has no meta kernel")
 
-    report = run_checks(config, probe_fn=probe, solve_fn=fake_solver(need_bytes))
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
     assert report.exit_code == 3
     assert {r.status for r in report.results} == {"error"}
     validate_json_shape(to_json_data(report))
 
-    calls = []
+    def by_model(outcomes):
+        def probe(request):
+            outcome = outcomes[Path(request.model_arg).name]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
 
-    def mixed(model, **kwargs):
-        calls.append(model)
-        if len(calls) == 1:
-            return grown()
-        raise ModelFileError("m.py: make_batch() raised ValueError")
+        return probe
 
-    report = run_checks(config, probe_fn=mixed, solve_fn=fake_solver(need_bytes))
+    data = yaml.safe_load(config.read_text())
+    data["checks"][1]["model"] = str(MODELS / "check_grown.py")
+    config.write_text(yaml.safe_dump(data), encoding="utf-8")
+    broken = ModelFileError("m.py: make_batch() raised ValueError")
+    probe = by_model({"check_small.py": grown(), "check_grown.py": broken})
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
     assert [r.status for r in report.results] == ["fail", "error"]
+    assert [r.exit_code for r in report.results] == [1, 2]
+    assert report.exit_code == 1
+
+    probe = by_model({"check_small.py": small(), "check_grown.py": broken})
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert [r.status for r in report.results] == ["pass", "error"]
     assert report.exit_code == 2
+
+    cannot = CannotMeasureError("no GPU")
+    probe = by_model({"check_small.py": cannot, "check_grown.py": broken})
+    assert run_checks(config, probe_fn=probe, **fakes(need_bytes)).exit_code == 2
+
+
+def test_identical_probes_are_shared(config, tmp_path):
+    """Checks that probe the same model the same way probe it once; another device or
+    precision is another probe."""
+    data = yaml.safe_load(config.read_text())
+    data["checks"] += [
+        {**data["checks"][0], "name": "c", "target_batch": 64, "budget": "64MiB"},
+        {**data["checks"][0], "name": "d", "precision": "bf16"},
+    ]
+    config.write_text(yaml.safe_dump(data), encoding="utf-8")
+    seen = []
+
+    def probe(request):
+        seen.append(request)
+        return small()
+
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert [r.status for r in report.results] == ["pass"] * 4
+    # a and c share a probe; b (its own layers glob) and d (bf16) each have their own.
+    assert [(r.precision, r.layers) for r in seen] == [
+        ("fp32", None),
+        ("fp32", "h.*"),
+        ("bf16", None),
+    ]
 
 
 def test_only_runs_the_named_check(config):
-    report = run_checks(
-        config, only=["b"], probe_fn=lambda *a, **k: small(), solve_fn=fake_solver(need_bytes)
-    )
+    report = run_checks(config, only=["b"], probe_fn=lambda *a, **k: small(), **fakes(need_bytes))
     assert [r.name for r in report.results] == ["b"]
     assert report.results[0].baseline_note.startswith("baseline b.profile.yaml does not exist")
 
 
 def test_junit_counts_failures_and_errors(config):
     probes = iter([small(), grown()])
-    report = run_checks(
-        config, probe_fn=lambda *a, **k: next(probes), solve_fn=fake_solver(need_bytes)
-    )
+    report = run_checks(config, probe_fn=lambda *a, **k: next(probes), **fakes(need_bytes))
     root = ET.fromstring(to_junit_xml(report))
     (suite,) = root.findall("testsuite")
     assert suite.get("tests") == "2" and suite.get("failures") == "1"
@@ -374,9 +438,7 @@ def test_junit_counts_failures_and_errors(config):
 
 def test_markdown_summary(config, monkeypatch, tmp_path):
     probes = iter([small(), grown()])
-    report = run_checks(
-        config, probe_fn=lambda *a, **k: next(probes), solve_fn=fake_solver(need_bytes)
-    )
+    report = run_checks(config, probe_fn=lambda *a, **k: next(probes), **fakes(need_bytes))
     text = to_markdown(report)
     assert "| a | ✅ pass |" in text and "| b | ❌ fail |" in text
     assert "exceeded by" in text
@@ -402,6 +464,108 @@ def test_suggested_budget_rounds_up_and_fits():
 
 def test_config_loaded_once_is_reusable(config):
     loaded = load_config(config)
-    report = run_checks(loaded, probe_fn=lambda *a, **k: small(), solve_fn=fake_solver(need_bytes))
+    report = run_checks(loaded, probe_fn=lambda *a, **k: small(), **fakes(need_bytes))
     assert report.results[0].probe_seconds >= 0 and report.results[0].seconds >= 0
     assert dataclasses.is_dataclass(report)
+
+
+# ----------------------------------------------------------------------------- hostile input
+def test_control_characters_in_a_name_still_make_valid_junit(config):
+    """XML 1.0 cannot hold \\x01 even escaped: the name is written with it spelled out."""
+    data = yaml.safe_load(config.read_text())
+    data["checks"][0]["name"] = "evil\x01name\x1b[31m"
+    data["checks"][1]["name"] = "bad\ufffe"
+    config.write_text(yaml.safe_dump(data), encoding="utf-8")
+
+    def probe(request):
+        if request.layers:
+            raise ModelFileError("m.py: raised ValueError: \x00\x07 in a message")
+        return grown()
+
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert [r.status for r in report.results] == ["fail", "error"]
+    suite = ET.fromstring(to_junit_xml(report)).find("testsuite")
+    names = [case.get("name") for case in suite.iter("testcase")]
+    assert names == ["evil\\x01name\\x1b[31m", "bad\\ufffe"]
+    error = suite.find("testcase/error")
+    assert error.get("message") == "m.py: raised ValueError: \\x00\\x07 in a message"
+    assert (suite.get("failures"), suite.get("errors")) == ("1", "1")
+
+
+@settings(max_examples=200, deadline=None)
+@given(name=st.text(min_size=1), message=st.text())
+def test_any_name_or_message_makes_parseable_junit(name, message):
+    """Whatever a check is called and whatever its error says, the JUnit file parses and
+    keeps every character XML can hold."""
+    common = {
+        "model": "m.py",
+        "device": "meta",
+        "device_profile": None,
+        "precision": "fp32",
+        "target_batch": 8,
+        "world_size": 1,
+        "budget_bytes": MiB,
+        "margin": 0.03,
+    }
+    report = CheckReport(
+        config="memplan.yaml",
+        results=(
+            CheckResult(name=name, status="error", message=message, exit_code=2, **common),
+            CheckResult(name=name + "2", status="pass", min_peak_bytes=1, **common),
+        ),
+    )
+    suite = ET.fromstring(to_junit_xml(report).encode("utf-8")).find("testsuite")
+    names = [case.get("name") for case in suite.iter("testcase")]
+    # ElementTree writes tab, newline and carriage return in attributes as character
+    # references, so they survive the parser's attribute normalisation.
+    assert names == [xml_safe(name), xml_safe(name + "2")]
+    assert suite.find("testcase/error").get("message") == xml_safe(message)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["../outside/victim.txt", "model.py", "memplan.yaml", "folder", "link.yaml"],
+)
+def test_update_baseline_never_writes_outside_the_tree_or_over_a_non_profile(tmp_path, target):
+    """#10 item 5: --update-baseline refuses a baseline outside the config's folder, a
+    model's source, the config itself, a folder and a link out of the tree, before probing."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_text("keep me\n", encoding="utf-8")
+    model = root / "model.py"
+    model.write_text((MODELS / "check_small.py").read_text(), encoding="utf-8")
+    (root / "folder").mkdir()
+    (root / "link.yaml").symlink_to(victim)
+    config = root / "memplan.yaml"
+    checks = [{"name": "a", "model": "model.py", "target_batch": 32, "budget": "32MiB"}]
+    checks[0]["baseline"] = target
+    config.write_text(yaml.safe_dump({"checks": checks}), encoding="utf-8")
+    before = {p: p.read_bytes() for p in (victim, model, config)}
+    probed = []
+
+    def probe(request):
+        probed.append(request)
+        return small()
+
+    with pytest.raises(BadInputError, match=r"checks\[0\]\.baseline"):
+        run_checks(config, update_baseline=True, probe_fn=probe, **fakes(need_bytes))
+    assert probed == []
+    assert {p: p.read_bytes() for p in before} == before
+    assert (root / "folder").is_dir() and (root / "link.yaml").is_symlink()
+
+    # Without --update-baseline the same config only reads (and says the file is no profile).
+    report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
+    assert report.results[0].status == "pass"
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_update_baseline_writes_inside_the_tree_and_over_a_profile(config):
+    (config.parent / "a.profile.yaml").write_text(profile_to_yaml(grown()), encoding="utf-8")
+    report = run_checks(
+        config, update_baseline=True, probe_fn=lambda request: small(), **fakes(need_bytes)
+    )
+    assert [r.baseline_updated for r in report.results] == [True, True]
+    assert load_profile(config.parent / "a.profile.yaml").layers[2].params_trainable_bytes == MiB

@@ -256,3 +256,11 @@ def test_a_gpu_plan_verified_on_cpu_leaves_out_the_cuda_reserve(profile_path, tm
     assert data["predicted_peak_bytes"] == plan.predicted.peak_bytes - reserve
     assert "CUDA reserve" in data["note"]
     assert abs(data["peak_error"]) <= 0.05
+
+
+def test_formats_help_lists_every_registered_format():
+    from memplan.cli import FORMATS_HELP
+    from memplan.emit import FORMATS
+
+    listed = FORMATS_HELP.removeprefix("Comma-separated: ").rstrip(".").split(", ")
+    assert listed == list(FORMATS)

@@ -363,3 +363,36 @@ def test_a_corrupt_plan_or_foreign_layers_exit_2(files, tmp_path):
     assert "checkpoint_layers" in plan_text
     assert result.exit_code == 2, result.output
     assert "not a checkpoint candidate" in " ".join(result.output.split())
+
+
+def test_check_puts_each_checks_png_in_the_step_summary(tmp_path):
+    import base64
+
+    import yaml
+
+    small = str(Path(__file__).parent / "models" / "check_small.py")
+    check = {"model": small, "target_batch": 32, "device": "cpu"}
+    config = tmp_path / "memplan.yaml"
+    checks = [
+        {"name": "fits", "budget": "1GiB", **check},
+        {"name": "too-small", "budget": "1KiB", **check},
+    ]
+    config.write_text(yaml.safe_dump({"checks": checks}))
+    summary = tmp_path / "summary.md"
+    result = runner.invoke(
+        app, ["check", "--config", str(config)], env={"GITHUB_STEP_SUMMARY": str(summary)}
+    )
+    assert result.exit_code == 1, result.output  # the second check is over budget
+    text = summary.read_text()
+    assert "fits" in text and "too-small" in text  # the check's own table comes first
+    images = re.findall(r'src="data:image/png;base64,([^"]+)"', text)
+    # One image per check: the plan that fits, and the closest plan to the one that does not.
+    assert len(images) == 2
+    assert text.index("#### fits: where") < text.index("#### too-small: where")
+    sizes = [png_size(base64.b64decode(encoded)) for encoded in images]
+    # Timeline and candidates for the passing check; the timeline alone for the failing
+    # one (no candidate fits its budget, so there is no candidates chart).
+    assert sizes == [(720, 576), (720, 312)]
+    # Without the variable, no images and nothing appended.
+    again = runner.invoke(app, ["check", "--config", str(config), "--only", "fits"], env={})
+    assert again.exit_code == 0 and summary.read_text() == text

@@ -13,7 +13,7 @@ from profiles_factory import ChainSpec, raw_profile
 from memplan import memory, timing
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.profile import Affine, Segment
-from memplan.solver import SolveRequest, least_recompute_set, solve
+from memplan.solver import SolveRequest, least_peak, least_recompute_set, solve
 
 small_ints = st.integers(0, 3000)
 slopes = st.integers(0, 120)
@@ -205,6 +205,26 @@ def test_least_peak_matches_brute_force(problem, b, k):
         if always <= s and not s & never
     )
     assert memory.min_allocated_bytes(bounds, forced_in=always, forced_out=never) == expected
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_least_peak_answers_directly_and_matches_brute_force(problem):
+    """``solver.least_peak`` is brute force's least peak over every allowed micro-batch and
+    checkpoint set, whatever the request's budget, and its plan peaks at exactly that."""
+    profile, request, always, never = problem
+    oracle = brute_force(profile, request, always, never)
+    if oracle is None:
+        try:
+            least_peak(profile, request)
+        except BadInputError:
+            return
+        raise AssertionError("expected BadInputError for a target with no valid split")
+    _, least = oracle
+    answer = least_peak(profile, request)
+    assert answer.peak_bytes == least
+    assert answer.plan.predicted.peak_bytes == least
+    assert set(answer.plan.checkpoint_layers) >= {profile.layer_names[i] for i in always}
 
 
 @st.composite

@@ -29,6 +29,7 @@ from memplan.report.data import (
 from memplan.schema import load_yaml_file
 
 __all__ = [
+    "CheckPlots",
     "MeasuredTimeline",
     "Report",
     "Timeline",
@@ -251,6 +252,43 @@ def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
         f"\n#### {html.escape(name)}: where the peak is\n\n"
         f'<img alt="{alt}" src="data:image/png;base64,{encoded}">\n'
     )
+
+
+class CheckPlots:
+    """Keeps each check's profile and plan as ``memplan check`` solves them, to draw them in
+    the GitHub step summary. Pass ``solve`` as run_checks's ``solve_fn`` and call
+    ``on_check`` from its progress callback (it names the check being solved); a failing
+    check keeps the solver's closest plan."""
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+        self.plans: dict[str, tuple[Profile, Plan]] = {}
+
+    def on_check(self, name: str, what: str) -> None:
+        del what
+        self.current = name
+
+    def solve(self, profile: Profile, request: Any) -> Any:
+        from memplan.solver import solve
+
+        try:
+            result = solve(profile, request)
+        except NoPlanFitsError as exc:
+            if self.current is not None and exc.closest is not None:
+                self.plans.setdefault(self.current, (profile, exc.closest))
+            raise
+        if self.current is not None:
+            self.plans.setdefault(self.current, (profile, result.plan))
+        return result
+
+    def append_to(self, path: str | Path) -> int:
+        """Append one section per kept check to ``path``; the number of images written."""
+        sections = [summary_markdown(name, *kept) for name, kept in self.plans.items()]
+        sections = [section for section in sections if section]
+        if sections:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write("".join(sections))
+        return len(sections)
 
 
 def render_report(report: Report, suffix: str) -> bytes:

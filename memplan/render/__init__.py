@@ -1,6 +1,7 @@
 """Everything a person sees: rich tables, bars and error paragraphs, on stderr.
 
-The only module that imports rich. It turns the library's data (Profile, Plan, solver
+The render package is the only place memplan imports rich (``memplan.render.check`` draws
+``memplan check``'s report). It turns the library's data (Profile, Plan, solver
 results, errors) into text once, at the edge; nothing here computes a number that a test
 should check — the numbers come from the pure modules."""
 
@@ -21,6 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
 from memplan.plan import Plan
 from memplan.profile import Affine, Profile
@@ -504,3 +506,21 @@ def show_distributed_verify(result: Any) -> None:
         f"±{result.tolerance:.0%}), largest rank "
         f"{'within' if result.within_budget else 'over'} the budget."
     )
+
+
+# ---------------------------------------------------------------- devices
+def show_devices(specs: list[DeviceSpec]) -> None:
+    """The GPU specs memplan can plan for, one row each."""
+    table = Table(header_style="bold")
+    for column in ("name", "GPU", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth"):
+        table.add_column(column)
+    for s in specs:
+        table.add_row(
+            Text(s.name),
+            Text(s.display_name),
+            format_bytes(s.memory_bytes) if s.memory_bytes else "-",
+            f"{s.bf16_flops / 1e12:.0f}" if s.bf16_flops else "-",
+            f"{s.fp32_flops / 1e12:.1f}",
+            f"{s.memory_bandwidth / 1e9:.0f} GB/s",
+        )
+    console.print(table)

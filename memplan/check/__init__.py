@@ -1,0 +1,73 @@
+"""The CI memory-budget gate: does every check in ``memplan.yaml`` still fit its budget?
+
+For each check: probe the model (on ``meta`` or ``cpu`` in CI) in a child process, solve for
+the target batch against the budget, and compare the new profile with a committed baseline
+profile by layer name, so a failure can say *what grew*. Everything here returns data (a
+``CheckReport``); ``memplan.cli_check`` renders it (``memplan.render.check``) and exits with
+``CheckReport.exit_code`` (the rule is in ``memplan.check.result``). One job per module:
+
+* ``config``   memplan.yaml, read through the schema and resolved against its folder;
+* ``isolate``  one probe in a child process, so a model file cannot end the run;
+* ``run``      probe, solve, compare: ``run_checks`` → ``CheckReport``;
+* ``result``   the result types and the run's exit-code rule;
+* ``baseline`` diff against a committed profile; where ``--update-baseline`` may write;
+* ``advice``   the words of a verdict and what to do about a failure;
+* ``formats``  JSON, JUnit XML and the GitHub step-summary Markdown;
+* ``init``     ``memplan init-check``'s starter config.
+"""
+
+from __future__ import annotations
+
+from memplan.check.advice import (
+    describe_growth,
+    failure_text,
+    plan_text,
+    suggested_budget,
+    verdict,
+)
+from memplan.check.baseline import diff_profiles
+from memplan.check.config import (
+    DEFAULT_CONFIG,
+    CheckConfig,
+    CheckSpec,
+    ResolvedCheck,
+    load_config,
+)
+from memplan.check.formats import (
+    append_step_summary,
+    to_json,
+    to_json_data,
+    to_junit_xml,
+    to_markdown,
+)
+from memplan.check.init import make_starter, starter_config
+from memplan.check.result import CheckReport, CheckResult, Growth, PlanSummary
+from memplan.check.run import check_model, run_check, run_checks
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "CheckConfig",
+    "CheckReport",
+    "CheckResult",
+    "CheckSpec",
+    "Growth",
+    "PlanSummary",
+    "ResolvedCheck",
+    "append_step_summary",
+    "check_model",
+    "describe_growth",
+    "diff_profiles",
+    "failure_text",
+    "load_config",
+    "make_starter",
+    "plan_text",
+    "run_check",
+    "run_checks",
+    "starter_config",
+    "suggested_budget",
+    "to_json",
+    "to_json_data",
+    "to_junit_xml",
+    "to_markdown",
+    "verdict",
+]

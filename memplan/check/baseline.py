@@ -1,0 +1,177 @@
+"""Baselines: a committed profile per check, compared with the new one by layer name so a
+failure can say *what grew*, and rewritten by ``--update-baseline``.
+
+A baseline is data memplan writes, so memplan only ever writes one where it is safe: inside
+the config's folder tree (symlinks resolved) and over nothing but a regular file that holds
+a memplan profile. A config that names a model's own source, ``../../elsewhere``, a device
+node or a folder as a baseline is refused before anything is probed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memplan.check.config import ResolvedCheck, config_error
+from memplan.check.result import Growth, GrowthKind, Quantity
+from memplan.errors import BadInputError, MemplanError
+from memplan.fileio import write_text_atomic
+from memplan.profile import FixedPart, Layer, Profile, load_profile, profile_to_yaml
+
+# Growth smaller than this is noise (allocator rounding, timing of a meta probe), not news.
+GROWTH_MIN_FRACTION = 0.01
+GROWTH_MIN_BYTES = 1024
+
+
+def compare_with_baseline(check: ResolvedCheck, profile: Profile) -> tuple[tuple[Growth, ...], str]:
+    """(growth since the baseline, a note on why no comparison was made or what differs in
+    how the baseline was probed)."""
+    if check.baseline_path is None:
+        return (), ""
+    if not check.baseline_path.is_file():
+        return (), (
+            f"baseline {check.spec.baseline} does not exist yet; write it with "
+            "`memplan check --update-baseline`"
+        )
+    try:
+        baseline = load_profile(check.baseline_path)
+    except MemplanError as exc:
+        return (), f"baseline {check.spec.baseline} is unreadable ({exc.message})"
+    notes = []
+    env_new, env_old = profile.environment, baseline.environment
+    for attribute in ("device", "precision"):
+        old, new = getattr(env_old, attribute), getattr(env_new, attribute)
+        if old != new:
+            notes.append(f"baseline was probed with {attribute} {old}, now {new}")
+    return diff_profiles(baseline, profile), "; ".join(notes)
+
+
+def check_baseline_target(check: ResolvedCheck, source: str) -> Path:
+    """The resolved path ``--update-baseline`` may write for ``check``, or a BadInputError
+    (exit 2) naming ``checks[i].baseline``: outside the config's tree, not a regular file,
+    or a file that is not a memplan profile (a model's source, the config itself)."""
+    assert check.baseline_path is not None
+    where = f"{check.field_path}.baseline"
+    target = check.baseline_path.resolve()
+    root = check.root.resolve()
+    if not target.is_relative_to(root):
+        raise config_error(
+            source,
+            where,
+            f"names {check.spec.baseline!r}, which resolves to {target}, outside the config's "
+            f"folder {root}",
+            hint="Baselines live beside memplan.yaml (e.g. memplan/baseline/NAME.profile.yaml); "
+            "memplan writes nothing outside that tree.",
+        )
+    if target.exists() or target.is_symlink():
+        if not target.is_file():
+            raise config_error(
+                source,
+                where,
+                f"names {check.spec.baseline!r}, which is not a regular file",
+                hint="Point it at a .profile.yaml file (or a path that does not exist yet).",
+            )
+        try:
+            load_profile(target)
+        except MemplanError:
+            raise config_error(
+                source,
+                where,
+                f"names {check.spec.baseline!r}, which exists and is not a memplan profile; "
+                "memplan will not overwrite it",
+                hint="Point it at a new path (e.g. memplan/baseline/NAME.profile.yaml), or "
+                "delete the file yourself if it really is a stale baseline.",
+            ) from None
+    return target
+
+
+def write_baseline(check: ResolvedCheck, profile: Profile, source: str) -> None:
+    """Replace ``check``'s baseline with ``profile`` (atomically), after checking the target
+    again: the file may have changed since the run began."""
+    target = check_baseline_target(check, source)
+    try:
+        write_text_atomic(target, profile_to_yaml(profile), force=True)
+    except OSError as exc:
+        raise BadInputError(
+            f"cannot write baseline {target}: {exc.strerror or exc}.",
+            hint="Check the folder's permissions.",
+        ) from None
+
+
+def _params_bytes(part: Layer | FixedPart) -> int:
+    return int(part.params_trainable_bytes + part.params_frozen_bytes)
+
+
+def _activation_per_sample(profile: Profile) -> float:
+    return float(sum(p.saved_bytes.slope for p in (*profile.layers, *profile.fixed)))
+
+
+def diff_profiles(baseline: Profile, current: Profile) -> tuple[Growth, ...]:
+    """What changed from ``baseline`` to ``current``, matched by layer and fixed-part name:
+    parameter bytes and activation bytes per sample (the slope of the bytes a part's forward
+    keeps for backward), and the whole-model totals. Changes below 1% or 1 KiB are dropped as
+    noise; the largest growth comes first."""
+    out: list[Growth] = []
+
+    def add(
+        name: str, kind: GrowthKind, quantity: Quantity, old: float | None, new: float | None
+    ) -> None:
+        if old is None or new is None:
+            if (old or new or 0) != 0:
+                out.append(
+                    Growth(name=name, kind=kind, quantity=quantity, baseline=old, current=new)
+                )
+            return
+        delta = new - old
+        if abs(delta) >= max(GROWTH_MIN_BYTES, GROWTH_MIN_FRACTION * abs(old)):
+            out.append(Growth(name=name, kind=kind, quantity=quantity, baseline=old, current=new))
+
+    parts: tuple[
+        tuple[GrowthKind, tuple[Layer | FixedPart, ...], tuple[Layer | FixedPart, ...]], ...
+    ]
+    parts = (("fixed", baseline.fixed, current.fixed), ("layer", baseline.layers, current.layers))
+    for kind, old_list, new_list in parts:
+        old_parts = {p.name: p for p in old_list}
+        new_parts = {p.name: p for p in new_list}
+        for name in list(old_parts) + [n for n in new_parts if n not in old_parts]:
+            old, new = old_parts.get(name), new_parts.get(name)
+            add(
+                name,
+                kind,
+                "params_bytes",
+                None if old is None else _params_bytes(old),
+                None if new is None else _params_bytes(new),
+            )
+            add(
+                name,
+                kind,
+                "activation_bytes_per_sample",
+                None if old is None else float(old.saved_bytes.slope),
+                None if new is None else float(new.saved_bytes.slope),
+            )
+
+    old_t, new_t = baseline.totals, current.totals
+    add(
+        "(total)",
+        "total",
+        "params_bytes",
+        old_t.params_trainable_bytes + old_t.params_frozen_bytes,
+        new_t.params_trainable_bytes + new_t.params_frozen_bytes,
+    )
+    add("(total)", "total", "grad_bytes", old_t.grad_bytes, new_t.grad_bytes)
+    add(
+        "(total)",
+        "total",
+        "optimizer_state_bytes",
+        old_t.optimizer_state_bytes,
+        new_t.optimizer_state_bytes,
+    )
+    add(
+        "(total)",
+        "total",
+        "activation_bytes_per_sample",
+        _activation_per_sample(baseline),
+        _activation_per_sample(current),
+    )
+    order = {"layer": 0, "fixed": 0, "total": 1}
+    out.sort(key=lambda g: (order[g.kind], -g.delta))
+    return tuple(out)

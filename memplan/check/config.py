@@ -1,0 +1,239 @@
+"""memplan.yaml: the checks file, read strictly and resolved against its own folder.
+
+``memplan.yaml``::
+
+    version: 1                      # optional
+    checks:
+      - name: gpt-finetune-4090     # unique; what --only selects
+        model: train/model.py       # relative to memplan.yaml; model.py:factory allowed
+        target_batch: 64
+        budget: 24GiB               # a size, or N% of device_profile's memory; optional
+                                    # with device_profile (then: all of its memory)
+        device: meta                # how to probe: meta | cpu | cuda
+        device_profile: rtx4090     # optional GPU spec: capacity (for %) and speed (meta)
+        precision: bf16             # fp32 | bf16 | fp16
+        micro_batches: [1, 2, 4]    # optional: sizes the probe measures
+        world_size: 1
+        margin: 0.03                # fraction of the budget kept free
+        baseline: memplan/baseline/gpt.profile.yaml   # optional committed profile
+        layers: "transformer.h.*"   # optional checkpoint-candidate glob for the probe
+
+The whole file goes through ``memplan.schema`` (unknown keys at any level are rejected with
+the dotted path and a did-you-mean); what the schema cannot say (a model file that does not
+exist, a percentage without a device, a duplicate name) is checked here, naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from memplan.devices import DeviceSpec, load_device
+from memplan.errors import BadInputError, MemplanError
+from memplan.memory import DEFAULT_MARGIN
+from memplan.profile import model_arg, split_model_arg
+from memplan.schema import TOP_LEVEL, from_data, load_yaml_file
+from memplan.units import parse_budget
+
+CONFIG_VERSION = 1
+DEFAULT_CONFIG = "memplan.yaml"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckSpec:
+    """One entry of ``checks:`` in memplan.yaml, as written (sizes still strings)."""
+
+    name: str
+    """Unique name; shown in every row and selected by ``--only``."""
+    model: str
+    """Model file relative to memplan.yaml (``model.py`` or ``model.py:factory``)."""
+    target_batch: int
+    """Effective batch: micro-batch × accumulation × world_size."""
+    budget: str | int | None = None
+    """``24GiB``, bytes, or ``80%`` of ``device_profile``'s memory; omitted: all of it."""
+    device: Literal["meta", "cpu", "cuda"] = "meta"
+    """How to probe: ``meta`` (shapes only, no memory; fast), ``cpu`` or ``cuda``."""
+    device_profile: str | None = None
+    """GPU spec from profiles/devices/ (e.g. ``rtx4090``): capacity and speed."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    micro_batches: tuple[int, ...] | None = None
+    """Micro-batch sizes the probe measures (at least two); default the probe's."""
+    world_size: int = 1
+    margin: float = DEFAULT_MARGIN
+    """Fraction of the budget kept free."""
+    baseline: str | None = None
+    """Committed profile (relative to memplan.yaml) to compare a new profile with."""
+    layers: str | None = None
+    """Glob of checkpoint candidates for the probe (default: the repeated blocks)."""
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("name must not be empty")
+        if self.target_batch < 1:
+            raise ValueError(f"target_batch must be >= 1, got {self.target_batch}")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.target_batch % self.world_size:
+            raise ValueError(
+                f"target_batch {self.target_batch} is not divisible by world_size {self.world_size}"
+            )
+        if self.baseline is not None and not self.baseline.strip():
+            raise ValueError("baseline must be a path, not empty")
+        if not 0 <= self.margin < 1:
+            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckFile:
+    """The whole memplan.yaml, as the schema reads it."""
+
+    version: Literal[1] = CONFIG_VERSION
+    """Format version; this memplan reads version 1."""
+    checks: tuple[CheckSpec, ...]
+    """At least one check."""
+
+    def __post_init__(self) -> None:
+        if not self.checks:
+            raise ValueError("checks must be a non-empty list of checks")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ResolvedCheck:
+    """A validated check: paths resolved against memplan.yaml, budget in bytes."""
+
+    index: int
+    spec: CheckSpec
+    model_path: Path
+    """The model file, resolved."""
+    model_arg: str
+    """What the probe gets: the resolved path, with ``:factory`` when one was given."""
+    budget_bytes: int
+    baseline_path: Path | None
+    device_spec: DeviceSpec | None = None
+    root: Path = Path()
+    """The config's folder: a baseline is only ever written inside it."""
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def field_path(self) -> str:
+        return f"checks[{self.index}]"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckConfig:
+    path: Path
+    checks: tuple[ResolvedCheck, ...]
+
+
+def config_error(
+    source: str, field_path: str, problem: str, hint: str | None = None
+) -> BadInputError:
+    return BadInputError(f"{source}: field '{field_path}' {problem}.", hint=hint)
+
+
+def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
+    """Read and validate memplan.yaml. Every problem is a ``BadInputError`` (exit 2) naming
+    the file and the field path (``checks[0].budget``); nothing is probed yet."""
+    config_path = Path(path)
+    source = str(config_path)
+    if not config_path.is_file():
+        raise BadInputError(
+            f"config file {config_path} does not exist.",
+            hint="Write a starter with `memplan init-check model.py`, or pass --config PATH.",
+        )
+    data = load_yaml_file(config_path, what="memplan.yaml config")
+    parsed = from_data(CheckFile, data, source=source, path=TOP_LEVEL)
+    base = config_path.resolve().parent
+    resolved: list[ResolvedCheck] = []
+    seen: dict[str, int] = {}
+    for index, spec in enumerate(parsed.checks):
+        if spec.name in seen:
+            raise config_error(
+                source,
+                f"checks[{index}].name",
+                f"{spec.name!r} repeats checks[{seen[spec.name]}].name",
+                hint="Give each check a unique name.",
+            )
+        seen[spec.name] = index
+        resolved.append(resolve_check(spec, index, base, source))
+    return CheckConfig(path=config_path, checks=tuple(resolved))
+
+
+def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> ResolvedCheck:
+    """Resolve ``spec``'s paths against ``base`` and its budget to bytes."""
+    where = f"checks[{index}]"
+    path_text, factory = split_model_arg(spec.model)
+    model_path = (base / path_text) if not Path(path_text).is_absolute() else Path(path_text)
+    if not model_path.is_file():
+        raise config_error(
+            source,
+            f"{where}.model",
+            f"names {spec.model!r}, and {model_path} does not exist",
+            hint="Paths are relative to the config file.",
+        )
+
+    device_spec = None
+    if spec.device_profile is not None:
+        try:
+            device_spec = load_device(spec.device_profile)
+        except MemplanError as exc:
+            raise config_error(
+                source, f"{where}.device_profile", f"is invalid: {exc.message}", hint=exc.hint
+            ) from None
+    capacity = device_spec.memory_bytes if device_spec is not None else None
+
+    budget = spec.budget
+    if budget is None:
+        if capacity is None:
+            raise config_error(
+                source,
+                f"{where}.budget",
+                "is missing",
+                hint="Give a size (e.g. 24GiB), or a device_profile whose memory is the budget.",
+            )
+        budget_bytes = int(capacity)
+    elif isinstance(budget, str) and budget.strip().lower() == "auto":
+        raise config_error(
+            source,
+            f"{where}.budget",
+            "is 'auto', which depends on the machine that runs the check",
+            hint="Write a size such as 24GiB, or a percentage with device_profile.",
+        )
+    else:
+        try:
+            budget_bytes = parse_budget(budget, capacity_bytes=capacity, what="budget")
+        except BadInputError as exc:
+            raise config_error(
+                source, f"{where}.budget", f"is invalid: {exc.message}", hint=exc.hint
+            ) from None
+
+    if spec.micro_batches is not None:
+        sizes = spec.micro_batches
+        if len(set(sizes)) < 2 or min(sizes) < 1:
+            raise config_error(
+                source,
+                f"{where}.micro_batches",
+                f"is {list(sizes)}; it must list at least two distinct positive sizes",
+                hint="e.g. [1, 2, 4].",
+            )
+
+    baseline_path = None
+    if spec.baseline is not None:
+        baseline_path = Path(spec.baseline)
+        if not baseline_path.is_absolute():
+            baseline_path = base / baseline_path
+    return ResolvedCheck(
+        index=index,
+        spec=spec,
+        model_path=model_path,
+        model_arg=model_arg(str(model_path), factory),
+        budget_bytes=budget_bytes,
+        baseline_path=baseline_path,
+        device_spec=device_spec,
+        root=base,
+    )

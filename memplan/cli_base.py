@@ -1,0 +1,35 @@
+"""What every ``memplan`` command shares: the ``--debug`` state and ``run_command``, which
+maps a ``MemplanError`` (and only it) to one paragraph on stderr and its exit code. Its own
+module so that ``memplan.cli`` and ``memplan.cli_check`` both import it and not each other."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import typer
+
+from memplan.errors import MemplanError
+
+state = {"debug": False}
+"""Set by the app callback from ``--debug``."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def run_command(func: F) -> F:
+    """Map MemplanError (and only it) to its exit code with a clean message."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from memplan import render
+
+        render.reset_warnings()
+        try:
+            return func(*args, **kwargs)
+        except MemplanError as exc:
+            render.error(exc, debug=state["debug"])
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper  # type: ignore[return-value]
