@@ -32,6 +32,7 @@ SECTIONS = [
     "check_speed",
     "report",
     "big_models",
+    "real_models",
 ]
 
 

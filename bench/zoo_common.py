@@ -71,6 +71,20 @@ CASES = (
     Case(name="hf_gpt2", family="HF GPT-2", file="hf_gpt2.py", needs_transformers=True),
     Case(name="hf_llama", family="HF Llama", file="hf_llama.py", needs_transformers=True),
     Case(
+        name="hf_gpt2 default",
+        family="HF GPT-2 cache on",
+        file="hf_gpt2_default.py",
+        needs_transformers=True,
+        plans=False,
+    ),
+    Case(
+        name="hf_lora_llama",
+        family="PEFT LoRA Llama",
+        file="hf_lora_llama.py",
+        needs_transformers=True,
+        plans=False,
+    ),
+    Case(
         name="hf_llama bf16",
         family="HF Llama",
         file="hf_llama.py",

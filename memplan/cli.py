@@ -20,6 +20,7 @@ from memplan.cli_base import run_command as _run
 from memplan.cli_base import state as _state
 from memplan.emit import FORMATS
 from memplan.errors import BadInputError, Interrupted
+from memplan.loader import model_reference
 from memplan.memory import DEFAULT_MARGIN
 from memplan.schema import load_yaml_file, to_data
 
@@ -111,7 +112,24 @@ def _parse_micro_batches(text: str) -> tuple[int, ...]:
 @app.command()
 @_run
 def probe(
-    model: Annotated[str, typer.Argument(help="Model file (model.py or model.py:factory).")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Model file (model.py or model.py:factory), or hf:PATH_OR_ID (a Hugging "
+            "Face config; with --task and --seq-len)."
+        ),
+    ],
+    task: Annotated[
+        str | None,
+        typer.Option(help="hf: references: causal-lm, seq2seq-lm, seq-cls or masked-lm."),
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", help="hf: references: tokens per sample.")
+    ] = None,
+    lora: Annotated[
+        str | None,
+        typer.Option(help="hf: references: peft LoRA, e.g. r=16,alpha=32,targets=q_proj,v_proj."),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or meta.")] = "auto",
     micro_batches: Annotated[
         str, typer.Option("--micro-batches", help="Sizes to measure, e.g. 1,2,4.")
@@ -153,6 +171,7 @@ def probe(
     sizes = _parse_micro_batches(micro_batches)
     if output is not None:
         check_output(output, force=force)  # refuse before minutes of probing, not after
+    model = model_reference(model, task=task, seq_len=seq_len, lora=lora)
     with _running_user_code(model, as_json=as_json), render.progress("probing") as on_progress:
         profile = probe_model(
             model,
@@ -266,9 +285,10 @@ def solve(
     """Pick micro-batch × accumulation × checkpointed layers that fit the budget and run fastest."""
     from memplan import render
     from memplan.devices import load_device, local_gpu
-    from memplan.emit import FORMATS, emit
+    from memplan.emit import FORMATS, emit_all
     from memplan.errors import NoPlanFitsError
     from memplan.fileio import check_outputs, write_outputs
+    from memplan.loader import relative_reference
     from memplan.plan import plan_to_yaml
     from memplan.profile import load_profile
     from memplan.solver import SolveRequest
@@ -343,12 +363,25 @@ def solve(
         render.show_plan(plan)
         render.show_candidates(rows, plan.micro_batch_size)
 
+    # Scripts resolve a relative model path against their own folder; a format that cannot
+    # write the plan's strategy is refused without stopping the others.
+    emitted = emit_all(
+        plan,
+        [fmt for _, fmt in targets if fmt is not None],
+        model_path=relative_reference(plan.model, folder),
+    )
+    texts = {fmt: text for fmt, _, text in emitted.files}
     outputs = [
-        (path, plan_to_yaml(plan) if fmt is None else emit(plan, fmt, model_path=plan.model)[1])
+        (path, plan_to_yaml(plan) if fmt is None else texts[fmt])
         for path, fmt in targets
+        if fmt is None or fmt in texts
     ]
     for path in write_outputs(outputs, force=force):
         render.info(f"wrote {path}")
+    if emitted.refused:
+        for _, exc in emitted.refused[:-1]:
+            render.error(exc)
+        raise emitted.refused[-1][1]
 
 
 def _model_ref(profile: Any) -> str:
@@ -367,10 +400,27 @@ def _candidate_rows(result: Any) -> list[dict[str, Any]]:
 @app.command()
 @_run
 def verify(
-    model: Annotated[str, typer.Argument(help="Model file (model.py or model.py:factory).")],
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="Model file (model.py or model.py:factory), or hf:PATH_OR_ID (a Hugging "
+            "Face config; with --task and --seq-len)."
+        ),
+    ],
     plan_path: Annotated[
         Path, typer.Argument(metavar="PLAN", help="plan.yaml from `memplan solve`.")
     ],
+    task: Annotated[
+        str | None,
+        typer.Option(help="hf: references: causal-lm, seq2seq-lm, seq-cls or masked-lm."),
+    ] = None,
+    seq_len: Annotated[
+        int | None, typer.Option("--seq-len", help="hf: references: tokens per sample.")
+    ] = None,
+    lora: Annotated[
+        str | None,
+        typer.Option(help="hf: references: peft LoRA, e.g. r=16,alpha=32,targets=q_proj,v_proj."),
+    ] = None,
     steps: Annotated[
         int, typer.Option(help="Optimizer steps to measure (and as many to time).")
     ] = 3,
@@ -421,6 +471,7 @@ def verify(
     plan = load_plan(plan_path)
     if report_path is not None:
         _check_report_path(report_path)
+    model = model_reference(model, task=task, seq_len=seq_len, lora=lora)
     if (world_size or plan.world_size) > 1:
         with _running_user_code(model, as_json=as_json):
             _verify_distributed(
@@ -459,6 +510,7 @@ def verify(
             time_error=result.time_error,
             within_budget=result.within_budget,
             passed=result.passed,
+            failures=result.failures,
         )
         render.print_json(data)
     else:
@@ -507,6 +559,7 @@ def _verify_distributed(
             rank_errors=[result.rank_error(r.rank) for r in result.ranks],
             within_budget=result.within_budget,
             passed=result.passed,
+            failures=result.failures,
         )
         render.print_json(data)
     else:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import typer
 
-from memplan.errors import MemplanError
+from memplan.errors import MemplanError, checkpointing_failure
 
 state = {"debug": False}
 """Set by the app callback from ``--debug``."""
@@ -19,7 +19,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def run_command(func: F) -> F:
-    """Map MemplanError (and only it) to its exit code with a clean message."""
+    """Map MemplanError (and a failure of checkpointing's recompute) to its exit code
+    with a clean message."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -31,5 +32,13 @@ def run_command(func: F) -> F:
         except MemplanError as exc:
             render.error(exc, debug=state["debug"])
             raise typer.Exit(exc.exit_code) from None
+        except Exception as exc:
+            # Checkpointing's recompute runs inside the backward, outside every call into
+            # the user's code that the loader wraps: it is named here as a last resort.
+            known = checkpointing_failure(exc, "the model")
+            if known is None:
+                raise
+            render.error(known, debug=state["debug"])
+            raise typer.Exit(known.exit_code) from None
 
     return wrapper  # type: ignore[return-value]

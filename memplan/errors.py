@@ -84,3 +84,33 @@ class Interrupted(BaseException):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
+
+
+class CheckpointingError(CannotMeasureError):
+    """The model does not run under activation checkpointing: its recompute during the
+    backward differs from its forward (a cache or other state the forward changes,
+    randomness outside the preserved RNG state, data-dependent control flow)."""
+
+
+def checkpointing_failure(exc: BaseException, where: str) -> CheckpointingError | None:
+    """``exc`` as a ``CheckpointingError`` when it was raised by activation checkpointing
+    (``torch.utils.checkpoint.CheckpointError``, or any error raised while it recomputed a
+    layer during the backward), else None. ``where`` names the model file or reference."""
+    import traceback
+
+    from_checkpoint = type(exc).__name__ == "CheckpointError" or any(
+        frame.filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
+        for frame in traceback.extract_tb(exc.__traceback__)
+    )
+    if not from_checkpoint or isinstance(exc, MemplanError):
+        return None
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    known = CheckpointingError(
+        f"{where}: activation checkpointing failed while recomputing a layer in the "
+        f"backward: {type(exc).__name__}: {first[:300]}",
+        hint="The layer's recompute does not match its forward: state that the forward "
+        "changes (a key/value cache, a counter), or randomness torch does not replay. "
+        "Switch such state off for training, or leave the layer out with --layers GLOB.",
+    )
+    known.__cause__ = exc
+    return known

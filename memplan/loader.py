@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import importlib.util
 import os
 import sys
@@ -20,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import CannotMeasureError, Interrupted, MemplanError, ModelFileError
+from memplan.errors import (
+    BadInputError,
+    CannotMeasureError,
+    Interrupted,
+    MemplanError,
+    ModelFileError,
+)
 from memplan.profile import DEFAULT_FACTORY, model_arg, split_model_arg
 
 
@@ -65,6 +72,50 @@ def _is_passthrough(exc: BaseException) -> bool:
     if isinstance(exc, MemplanError | KeyboardInterrupt | SystemExit | Interrupted):
         return True
     return type(exc).__name__ == "OutOfMemoryError"  # torch.cuda.OutOfMemoryError, no import
+
+
+def _torchvision_meta_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or its cause) is torchvision failing to register meta kernels for
+    its C++ ops: a torchvision wheel built for another torch (PyPI's CUDA torchvision next
+    to the CPU torch) has no ``torchvision::nms`` to register them on. transformers, timm
+    and peft import torchvision, so this breaks model files that never use its ops."""
+    while exc is not None:
+        if isinstance(exc, RuntimeError) and "torchvision::" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _skip_torchvision_meta_registrations() -> None:
+    """Import torchvision without ``torchvision._meta_registrations`` (meta kernels for
+    nms / roi_align, which model files that build models from configs do not call); the
+    half-imported torchvision modules are dropped first so the retry starts clean."""
+    import types
+
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]
+    sys.modules["torchvision._meta_registrations"] = types.ModuleType(
+        "torchvision._meta_registrations"
+    )
+
+
+def _retrying_torchvision(fn: Callable[[], Any]) -> Any:
+    """``fn()``, run once more without torchvision's meta registrations when they fail."""
+    try:
+        return fn()
+    except Exception as exc:
+        if not _torchvision_meta_failure(exc):
+            raise
+        _skip_torchvision_meta_registrations()
+        return fn()
+
+
+def settle_torchvision() -> None:
+    """Import torchvision now, if installed, without its meta registrations when they fail
+    (``_torchvision_meta_failure``), so that libraries importing it later (transformers,
+    timm, peft) find it imported."""
+    if "torchvision" not in sys.modules and importlib.util.find_spec("torchvision") is not None:
+        _retrying_torchvision(lambda: importlib.import_module("torchvision"))
 
 
 def _tensor_type() -> type:
@@ -120,10 +171,14 @@ class ModelFile:
     sha256: str
     has_training_loss: bool = False
     has_make_optimizer: bool = False
+    reference: str | None = None
+    """The ``hf:`` reference the model was built from (memplan.hf), else None."""
 
     @property
     def spec(self) -> str:
         """The model argument as a user would type it."""
+        if self.reference is not None:
+            return self.reference
         return model_arg(str(self.path), self.factory)
 
     def _call(self, name: str, *args: Any) -> Any:
@@ -232,6 +287,12 @@ class ModelFile:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
+def is_hf_reference(text: str) -> bool:
+    from memplan.hf import is_hf_reference as check
+
+    return check(str(text))
+
+
 def load_model_file(
     spec: str | Path, factory: str | None = None, *, search_dir: str | Path | None = None
 ) -> ModelFile:
@@ -239,6 +300,8 @@ def load_model_file(
     requires of the file itself; calls to its functions are checked as they are made.
     A relative path that does not exist is also looked up in ``search_dir`` (emitted
     training scripts pass their own folder)."""
+    if not isinstance(spec, Path) and is_hf_reference(spec):
+        return _load_hf_reference(spec, search_dir)
     if isinstance(spec, Path):
         path_text, selected = str(spec), DEFAULT_FACTORY
     else:
@@ -264,7 +327,7 @@ def load_model_file(
     sys.path.insert(0, folder)  # sibling imports work as they do for `python model.py`
     sys.modules[module_name] = module
     try:
-        loader_spec.loader.exec_module(module)
+        _retrying_torchvision(lambda: loader_spec.loader.exec_module(module))
     except SyntaxError as exc:
         sys.modules.pop(module_name, None)
         raise ModelFileError(
@@ -331,3 +394,93 @@ def contain_exits(model: str) -> Iterator[None]:
         ) from None
     finally:
         os._exit = real_exit
+
+
+def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
+    """An ``hf:`` reference (memplan.hf) as a ModelFile: its functions are made, not
+    imported. A relative config path that does not exist is looked up in ``search_dir``."""
+    from memplan import hf
+
+    ref = hf.parse_reference(text)
+    if search_dir is not None:
+        local = ref.local_path()
+        if local is not None and not local.exists() and not local.is_absolute():
+            ref = hf.resolve_against(ref, Path(search_dir))
+    settle_torchvision()  # transformers imports it lazily, inside build_model
+    module = hf.build_module(ref)
+    local = ref.local_path()
+    config = (local / "config.json" if local.is_dir() else local) if local else None
+    digest = hashlib.sha256(str(ref).encode())
+    if config is not None and config.is_file():
+        digest.update(config.read_bytes())
+    return ModelFile(
+        path=config or Path(ref.source),
+        factory=DEFAULT_FACTORY,
+        module=module,
+        sha256=digest.hexdigest(),
+        reference=str(ref),
+    )
+
+
+def model_reference(
+    text: str, *, task: str | None = None, seq_len: int | None = None, lora: str | None = None
+) -> str:
+    """The model argument of a command, with ``--task`` / ``--seq-len`` / ``--lora`` folded
+    into an ``hf:`` reference (one string that profiles, plans and scripts carry). Those
+    options are refused for a model file, which makes its own batches."""
+    from memplan import hf
+
+    if hf.is_hf_reference(text):
+        return str(hf.parse_reference(text, task=task, seq_len=seq_len, lora=lora))
+    given = [
+        flag
+        for flag, value in (("--task", task), ("--seq-len", seq_len), ("--lora", lora))
+        if value is not None
+    ]
+    if given:
+        raise BadInputError(
+            f"{', '.join(given)} only apply to an hf: reference, not to the model file {text}.",
+            hint="A model file makes its own model and batches; drop the option, or write "
+            "hf:PATH_OR_ID to build a Hugging Face model from its config.",
+        )
+    return text
+
+
+def resolve_model_reference(text: str, base: Path) -> str:
+    """A model reference from a config file (memplan.yaml) with relative paths made
+    relative to ``base``, the config's folder: ``model.py``, ``model.py:factory`` or an
+    ``hf:`` reference with a local config. Raises ModelFileError naming what is missing."""
+    from memplan import hf
+
+    if hf.is_hf_reference(text):
+        return str(hf.resolve_against(hf.parse_reference(text), base))
+    path_text, factory = split_model_arg(text)
+    path = Path(path_text) if Path(path_text).is_absolute() else base / path_text
+    if not path.is_file():
+        raise ModelFileError(
+            f"names {text!r}, and {path} does not exist",
+            hint="Paths are relative to the config file.",
+        )
+    return str(path) if factory == DEFAULT_FACTORY else f"{path}:{factory}"
+
+
+def relative_reference(text: str, folder: Path) -> str:
+    """``text`` with a relative local path rewritten relative to ``folder`` (where an
+    emitted script is written, which resolves paths against its own folder); absolute
+    paths, hub ids and paths that do not exist here are kept as they are."""
+    import os
+
+    from memplan import hf
+
+    if hf.is_hf_reference(text):
+        ref = hf.parse_reference(text)
+        local = ref.local_path()
+        if local is None or local.is_absolute() or not local.exists():
+            return text
+        return str(ref.with_source(os.path.relpath(local.resolve(), folder.resolve())))
+    path_text, factory = split_model_arg(text)
+    path = Path(path_text)
+    if path.is_absolute() or not path.exists():
+        return text
+    moved = os.path.relpath(path.resolve(), folder.resolve())
+    return moved if factory == DEFAULT_FACTORY else f"{moved}:{factory}"

@@ -1262,6 +1262,7 @@ def _no_plan_fits(
         f"{format_bytes(memory.budget_for_peak_bytes(least, request.margin), precision=2)}"
     ]
     hints.extend(_smaller_micro_hints(ctx, options, bn_floor))
+    hints.extend(_layers_hint(ctx, closest, least))
     state = (
         memory.params_bytes(profile)
         + memory.grads_bytes(profile)
@@ -1293,6 +1294,30 @@ def _no_plan_fits(
     )
 
 
+def _layers_hint(ctx: _Context, closest: _Option, least: int) -> list[str]:
+    """Whether naming other checkpoint candidates (``--layers``) could help: only when the
+    closest plan already checkpoints every candidate, and only as much as the activations
+    the fixed parts (everything outside the candidates) keep at its micro-batch."""
+    profile = ctx.profile
+    n = len(profile.layers)
+    if n and len(closest.checkpointed) < n:
+        return []
+    outside = int(sum(part.saved_bytes.at(closest.micro_batch) for part in profile.fixed))
+    deficit = least - ctx.usable_bytes
+    if outside >= deficit > 0:
+        parts = sorted(profile.fixed, key=lambda p: -p.saved_bytes.at(closest.micro_batch))
+        names = ", ".join(p.name for p in parts[:3])
+        return [
+            f"more checkpoint candidates (probe again with --layers GLOB naming finer or more "
+            f"modules): outside the {n} candidate layer(s), {names} keep "
+            f"{format_bytes(outside)} of activations at micro-batch {closest.micro_batch}"
+        ]
+    return [
+        f"not --layers: every candidate is already checkpointed, and the activations outside "
+        f"them ({format_bytes(outside)}) are less than the {format_bytes(deficit)} missing"
+    ]
+
+
 def _smaller_micro_hints(
     ctx: _Context, options: Sequence[_Option], bn_floor: int | None
 ) -> list[str]:
@@ -1312,7 +1337,11 @@ def _smaller_micro_hints(
     per_rank = request.target_batch // request.world_size
     least_option = min(options, key=lambda o: (o.peak.peak_bytes, o.rank))
     sharding = _sharding(ctx, least_option.strategy, least_option.grad_sync)
-    for b in range(smallest - 1, max(0, smallest - 65), -1):  # the largest smaller one that fits
+    # The largest smaller divisor of the per-rank batch that fits; a non-divisor only when
+    # no divisor fits (and then with a target it divides, never as a --min-micro).
+    divisors = [b for b in range(smallest - 1, 0, -1) if per_rank % b == 0]
+    others = [b for b in range(smallest - 1, max(0, smallest - 65), -1) if per_rank % b]
+    for b in divisors + others:
         accumulation = per_rank // b if per_rank % b == 0 else 2
         bounds = memory.step_bounds(ctx.profile, b, accumulation, sharding)
         if not memory.fits_somehow(
@@ -1323,9 +1352,9 @@ def _smaller_micro_hints(
             bounds, forced_in=ctx.forced_in, forced_out=ctx.forced_out
         )
         needs = format_bytes(least + ctx.reserve.bytes_for(least))
-        if b < request.min_micro:
+        if per_rank % b == 0 and b < request.min_micro:
             why = f"lower --min-micro to {b}"
-        elif bn_floor is not None and b < bn_floor:
+        elif per_rank % b == 0 and bn_floor is not None and b < bn_floor:
             why = "allow it with --allow-small-bn-micro"
         else:
             unit = b * request.world_size

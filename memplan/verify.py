@@ -9,8 +9,8 @@ probe's own live-tensor tracker (the instrument that fed the prediction) and, on
 
 It also checks that accumulation is equivalent to the full batch: the gradient after
 ``k`` micro-batches equals the gradient of one batch of ``k × micro`` samples, where that
-can hold (not with BatchNorm, whose statistics are per micro-batch; dropout is switched off
-for the comparison)."""
+can hold (not with BatchNorm, whose statistics are per micro-batch; every dropout is
+switched off for the comparison, functional and fused included: ``runtime.no_dropout``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from memplan import runtime
-from memplan.errors import BadInputError, CannotMeasureError
+from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
 from memplan.loader import ModelFile, load_model_file, map_batch
 from memplan.plan import Plan
 from memplan.probe.backends import make_backend
@@ -58,11 +58,25 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return (
-            self.within_budget
-            and abs(self.peak_error) <= self.tolerance
-            and self.gradient_check.status != "fail"
-        )
+        return not self.failures
+
+    @property
+    def failures(self) -> list[str]:
+        """What failed, each named: the gradient check, the peak error, the budget."""
+        out = []
+        grad = self.gradient_check
+        if grad.status == "fail":
+            diff = (
+                f"max relative difference {grad.max_relative_error:.2e} > {grad.tolerance:.0e}"
+                if grad.max_relative_error is not None
+                else grad.reason
+            )
+            out.append(f"gradient check failed ({diff})")
+        if abs(self.peak_error) > self.tolerance:
+            out.append(f"peak error {self.peak_error:+.1%} is outside ±{self.tolerance:.0%}")
+        if not self.within_budget:
+            out.append("measured peak is over the budget")
+        return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,6 +257,29 @@ def verify_plan(
     """Run ``steps`` optimizer steps of ``plan`` and measure them; see the module doc.
     ``record_timeline`` keeps the live bytes after every op of the last step (for
     ``memplan verify --report``)."""
+    mf = model if isinstance(model, ModelFile) else load_model_file(model)
+    try:
+        return _verify(
+            mf, plan, steps, device, tolerance, check_gradients, seed, on_progress, record_timeline
+        )
+    except Exception as exc:
+        known = checkpointing_failure(exc, mf.spec)
+        if known is None:
+            raise
+        raise known from exc
+
+
+def _verify(
+    mf: ModelFile,
+    plan: Plan,
+    steps: int,
+    device: str | None,
+    tolerance: float,
+    check_gradients: bool,
+    seed: int,
+    on_progress: Callable[[int, int, str], None] | None,
+    record_timeline: bool,
+) -> VerifyResult:
     if steps < 1:
         raise BadInputError(f"--steps must be at least 1, got {steps}.")
     if plan.world_size != 1:
@@ -253,7 +290,6 @@ def verify_plan(
         )
     progress = on_progress or (lambda done, total, what: None)
     total = 3 + (1 if check_gradients else 0)
-    mf = model if isinstance(model, ModelFile) else load_model_file(model)
     backend = make_backend(_resolve_device(plan, device), plan.precision, None)
     torch_device = backend.torch_device
     refuse_if_machine_too_small(plan, backend.device)
@@ -411,56 +447,56 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
             reason="accumulation is 1: nothing to compare",
         )
     # Dropout masks depend on the batch shape, so equal seeds still give different masks:
-    # compare with p = 0, staying in train mode so checkpointing still runs.
-    dropout = False
-    for module in net.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
-            module.p, dropout = 0.0, True
+    # compare with every dropout at p = 0 (modules, functional and fused attention dropout),
+    # staying in train mode so checkpointing still runs (runtime.no_dropout).
     net.train()
     full = mf.make_batch(k * micro)
     pieces = _split(full, k, micro)
     full_dev = map_batch(full, lambda t: t.to(backend.torch_device))
+    runtime.disable_kv_cache(net)  # as the plan's run does (runtime.apply)
     try:
-        with backend.forward_context():
-            loss = mf.loss(net, full_dev)
-        if not bool(torch.isfinite(loss.detach()).all()):
-            return GradientCheck(
-                status="fail",
-                max_relative_error=None,
-                tolerance=tol,
-                reason=f"the loss of the full batch of {k * micro} is {float(loss)}",
-            )
-        loss.backward()
-        reference = {
-            n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None
-        }
-        net.zero_grad(set_to_none=True)
-        del loss, full_dev
-        runtime.apply(net, plan)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # stepping must not move weights
-        acc = runtime.Accumulator(net, optimizer, plan, device=backend.torch_device)
-        # Read the gradients before the Accumulator's optimizer step zeroes them.
-        for piece in pieces[:-1]:
-            acc.step(piece, mf.loss)
-        grads: dict[str, torch.Tensor] = {}
+        with runtime.no_dropout() as neutral:
+            with backend.forward_context():
+                loss = mf.loss(net, full_dev)
+            if not bool(torch.isfinite(loss.detach()).all()):
+                return GradientCheck(
+                    status="fail",
+                    max_relative_error=None,
+                    tolerance=tol,
+                    reason=f"the loss of the full batch of {k * micro} is {float(loss)}",
+                )
+            loss.backward()
+            reference = {
+                n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None
+            }
+            net.zero_grad(set_to_none=True)
+            del loss, full_dev
+            runtime.apply(net, plan)
+            optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # must not move weights
+            acc = runtime.Accumulator(net, optimizer, plan, device=backend.torch_device)
+            # Read the gradients before the Accumulator's optimizer step zeroes them.
+            for piece in pieces[:-1]:
+                acc.step(piece, mf.loss)
+            grads: dict[str, torch.Tensor] = {}
 
-        def capture() -> None:
-            grads.update(
-                {
-                    n: p.grad.detach().clone()
-                    for n, p in net.named_parameters()
-                    if p.grad is not None
-                }
-            )
+            def capture() -> None:
+                grads.update(
+                    {
+                        n: p.grad.detach().clone()
+                        for n, p in net.named_parameters()
+                        if p.grad is not None
+                    }
+                )
 
-        original_step = optimizer.step
+            original_step = optimizer.step
 
-        def step_and_capture(*args: Any, **kwargs: Any) -> Any:
-            capture()
-            return original_step(*args, **kwargs)
+            def step_and_capture(*args: Any, **kwargs: Any) -> Any:
+                capture()
+                return original_step(*args, **kwargs)
 
-        optimizer.step = step_and_capture  # type: ignore[method-assign]
-        acc.step(pieces[-1], mf.loss)
+            optimizer.step = step_and_capture  # type: ignore[method-assign]
+            acc.step(pieces[-1], mf.loss)
+        dropout = neutral.seen > 0
     except torch.OutOfMemoryError:
         return GradientCheck(
             status="skipped",

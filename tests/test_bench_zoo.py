@@ -12,7 +12,7 @@ from memplan.probe.layers import default_layers
 
 ZOO = Path(__file__).resolve().parent.parent / "bench" / "zoo"
 MODEL_FILES = sorted(p.name for p in ZOO.glob("*.py") if not p.name.startswith("_"))
-NEEDS_TRANSFORMERS = {"hf_gpt2.py", "hf_llama.py"}
+NEEDS_TRANSFORMERS = {"hf_gpt2.py", "hf_gpt2_default.py", "hf_llama.py", "hf_lora_llama.py"}
 
 
 def test_zoo_has_every_family() -> None:

@@ -316,3 +316,31 @@ def test_plan_carries_model_and_profile_paths():
     plan = solve(profile, request(model_path="m.py:other", profile_path="p.yaml")).plan
     assert (plan.model, plan.profile) == ("m.py:other", "p.yaml")
     assert solve(profile, request()).plan.model == "synthetic.py"
+
+
+def test_a_micro_batch_that_does_not_divide_the_target_is_never_offered_as_min_micro():
+    """Target 64 with --min-micro 48: 45 would fit, but 64 is no multiple of it; the largest
+    divisor below 48 that fits (32) is what --min-micro should be lowered to."""
+    profile = uniform_chain(2).profile()
+    budget = peak_of(profile, 45, [0, 1], 2)
+    assert peak_of(profile, 32, [0, 1], 2) <= budget < peak_of(profile, 48, [0, 1], 2)
+    with pytest.raises(NoPlanFitsError) as err:
+        solve(profile, request(target_batch=64, budget_bytes=budget, margin=0.0, min_micro=48))
+    hint = err.value.hint
+    assert "micro-batch 32 would fit" in hint and "lower --min-micro to 32" in hint
+    assert "45" not in hint.split("micro-batch 32")[0]
+
+
+def test_no_fit_says_whether_layers_would_help():
+    """Every candidate checkpointed and still over: --layers helps only if the fixed parts
+    keep at least the missing bytes."""
+    profile = uniform_chain(2).profile()
+    least = peak_of(profile, 1, [0, 1], 16)
+    with pytest.raises(NoPlanFitsError) as err:
+        solve(profile, request(target_batch=16, budget_bytes=least - 1, margin=0.0))
+    outside = sum(p.saved_bytes.at(1) for p in profile.fixed)
+    assert outside >= 1
+    assert "--layers GLOB" in err.value.hint
+    with pytest.raises(NoPlanFitsError) as err:
+        solve(profile, request(target_batch=16, budget_bytes=int(least // 4), margin=0.0))
+    assert "not --layers" in err.value.hint

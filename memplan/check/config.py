@@ -33,7 +33,7 @@ from typing import Literal
 from memplan.devices import DeviceSpec, load_device
 from memplan.errors import BadInputError, MemplanError
 from memplan.memory import DEFAULT_MARGIN
-from memplan.profile import model_arg, split_model_arg
+from memplan.profile import split_model_arg
 from memplan.schema import TOP_LEVEL, from_data, load_yaml_file
 from memplan.units import parse_budget
 
@@ -167,15 +167,13 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
 def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> ResolvedCheck:
     """Resolve ``spec``'s paths against ``base`` and its budget to bytes."""
     where = f"checks[{index}]"
-    path_text, factory = split_model_arg(spec.model)
-    model_path = (base / path_text) if not Path(path_text).is_absolute() else Path(path_text)
-    if not model_path.is_file():
-        raise config_error(
-            source,
-            f"{where}.model",
-            f"names {spec.model!r}, and {model_path} does not exist",
-            hint="Paths are relative to the config file.",
-        )
+    from memplan.loader import resolve_model_reference
+
+    try:  # a model file or an hf: reference, relative paths against the config's folder
+        resolved_model = resolve_model_reference(spec.model, base)
+    except MemplanError as exc:
+        raise config_error(source, f"{where}.model", exc.message, hint=exc.hint) from None
+    model_path = Path(split_model_arg(resolved_model)[0].removeprefix("hf:").partition("?")[0])
 
     device_spec = None
     if spec.device_profile is not None:
@@ -231,7 +229,7 @@ def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> Resol
         index=index,
         spec=spec,
         model_path=model_path,
-        model_arg=model_arg(str(model_path), factory),
+        model_arg=resolved_model,
         budget_bytes=budget_bytes,
         baseline_path=baseline_path,
         device_spec=device_spec,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from memplan.emit import accelerate, deepspeed, hf, lightning, plan_yaml, script, torchrun
 from memplan.emit.accelerate import emit_accelerate
 from memplan.emit.deepspeed import emit_deepspeed
 from memplan.emit.hf import emit_hf
@@ -20,14 +21,16 @@ from memplan.emit.lightning import emit_lightning
 from memplan.emit.plan_yaml import emit_plan
 from memplan.emit.script import emit_torch
 from memplan.emit.torchrun import emit_torchrun
-from memplan.errors import BadInputError
+from memplan.errors import BadInputError, MemplanError
 from memplan.plan import Plan
 
 __all__ = [
     "FORMATS",
+    "Emitted",
     "Format",
     "emit",
     "emit_accelerate",
+    "emit_all",
     "emit_deepspeed",
     "emit_hf",
     "emit_lightning",
@@ -44,49 +47,62 @@ class Format:
     """Suggested output file name."""
     description: str
     emitter: Callable[..., str]
+    strategies: frozenset[str]
+    """Plan strategies the format writes faithfully (its emitter module's ``STRATEGIES``);
+    for any other, ``emit`` refuses rather than write a config that runs another one."""
 
 
 FORMATS: dict[str, Format] = {
     fmt.name: fmt
     for fmt in (
         Format(
-            name="plan", filename="plan.yaml", description="memplan plan (YAML)", emitter=emit_plan
+            name="plan",
+            filename="plan.yaml",
+            description="memplan plan (YAML)",
+            emitter=emit_plan,
+            strategies=plan_yaml.STRATEGIES,
         ),
         Format(
             name="hf",
             filename="hf_training_args.yaml",
             description="Hugging Face TrainingArguments (YAML)",
             emitter=emit_hf,
+            strategies=hf.STRATEGIES,
         ),
         Format(
             name="deepspeed",
             filename="ds_config.json",
             description="DeepSpeed config (JSON)",
             emitter=emit_deepspeed,
+            strategies=deepspeed.STRATEGIES,
         ),
         Format(
             name="accelerate",
             filename="accelerate_config.yaml",
             description="Accelerate config (YAML)",
             emitter=emit_accelerate,
+            strategies=accelerate.STRATEGIES,
         ),
         Format(
             name="lightning",
             filename="lightning_config.yaml",
             description="LightningCLI trainer config (YAML)",
             emitter=emit_lightning,
+            strategies=lightning.STRATEGIES,
         ),
         Format(
             name="torch",
             filename="train_memplan.py",
             description="runnable PyTorch training script",
             emitter=emit_torch,
+            strategies=script.STRATEGIES,
         ),
         Format(
             name="torchrun",
             filename="train_torchrun.py",
             description="torchrun training script (DDP / ZeRO-1 / FSDP2) with launch commands",
             emitter=emit_torchrun,
+            strategies=torchrun.STRATEGIES,
         ),
     )
 }
@@ -102,4 +118,34 @@ def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) ->
             f"Unknown output format {fmt!r}.", hint=f"{hint}Formats: {', '.join(FORMATS)}."
         )
     spec = FORMATS[fmt]
+    if plan.strategy not in spec.strategies:
+        able = [f.name for f in FORMATS.values() if plan.strategy in f.strategies]
+        raise BadInputError(
+            f"--format {fmt} cannot write a {plan.strategy} plan: its config would run "
+            f"{'/'.join(sorted(spec.strategies))} instead, which memplan did not plan for.",
+            hint=f"Formats that write {plan.strategy}: {', '.join(able)}.",
+        )
     return spec.filename, spec.emitter(plan, model_path=model_path or plan.model, **options)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Emitted:
+    """What ``emit_all`` made: files to write, and the formats it refused, with why."""
+
+    files: list[tuple[str, str, str]]
+    """(format, suggested file name, text)."""
+    refused: list[tuple[str, MemplanError]]
+
+
+def emit_all(plan: Plan, formats: list[str], model_path: str | None = None) -> Emitted:
+    """Every format of ``formats`` that can write ``plan``; a refusal of one does not stop
+    the others (the caller writes them, then reports the refusals)."""
+    files, refused = [], []
+    for fmt in formats:
+        try:
+            filename, text = emit(plan, fmt, model_path)
+        except MemplanError as exc:
+            refused.append((fmt, exc))
+            continue
+        files.append((fmt, filename, text))
+    return Emitted(files=files, refused=refused)

@@ -18,6 +18,10 @@ from memplan.emit._common import apply_snippet, comment, dump_yaml, summary
 from memplan.emit.deepspeed import DEFAULT_GRADIENT_CLIPPING, ZERO_STAGE
 from memplan.plan import Plan
 
+STRATEGIES = frozenset({"ddp", "zero1", "zero2", "fsdp"})
+"""Plan strategies this format writes faithfully: ``distributed_type`` MULTI_GPU / DEEPSPEED / FSDP."""
+
+
 _MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 

@@ -26,6 +26,10 @@ import json
 
 from memplan.plan import Plan
 
+STRATEGIES = frozenset({"ddp", "zero1", "zero2", "fsdp"})
+"""Plan strategies this format writes faithfully: ZeRO stage 0, 1, 2; fsdp as stage 3 (parameters sharded too)."""
+
+
 DEFAULT_GRADIENT_CLIPPING = 1.0
 ZERO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 # memplan.memory.Sharding.zero2_bucket_elements; repeated here so the emitter stays pure text

@@ -22,7 +22,13 @@ from collections.abc import Sequence
 from memplan.emit._common import apply_snippet, comment, dump_yaml, layers_phrase, summary
 from memplan.plan import Plan
 
+STRATEGIES = frozenset({"ddp", "zero1", "zero2", "fsdp"})
+"""Plan strategies this format writes faithfully: DDP by itself; ZeRO through ``deepspeed:``; FSDP through ``fsdp`` + ``fsdp_config``."""
+
+
 DEFAULT_OUTPUT_DIR = "memplan-output"
+DEEPSPEED_FILENAME = "ds_config.json"
+"""The deepspeed format's file name (memplan.emit.FORMATS), referenced by ``deepspeed:``."""
 
 
 def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | None = None) -> str:
@@ -69,4 +75,22 @@ def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | No
     }
     if plan.device == "cpu":  # otherwise TrainingArguments refuses bf16 without a GPU
         data["use_cpu"] = True
+    if plan.strategy in ("zero1", "zero2"):
+        # TrainingArguments.deepspeed takes the path of a DeepSpeed config ("auto" values
+        # are filled from these arguments); memplan's deepspeed format writes that file.
+        data["deepspeed"] = DEEPSPEED_FILENAME
+        notes += [
+            "",
+            f"ZeRO stage {plan.strategy[-1]} runs under DeepSpeed: write {DEEPSPEED_FILENAME} "
+            "beside this file with memplan solve --format deepspeed.",
+        ]
+    elif plan.strategy == "fsdp":
+        # transformers' TrainingArguments.fsdp / fsdp_config (FSDP2, one unit per block class).
+        data["fsdp"] = "full_shard auto_wrap"
+        data["fsdp_config"] = {
+            "version": 2,
+            "transformer_layer_cls_to_wrap": list(plan.shard_unit_types),
+            "reshard_after_forward": True,
+            "activation_checkpointing": False,
+        }
     return comment(notes) + dump_yaml(data)

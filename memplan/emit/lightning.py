@@ -10,7 +10,18 @@ from __future__ import annotations
 from memplan.emit._common import apply_snippet, comment, dump_yaml, summary
 from memplan.plan import Plan
 
+STRATEGIES = frozenset({"ddp", "zero1", "zero2", "fsdp"})
+"""Plan strategies this format writes faithfully: ``strategy`` ddp / deepspeed_stage_1 / deepspeed_stage_2 / fsdp."""
+
+
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+LIGHTNING_STRATEGY = {
+    "ddp": "ddp",
+    "zero1": "deepspeed_stage_1",
+    "zero2": "deepspeed_stage_2",
+    "fsdp": "fsdp",
+}
+"""Lightning 2.x registered strategy names (``lightning.pytorch.strategies.StrategyRegistry``)."""
 
 
 def emit_lightning(plan: Plan, *, model_path: str) -> str:
@@ -36,8 +47,8 @@ def emit_lightning(plan: Plan, *, model_path: str) -> str:
         "accelerator": "cpu" if plan.device == "cpu" else "gpu",
         "devices": plan.world_size,
     }
-    if plan.world_size > 1:
-        trainer["strategy"] = "ddp"
+    if plan.strategy != "ddp" or plan.world_size > 1:
+        trainer["strategy"] = LIGHTNING_STRATEGY[plan.strategy]
     trainer["precision"] = LIGHTNING_PRECISION[plan.precision]
     trainer["accumulate_grad_batches"] = plan.accumulation_steps
     return comment(notes) + dump_yaml({"trainer": trainer})

@@ -19,6 +19,10 @@ import re
 from memplan.emit._common import batch_equation, docstring_text, layers_phrase, python_literal
 from memplan.plan import Plan, plan_to_yaml
 
+STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
+"""Plan strategies this format writes faithfully: one process, or under torchrun DDP,
+ZeRO-1 and FSDP2 through memplan.wrap (ZeRO-2 needs DeepSpeed)."""
+
 _TEMPLATE = '''\
 #!/usr/bin/env python3
 """__TITLE__

@@ -21,6 +21,10 @@ from memplan.plan import Plan
 
 DEFAULT_GPUS_PER_NODE = 8
 
+STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
+"""Plan strategies this format writes faithfully: DDP, ZeroRedundancyOptimizer, FSDP2
+(ZeRO-2 needs DeepSpeed)."""
+
 
 def launch_commands(
     plan: Plan, script: str, gpus_per_node: int = DEFAULT_GPUS_PER_NODE

@@ -17,6 +17,7 @@ import torch
 from memplan.devices import DeviceSpec, load_device, local_gpu
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import ModelFile, map_batch, move_batch
+from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.tracker import LiveTracker, Roofline
@@ -99,7 +100,10 @@ class Backend:
         return model
 
     def batch(self, model_file: ModelFile, size: int) -> Any:
-        batch = move_batch(model_file.make_batch(size), self.torch_device)
+        cpu = model_file.make_batch(size)
+        batch = move_batch(cpu, self.torch_device)
+        if self.device == "meta":
+            shadow.shadow_batch(cpu, batch)  # ids and masks keep their values
         if self.cast_params:  # FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True)
             batch = map_batch(batch, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
         return batch

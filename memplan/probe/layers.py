@@ -1,8 +1,7 @@
 """Which modules are checkpoint candidates ("layers"), and which are fixed parts.
 
-Candidates default to the children of the largest ``nn.ModuleList``/``nn.Sequential`` whose
-children are all of one type (the repeated blocks); a glob over fully-qualified names
-overrides that. Fixed parts are the largest subtrees that hold no candidate: embeddings,
+Candidates default to the repeated blocks (``default_layers`` says how they are found); a
+glob over fully-qualified names overrides that. Fixed parts are the largest subtrees that hold no candidate: embeddings,
 final norm, head.
 """
 
@@ -21,7 +20,87 @@ def _param_count(module: nn.Module) -> int:
 
 
 def default_layers(model: nn.Module) -> list[str]:
-    """Fully-qualified names of the repeated blocks (empty when the model has none)."""
+    """Fully-qualified names of the repeated blocks (empty when the model has none), in
+    module order.
+
+    A Hugging Face model says which classes are its blocks (``_no_split_modules``: what
+    ``device_map`` never splits and ``gradient_checkpointing_enable`` checkpoints); those
+    that occur more than once are the candidates, outermost first (T5's ``encoder.block.*``
+    and ``decoder.block.*``; a PEFT wrapper's inner model too). Otherwise the repeated blocks
+    of every stage: the children of each innermost ``nn.ModuleList``/``nn.Sequential`` whose
+    children are two or more modules of one type that have submodules of their own
+    (ResNet's ``layer1``–``layer4`` blocks, ConvNeXt's blocks in every stage). Failing both,
+    the children of the largest container of same-type children (a stack of plain layers)."""
+    return _declared_blocks(model) or _stage_blocks(model) or _largest_repeat(model)
+
+
+def _declared_blocks(model: nn.Module) -> list[str]:
+    declared: set[str] = set()
+    for module in model.modules():
+        names = getattr(module, "_no_split_modules", None)
+        if isinstance(names, list | tuple | set):
+            declared.update(str(n) for n in names)
+    if not declared:
+        return []
+    named = [(n, m) for n, m in model.named_modules() if n and type(m).__name__ in declared]
+    counts: dict[str, int] = {}
+    for _, m in named:
+        counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+    out: list[str] = []
+    for name, module in named:
+        if counts[type(module).__name__] < 2 or any(name.startswith(o + ".") for o in out):
+            continue
+        out.append(name)
+    return out
+
+
+def _repeats(module: nn.Module) -> bool:
+    """A container whose children are two or more modules of one type, each with
+    submodules (blocks, not a stack of plain layers)."""
+    if not isinstance(module, nn.ModuleList | nn.Sequential):
+        return False
+    children = list(module.children())
+    return (
+        len(children) >= 2
+        and len({type(child) for child in children}) == 1
+        and any(True for _ in children[0].children())
+    )
+
+
+def _stage_blocks(model: nn.Module) -> list[str]:
+    """Children of the outermost repeating containers; a ``Sequential`` whose children are
+    stages (each holding a repeating container of its own, as ConvNeXt's ``stages``) gives
+    way to those inner containers. A ``ModuleList`` is not descended: its children are the
+    blocks even when each holds a list of its own (a mixture of experts)."""
+
+    def outermost(root: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+        found = []
+        for name, module in root.named_children():
+            full = prefix + name
+            if _repeats(module):
+                found.append((full, module))
+            else:
+                found.extend(outermost(module, full + "."))
+        return found
+
+    def blocks(name: str, container: nn.Module) -> list[str]:
+        children = list(container.named_children())
+        inner = [outermost(child, f"{name}.{child_name}.") for child_name, child in children]
+        if isinstance(container, nn.Sequential) and all(inner):
+            return [b for found in inner for n, c in found for b in blocks(n, c)]
+        return [f"{name}.{child_name}" for child_name, _ in children]
+
+    roots = [("", model)] if _repeats(model) else outermost(model, "")
+    out = []
+    for name, container in roots:
+        if name:
+            out.extend(blocks(name, container))
+        else:
+            out.extend(child for child, _ in container.named_children())
+    return out
+
+
+def _largest_repeat(model: nn.Module) -> list[str]:
     best: tuple[int, int, list[str]] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList | nn.Sequential):

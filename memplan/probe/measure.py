@@ -18,6 +18,7 @@ from memplan.loader import ModelFile, load_model_file
 from memplan.probe.backends import make_backend
 from memplan.probe.checkpointing import checkpointed
 from memplan.probe.tracker import resident_tensors
+from memplan.runtime import disable_kv_cache
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +59,7 @@ def measure_training_peak(
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(str(model_file))
     backend = make_backend(device, precision, device_profile)
     model = backend.build(mf)
+    disable_kv_cache(model)  # as the probe and memplan.apply do
     optimizer = mf.make_optimizer(model)
     modules = dict(model.named_modules())
     names = tuple(checkpoint_layers)

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 import memplan
+import memplan.runtime
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, CannotMeasureError
+from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
 from memplan.loader import ModelFile, batch_tensors, load_model_file
 from memplan.probe.backends import Backend, make_backend
 from memplan.probe.checkpointing import checkpointed
@@ -189,6 +190,8 @@ def _resolve_layers(model: torch.nn.Module, layers: str | None) -> list[str]:
 
 def open_session(model_file: ModelFile, backend: Backend, layers: str | None) -> Session:
     model = backend.build(model_file)
+    # The probe checkpoints every candidate; memplan.apply does the same for every plan.
+    cache_note = memplan.runtime.kv_cache_note(memplan.runtime.disable_kv_cache(model))
     optimizer = model_file.make_optimizer(model)
     names = _resolve_layers(model, layers)
     modules = dict(model.named_modules())
@@ -206,6 +209,7 @@ def open_session(model_file: ModelFile, backend: Backend, layers: str | None) ->
         layers=[modules[n] for n in names],
         part_names=parts,
         recorder=recorder,
+        warnings=[cache_note] if cache_note else [],
     )
 
 
@@ -813,7 +817,7 @@ def assemble(
         )
     return Profile(
         model=ModelRef(
-            path=str(session.model_file.path),
+            path=session.model_file.reference or str(session.model_file.path),
             factory=session.model_file.factory,
             sha256=session.model_file.sha256,
         ),
@@ -885,6 +889,36 @@ def probe_model(
             on_progress(done, total, what)
 
     model_file = load_model_file(model_file_path)
+    try:
+        return _probe(
+            model_file,
+            sizes,
+            device,
+            precision,
+            layers,
+            device_profile,
+            tick,
+            mixed_precision,
+            reuse_identical,
+        )
+    except Exception as exc:
+        known = checkpointing_failure(exc, model_file.spec)
+        if known is None:
+            raise
+        raise known from exc
+
+
+def _probe(
+    model_file: ModelFile,
+    sizes: list[int],
+    device: str,
+    precision: str,
+    layers: str | None,
+    device_profile: str | None,
+    tick: Callable[[str], None],
+    mixed_precision: str,
+    reuse_identical: bool,
+) -> Profile:
     backend = make_backend(device, precision, device_profile, mixed_precision, reuse_identical)
     session = open_session(model_file, backend, layers)
     if not session.layer_names:

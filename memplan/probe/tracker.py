@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import CannotMeasureError
+from memplan.probe import shadow
 
 _EMPTY: dict[str, Any] = {}
 
@@ -136,14 +137,20 @@ class LiveTracker(TorchDispatchMode):
     # ------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or _EMPTY
+        handled = False
+        if self.meta:  # small integer tensors with real values behind them (shadow.py)
+            handled, out = shadow.run(func, args, kwargs)
         cache = self.op_cache
-        if cache is not None:
+        if cache is not None and not handled:
             key = cache.key(func, args, kwargs)
             entry = cache.lookup(key)
             if entry is not None:
                 return self._cached(func, entry)
         try:
-            out = func(*args, **kwargs)
+            if not handled:
+                out = func(*args, **kwargs)
+                if self.meta:
+                    shadow.shadow_factory(func, args, kwargs, out)
         except (NotImplementedError, RuntimeError) as exc:
             if self.meta:
                 first = (str(exc).strip().splitlines() or [""])[0]
@@ -177,7 +184,7 @@ class LiveTracker(TorchDispatchMode):
         if self.roofline is not None:
             dtype = outputs[0].dtype if outputs else None
             self.virtual_seconds += self.roofline.seconds(op_flops, moved, dtype)
-        if cache is not None:
+        if cache is not None and not handled:
             cache.store(key, args, kwargs, out, op_flops, moved)
         return out
 

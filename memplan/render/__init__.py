@@ -460,8 +460,9 @@ def show_verify(result: Any) -> None:
             f"(tolerance {grad.tolerance:.0e})"
         )
     verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
+    failed = f" — {'; '.join(result.failures)}" if result.failures else ""
     console.print(
-        f"{verdict}: peak error {result.peak_error:+.1%} (tolerance "
+        f"{verdict}{failed}: peak error {result.peak_error:+.1%} (tolerance "
         f"±{result.tolerance:.0%}), measured peak "
         f"{'within' if result.within_budget else 'over'} the budget."
     )
