@@ -296,7 +296,7 @@ def _verify(
 
     progress(0, total, "building the model")
     net = _build(mf, torch_device, seed)
-    fingerprint = fingerprint_note(plan, net, str(model if isinstance(model, str) else mf.path))
+    fingerprint = fingerprint_note(plan, net, mf.reference or str(mf.path))
     optimizer = mf.make_optimizer(net)
     runtime.apply(net, plan)
     acc = runtime.Accumulator(net, optimizer, plan, device=torch_device)
