@@ -34,9 +34,11 @@ BAR = [
     "hf_mistral.py",  # decoder-only, attention dropout, sliding window, use_cache on
     "hf_t5.py",  # encoder-decoder, default config (use_cache on)
     "hf_lora_llama.py",  # PEFT LoRA
-    "tv_resnet18.py",  # torchvision CNN (BatchNorm)
-    "timm_convnext.py",  # timm CNN
 ]
+# Not the CNNs (tv_resnet18.py, timm_convnext.py) yet: at these image sizes their peak is the
+# optimizer step, so the halfway budget less solve's 3% margin is below what any plan needs
+# (resnet18 at 64x64: 188.7 MiB needed, 185.9 MiB usable). Their default candidates are
+# tested below.
 
 
 @pytest.mark.slow
