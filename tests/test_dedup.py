@@ -57,3 +57,52 @@ def test_cpu_tensors_are_never_cached():
         y = x * 2.0
         z = x * 2.0
     assert cache.hits == 0 and torch.equal(y, z) and float(y.sum()) == 6.0
+
+
+BLOCKS_READ_A_MASK = """
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        # a per-block mask whose value is read, as HF attention code does
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        if not bool(mask.any()):
+            raise RuntimeError("empty mask")
+        return torch.relu(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 8, 16)
+"""
+
+
+def test_a_reused_factory_result_keeps_its_real_values(tmp_path):
+    # blocks.1 and blocks.2 rebuild the mask from the cache; a value read of it must still
+    # be answered (probe/shadow.py), as it is in blocks.0
+    model = tmp_path / "mask_blocks.py"
+    model.write_text(BLOCKS_READ_A_MASK)
+    reused = probe_model(str(model), device="meta", micro_batches=(1, 2))
+    full = probe_model(str(model), device="meta", micro_batches=(1, 2), reuse_identical=False)
+    assert without_note(reused) == without_note(full)
+    assert reused.deduplicated_layers == ("blocks.1", "blocks.2")

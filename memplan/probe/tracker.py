@@ -145,7 +145,10 @@ class LiveTracker(TorchDispatchMode):
             key = cache.key(func, args, kwargs)
             entry = cache.lookup(key)
             if entry is not None:
-                return self._cached(func, entry)
+                out = self._cached(func, entry)
+                if self.meta:  # a factory's rebuilt result needs its real twin too
+                    shadow.shadow_factory(func, args, kwargs, out)
+                return out
         try:
             if not handled:
                 out = func(*args, **kwargs)
