@@ -1257,10 +1257,21 @@ def _no_plan_fits(
         f"{closest.accumulation_steps} accumulation step(s), {len(closest.checkpointed)} of "
         f"{n} layers checkpointed, peaking during {closest.peak.where}."
     )
-    hints = [
+    hints = []
+    if request.margin > 0 and least <= request.budget_bytes:
+        # Only the safety margin rules the closest plan out: say so, and how to plan anyway.
+        accepted = math.floor((1.0 - least / request.budget_bytes) * 1000) / 1000
+        smaller = f" (or --margin {accepted:g})" if accepted > 0 else ""
+        hints.append(
+            f"the budget itself holds that plan ({format_bytes(least)} <= "
+            f"{format_bytes(request.budget_bytes)}): only the {request.margin:.0%} safety "
+            f"margin rules it out; --margin 0{smaller} plans without it, at the risk of running "
+            f"out of memory if the real peak exceeds the prediction"
+        )
+    hints.append(
         f"a budget of at least "
         f"{format_bytes(memory.budget_for_peak_bytes(least, request.margin), precision=2)}"
-    ]
+    )
     hints.extend(_smaller_micro_hints(ctx, options, bn_floor))
     hints.extend(_layers_hint(ctx, closest, least))
     state = (

@@ -225,6 +225,30 @@ def test_nothing_fits_reports_the_least_peak_and_the_closest_plan():
     assert solve(profile, request(budget_bytes=least)).plan.predicted.peak_bytes == least
 
 
+def test_a_plan_ruled_out_only_by_the_margin_says_so_and_how_to_plan_anyway():
+    """The closest plan fits the budget itself; only the 3% margin rules it out."""
+    profile = uniform_chain(4).profile()
+    least = min(
+        peak_of(profile, 1, subset, 32)
+        for subset in [(), (0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (1, 2, 3), (2, 3), (3,)]
+    )
+    budget = least + least // 100  # 1% above the least peak: within the budget, not the margin
+    with pytest.raises(NoPlanFitsError) as err:
+        solve(profile, request(budget_bytes=budget, margin=0.03))
+    hint = err.value.hint
+    assert "only the 3% safety margin rules it out" in hint and "--margin 0 " in hint
+    accepted = float(hint.split("(or --margin ")[1].split(")")[0])
+    assert 0.009 <= accepted < 0.01
+    # Both suggestions plan: margin 0 and the margin named.
+    for margin in (0.0, accepted):
+        plan = solve(profile, request(budget_bytes=budget, margin=margin)).plan
+        assert least <= plan.predicted.peak_bytes <= memory.usable_budget_bytes(budget, margin)
+    # A budget below the least peak gets no such hint: the margin is not what rules it out.
+    with pytest.raises(NoPlanFitsError) as err:
+        solve(profile, request(budget_bytes=least - 1, margin=0.03))
+    assert "safety margin rules it out" not in err.value.hint
+
+
 def test_model_state_too_big_suggests_sharding():
     profile = uniform_chain(2, params=[10**6, 10**6]).profile()
     with pytest.raises(NoPlanFitsError) as err:
