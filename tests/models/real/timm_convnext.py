@@ -1,4 +1,4 @@
-"""timm ``convnext_atto`` (10 classes, no weights) on 32x32 images: LayerNorm, no BatchNorm,
+"""timm ``convnext_atto`` (10 classes, no weights) on 64x64 images (activations are the peak): LayerNorm, no BatchNorm,
 stochastic depth off (timm's default)."""
 
 import _tv  # noqa: F401  (timm imports torchvision)
@@ -14,7 +14,7 @@ def build_model() -> torch.nn.Module:
 
 def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(batch_size)
-    return torch.randn(batch_size, 3, 32, 32, generator=g), torch.randint(
+    return torch.randn(batch_size, 3, 64, 64, generator=g), torch.randint(
         0, 10, (batch_size,), generator=g
     )
 
