@@ -681,6 +681,11 @@ def main() -> None:
             sys.stderr.write("interrupted\n")
             sys.stderr.flush()
         raise SystemExit(128 + signum) from None
+    finally:
+        # The command is over: a Ctrl-C during interpreter shutdown must not turn a finished
+        # run into a death by SIGINT (rc -2); SIGTERM keeps its default action.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":
