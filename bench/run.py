@@ -33,6 +33,7 @@ SECTIONS = [
     "report",
     "big_models",
     "real_models",
+    "modes",
 ]
 
 

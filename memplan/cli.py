@@ -265,6 +265,18 @@ def solve(
         int, typer.Option("--bn-min-micro", help="Smallest micro-batch for BatchNorm models.")
     ] = 16,
     allow_small_bn_micro: Annotated[bool, typer.Option("--allow-small-bn-micro")] = False,
+    modes: Annotated[
+        str | None,
+        typer.Option(
+            "--modes",
+            help="Per-layer modes to choose from, e.g. keep,full or "
+            "keep,selective,full,offload (default: every mode the profile and device support).",
+        ),
+    ] = None,
+    host_memory: Annotated[
+        str | None,
+        typer.Option("--host-memory", help="Host memory offloaded layers may take, e.g. 64GiB."),
+    ] = None,
     model: Annotated[
         str | None,
         typer.Option(help="Model file to name in emitted configs (default: the profile's)."),
@@ -293,7 +305,7 @@ def solve(
     from memplan.profile import load_profile
     from memplan.solver import SolveRequest
     from memplan.solver import solve as run_solver
-    from memplan.units import format_bytes, parse_budget
+    from memplan.units import format_bytes, parse_budget, parse_size
 
     wanted = [f.strip() for f in (formats or "").split(",") if f.strip()]
     unknown = [f for f in wanted if f not in FORMATS]
@@ -337,6 +349,8 @@ def solve(
         device_spec=spec,
         model_path=model or _model_ref(profile),
         profile_path=str(profile_path),
+        modes=modes,
+        host_memory_bytes=parse_size(host_memory, what="--host-memory") if host_memory else None,
     )
     try:
         result = run_solver(profile, request)

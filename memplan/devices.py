@@ -31,6 +31,9 @@ class DeviceSpec:
     """Bytes per second."""
     interconnect_bandwidth: float = 0.0
     """Bytes per second per GPU to its peers (NVLink, else PCIe)."""
+    host_link_bandwidth: float = 0.0
+    """Bytes per second, one direction, between the GPU and host memory (its PCIe link):
+    times the ``offload`` mode. 0: unknown (offload is not planned)."""
 
     def peak_flops(self, precision: str) -> float:
         value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[

@@ -29,11 +29,12 @@ the same integers in another order) agrees with this module to the byte.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
+from memplan.modes import FULL, KEEP, MODES, OFFLOAD, SELECTIVE
 from memplan.plan import GRAD_SYNCS, STRATEGIES, Breakdown, GradSync, Plan, Strategy
 from memplan.profile import Affine, Phase, Point, Profile, Segment
 from memplan.units import MiB
@@ -173,6 +174,97 @@ def savings_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
     return tuple(math.floor(layer.savings_bytes.at(micro_batch)) for layer in profile.layers)
 
 
+# --------------------------------------------------------------------------- modes
+# With per-layer modes (memplan.modes) the segment formula reads, for a mode per layer μ:
+#
+#     peak_segment(b, μ) = max(points_μ(active)(b)) − Σ_{j < held} savings_μ(j), j(b)
+#
+# keep: plain points, no saving; full: ckpt_points and savings_bytes (the all-checkpointed
+# run); selective: selective_points and selective_savings_bytes (the all-selective run,
+# normalised the same way); offload: plain points (its forward and backward hold at most
+# what the plain run holds: tensors leave for the host after they are saved and come back
+# one autograd node at a time) and the full checkpoint's savings (the layer's input may
+# stay alive on the device as the previous layer's output; counting it as kept is safe).
+# Each mode's points and savings are per layer, independent of the other layers' modes,
+# so the solver's DP over prefix savings stays exact.
+Checkpointed = Iterable[int | str] | Mapping[int | str, str]
+"""Layers to checkpoint: indices or names (meaning ``full``), or a mapping to modes."""
+
+
+def mode_of(checkpointed: Iterable[int] | Mapping[int, str], layer: int) -> str:
+    """The mode of ``layer`` in a set (members are ``full``) or a mapping (absent: keep)."""
+    if isinstance(checkpointed, Mapping):
+        return checkpointed.get(layer, KEEP)
+    return FULL if layer in checkpointed else KEEP  # type: ignore[operator]
+
+
+def layer_modes(profile: Profile, checkpointed: Checkpointed) -> dict[int, str]:
+    """Layer index -> mode for every layer not kept, from indices or names (``full``) or a
+    mapping of indices or names to modes."""
+    pairs = (
+        list(checkpointed.items())
+        if isinstance(checkpointed, Mapping)
+        else [(item, FULL) for item in checkpointed]
+    )
+    indices = layer_indices(profile, [name for name, _ in pairs])
+    del indices  # validates every name
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    out: dict[int, str] = {}
+    for item, mode in pairs:
+        if mode not in MODES:
+            raise BadInputError(
+                f"Layer {item!r} has mode {mode!r}.", hint=f"Modes are {', '.join(MODES)}."
+            )
+        i = index[item] if isinstance(item, str) else int(item)
+        if mode != KEEP:
+            out[i] = mode
+    return dict(sorted(out.items()))
+
+
+def has_selective(profile: Profile) -> bool:
+    """Whether the probe measured the ``selective`` mode (every layer and active segment)."""
+    if not profile.layers or any(layer.selective_savings_bytes is None for layer in profile.layers):
+        return False
+    return all(
+        seg.selective_points
+        for segments in profile.timeline.values()
+        for seg in segments
+        if seg.active != "none"
+    )
+
+
+def available_modes(profile: Profile) -> tuple[str, ...]:
+    """The modes this profile measured (offload, which depends on the device planned for,
+    aside): keep and full, and selective when the probe ran it."""
+    return (KEEP, SELECTIVE, FULL) if has_selective(profile) else (KEEP, FULL)
+
+
+def mode_savings_bytes(profile: Profile, micro_batch: int, mode: str) -> tuple[int, ...]:
+    """Per layer: bytes freed while it is held in ``mode``, rounded down."""
+    if mode == KEEP:
+        return (0,) * len(profile.layers)
+    if mode in (FULL, OFFLOAD):
+        return savings_bytes(profile, micro_batch)
+    if mode == SELECTIVE:
+        if not has_selective(profile):
+            raise BadInputError(
+                "This profile has no measurement of the selective mode.",
+                hint="Probe the model again with this memplan, or leave selective out of --modes.",
+            )
+        return tuple(
+            math.floor(layer.selective_savings_bytes.at(micro_batch))  # type: ignore[union-attr]
+            for layer in profile.layers
+        )
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def offload_host_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
+    """Per layer: bytes an offloaded layer copies to host memory (and back) per micro-step:
+    everything its forward saves for backward, rounded up (more than the device frees, which
+    is safe for both the host-memory cap and the copy time)."""
+    return tuple(max(affine_bytes(layer.saved_bytes, micro_batch), 0) for layer in profile.layers)
+
+
 def held_savings_bytes(savings: Sequence[int], checkpointed: frozenset[int], held: int) -> int:
     """Savings of the checkpointed layers among the ``held`` ones (layers 0 .. held-1)."""
     return sum(savings[j] for j in checkpointed if j < held)
@@ -186,14 +278,39 @@ def held_savings_prefix_bytes(savings: Sequence[int], checkpointed: frozenset[in
     return prefix
 
 
-def segment_points_bytes(segment: Segment, micro_batch: int, active_checkpointed: bool) -> int:
-    """Highest no-checkpoint-reference point of a segment: the all-checkpointed points when
-    its active layer is checkpointed, else the plain ones."""
-    points = (
-        segment.ckpt_points
-        if (active_checkpointed and segment.active != "none")
-        else segment.points
+def held_mode_prefix_bytes(
+    profile: Profile, micro_batch: int, checkpointed: Iterable[int] | Mapping[int, str]
+) -> list[int]:
+    """Held savings for every ``held`` from 0 to n, each layer in its own mode."""
+    per_mode: dict[str, tuple[int, ...]] = {}
+    prefix = [0]
+    for j in range(len(profile.layers)):
+        mode = mode_of(checkpointed, j)
+        if mode not in per_mode:
+            per_mode[mode] = mode_savings_bytes(profile, micro_batch, mode)
+        prefix.append(prefix[-1] + per_mode[mode][j])
+    return prefix
+
+
+def segment_points_bytes(
+    segment: Segment, micro_batch: int, active_checkpointed: bool | str
+) -> int:
+    """Highest no-checkpoint-reference point of a segment, for the active layer's mode
+    (``True``: full, ``False``: keep): the all-checkpointed points when it is checkpointed,
+    the all-selective ones when selective, else the plain ones."""
+    mode = (
+        active_checkpointed
+        if isinstance(active_checkpointed, str)
+        else (FULL if active_checkpointed else KEEP)
     )
+    points = segment.points
+    if segment.active != "none":
+        if mode == FULL:
+            points = segment.ckpt_points
+        elif mode == SELECTIVE:
+            if not segment.selective_points:
+                raise ValueError("segment has no selective_points")
+            points = segment.selective_points
     return max(point_bytes(p, micro_batch) for p in points)
 
 
@@ -591,19 +708,21 @@ def micro_step_peak_bytes(
     profile: Profile,
     phase: Phase,
     micro_batch: int,
-    checkpointed: frozenset[int],
+    checkpointed: frozenset[int] | Mapping[int, str],
     *,
     sharding: Sharding = SINGLE,
     accumulation_steps: int = 1,
 ) -> tuple[int, int | None]:
     """Peak over one phase's segments and the index of the (first) segment reaching it,
-    for one rank under ``sharding`` (``segment_adjust_bytes``)."""
-    savings = savings_bytes(profile, micro_batch)
-    held = held_savings_prefix_bytes(savings, checkpointed)
+    for one rank under ``sharding`` (``segment_adjust_bytes``). ``checkpointed``: a set
+    (full checkpointing) or a mapping of layer index to mode."""
+    held = held_mode_prefix_bytes(profile, micro_batch, checkpointed)
+    n = len(profile.layers)
     best, best_index = _NO_BOUND, None
     for index, segment in enumerate(profile.timeline[phase]):
         # segment_peak_bytes, with the held savings summed once for all segments
-        top = segment_points_bytes(segment, micro_batch, segment.held in checkpointed)
+        active_mode = mode_of(checkpointed, segment.held) if segment.held < n else KEEP
+        top = segment_points_bytes(segment, micro_batch, active_mode)
         value = top - held[segment.held]
         if sharding != SINGLE:
             value += segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
@@ -615,16 +734,17 @@ def micro_step_peak_bytes(
 def step_peak(
     profile: Profile,
     micro_batch: int,
-    checkpointed: Iterable[int | str],
+    checkpointed: Checkpointed,
     accumulation_steps: int,
     *,
     reserve: Reserve = NO_RESERVE,
     sharding: Sharding = SINGLE,
 ) -> Peak:
     """The predicted peak of one optimizer step with ``accumulation_steps`` micro-steps of
-    ``micro_batch`` samples, checkpointing ``checkpointed`` (layer indices or names), on
-    one rank under ``sharding`` (default: one process)."""
-    chosen = layer_indices(profile, checkpointed)
+    ``micro_batch`` samples, checkpointing ``checkpointed`` (layer indices or names: full
+    checkpointing; or a mapping of them to modes), on one rank under ``sharding`` (default:
+    one process)."""
+    chosen = layer_modes(profile, checkpointed)
     places: list[tuple[int, str, int | None]] = []
     for phase_name in phases_for(accumulation_steps):
         value, seg_index = micro_step_peak_bytes(
@@ -705,7 +825,10 @@ def activations_at_bytes(
     for j in range(segment.held):
         layer = profile.layers[j]
         kept = layer.saved_bytes.at(micro_batch)
-        if j in checkpointed:
+        mode = mode_of(checkpointed, j)
+        if mode == SELECTIVE and layer.selective_savings_bytes is not None:
+            kept -= layer.selective_savings_bytes.at(micro_batch)
+        elif mode != KEEP:
             kept -= layer.savings_bytes.at(micro_batch)
         held += kept
     fixed = sum(part.saved_bytes.at(micro_batch) for part in profile.fixed)
@@ -771,14 +894,24 @@ def describe_segment(
     segment = segments[index]
     names = profile.layer_names
     h, n = segment.held, len(names)
+    mode = mode_of(checkpointed, h) if h < n else KEEP
     if segment.active == "fwd":
-        text = f"forward of {names[h]}" + (" (checkpointed)" if h in checkpointed else "")
-    elif segment.active == "bwd":
         text = (
-            f"recompute and backward of {names[h]}"
-            if h in checkpointed
-            else f"backward of {names[h]}"
+            f"forward of {names[h]}"
+            + {
+                KEEP: "",
+                FULL: " (checkpointed)",
+                SELECTIVE: " (selective checkpoint)",
+                OFFLOAD: " (offloaded)",
+            }[mode]
         )
+    elif segment.active == "bwd":
+        text = {
+            KEEP: f"backward of {names[h]}",
+            FULL: f"recompute and backward of {names[h]}",
+            SELECTIVE: f"selective recompute and backward of {names[h]}",
+            OFFLOAD: f"backward of {names[h]} (offloaded tensors back)",
+        }[mode]
     elif n == 0:
         text = "micro-step"
     elif h == n:
@@ -809,19 +942,25 @@ def describe_peak(
 
 
 # --------------------------------------------------------------------------- bounds
+_INFEASIBLE = 1 << 100
+"""A need no prefix saving meets: a layer with no allowed mode."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StepBounds:
     """The step peak at one micro-batch reduced to per-layer bounds, for the solver.
 
-    With ``P_h`` the savings of the checkpointed layers among 0 .. h-1, the allocated step
-    peak of a checkpoint set is the largest of ``optimizer_bytes``, ``none_bytes[h] − P_h``
-    (h = 0 .. n) and, for each layer h, ``(ckpt_bytes[h] if h ∈ C else plain_bytes[h]) − P_h``.
-    This is the segment formula with the maxima taken per ``held`` first; it is equal to
-    :func:`step_peak` to the byte."""
+    With ``P_h`` the savings of the layers 0 .. h-1 in their modes, the allocated step peak
+    of a mode assignment is the largest of ``optimizer_bytes``, ``none_bytes[h] − P_h``
+    (h = 0 .. n) and, for each layer h, ``active_bytes(mode of h, h) − P_h``. This is the
+    segment formula with the maxima taken per ``held`` first; it is equal to
+    :func:`step_peak` to the byte. ``plain_bytes``/``ckpt_bytes``/``savings`` are the keep and
+    full entries; ``mode_bytes``/``mode_savings`` hold the other modes of ``modes``."""
 
     micro_batch: int
     accumulation_steps: int
     savings: tuple[int, ...]
+    """Per layer: what full checkpointing frees while it is held."""
     none_bytes: tuple[int, ...]
     """Length n + 1: highest point of the segments with no active layer, by ``held``."""
     plain_bytes: tuple[int, ...]
@@ -829,6 +968,57 @@ class StepBounds:
     ckpt_bytes: tuple[int, ...]
     """Length n: highest normalised point while layer h runs, checkpointed."""
     optimizer_bytes: int
+    modes: tuple[str, ...] = (KEEP, FULL)
+    """Modes a layer may take (``keep`` first)."""
+    mode_bytes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per mode other than keep and full: highest normalised point while layer h runs."""
+    mode_savings: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per mode other than keep and full: what the mode frees while layer h is held."""
+    host_bytes: tuple[int, ...] = ()
+    """Per layer: host memory an offloaded layer takes (empty without offload)."""
+    host_limit_bytes: int | None = None
+    """Host memory offloaded layers may take together; None: no limit."""
+
+    def saving(self, mode: str, h: int) -> int:
+        if mode == KEEP:
+            return 0
+        if mode == FULL:
+            return self.savings[h]
+        return self.mode_savings[mode][h]
+
+    def active(self, mode: str, h: int) -> int:
+        if mode == KEEP:
+            return self.plain_bytes[h]
+        if mode == FULL:
+            return self.ckpt_bytes[h]
+        return self.mode_bytes[mode][h]
+
+    def host(self, mode: str, h: int) -> int:
+        return self.host_bytes[h] if mode == OFFLOAD else 0
+
+    def allowed(
+        self,
+        h: int,
+        forced_in: frozenset[int] = frozenset(),
+        forced_out: frozenset[int] = frozenset(),
+    ) -> tuple[str, ...]:
+        """Modes layer h may take: keep only if it is never checkpointed, any mode but keep
+        if it is always checkpointed."""
+        if h in forced_out:
+            return (KEEP,)
+        if h in forced_in:
+            return tuple(m for m in self.modes if m != KEEP)
+        return self.modes
+
+    @property
+    def host_binding(self) -> bool:
+        """Whether the host-memory limit can bind (offload allowed and every layer
+        offloaded would exceed it)."""
+        return (
+            OFFLOAD in self.modes
+            and self.host_limit_bytes is not None
+            and sum(self.host_bytes) > self.host_limit_bytes
+        )
 
 
 def step_bounds(
@@ -836,11 +1026,16 @@ def step_bounds(
     micro_batch: int,
     accumulation_steps: int,
     sharding: Sharding = SINGLE,
+    modes: Sequence[str] = (KEEP, FULL),
+    host_limit_bytes: int | None = None,
 ) -> StepBounds:
     n = len(profile.layers)
+    modes = tuple(m for m in MODES if m in set(modes) | {KEEP})
+    extra = [m for m in modes if m not in (KEEP, FULL)]
     none = [_NO_BOUND] * (n + 1)
     plain = [_NO_BOUND] * n
     ckpt = [_NO_BOUND] * n
+    others = {m: [_NO_BOUND] * n for m in extra}
     for phase in phases_for(accumulation_steps):
         for index, segment in enumerate(profile.timeline[phase]):
             h = segment.held
@@ -855,6 +1050,10 @@ def step_bounds(
             else:
                 plain[h] = max(plain[h], top)
                 ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, True) + adjust)
+                for m in extra:
+                    others[m][h] = max(
+                        others[m][h], segment_points_bytes(segment, micro_batch, m) + adjust
+                    )
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,
@@ -864,20 +1063,34 @@ def step_bounds(
         ckpt_bytes=tuple(ckpt),
         optimizer_bytes=optimizer_step_peak_bytes(profile, micro_batch)
         + optimizer_adjust_bytes(profile, sharding),
+        modes=modes,
+        mode_bytes={m: tuple(v) for m, v in others.items()},
+        mode_savings={m: mode_savings_bytes(profile, micro_batch, m) for m in extra},
+        host_bytes=offload_host_bytes(profile, micro_batch) if OFFLOAD in modes else (),
+        host_limit_bytes=host_limit_bytes,
     )
 
 
-def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int]) -> int:
-    """Allocated step peak of a checkpoint set, from the bounds (equals step_peak's)."""
-    chosen = frozenset(checkpointed)
+def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:
+    """Allocated step peak of a checkpoint set (full) or a mode assignment, from the bounds
+    (equals step_peak's)."""
+    chosen: Iterable[int] | Mapping[int, str] = (
+        checkpointed if isinstance(checkpointed, Mapping) else frozenset(checkpointed)
+    )
     best = bounds.optimizer_bytes
     prefix = 0
     for h in range(len(bounds.plain_bytes)):
-        active = bounds.ckpt_bytes[h] if h in chosen else bounds.plain_bytes[h]
-        best = max(best, bounds.none_bytes[h] - prefix, active - prefix)
-        if h in chosen:
-            prefix += bounds.savings[h]
+        mode = mode_of(chosen, h)
+        best = max(best, bounds.none_bytes[h] - prefix, bounds.active(mode, h) - prefix)
+        prefix += bounds.saving(mode, h)
     return max(best, bounds.none_bytes[-1] - prefix)
+
+
+def host_total_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:
+    """Host memory the offloaded layers of an assignment take."""
+    if not isinstance(checkpointed, Mapping):
+        return 0
+    return sum(bounds.host(mode, h) for h, mode in checkpointed.items())
 
 
 def prefix_saving_bounds(
@@ -889,22 +1102,24 @@ def prefix_saving_bounds(
     forced_out: frozenset[int] = frozenset(),
 ) -> list[int]:
     """Backward induction over layers h = n-1 .. 0 on the prefix saving ``P_h``: for each
-    allowed choice of layer h (plain or checkpointed), the least ``P_h`` that keeps layer h's
-    segments and, through ``P_{h+1}``, everything after it within ``limit_bytes``; ``pick``
-    combines the choices (``min``: some completion fits; ``max``: every one does)."""
+    allowed mode of layer h, the least ``P_h`` that keeps layer h's segments and, through
+    ``P_{h+1}``, everything after it within ``limit_bytes``; ``pick`` combines the modes
+    (``min``: some completion fits; ``max``: every one does). The host-memory limit is left
+    out (a relaxation: the solver checks it)."""
     n = len(bounds.plain_bytes)
     need = [0] * (n + 1)
     need[n] = bounds.none_bytes[n] - limit_bytes
     for h in range(n - 1, -1, -1):
         none_need = bounds.none_bytes[h] - limit_bytes
-        options = []
-        if h not in forced_in:
-            options.append(max(none_need, bounds.plain_bytes[h] - limit_bytes, need[h + 1]))
-        if h not in forced_out:
-            options.append(
-                max(none_need, bounds.ckpt_bytes[h] - limit_bytes, need[h + 1] - bounds.savings[h])
+        options = [
+            max(
+                none_need,
+                bounds.active(mode, h) - limit_bytes,
+                need[h + 1] - bounds.saving(mode, h),
             )
-        need[h] = pick(options)
+            for mode in bounds.allowed(h, forced_in, forced_out)
+        ]
+        need[h] = pick(options) if options else _INFEASIBLE
     return need
 
 
@@ -915,10 +1130,11 @@ def feasible_floor_bytes(
     forced_in: frozenset[int] = frozenset(),
     forced_out: frozenset[int] = frozenset(),
 ) -> list[int]:
-    """``R[h]``: the least prefix saving ``P_h`` from which some choice of layers h .. n-1
-    keeps every later point within ``limit_bytes`` (exact, by backward induction: a higher
-    ``P_h`` never hurts, so the feasible values of ``P_h`` are an interval [R[h], ∞)).
-    A plan exists iff ``R[0] <= 0`` and the optimizer step fits."""
+    """``R[h]``: the least prefix saving ``P_h`` from which some choice of modes for layers
+    h .. n-1 keeps every later point within ``limit_bytes`` (exact, by backward induction:
+    a higher ``P_h`` never hurts, so the feasible values of ``P_h`` are an interval
+    [R[h], ∞)). A plan exists iff ``R[0] <= 0`` and the optimizer step fits (and, with
+    offload, the host limit holds)."""
     return prefix_saving_bounds(
         bounds, limit_bytes, min, forced_in=forced_in, forced_out=forced_out
     )
@@ -931,8 +1147,8 @@ def fits_somehow(
     forced_in: frozenset[int] = frozenset(),
     forced_out: frozenset[int] = frozenset(),
 ) -> bool:
-    """Whether any checkpoint set (respecting the forced layers) keeps the allocated peak
-    within ``limit_bytes``."""
+    """Whether any mode assignment (respecting the forced layers) keeps the allocated peak
+    within ``limit_bytes`` (the host limit aside)."""
     if bounds.optimizer_bytes > limit_bytes:
         return False
     floor = feasible_floor_bytes(bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out)
@@ -945,14 +1161,16 @@ def min_allocated_bytes(
     forced_in: frozenset[int] = frozenset(),
     forced_out: frozenset[int] = frozenset(),
 ) -> int:
-    """The smallest allocated peak any checkpoint set reaches at this micro-batch: the
-    minimum over sets, exact (binary search on the limit; feasibility is monotone in it).
-    Checkpointing everything is not always the minimum: a recompute can peak higher than
-    the plain backward it replaces."""
-    hi = bounds_peak_bytes(bounds, forced_in)  # any valid set is an upper bound
-    # A lower bound: no set saves more than all positive savings.
-    most_saved = sum(max(s, 0) for s in bounds.savings)
-    active = [min(p, c) for p, c in zip(bounds.plain_bytes, bounds.ckpt_bytes, strict=True)]
+    """The smallest allocated peak any mode assignment reaches at this micro-batch (the host
+    limit aside): the minimum over assignments, exact (binary search on the limit;
+    feasibility is monotone in it). Checkpointing everything is not always the minimum: a
+    recompute can peak higher than the plain backward it replaces."""
+    n = len(bounds.plain_bytes)
+    some = {h: bounds.allowed(h, forced_in, forced_out)[0] for h in forced_in}
+    hi = bounds_peak_bytes(bounds, some)  # any valid assignment is an upper bound
+    # A lower bound: no assignment saves more than every layer's largest positive saving.
+    most_saved = sum(max(max(bounds.saving(m, h), 0) for m in bounds.modes) for h in range(n))
+    active = [min(bounds.active(m, h) for m in bounds.modes) for h in range(n)]
     least = max(bounds.optimizer_bytes, max([*bounds.none_bytes, *active]) - most_saved)
     lo = least - 1  # infeasible
     lo = min(lo, hi - 1)
@@ -973,7 +1191,7 @@ def plan_peak(profile: Profile, plan: Plan, device_spec: DeviceSpec | None = Non
     return step_peak(
         profile,
         plan.micro_batch_size,
-        plan.checkpoint_layers,
+        plan.checkpoint,
         plan.accumulation_steps,
         reserve=reserve_for(profile, device_spec),
         sharding=sharding_for(plan),

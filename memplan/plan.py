@@ -3,15 +3,20 @@ every emitted config and for ``verify``. No torch here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import yaml
+
 from memplan.errors import ProfileError
+from memplan.modes import FULL, KEEP, MODES, Mode
 from memplan.profile import MixedPrecision, Precision
 from memplan.schema import dump_yaml, from_data, load_yaml_file
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+"""2: ``checkpoint`` maps each layer not kept to its mode. 1 (still read): the list
+``checkpoint_layers``, every one fully checkpointed."""
 
 Strategy = Literal["ddp", "zero1", "zero2", "fsdp"]
 STRATEGIES: tuple[Strategy, ...] = ("ddp", "zero1", "zero2", "fsdp")
@@ -70,6 +75,12 @@ class ModelFingerprint:
     """The checkpoint candidates of the profile, by fully-qualified module name."""
 
 
+class _DerivedNames(tuple):
+    """``Plan.checkpoint_layers`` as derived from ``checkpoint`` (a tuple that knows it)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -82,8 +93,13 @@ class Plan:
     """How ranks share the model: ``ddp`` replicas, ``zero1`` optimizer state sharded,
     ``zero2`` and gradients, ``fsdp`` and parameters (FSDP2 ``fully_shard`` / ZeRO-3).
     Memory figures are per rank."""
-    checkpoint_layers: tuple[str, ...] = ()
-    """Fully-qualified module names to wrap with non-reentrant activation checkpointing."""
+    checkpoint: dict[str, Mode] = field(default_factory=dict)
+    """Fully-qualified module name -> mode (``selective``, ``full`` or ``offload``; see
+    memplan.modes) for every layer not kept, in layer order."""
+    checkpoint_layers: tuple[str, ...] | None = None
+    """The names in ``checkpoint`` (derived: always a tuple once built). Given (schema 1
+    callers, ``dataclasses.replace(plan, checkpoint_layers=...)``), it names the layers not
+    kept, each in its mode from ``checkpoint``, else ``full``. Not written to plan files."""
     shard_units: tuple[str, ...] = ()
     """For ``fsdp``: modules to ``fully_shard`` one by one (the probe's candidate layers),
     before the root. Empty otherwise."""
@@ -135,8 +151,21 @@ class Plan:
                 "mixed_precision 'params' needs precision bf16 or fp16 and strategy fsdp, got "
                 f"{self.precision} and {self.strategy}"
             )
-        if len(set(self.checkpoint_layers)) != len(self.checkpoint_layers):
+        given = self.checkpoint_layers
+        if given is not None and len(set(given)) != len(given):
             raise ValueError("checkpoint_layers has duplicates")
+        bad = {name: mode for name, mode in self.checkpoint.items() if mode not in MODES}
+        if bad:
+            name, mode = next(iter(bad.items()))
+            raise ValueError(f"checkpoint.{name}: mode {mode!r} is not one of {', '.join(MODES)}")
+        modes = {name: mode for name, mode in self.checkpoint.items() if mode != KEEP}
+        if given is not None and not isinstance(given, _DerivedNames):
+            # Given as a list (schema 1 callers, ``replace(plan, checkpoint_layers=...)``):
+            # the list names the layers; a layer keeps its mode from ``checkpoint``, else full.
+            # (A derived list, passed back by ``replace(plan, checkpoint=...)``, is not.)
+            modes = {name: modes.get(name, FULL) for name in given}
+        object.__setattr__(self, "checkpoint", modes)
+        object.__setattr__(self, "checkpoint_layers", _DerivedNames(modes))
         if self.budget_bytes < 1:
             raise ValueError("budget_bytes must be positive")
 
@@ -145,9 +174,58 @@ class Plan:
         step = self.predicted.step_seconds
         return self.target_batch / step if step > 0 else float("inf")
 
+    def layers_in(self, mode: str) -> tuple[str, ...]:
+        """The layers in ``mode`` (not ``keep``), in layer order."""
+        return tuple(name for name, m in self.checkpoint.items() if m == mode)
+
+
+class _BlockMap(dict):
+    """A mapping written one entry per line (``layer: mode``), readable in a diff."""
+
+
+class _PlanDumper(yaml.SafeDumper):
+    pass
+
+
+_PlanDumper.add_representer(
+    _BlockMap,
+    lambda dumper, data: dumper.represent_mapping(
+        "tag:yaml.org,2002:map", data.items(), flow_style=False
+    ),
+)
+
 
 def plan_to_yaml(plan: Plan) -> str:
-    return dump_yaml(plan)
+    """The plan file: schema 2, layers under ``checkpoint:`` one per line
+    (``checkpoint_layers`` is derived and not written)."""
+    data = yaml.safe_load(dump_yaml(plan))
+    del data["checkpoint_layers"]
+    data["checkpoint"] = _BlockMap(data["checkpoint"] or {})
+    return yaml.dump(data, Dumper=_PlanDumper, sort_keys=False, default_flow_style=None, width=100)
+
+
+def _migrate(data: dict, version: int, source: str) -> dict:
+    """Plan data of an older schema as the current one: schema 1's ``checkpoint_layers``
+    (every layer fully checkpointed) becomes ``checkpoint: {layer: full}``."""
+    if version >= PLAN_SCHEMA_VERSION:
+        # ``checkpoint_layers`` may come along (plans as JSON carry the derived list); as in
+        # the dataclass, a list names the layers, each in its mode from ``checkpoint``.
+        return data
+    data = dict(data)
+    layers = data.pop("checkpoint_layers", None) or []
+    if "checkpoint" in data:
+        raise ProfileError(
+            f"{source}: 'checkpoint' is a schema {PLAN_SCHEMA_VERSION} field, but the plan "
+            f"says schema_version {version}.",
+            hint=f"Set schema_version: {PLAN_SCHEMA_VERSION}.",
+        )
+    if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
+        raise ProfileError(f"{source}: field 'plan.checkpoint_layers' must be a list of names.")
+    if len(set(layers)) != len(layers):
+        raise ProfileError(f"{source}: field 'plan.checkpoint_layers' has duplicates.")
+    data["checkpoint"] = dict.fromkeys(layers, FULL)
+    data["schema_version"] = PLAN_SCHEMA_VERSION
+    return data
 
 
 def plan_from_data(data: dict, *, source: str = "<plan>") -> Plan:
@@ -163,7 +241,7 @@ def plan_from_data(data: dict, *, source: str = "<plan>") -> Plan:
             f"memplan understands ({PLAN_SCHEMA_VERSION}).",
             hint="Upgrade memplan.",
         )
-    plan = from_data(Plan, data, source=source, path="plan")
+    plan = from_data(Plan, _migrate(data, version, source), source=source, path="plan")
     problem = plan_problem(plan)
     if problem is not None:
         raise ProfileError(

@@ -23,6 +23,10 @@ layers). Hence, for every segment::
     peak_segment(b, C) = max(points(b) if active layer not in C else ckpt_points(b))
                          - sum(savings_bytes_j(b) for j < held if j in C)
 
+With per-layer modes (memplan.modes) the same holds with each mode's own points and
+savings: ``selective_points`` and ``selective_savings_bytes`` from an all-selective run;
+offload reads the plain points and the full checkpoint's savings (memplan.memory).
+
 and the peak of the micro-step is the maximum over segments (memplan.memory does this).
 """
 
@@ -94,6 +98,9 @@ class Segment:
     ckpt_points: tuple[Point, ...] = ()
     """For active segments: undominated points of the all-checkpointed run, normalised by
     adding the savings of the ``held`` layers before it. Empty for ``active == 'none'``."""
+    selective_points: tuple[Point, ...] = ()
+    """For active segments: the same from the all-selective run (memplan.modes), normalised
+    by the held layers' ``selective_savings_bytes``. Empty when not measured."""
 
     def __post_init__(self) -> None:
         if self.held < 0:
@@ -136,6 +143,12 @@ class Layer:
     checkpoint) − (forward + backward plain). The recompute is one more forward plus the
     checkpoint machinery's own cost (saved-tensor hooks, RNG state), which on small layers
     is as large as the forward. None (meta, older profiles): one forward is assumed."""
+    selective_savings_bytes: Affine | None = None
+    """Bytes freed while held under selective checkpointing (memplan.modes), measured as
+    ``savings_bytes`` is but from an all-selective run; None when not measured."""
+    selective_recompute_seconds: Affine | None = None
+    """Measured extra time per micro-step under selective checkpointing; None: not
+    measured."""
     affine: bool = True
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""
@@ -318,7 +331,15 @@ def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
 # (savings < 0, e.g. LoRA inputs), a fixed part can free more than it keeps (the loss:
 # saved_bytes < 0 in examples/ci/baselines/gpt.profile.yaml) and a recompute can be
 # measured as cheaper than noise. The rest are sizes, times and FLOPs.
-_SIGNED_AFFINE = {"savings_bytes", "recompute_seconds", "saved_bytes"}
+_SIGNED_AFFINE = {
+    "savings_bytes",
+    "recompute_seconds",
+    "saved_bytes",
+    # selective keeps every matmul output, also those the plain run does not keep (a
+    # frozen LoRA base, a U-Net skip): its savings can be negative, measured.
+    "selective_savings_bytes",
+    "selective_recompute_seconds",
+}
 _COUNT_FIELDS = (
     "params_trainable_bytes",
     "params_frozen_bytes",

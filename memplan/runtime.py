@@ -15,12 +15,21 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from memplan.errors import BadInputError
+from memplan.modes import FULL, KEEP, MODES, OFFLOAD
+from memplan.probe.checkpointing import require_offload_device, run_in_mode
 from memplan.training_state import disable_kv_cache, kv_cache_note, no_dropout
 
-__all__ = ["Accumulator", "apply", "checkpointed_names", "disable_kv_cache", "no_dropout", "remove"]
+__all__ = [
+    "Accumulator",
+    "apply",
+    "checkpointed_modes",
+    "checkpointed_names",
+    "disable_kv_cache",
+    "no_dropout",
+    "remove",
+]
 
 # Keys in a patched module's __dict__. Instance attributes, not submodules, parameters or
 # buffers, so ``named_modules()`` and ``state_dict()`` keys do not change.
@@ -41,7 +50,8 @@ def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> A
     inner = type(self).forward.__get__(self) if saved is _MISSING else saved
     # Recompute only pays off when something is saved for backward: training with grad on.
     if self.training and torch.is_grad_enabled():
-        return checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        mode = self.__dict__.get(_MARK)
+        return run_in_mode(mode if isinstance(mode, str) else FULL, inner, *args, **kwargs)
     return inner(*args, **kwargs)
 
 
@@ -55,6 +65,24 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def _modes_from(plan_or_names: Any) -> dict[str, str]:
+    """Module name -> mode: a Plan's ``checkpoint`` mapping, a mapping given directly, or
+    names (every one ``full``)."""
+    modes = getattr(plan_or_names, "checkpoint", plan_or_names)
+    if isinstance(modes, Mapping):
+        out = {}
+        for name, mode in modes.items():
+            if mode not in MODES:
+                raise BadInputError(
+                    f"apply(): module {name!r} has mode {mode!r}.",
+                    hint=f"Modes are {', '.join(MODES)}.",
+                )
+            if mode != KEEP:
+                out[str(name)] = mode
+        return out
+    return dict.fromkeys(_names_from(plan_or_names), FULL)
 
 
 def _names_from(plan_or_names: Any) -> list[str]:
@@ -95,8 +123,10 @@ def apply(model: torch.nn.Module, plan_or_names: Any) -> list[str]:
     """Checkpoint exactly the named modules of ``model`` (non-reentrant, RNG state preserved,
     so dropout masks in the recompute match the forward).
 
-    ``plan_or_names`` is a memplan ``Plan`` (its ``checkpoint_layers``) or an iterable of
-    fully-qualified module names. Names are looked up in the unwrapped model (through DDP,
+    ``plan_or_names`` is a memplan ``Plan`` (its ``checkpoint``: each layer in its mode,
+    ``full``, ``selective`` or ``offload``; see memplan.modes), a mapping of module name to
+    mode, or an iterable of fully-qualified module names (``full``). ``offload`` needs CUDA
+    and is refused without it. Names are looked up in the unwrapped model (through DDP,
     DataParallel and ``torch.compile``). The instance's ``forward`` is patched; no wrapper
     module is inserted, so module names and ``state_dict`` keys do not change.
 
@@ -112,12 +142,13 @@ def apply(model: torch.nn.Module, plan_or_names: Any) -> list[str]:
     Returns the names now checkpointed. Raises ``BadInputError`` for a name not in the
     model, listing valid names with the closest matches first."""
     root = _unwrap(model)
-    names = _names_from(plan_or_names)
+    wanted = _modes_from(plan_or_names)  # ordered, duplicates dropped
     modules = dict(root.named_modules(remove_duplicate=False))
-    for name in names:
+    for name in wanted:
         if name not in modules:
             raise _unknown_name_error(name, [n for n in modules if n])
-    wanted = dict.fromkeys(names)  # ordered, duplicates dropped
+    if OFFLOAD in wanted.values():
+        require_offload_device()
 
     for name in checkpointed_names(root):
         if name not in wanted:
@@ -133,10 +164,11 @@ def apply(model: torch.nn.Module, plan_or_names: Any) -> list[str]:
         if _has_batchnorm_with_stats(module):
             with_batchnorm.append(name)
         if module.__dict__.get(_MARK):
+            module.__dict__[_MARK] = wanted[name]  # already patched: the mode may change
             continue
         module.__dict__[_SAVED_FORWARD] = module.__dict__.get("forward", _MISSING)
         module.__dict__["forward"] = types.MethodType(_checkpointed_forward, module)
-        module.__dict__[_MARK] = True
+        module.__dict__[_MARK] = wanted[name]
     if with_batchnorm:
         warnings.warn(
             f"memplan: checkpointed module(s) {', '.join(with_batchnorm)} contain BatchNorm: "
@@ -167,6 +199,15 @@ def remove(model: torch.nn.Module) -> list[str]:
     for name in restored:
         _restore(modules[name])
     return restored
+
+
+def checkpointed_modes(model: torch.nn.Module) -> dict[str, str]:
+    """Module name -> mode of every module ``apply`` has patched, in module order."""
+    return {
+        name: module.__dict__[_MARK]
+        for name, module in _unwrap(model).named_modules(remove_duplicate=False)
+        if module.__dict__.get(_MARK)
+    }
 
 
 def checkpointed_names(model: torch.nn.Module) -> list[str]:

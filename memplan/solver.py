@@ -31,12 +31,13 @@ is exactly brute force's. States that cannot be completed are dropped (``R[h]``,
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from fractions import Fraction
 from itertools import accumulate
 from operator import itemgetter
@@ -45,6 +46,16 @@ from memplan import memory, timing
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory import Peak, Reserve, Sharding, StepBounds
+from memplan.modes import (
+    FULL,
+    KEEP,
+    MODES,
+    OFFLOAD,
+    SELECTIVE,
+    TIE_BITS,
+    TIE_DIGIT,
+    parse_modes,
+)
 from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, ModelFingerprint, Plan, Prediction
 from memplan.profile import Profile
 from memplan.timing import MicroStepTimes, TimingMode
@@ -104,8 +115,24 @@ class SolveRequest:
     """Model file named in the plan; default: the profile's (``path`` or ``path:factory``)."""
     profile_path: str = ""
     """The profile file named in the plan."""
+    modes: tuple[str, ...] | None = None
+    """Modes a layer may take (memplan.modes; ``keep`` is always allowed). None: every mode
+    the profile and device support (``selective`` when the probe measured it, ``offload``
+    when planning for CUDA)."""
+    host_memory_bytes: int | None = None
+    """Host memory the offloaded layers of one rank may take together; None: no limit."""
 
     def __post_init__(self) -> None:
+        if self.modes is not None:
+            object.__setattr__(self, "modes", parse_modes(self.modes))
+        if self.host_memory_bytes is not None and (
+            isinstance(self.host_memory_bytes, bool)
+            or not isinstance(self.host_memory_bytes, int)
+            or self.host_memory_bytes < 0
+        ):
+            raise SolveRequestError(
+                f"host_memory_bytes must be a non-negative integer, got {self.host_memory_bytes!r}."
+            )
         for name in ("target_batch", "world_size", "min_micro", "bn_min_micro", "budget_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -152,7 +179,8 @@ class Candidate:
     """Fits the budget (allowed or not)."""
     chosen: bool
     checkpoint_layers: tuple[str, ...]
-    """Least-recompute set that fits; when nothing fits, the set of least peak."""
+    """Layers not kept in the least-cost assignment that fits; when nothing fits, in the
+    assignment of least peak."""
     n_checkpointed: int
     peak_bytes: int
     """Predicted peak of that set (when nothing fits: the least any set needs)."""
@@ -165,6 +193,8 @@ class Candidate:
     """Data-parallel strategy of this row (one row per strategy and micro-batch)."""
     grad_sync: GradSync = "last_micro_step"
     """FSDP with accumulation: when gradients are reduce-scattered (one row per way)."""
+    checkpoint: dict[str, str] = field(default_factory=dict)
+    """Layer -> mode for the layers in ``checkpoint_layers``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,6 +209,10 @@ class SolveResult:
 
 
 # --------------------------------------------------------------------------- the DP
+Costs = Mapping[str, Sequence[int]]
+"""Per mode other than keep: each layer's extra cost (whole picoseconds) in that mode."""
+
+
 def _cap_bytes(
     bounds: StepBounds, limit: int, forced_in: frozenset[int], forced_out: frozenset[int]
 ) -> list[int]:
@@ -189,56 +223,94 @@ def _cap_bytes(
     )
 
 
+def _efficient_mode(
+    bounds: StepBounds, costs: Costs, h: int, modes: Sequence[str]
+) -> tuple[str, Fraction] | None:
+    """Layer h's mode of least cost per byte saved among ``modes`` that save bytes (ties:
+    the larger saving, then MODES order), and that ratio."""
+    best = None
+    for mode in modes:
+        saving = bounds.saving(mode, h) if mode != KEEP else 0
+        if saving <= 0:
+            continue
+        ratio = Fraction(costs[mode][h], saving)
+        if best is None or (ratio, -saving) < (best[1], -best[2]):
+            best = (mode, ratio, saving)
+    return None if best is None else (best[0], best[1])
+
+
+def _fits(bounds: StepBounds, limit: int, assignment: Mapping[int, str]) -> bool:
+    if memory.bounds_peak_bytes(bounds, assignment) > limit:
+        return False
+    return bounds.host_limit_bytes is None or (
+        memory.host_total_bytes(bounds, assignment) <= bounds.host_limit_bytes
+    )
+
+
 def _greedy_cost(
     bounds: StepBounds,
     limit: int,
-    cost: Sequence[int],
+    costs: Costs,
     forced_in: frozenset[int],
     forced_out: frozenset[int],
 ) -> int | None:
-    """Cost of some set that fits, or None: the forced layers plus the fewest layers of best
-    recompute cost per byte saved (binary search on how many). Only an upper bound for
-    pruning the DP; its quality affects speed, never the answer."""
-    free = [
-        j
-        for j in range(len(cost))
-        if j not in forced_in and j not in forced_out and bounds.savings[j] > 0
-    ]
-    free.sort(key=lambda j: (cost[j] / bounds.savings[j], j))
+    """Cost of some assignment that fits, or None: the forced layers plus the fewest layers
+    of best cost per byte saved, each in its most efficient mode (binary search on how
+    many). Only an upper bound for pruning the DP; its quality affects speed, never the
+    answer."""
+    n = len(bounds.plain_bytes)
+    free: list[tuple[Fraction, int, str]] = []
+    forced: dict[int, str] = {}
+    for j in range(n):
+        if j in forced_out:
+            continue
+        allowed = [m for m in bounds.allowed(j, forced_in, forced_out) if m != KEEP]
+        best = _efficient_mode(bounds, costs, j, allowed)
+        if j in forced_in:
+            if not allowed:
+                return None
+            forced[j] = best[0] if best is not None else allowed[0]
+        elif best is not None:
+            free.append((best[1], j, best[0]))
+    free.sort(key=lambda item: (item[0], item[1]))
 
-    def fits(m: int) -> bool:
-        return memory.bounds_peak_bytes(bounds, forced_in.union(free[:m])) <= limit
+    def assignment(m: int) -> dict[int, str]:
+        return {**forced, **{j: mode for _, j, mode in free[:m]}}
 
-    if not fits(len(free)):
+    if not _fits(bounds, limit, assignment(len(free))):
         return None
     lo, hi = -1, len(free)  # fits(hi); smallest such m, assuming more layers never hurt
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if fits(mid):
+        if _fits(bounds, limit, assignment(mid)):
             hi = mid
         else:
             lo = mid
-    return sum(cost[j] for j in forced_in.union(free[:hi]))
+    return sum(costs[mode][j] for j, mode in assignment(hi).items())
 
 
 def _suffix_knapsacks(
-    bounds: StepBounds, cost: Sequence[int], forced_out: frozenset[int]
+    bounds: StepBounds, costs: Costs, forced_in: frozenset[int], forced_out: frozenset[int]
 ) -> list[tuple[list[int], list[int], list[tuple[int, int]]]]:
-    """For each layer i: the layers i .. n-1 that save bytes, by increasing cost per byte,
-    with running sums of savings and costs. The least cost of saving D bytes with a
-    fraction of a layer allowed (the fractional knapsack, read off these sums) is a lower
-    bound on the real least cost."""
-    n = len(cost)
+    """For each layer i: the layers i .. n-1 that can save bytes, by increasing cost per
+    byte, with running sums of savings and costs. Each is one item: its largest saving at
+    its least cost per byte over its modes (no mode does better, so this relaxes the
+    choice). The least cost of saving D bytes with a fraction of an item allowed (the
+    fractional knapsack, read off these sums) is a lower bound on the real least cost."""
+    n = len(bounds.plain_bytes)
     out: list[tuple[list[int], list[int], list[tuple[int, int]]]] = [([], [], [])] * (n + 1)
     ratios: list[Fraction] = []
     items: list[tuple[int, int]] = []
     for i in range(n - 1, -1, -1):
-        saving = bounds.savings[i]
-        if saving > 0 and i not in forced_out:
-            ratio = Fraction(cost[i], saving)
+        modes = [m for m in bounds.allowed(i, forced_in, forced_out) if m != KEEP]
+        best = _efficient_mode(bounds, costs, i, modes)
+        if best is not None and i not in forced_out:
+            saving = max(bounds.saving(m, i) for m in modes)
+            item_cost = math.floor(best[1] * saving)  # cost per byte no above any mode's
+            ratio = Fraction(item_cost, saving)
             at = bisect_right(ratios, ratio)
             ratios.insert(at, ratio)
-            items.insert(at, (cost[i], saving))
+            items.insert(at, (item_cost, saving))
             out[i] = (
                 list(accumulate(map(itemgetter(1), items))),
                 list(accumulate(map(itemgetter(0), items))),
@@ -246,6 +318,143 @@ def _suffix_knapsacks(
             )
         else:
             out[i] = out[i + 1]
+    return out
+
+
+def _pareto(merged: dict[tuple[int, int], int], host: bool) -> list[tuple[int, int, int]]:
+    """The states (P, H, key) no other state beats: one with more saving P, no more host
+    bytes H and no larger key is at least as good in every completion."""
+    states: list[tuple[int, int, int]] = []
+    if not host:
+        for prefix, used in sorted(merged, reverse=True):
+            key = merged[(prefix, used)]
+            if not states or key < states[-1][2]:
+                states.append((prefix, used, key))
+        return states
+    hosts: list[int] = []  # a staircase: host bytes rising, keys falling
+    keys: list[int] = []
+    for (prefix, used), key in sorted(merged.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        at = bisect_right(hosts, used)
+        if at and keys[at - 1] <= key:
+            continue
+        states.append((prefix, used, key))
+        end = at
+        while end < len(hosts) and keys[end] >= key:
+            end += 1
+        hosts[at:end] = [used]
+        keys[at:end] = [key]
+    return states
+
+
+def least_cost_modes(
+    bounds: StepBounds,
+    limit_bytes: int,
+    costs: Costs,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+    prune: bool = True,
+) -> dict[int, str] | None:
+    """The mode assignment (layer index -> mode, keep left out) of least total cost whose
+    allocated step peak is at most ``limit_bytes`` and, with offload, whose host bytes stay
+    within ``bounds.host_limit_bytes``; None when none fits. Layers take the modes of
+    ``bounds.modes``; ``forced_in`` layers any but keep, ``forced_out`` ones keep only.
+    Ties: fewer layers not kept, then the earliest differing layer in the mode first in
+    memplan.modes.TIE_DIGIT (for keep/full alone: the lexicographically smallest index
+    tuple). ``costs`` are non-negative integers. ``prune=False`` turns branch and bound
+    off (same answer, slower: for tests)."""
+    if bounds.optimizer_bytes > limit_bytes:
+        return None
+    floor = memory.feasible_floor_bytes(
+        bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out
+    )
+    if floor[0] > 0:
+        return None
+    n = len(bounds.savings)
+    limit = limit_bytes
+    cap = _cap_bytes(bounds, limit, forced_in, forced_out)
+    host_limit = bounds.host_limit_bytes if bounds.host_binding else None
+    use_host = host_limit is not None
+
+    # Branch and bound. A state (P, cost) before layer i still has to raise P to at least
+    # ``ahead[i] = max need of the points after layer i`` with layers i .. n-1, which costs
+    # at least what the fractional knapsack says. States whose cost plus that bound exceeds
+    # a known plan's cost cannot win.
+    upper = _greedy_cost(bounds, limit, costs, forced_in, forced_out) if prune else None
+    need_min = [0] * (n + 1)
+    need_min[n] = bounds.none_bytes[n] - limit
+    for h in range(n):
+        variants = [bounds.active(m, h) for m in bounds.allowed(h, forced_in, forced_out)]
+        need_min[h] = max(bounds.none_bytes[h], min(variants)) - limit
+    ahead: list[float] = [0] * (n + 1)  # ahead[i] = max(need_min[i+1 ..])
+    ahead[n] = -math.inf  # nothing after the last position
+    for i in range(n - 1, -1, -1):
+        ahead[i] = max(ahead[i + 1], need_min[i + 1])
+    knapsack = _suffix_knapsacks(bounds, costs, forced_in, forced_out) if upper is not None else []
+
+    # The key orders assignments by (cost, number not kept, then per layer the mode's
+    # TIE_DIGIT, earliest layer most significant) and is additive over layers: cost and
+    # count in the high bits, then n digits of TIE_BITS, layer j at digit n-1-j.
+    n1 = n + 1
+    width = TIE_BITS * n
+    mask = (1 << width) - 1
+    keep_digit = TIE_DIGIT[KEEP]
+    start_key = sum(keep_digit << (TIE_BITS * (n - 1 - j)) for j in range(n))
+    states: list[tuple[int, int, int]] = [(min(0, cap[0]), 0, start_key)]
+    for h in range(n):
+        none_need = bounds.none_bytes[h] - limit
+        next_floor, next_cap = floor[h + 1], cap[h + 1]
+        next_ahead = ahead[h + 1]
+        if upper is not None:
+            cum_saving, cum_cost, items = knapsack[h + 1]
+        shift = TIE_BITS * (n - 1 - h)
+        merged: dict[tuple[int, int], int] = {}
+        for mode in bounds.allowed(h, forced_in, forced_out):
+            need = max(none_need, bounds.active(mode, h) - limit)
+            saving = bounds.saving(mode, h)
+            host_add = bounds.host(mode, h) if use_host else 0
+            step = (
+                0
+                if mode == KEEP
+                else ((costs[mode][h] * n1 + 1) << width)
+                + ((TIE_DIGIT[mode] - keep_digit) << shift)
+            )
+            for prefix, used, key in states:
+                if prefix < need:
+                    continue
+                prefix += saving
+                key += step
+                used += host_add
+                if prefix < next_floor or (use_host and used > host_limit):
+                    continue
+                if prefix > next_cap:
+                    prefix = next_cap
+                if upper is not None:
+                    bound = (key >> width) // n1
+                    deficit = next_ahead - prefix
+                    if deficit > 0:  # least cost of the savings still missing
+                        k = bisect_left(cum_saving, deficit)
+                        if k == len(items):
+                            continue  # layers ahead cannot save that much
+                        before_s, before_c = (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
+                        item_cost, item_saving = items[k]
+                        bound += before_c + (deficit - before_s) * item_cost // item_saving
+                    if bound > upper:
+                        continue
+                old = merged.get((prefix, used))
+                if old is None or key < old:
+                    merged[(prefix, used)] = key
+        states = _pareto(merged, use_host)
+        if not states:  # host limit, or floor[0] <= 0 guarantees a state otherwise
+            return None
+    key = min(states, key=itemgetter(2))[2]
+    digits = key & mask
+    by_digit = {d: m for m, d in TIE_DIGIT.items()}
+    out = {}
+    for j in range(n):
+        mode = by_digit[(digits >> (TIE_BITS * (n - 1 - j))) & ((1 << TIE_BITS) - 1)]
+        if mode != KEEP:
+            out[j] = mode
     return out
 
 
@@ -258,96 +467,21 @@ def least_recompute_set(
     forced_out: frozenset[int] = frozenset(),
     prune: bool = True,
 ) -> tuple[int, ...] | None:
-    """The checkpoint set (layer indices, ascending) of least total ``cost`` whose allocated
-    step peak is at most ``limit_bytes``; None when no set fits. Ties: fewer layers, then
-    the lexicographically smallest index tuple. ``cost`` are non-negative integers.
-    ``prune=False`` turns branch and bound off (same answer, slower: for tests)."""
-    if bounds.optimizer_bytes > limit_bytes:
-        return None
-    floor = memory.feasible_floor_bytes(
-        bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out
+    """The checkpoint set (layer indices, ascending; every one fully checkpointed) of least
+    total ``cost`` whose allocated step peak is at most ``limit_bytes``; None when no set
+    fits. Ties: fewer layers, then the lexicographically smallest index tuple. The keep/full
+    case of :func:`least_cost_modes`."""
+    if bounds.modes != (KEEP, FULL):
+        bounds = dataclasses.replace(bounds, modes=(KEEP, FULL), host_limit_bytes=None)
+    chosen = least_cost_modes(
+        bounds,
+        limit_bytes,
+        {FULL: cost},
+        forced_in=forced_in,
+        forced_out=forced_out,
+        prune=prune,
     )
-    if floor[0] > 0:
-        return None
-    n = len(bounds.savings)
-    limit = limit_bytes
-    cap = _cap_bytes(bounds, limit, forced_in, forced_out)
-
-    # Branch and bound. A state (P, cost) before layer i still has to raise P to at least
-    # ``ahead[i] = max need of the points after layer i`` with layers i .. n-1, which costs
-    # at least the deficit times the best cost per byte among them (fractional knapsack).
-    # States whose cost plus that bound exceeds a known plan's cost cannot win.
-    upper = _greedy_cost(bounds, limit, cost, forced_in, forced_out) if prune else None
-    need_min = [0] * (n + 1)
-    need_min[n] = bounds.none_bytes[n] - limit
-    for h in range(n):
-        variants = []
-        if h not in forced_in:
-            variants.append(bounds.plain_bytes[h])
-        if h not in forced_out:
-            variants.append(bounds.ckpt_bytes[h])
-        need_min[h] = max(bounds.none_bytes[h], min(variants)) - limit
-    ahead: list[float] = [0] * (n + 1)  # ahead[i] = max(need_min[i+1 ..])
-    ahead[n] = -math.inf  # nothing after the last position
-    for i in range(n - 1, -1, -1):
-        ahead[i] = max(ahead[i + 1], need_min[i + 1])
-    knapsack = _suffix_knapsacks(bounds, cost, forced_out) if upper is not None else []
-
-    # The key orders sets by (cost, size, then earlier layers first) and is additive over
-    # layers: cost and size in the high bits, then n bits with layer j at bit n-1-j stored
-    # complemented, so a smaller key checkpoints the earliest differing layer.
-    n1 = n + 1
-    mask = (1 << n) - 1
-    delta = [((cost[j] * n1 + 1) << n) - (1 << (n - 1 - j)) for j in range(n)]
-    states: list[tuple[int, int]] = [(min(0, cap[0]), mask)]  # (P, key), P and key falling
-    for h in range(n):
-        none_need = bounds.none_bytes[h] - limit
-        need_plain = max(none_need, bounds.plain_bytes[h] - limit)
-        need_ckpt = max(none_need, bounds.ckpt_bytes[h] - limit)
-        next_floor, next_cap, saving, step = floor[h + 1], cap[h + 1], bounds.savings[h], delta[h]
-        next_ahead = ahead[h + 1]
-        if upper is not None:
-            cum_saving, cum_cost, items = knapsack[h + 1]
-        merged: dict[int, int] = {}
-        for take in (False, True):
-            if (take and h in forced_out) or (not take and h in forced_in):
-                continue
-            need = need_ckpt if take else need_plain
-            for prefix, key in states:
-                if prefix < need:
-                    continue
-                if take:
-                    prefix += saving
-                    key += step
-                if prefix < next_floor:
-                    continue
-                if prefix > next_cap:
-                    prefix = next_cap
-                if upper is not None:
-                    bound = (key >> n) // n1
-                    deficit = next_ahead - prefix
-                    if deficit > 0:  # least cost of the savings still missing
-                        k = bisect_left(cum_saving, deficit)
-                        if k == len(items):
-                            continue  # layers ahead cannot save that much
-                        before_s, before_c = (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
-                        item_cost, item_saving = items[k]
-                        bound += before_c + (deficit - before_s) * item_cost // item_saving
-                    if bound > upper:
-                        continue
-                old = merged.get(prefix)
-                if old is None or key < old:
-                    merged[prefix] = key
-        states = []
-        for prefix in sorted(merged, reverse=True):  # keep the Pareto front only
-            key = merged[prefix]
-            if not states or key < states[-1][1]:
-                states.append((prefix, key))
-        if not states:  # cannot happen when floor[0] <= 0; kept for safety
-            return None
-    key = states[-1][1]
-    bits = mask - (key & mask)
-    return tuple(j for j in range(n) if (bits >> (n - 1 - j)) & 1)
+    return None if chosen is None else tuple(chosen)
 
 
 # --------------------------------------------------------------------------- splits
@@ -460,6 +594,57 @@ def _has_batchnorm(profile: Profile) -> bool:
     return profile.has_batchnorm or any(layer.has_batchnorm for layer in profile.layers)
 
 
+# --------------------------------------------------------------------------- modes
+def _resolve_modes(
+    profile: Profile, request: SolveRequest, forced_in: frozenset[int]
+) -> tuple[tuple[str, ...], float]:
+    """The modes this solve may use and the host link's bytes per second (for offload).
+    Default: keep and full always, selective when the probe measured it, offload when
+    planning for CUDA with a known host link. Asked-for modes the profile or device cannot
+    do are an error that says why."""
+    cuda = memory.plans_for_cuda(profile, request.device_spec)
+    link, link_source = timing.host_link_bandwidth(request.device_spec)
+    can = {KEEP: "", FULL: ""}
+    why_not = {}
+    if memory.has_selective(profile):
+        can[SELECTIVE] = ""
+    else:
+        why_not[SELECTIVE] = (
+            "the profile has no measurement of it (probed by an older memplan, or on meta)"
+        )
+    if not cuda:
+        why_not[OFFLOAD] = "offload moves saved tensors to pinned host memory: CUDA only"
+    elif link <= 0:
+        why_not[OFFLOAD] = f"no host-link bandwidth to time it ({link_source})"
+    else:
+        can[OFFLOAD] = ""
+    if request.modes is None:
+        modes = tuple(m for m in MODES if m in can)
+    else:
+        bad = [m for m in request.modes if m not in can]
+        if bad:
+            raise BadInputError(
+                f"--modes asks for {', '.join(bad)}, which this plan cannot use: "
+                + "; ".join(f"{m}: {why_not[m]}" for m in bad)
+                + ".",
+                hint=f"Leave {', '.join(bad)} out of --modes"
+                + (
+                    ", or probe again with this memplan (on cpu or cuda)"
+                    if SELECTIVE in bad
+                    else ""
+                )
+                + (", or plan for a GPU (--device-profile NAME)" if OFFLOAD in bad else "")
+                + ".",
+            )
+        modes = request.modes
+    if forced_in and modes == (KEEP,):
+        raise BadInputError(
+            "always_checkpoint names layers, but --modes allows keep only.",
+            hint="Add a checkpoint mode to --modes (e.g. keep,full).",
+        )
+    return modes, link
+
+
 # --------------------------------------------------------------------------- names
 def _resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozenset[int]:
     index = {name: i for i, name in enumerate(profile.layer_names)}
@@ -505,7 +690,8 @@ class _Option:
     accumulation_steps: int
     allowed: bool
     fits: bool
-    checkpointed: tuple[int, ...]
+    checkpointed: dict[int, str]
+    """Layer index -> mode, for the layers not kept."""
     peak: Peak
     times: MicroStepTimes
     step_seconds: float
@@ -541,6 +727,10 @@ class _Context:
     """Interconnect bytes per second for the communication time."""
     bandwidth_source: str = ""
     strategies: tuple[str, ...] = ("ddp",)
+    modes: tuple[str, ...] = (KEEP, FULL)
+    """Modes a layer may take in this solve."""
+    host_link: float = 0.0
+    """Host link bytes per second, for offload times (0: no offload)."""
 
 
 def _sharding(ctx: _Context, strategy: str, grad_sync: GradSync = "last_micro_step") -> Sharding:
@@ -564,19 +754,35 @@ def _evaluate(
 ) -> _Option:
     profile = ctx.profile
     sharding = _sharding(ctx, strategy, grad_sync)
-    bounds = memory.step_bounds(profile, micro_batch, accumulation, sharding)
+    bounds = memory.step_bounds(
+        profile,
+        micro_batch,
+        accumulation,
+        sharding,
+        modes=ctx.modes,
+        host_limit_bytes=ctx.request.host_memory_bytes,
+    )
     times = timing.micro_step_times(
         profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
     )
-    cost = [
-        timing.to_picoseconds(times.checkpoint_seconds(i)) for i in range(len(times.fwd_seconds))
-    ]
+    if OFFLOAD in ctx.modes:
+        times = timing.with_offload(times, timing.offload_seconds(bounds.host_bytes, ctx.host_link))
+    n = len(times.fwd_seconds)
+    costs = {
+        mode: [timing.to_picoseconds(times.mode_seconds(i, mode)) for i in range(n)]
+        for mode in ctx.modes
+        if mode != KEEP
+    }
     forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
-    chosen = least_recompute_set(bounds, ctx.limit_bytes, cost, **forced)
+    chosen = least_cost_modes(bounds, ctx.limit_bytes, costs, **forced)
     fits = chosen is not None
     if chosen is None:
         least = memory.min_allocated_bytes(bounds, **forced)
-        chosen = least_recompute_set(bounds, least, cost, **forced)
+        chosen = least_cost_modes(bounds, least, costs, **forced)
+        if chosen is None:  # the host limit binds there: the least peak within it
+            chosen = least_cost_modes(
+                dataclasses.replace(bounds, host_limit_bytes=None), least, costs, **forced
+            )
         assert chosen is not None, "the least peak is reachable by definition"
     peak = memory.step_peak(
         profile, micro_batch, chosen, accumulation, reserve=ctx.reserve, sharding=sharding
@@ -633,7 +839,9 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
         accumulation_steps=option.accumulation_steps,
         world_size=request.world_size,
         strategy=option.strategy,
-        checkpoint_layers=_names(profile, option.checkpointed),
+        checkpoint={
+            profile.layer_names[i]: mode for i, mode in sorted(option.checkpointed.items())
+        },
         shard_units=profile.layer_names if option.strategy == "fsdp" else (),
         shard_unit_types=tuple(dict.fromkeys(layer.module_type for layer in profile.layers))
         if option.strategy == "fsdp"
@@ -765,7 +973,10 @@ def _setup(profile: Profile, request: SolveRequest, *, limit_bytes: int | None =
     )
     bandwidth, bandwidth_source = timing.interconnect_bandwidth(request.device_spec)
     strategies = _strategies(profile, request)
+    modes, host_link = _resolve_modes(profile, request, forced_in)
     ctx = _Context(
+        modes=modes,
+        host_link=host_link,
         profile=profile,
         request=request,
         forced_in=forced_in,
@@ -925,6 +1136,9 @@ def _candidate(
         chosen=chosen,
         checkpoint_layers=_names(ctx.profile, option.checkpointed),
         n_checkpointed=len(option.checkpointed),
+        checkpoint={
+            ctx.profile.layer_names[i]: mode for i, mode in sorted(option.checkpointed.items())
+        },
         peak_bytes=option.peak.peak_bytes,
         step_seconds=option.step_seconds,
         samples_per_second=target / option.step_seconds if option.step_seconds > 0 else math.inf,
@@ -1141,13 +1355,24 @@ def _reasons(
             else f"; without it micro-batch {best.micro_batch} would need "
             f"{format_bytes(plain.peak_bytes)}"
         )
+        used = sorted(set(best.checkpointed.values()), key=MODES.index)
+        what = (
+            "checkpointing"
+            if used == [FULL]
+            else "changing the mode of ("
+            + ", ".join(
+                f"{sum(m == mode for m in best.checkpointed.values())} {mode}" for mode in used
+            )
+            + ")"
+        )
         reasons.append(
-            f"checkpointing {len(names)} of {n} layers ({_short_list(names)}): the least "
-            f"recompute that fits, +{format_seconds(recompute)} per micro-step "
+            f"{what} {len(names)} of {n} layers ({_short_list(names)}): the least "
+            f"extra time that fits, +{format_seconds(recompute)} per micro-step "
             f"({recompute / micro:.0%} of it){without}"
             if micro > 0
-            else f"checkpointing {len(names)} of {n} layers ({_short_list(names)}){without}"
+            else f"{what} {len(names)} of {n} layers ({_short_list(names)}){without}"
         )
+        reasons.extend(_layer_mode_reasons(ctx, best))
     reasons.append(
         f"peak {format_bytes(best.peak.peak_bytes)} during {best.peak.where}: "
         f"{_breakdown_text(best.peak)}"
@@ -1164,6 +1389,58 @@ def _reasons(
         reasons.append(f"BatchNorm floor of {request.bn_min_micro} waived, as requested")
     reasons.append(source_reason)
     return reasons
+
+
+def _layer_mode_reasons(ctx: _Context, best: _Option) -> list[str]:
+    """One line per layer not kept: its mode, what it frees and costs, and why no cheaper
+    mode of that layer would do (with the other layers as they are, the plan would then
+    exceed the budget or the host memory: the plan is the least-time one, so every cheaper
+    swap fails). Then one line for the kept layers."""
+    profile = ctx.profile
+    bounds = memory.step_bounds(
+        profile,
+        best.micro_batch,
+        best.accumulation_steps,
+        _sharding(ctx, best.strategy, best.grad_sync),
+        modes=ctx.modes,
+        host_limit_bytes=ctx.request.host_memory_bytes,
+    )
+    lines = []
+    for i, mode in sorted(best.checkpointed.items()):
+        cost = best.times.mode_seconds(i, mode)
+        text = (
+            f"{profile.layer_names[i]}: {mode}, frees {format_bytes(bounds.saving(mode, i))} "
+            f"while held, +{format_seconds(cost)} per micro-step"
+        )
+        worse = []
+        for other in bounds.allowed(i, ctx.forced_in, ctx.forced_out):
+            if other == mode or best.times.mode_seconds(i, other) > cost:
+                continue
+            swapped = {**best.checkpointed, i: other}
+            swapped = {j: m for j, m in swapped.items() if m != KEEP}
+            over = memory.bounds_peak_bytes(bounds, swapped) - ctx.limit_bytes
+            host = ctx.request.host_memory_bytes
+            if over > 0:
+                worse.append(f"{other} would exceed the budget by {format_bytes(over)}")
+            elif host is not None and memory.host_total_bytes(bounds, swapped) > host:
+                worse.append(f"{other} would exceed --host-memory")
+            else:
+                worse.append(f"{other} fits at equal time (tie-break)")
+        if worse:
+            text += ": " + "; ".join(worse)
+        elif mode == FULL and len(ctx.modes) > 2:
+            text += ": no cheaper mode of this layer saves bytes"
+        lines.append(text)
+    kept = [name for i, name in enumerate(profile.layer_names) if i not in best.checkpointed]
+    if kept and len(ctx.modes) > 2:
+        lines.append(f"kept ({len(kept)}): {_short_list(kept)}: keeping costs nothing")
+    modes_line = "layer modes considered: " + ", ".join(ctx.modes)
+    missing = [m for m in MODES if m not in ctx.modes]
+    if missing:
+        modes_line += f" (not {', '.join(missing)}"
+        modes_line += ": --modes)" if ctx.request.modes is not None else ")"
+    lines.append(modes_line)
+    return lines
 
 
 def _warnings(ctx: _Context, best: _Option) -> list[str]:

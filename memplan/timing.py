@@ -14,12 +14,14 @@ target hardware is always preferred; the roofline is for ranking plans before on
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
+from memplan.modes import FULL, KEEP, SELECTIVE
 from memplan.profile import Affine, Layer, Profile
 
 TimingSource = Literal["measured", "roofline"]
@@ -53,9 +55,32 @@ class MicroStepTimes:
     recompute_seconds: tuple[float, ...] = ()
     """Per layer: extra time per micro-step when checkpointed (measured); empty: one
     forward (``fwd_seconds``), as for roofline times."""
+    selective_seconds: tuple[float, ...] = ()
+    """Per layer: extra time per micro-step under selective checkpointing (measured);
+    empty when not measured."""
+    offload_seconds: tuple[float, ...] = ()
+    """Per layer: extra time per micro-step when offloaded (modelled from the host link:
+    :func:`offload_seconds`); empty when offload is not planned."""
 
     def checkpoint_seconds(self, layer: int) -> float:
         return self.recompute_seconds[layer] if self.recompute_seconds else self.fwd_seconds[layer]
+
+    def mode_seconds(self, layer: int, mode: str) -> float:
+        """Extra time per micro-step of ``layer`` in ``mode``."""
+        if mode == KEEP:
+            return 0.0
+        if mode == FULL:
+            return self.checkpoint_seconds(layer)
+        series = self.selective_seconds if mode == SELECTIVE else self.offload_seconds
+        if not series:
+            raise ValueError(f"no {mode} times for this plan")
+        return series[layer]
+
+
+def _modes(checkpointed: Iterable[int] | Mapping[int, str]) -> list[tuple[int, str]]:
+    if isinstance(checkpointed, Mapping):
+        return [(i, m) for i, m in checkpointed.items() if m != KEEP]
+    return [(i, FULL) for i in checkpointed]
 
 
 def _seconds(value: Affine, micro_batch: int) -> float:
@@ -109,9 +134,12 @@ def _structure_key(layer: Layer) -> tuple:
     )
 
 
-def pooled_layer_seconds(profile: Profile) -> tuple[list[Affine], list[Affine], list[Affine]]:
-    """Per layer (fwd, bwd, recompute) time fits, each the mean over the layers of identical
-    structure; recompute is empty when the profile has no measured recompute times.
+def pooled_layer_seconds(
+    profile: Profile,
+) -> tuple[list[Affine], list[Affine], list[Affine], list[Affine]]:
+    """Per layer (fwd, bwd, recompute, selective recompute) time fits, each the mean over
+    the layers of identical structure; recompute (selective) is empty when the profile has
+    no measured recompute (selective) times.
 
     Repeated blocks do the same work, so their measured times differ only by noise (one
     timed run each, on a machine doing other things). Left alone, that noise decides which
@@ -124,10 +152,12 @@ def pooled_layer_seconds(profile: Profile) -> tuple[list[Affine], list[Affine], 
     bwd = [layer.bwd_seconds for layer in profile.layers]
     measured = [layer.recompute_seconds for layer in profile.layers]
     recompute = measured if all(r is not None for r in measured) else []
+    sel = [layer.selective_recompute_seconds for layer in profile.layers]
+    selective = sel if sel and all(r is not None for r in sel) else []
     for members in groups.values():
         if len(members) < 2:
             continue
-        for series in (fwd, bwd, recompute):
+        for series in (fwd, bwd, recompute, selective):
             if not series:
                 continue
             mean = Affine(
@@ -136,17 +166,18 @@ def pooled_layer_seconds(profile: Profile) -> tuple[list[Affine], list[Affine], 
             )
             for i in members:
                 series[i] = mean
-    return fwd, bwd, recompute
+    return fwd, bwd, recompute, selective  # type: ignore[return-value]
 
 
 def measured_times(profile: Profile, micro_batch: int) -> MicroStepTimes:
-    fwd, bwd, recompute = pooled_layer_seconds(profile)
+    fwd, bwd, recompute, selective = pooled_layer_seconds(profile)
     return MicroStepTimes(
         micro_batch=micro_batch,
         fixed_seconds=_seconds(profile.step_fixed_seconds, micro_batch),
         fwd_seconds=tuple(_seconds(value, micro_batch) for value in fwd),
         bwd_seconds=tuple(_seconds(value, micro_batch) for value in bwd),
         recompute_seconds=tuple(_seconds(value, micro_batch) for value in recompute),
+        selective_seconds=tuple(_seconds(value, micro_batch) for value in selective),
         optimizer_step_seconds=_seconds(profile.optimizer_step_seconds, micro_batch),
         source="measured",
     )
@@ -220,19 +251,26 @@ def micro_step_times(
     return measured_times(profile, micro_batch)
 
 
-def recompute_seconds(times: MicroStepTimes, checkpointed: Iterable[int]) -> float:
-    """Extra time per micro-step of checkpointing: measured per layer where the profile
-    has it, else one more forward of every checkpointed layer."""
-    return sum(times.checkpoint_seconds(i) for i in checkpointed)
+def recompute_seconds(
+    times: MicroStepTimes, checkpointed: Iterable[int] | Mapping[int, str]
+) -> float:
+    """Extra time per micro-step of checkpointing (a set: full; a mapping: per mode):
+    measured per layer where the profile has it, else one more forward of every fully
+    checkpointed layer."""
+    return sum(times.mode_seconds(i, m) for i, m in _modes(checkpointed))
 
 
-def micro_step_seconds(times: MicroStepTimes, checkpointed: Iterable[int] = ()) -> float:
+def micro_step_seconds(
+    times: MicroStepTimes, checkpointed: Iterable[int] | Mapping[int, str] = ()
+) -> float:
     plain = times.fixed_seconds + sum(times.fwd_seconds) + sum(times.bwd_seconds)
     return plain + recompute_seconds(times, checkpointed)
 
 
 def step_seconds(
-    times: MicroStepTimes, accumulation_steps: int, checkpointed: Iterable[int] = ()
+    times: MicroStepTimes,
+    accumulation_steps: int,
+    checkpointed: Iterable[int] | Mapping[int, str] = (),
 ) -> float:
     """One optimizer step: ``accumulation_steps`` micro-steps, then the optimizer."""
     return (
@@ -251,16 +289,52 @@ def to_picoseconds(seconds: float) -> int:
 
 
 def step_picoseconds(
-    times: MicroStepTimes, accumulation_steps: int, checkpointed: Iterable[int] = ()
+    times: MicroStepTimes,
+    accumulation_steps: int,
+    checkpointed: Iterable[int] | Mapping[int, str] = (),
 ) -> int:
     """:func:`step_seconds` with every term rounded to whole picoseconds: the solver's cost."""
     micro = (
         to_picoseconds(times.fixed_seconds)
         + sum(to_picoseconds(t) for t in times.fwd_seconds)
         + sum(to_picoseconds(t) for t in times.bwd_seconds)
-        + sum(to_picoseconds(times.checkpoint_seconds(i)) for i in checkpointed)
+        + sum(to_picoseconds(times.mode_seconds(i, m)) for i, m in _modes(checkpointed))
     )
     return accumulation_steps * micro + to_picoseconds(times.optimizer_step_seconds)
+
+
+# --------------------------------------------------------------------------- offload
+# A CUDA profile planned with no device spec: PCIe 4.0 x16, 32 GB/s per direction raw
+# (PCI-SIG), of which about 25 GB/s reach pinned host memory in practice (CUDA samples'
+# bandwidthTest on A100 PCIe systems reports 24-26 GB/s).
+DEFAULT_HOST_LINK_BYTES_PER_SECOND = 25e9
+
+
+def host_link_bandwidth(device_spec: DeviceSpec | None) -> tuple[float, str]:
+    """Bytes per second between the GPU and host memory, and where the figure comes from."""
+    if device_spec is not None:
+        if device_spec.host_link_bandwidth > 0:
+            return device_spec.host_link_bandwidth, f"{device_spec.display_name} host link"
+        return 0.0, f"{device_spec.display_name} has no host_link_bandwidth"
+    return DEFAULT_HOST_LINK_BYTES_PER_SECOND, "memplan's default: PCIe 4.0 x16"
+
+
+def offload_seconds(
+    host_bytes: Iterable[int], host_link_bytes_per_second: float
+) -> tuple[float, ...]:
+    """Per layer: extra seconds per micro-step of offloading ``host_bytes`` — the copy to
+    host in forward plus the copy back in backward, at the host link's rate, counted
+    without overlap. ``save_on_cpu(pin_memory=True)`` copies into pinned memory with a
+    blocking ``copy_`` in forward (torch/autograd/graph.py), so the forward copy does not
+    overlap compute; the copy back is ``non_blocking`` and may partly overlap: an upper
+    bound."""
+    if host_link_bytes_per_second <= 0:
+        raise ValueError("host_link_bytes_per_second must be positive")
+    return tuple(2 * b / host_link_bytes_per_second for b in host_bytes)
+
+
+def with_offload(times: MicroStepTimes, seconds: tuple[float, ...]) -> MicroStepTimes:
+    return dataclasses.replace(times, offload_seconds=seconds)
 
 
 # --------------------------------------------------------------------------- communication

@@ -360,7 +360,7 @@ def test_a_corrupt_plan_or_foreign_layers_exit_2(files, tmp_path):
     result = invoke(
         "report", files["plan"], "-o", tmp_path / "r.html", "--profile", tmp_path / "other.yaml"
     )
-    assert "checkpoint_layers" in plan_text
+    assert "checkpoint:" in plan_text
     assert result.exit_code == 2, result.output
     assert "not a checkpoint candidate" in " ".join(result.output.split())
 

@@ -27,10 +27,14 @@ def batch_equation(plan: Plan) -> str:
 
 
 def layers_phrase(plan: Plan) -> str:
-    """``3 layers (transformer.h.0, transformer.h.1, transformer.h.2)``; long lists elided."""
-    names = plan.checkpoint_layers
+    """``3 layers (transformer.h.0, transformer.h.1, transformer.h.2)``; long lists elided.
+    With modes other than ``full`` (memplan.modes), each name says its mode:
+    ``2 layers (h.0 selective, h.1 full)``."""
+    names = list(plan.checkpoint_layers)
     if not names:
         return "no layers"
+    if any(mode != "full" for mode in plan.checkpoint.values()):
+        names = [f"{name} {plan.checkpoint[name]}" for name in names]
     shown = list(names[:_MAX_LAYERS_SHOWN])
     if len(names) > _MAX_LAYERS_SHOWN:
         shown.append(f"… {len(names) - _MAX_LAYERS_SHOWN} more")

@@ -36,7 +36,14 @@ def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | No
     checkpointed; when the plan checkpoints all of them, Trainer's own
     ``gradient_checkpointing`` is switched on instead of asking for ``memplan.apply``."""
     layers = set(plan.checkpoint_layers)
-    all_layers = bool(layers) and candidate_layers is not None and layers == set(candidate_layers)
+    # Trainer's gradient_checkpointing is full checkpointing of every block: only then.
+    all_full = all(mode == "full" for mode in plan.checkpoint.values())
+    all_layers = (
+        bool(layers)
+        and all_full
+        and candidate_layers is not None
+        and layers == set(candidate_layers)
+    )
     notes = [*summary(plan, model_path=model_path), ""]
     notes += ["Load: HfArgumentParser((TrainingArguments,)).parse_yaml_file(this_file)"]
     if plan.world_size > 1:
@@ -55,8 +62,9 @@ def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | No
         ]
     else:
         notes += [
-            f"Selective activation checkpointing: the plan checkpoints {layers_phrase(plan)}.",
-            "TrainingArguments.gradient_checkpointing is all-or-nothing, so it is false here.",
+            f"Per-layer activation checkpointing: the plan checkpoints {layers_phrase(plan)}.",
+            "TrainingArguments.gradient_checkpointing is all-or-nothing (full checkpointing of "
+            "every block), so it is false here.",
             "Apply exactly the plan's layers to the model yourself, before building the Trainer:",
             "",
             *apply_snippet("model"),

@@ -7,7 +7,8 @@ prediction with a measurement made by the same instrument that fed it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +16,9 @@ import torch
 
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import ModelFile, load_model_file
+from memplan.modes import FULL, KEEP
 from memplan.probe.backends import make_backend
-from memplan.probe.checkpointing import checkpointed
+from memplan.probe.checkpointing import checkpointed, in_mode
 from memplan.probe.tracker import resident_tensors
 from memplan.runtime import disable_kv_cache
 
@@ -49,11 +51,13 @@ def measure_training_peak(
     steps: int = 2,
     *,
     device_profile: str | None = None,
+    checkpoint_modes: Mapping[str, str] | None = None,
 ) -> MeasuredRun:
     """``steps`` real optimizer steps (each: zero_grad(set_to_none=True), then
     ``accumulation_steps`` micro-steps of ``micro_batch`` samples with the loss scaled by
     1/accumulation, then ``optimizer.step()``) after one warm-up step, with the named
-    modules checkpointed (non-reentrant). Returns the tracker's peak and the step time."""
+    modules checkpointed (non-reentrant), or each module of ``checkpoint_modes`` in its mode
+    (memplan.modes). Returns the tracker's peak and the step time."""
     if micro_batch < 1 or accumulation_steps < 1 or steps < 1:
         raise BadInputError("micro_batch, accumulation_steps and steps must be positive.")
     mf = model_file if isinstance(model_file, ModelFile) else load_model_file(str(model_file))
@@ -62,7 +66,9 @@ def measure_training_peak(
     disable_kv_cache(model)  # as the probe and memplan.apply do
     optimizer = mf.make_optimizer(model)
     modules = dict(model.named_modules())
-    names = tuple(checkpoint_layers)
+    modes = dict(checkpoint_modes) if checkpoint_modes is not None else {}
+    names = tuple(modes) if checkpoint_modes is not None else tuple(checkpoint_layers)
+    full = [n for n in names if modes.get(n, FULL) == FULL]
     unknown = [n for n in names if n not in modules or not n]
     if unknown:
         raise BadInputError(
@@ -85,7 +91,14 @@ def measure_training_peak(
         optimizer.step()
 
     try:
-        with checkpointed((modules[n] for n in names), context_fn=backend.checkpoint_context_fn()):
+        with (
+            checkpointed((modules[n] for n in full), context_fn=backend.checkpoint_context_fn()),
+            ExitStack() as stack,
+        ):
+            for mode in sorted(set(modes.values()) - {FULL, KEEP}):
+                stack.enter_context(
+                    in_mode([modules[n] for n, m in modes.items() if m == mode], mode)
+                )
             with backend.guard():
                 one_step()  # warm-up: optimizer state exists from here on
             if backend.device == "cuda":

@@ -4,7 +4,8 @@ Per probed micro-batch size, after a warm-up step (so optimizer state exists):
 phase ``no_grads`` (gradients set to None), phase ``grads_resident`` (again, without
 zeroing), the optimizer step; one untracked micro-step and optimizer step for times (the
 tracker's own overhead stays out of them); then both phases again with every candidate
-layer checkpointed. Each point of each segment is fitted across sizes (profile.py's module
+layer checkpointed, and (not on meta) again with every layer under selective checkpointing
+(memplan.modes), so that any mix of keep, selective and full is predicted exactly. Each point of each segment is fitted across sizes (profile.py's module
 docstring says how the solver reads them).
 """
 
@@ -26,8 +27,9 @@ import memplan.runtime
 from memplan.devices import local_gpu
 from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
 from memplan.loader import ModelFile, batch_tensors, load_model_file
+from memplan.modes import SELECTIVE
 from memplan.probe.backends import Backend, make_backend
-from memplan.probe.checkpointing import checkpointed
+from memplan.probe.checkpointing import checkpointed, in_mode
 from memplan.probe.dedup import ForwardMisses
 from memplan.probe.fitting import add_affine, fit_affine, fit_seconds, sum_affine, undominated
 from memplan.probe.layers import (
@@ -113,6 +115,11 @@ class SizeRuns:
     """Untracked all-checkpointed micro-step (None on meta: no real times)."""
     batch_bytes: int = 0
     """Bytes of the batch's tensors (made on the host by ``make_batch``)."""
+    sel_no_grads: Run | None = None
+    sel_grads_resident: Run | None = None
+    """Both phases with every layer under selective checkpointing (None on meta)."""
+    sel_timing: StepRecord | None = None
+    """Untracked all-selective micro-step (None on meta)."""
 
 
 @dataclass(slots=True)
@@ -264,7 +271,8 @@ class TimedSize:
     size: int
     timing: StepRecord
     optimizer_seconds: float
-    ckpt_timing: StepRecord
+    ckpt_timing: StepRecord | None
+    sel_timing: StepRecord | None = None
 
 
 def _median_record(session: Session, batch: Any) -> StepRecord:
@@ -278,16 +286,23 @@ def _median_record(session: Session, batch: Any) -> StepRecord:
     return records[len(records) // 2]
 
 
-def time_size(session: Session, batch: Any) -> tuple[StepRecord, float, StepRecord]:
-    """Untracked, so the tracker's overhead stays out of the times."""
+def time_size(
+    session: Session, batch: Any
+) -> tuple[StepRecord, float, StepRecord, StepRecord | None]:
+    """Untracked, so the tracker's overhead stays out of the times: plain, optimizer step,
+    all-checkpointed and all-selective (None on meta) micro-steps."""
     with checkpointed(session.layers, context_fn=session.backend.checkpoint_context_fn()):
         ckpt = _median_record(session, batch)
+    selective = None
+    if session.backend.device != "meta":
+        with in_mode(session.layers, SELECTIVE):
+            selective = _median_record(session, batch)
     plain = _median_record(session, batch)
     optimizer_seconds = statistics.median(
         session.timed_optimizer_step() for _ in range(TIMING_REPEATS)
     )
     session.zero_grad()
-    return plain, optimizer_seconds, ckpt
+    return plain, optimizer_seconds, ckpt, selective
 
 
 def time_extra_size(session: Session, size: int) -> TimedSize | None:
@@ -297,13 +312,13 @@ def time_extra_size(session: Session, size: int) -> TimedSize | None:
     Skipped (None) when it does not fit the device."""
     try:
         batch = session.backend.batch(session.model_file, size)
-        timing, optimizer_seconds, ckpt_timing = time_size(session, batch)
+        timing, optimizer_seconds, ckpt_timing, sel_timing = time_size(session, batch)
     except torch.OutOfMemoryError:
         session.zero_grad()
         gc.collect()
         torch.cuda.empty_cache()
         return None
-    return TimedSize(size, timing, optimizer_seconds, ckpt_timing)
+    return TimedSize(size, timing, optimizer_seconds, ckpt_timing, sel_timing)
 
 
 def available_bytes(device: str) -> int | None:
@@ -356,11 +371,11 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     grads, state = _grad_and_state_bytes(session.model, session.optimizer)
     tick(f"b={size}: optimizer step")
     session.zero_grad()
-    ckpt_timing = None
+    ckpt_timing = sel_timing = None
     if backend.device == "meta":
         timing, optimizer_seconds = no_grads.record, optimizer.virtual_seconds
     else:
-        timing, optimizer_seconds, ckpt_timing = time_size(session, batch)
+        timing, optimizer_seconds, ckpt_timing, sel_timing = time_size(session, batch)
     tick(f"b={size}: timing")
     with checkpointed(session.layers, context_fn=backend.checkpoint_context_fn()):
         ckpt_no_grads = session.tracked_step(batch)
@@ -368,6 +383,13 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         ckpt_grads_resident = session.tracked_step(batch)
         tick(f"b={size}: checkpointed grads_resident")
     session.zero_grad()
+    sel_no_grads = sel_grads_resident = None
+    if backend.device != "meta":
+        with in_mode(session.layers, SELECTIVE):
+            sel_no_grads = session.tracked_step(batch)
+            sel_grads_resident = session.tracked_step(batch)
+        tick(f"b={size}: selective")
+        session.zero_grad()
     assert timing is not None
     return SizeRuns(
         size,
@@ -382,6 +404,9 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         state,
         ckpt_timing,
         sum(t.numel() * t.element_size() for t in batch_tensors(batch)),
+        sel_no_grads,
+        sel_grads_resident,
+        sel_timing,
     )
 
 
@@ -463,7 +488,13 @@ def _nth_occurrences(
 
 
 def _timeline(
-    sizes: list[int], plain: list[Run], ckpt: list[Run], savings: list[Affine], warnings: list[str]
+    sizes: list[int],
+    plain: list[Run],
+    ckpt: list[Run],
+    savings: list[Affine],
+    warnings: list[str],
+    selective: list[Run] | None = None,
+    selective_savings: list[Affine] | None = None,
 ) -> tuple[tuple[Segment, ...], bool]:
     per_size = [run.segments() for run in plain]
     keys = [[key for key, _ in segs] for segs in per_size]
@@ -477,6 +508,7 @@ def _timeline(
         stable = False
     plain_occ = [_nth_occurrences(segs) for segs in per_size]
     ckpt_occ = [_nth_occurrences(run.segments()) for run in ckpt]
+    sel_occ = [_nth_occurrences(run.segments()) for run in selective] if selective else None
     order = list(plain_occ[-1].keys())
     excluded: set[int] = set()
     segments = []
@@ -500,8 +532,23 @@ def _timeline(
                     "checkpointed run; its no-checkpoint points are used."
                 )
                 ckpt_points = undominated(points)
+        sel_points: tuple[Point, ...] = ()
+        if active != "none" and sel_occ is not None and selective_savings is not None:
+            if all(occ in c for c in sel_occ):
+                raw, ok = _fit_series(sizes, [c[occ] for c in sel_occ], excluded)
+                stable &= ok
+                shift = sum_affine(selective_savings[:held])
+                sel_points = undominated([add_affine(p, shift) for p in raw])
+            else:
+                sel_points = undominated(points)
         segments.append(
-            Segment(held=held, active=active, points=undominated(points), ckpt_points=ckpt_points)
+            Segment(
+                held=held,
+                active=active,
+                points=undominated(points),
+                ckpt_points=ckpt_points,
+                selective_points=sel_points,
+            )
         )
     if excluded:
         warnings.append(
@@ -562,7 +609,13 @@ def _consistent_runs(runs: list[SizeRuns], warnings: list[str]) -> list[SizeRuns
     def same(a: SizeRuns, b: SizeRuns) -> bool:
         return all(
             _same_sequence(getattr(a, phase), getattr(b, phase))
-            for phase in ("no_grads", "grads_resident", "ckpt_no_grads", "ckpt_grads_resident")
+            for phase in (
+                "no_grads",
+                "grads_resident",
+                "ckpt_no_grads",
+                "ckpt_grads_resident",
+                *(("sel_no_grads", "sel_grads_resident") if a.sel_no_grads else ()),
+            )
         )
 
     groups: list[list[SizeRuns]] = []
@@ -601,14 +654,14 @@ def _late_difference(plain: list[tuple[int, bool]], ckpt: list[tuple[int, bool]]
     return total
 
 
-def _savings(r: SizeRuns, j: int) -> int:
+def _savings(r: SizeRuns, j: int, mode_run: str = "ckpt_no_grads") -> int:
     """What checkpointing layer j frees while it is held, measured: what its forward keeps
     beyond its inputs (plain minus checkpointed, at its forward's end), plus its outputs
     when, by the end of the forward, only the plain run still keeps them (a consumer that
     saves nothing, like interpolate or cat, lets the checkpointed outputs go once it ran),
     minus its inputs when only the checkpoint keeps them (an input that needs no gradient,
     from a frozen embedding, is kept by nothing else)."""
-    plain, ckpt = r.no_grads.record, r.ckpt_no_grads.record
+    plain, ckpt = r.no_grads.record, getattr(r, mode_run).record
     assert plain is not None and ckpt is not None
     x, y = plain.layers[j], ckpt.layers[j]
     own = (x.post_live - x.pre_live) - (y.post_live - y.pre_live)
@@ -627,7 +680,9 @@ def assemble(
     probed = tuple(r.size for r in runs)
     runs = _consistent_runs(runs, warnings)
     sizes = [r.size for r in runs]
-    timed = [TimedSize(r.size, r.timing, r.optimizer_seconds, r.ckpt_timing) for r in runs]
+    timed = [
+        TimedSize(r.size, r.timing, r.optimizer_seconds, r.ckpt_timing, r.sel_timing) for r in runs
+    ]
     if extra_timed is not None:
         timed.append(extra_timed)
     time_sizes = [t.size for t in timed]
@@ -649,6 +704,13 @@ def assemble(
         return rec(run, j).post_live - rec(run, j).pre_live
 
     savings = [layer_series(_savings, j) for j in range(n_layers)]
+    has_sel = all(r.sel_no_grads is not None for r in runs)
+    sel_savings = (
+        [layer_series(lambda r, j: _savings(r, j, "sel_no_grads"), j) for j in range(n_layers)]
+        if has_sel
+        else None
+    )
+    sel_timed = all(t.sel_timing is not None for t in timed)
 
     layers = []
     for j, name in enumerate(session.layer_names):
@@ -708,6 +770,12 @@ def assemble(
                 else layer_seconds(
                     lambda t, j: _layer_seconds(t.ckpt_timing, j) - _layer_seconds(t.timing, j), j
                 ),
+                selective_savings_bytes=sel_savings[j] if sel_savings else None,
+                selective_recompute_seconds=layer_seconds(
+                    lambda t, j: _layer_seconds(t.sel_timing, j) - _layer_seconds(t.timing, j), j
+                )
+                if sel_savings and sel_timed
+                else None,
                 affine=is_affine,
                 has_batchnorm=has_batchnorm(module),
             )
@@ -789,6 +857,8 @@ def assemble(
             [getattr(r, f"ckpt_{phase}") for r in runs],
             savings,
             warnings,
+            [getattr(r, f"sel_{phase}") for r in runs] if has_sel else None,
+            sel_savings,
         )
         timeline[phase] = segs
         stable &= ok
@@ -879,7 +949,9 @@ def probe_model(
             f"micro_batches {tuple(micro_batches)} must hold at least two distinct positive sizes.",
             hint="For example 1,2,4: affine fits need two sizes; three give a residual.",
         )
-    total = 2 + 6 * len(sizes) + 1 + (device != "meta")  # + the timing-only size
+    total = (
+        2 + (6 + (device != "meta")) * len(sizes) + 1 + (device != "meta")
+    )  # + the timing-only size
     done = 0
 
     def tick(what: str) -> None:
@@ -983,6 +1055,7 @@ def _probe(
                 r.ckpt_no_grads.peak_bytes,
                 r.ckpt_grads_resident.peak_bytes,
                 r.optimizer.peak_bytes,
+                *(run.peak_bytes for run in (r.sel_no_grads, r.sel_grads_resident) if run),
             )
             if allocated and abs(allocated - tracked) > 0.05 * allocated:
                 session.warnings.append(

@@ -132,7 +132,7 @@ class Report:
 def predicted_timeline(
     profile: Profile,
     micro_batch: int,
-    checkpointed: frozenset[int],
+    checkpointed: frozenset[int] | dict[int, str],
     accumulation_steps: int,
     *,
     reserve: Reserve = memory.NO_RESERVE,
@@ -141,8 +141,8 @@ def predicted_timeline(
     """Every segment of one optimizer step, as memory.step_peak walks them. With
     accumulation the gradients-resident micro-step is drawn once (micro-steps 2..k are
     identical)."""
-    savings = memory.savings_bytes(profile, micro_batch)
-    held = memory.held_savings_prefix_bytes(savings, checkpointed)
+    # ``checkpointed``: a set (full) or a mapping of layer index to mode (memplan.modes).
+    held = memory.held_mode_prefix_bytes(profile, micro_batch, checkpointed)
     names = profile.layer_names
     k = accumulation_steps
     bars: list[TimelineBar] = []
@@ -194,7 +194,10 @@ def predicted_timeline(
         label = "micro-step 1" if phase == memory.PHASE_NO_GRADS else _later_steps(k)
         for index, segment in enumerate(profile.timeline[phase]):
             # The same sum as memory.micro_step_peak_bytes, segment by segment.
-            top = memory.segment_points_bytes(segment, micro_batch, segment.held in checkpointed)
+            mode = (
+                memory.mode_of(checkpointed, segment.held) if segment.held < len(names) else "keep"
+            )
+            top = memory.segment_points_bytes(segment, micro_batch, mode)
             value = top - held[segment.held]
             if sharding != memory.SINGLE:
                 value += memory.segment_adjust_bytes(profile, sharding, phase, index, k)
@@ -217,7 +220,7 @@ def layer_rows(
     profile: Profile,
     micro_batch: int,
     accumulation_steps: int,
-    checkpointed: frozenset[int],
+    checkpointed: frozenset[int] | dict[int, str],
     times: timing.MicroStepTimes,
 ) -> tuple[LayerRow, ...]:
     savings = memory.savings_bytes(profile, micro_batch)
@@ -245,7 +248,7 @@ def plan_report(
 ) -> Report:
     """The report of a plan solved from ``profile``. Says so in ``notes`` when the profile
     no longer predicts the plan's peak (it changed since the plan was solved)."""
-    chosen = memory.layer_indices(profile, plan.checkpoint_layers)
+    chosen = memory.layer_modes(profile, plan.checkpoint)
     reserve = memory.reserve_for(profile, device_spec)
     sharding = memory.sharding_for(plan)
     line = predicted_timeline(

@@ -1,0 +1,243 @@
+"""Per-layer modes (memplan.modes) on the model zoo: does choosing keep / selective / full
+per layer beat keep-or-full at a binding budget, and is its peak still predicted?
+
+Target effective batch 16, budget 70% of the measured no-checkpoint peak of one micro-batch
+of 16 (binding: the plain plan at micro-batch 16 does not fit). Per family:
+
+* the best plan with every mode the profile supports (on CPU: keep, selective, full;
+  offload is CUDA only), the best keep/full plan (``--modes keep,full``: what memplan chose
+  before modes), and full checkpointing (every layer full, best micro-batch);
+* their step times measured in one run with interleaved repeats (``median_step_seconds``:
+  every configuration steps once per round, so a slow spell hits all alike); identical
+  plans are measured once;
+* the all-modes plan's peak measured by an independent run that applies it with
+  ``memplan.apply`` (``memplan.verify.verify_plan``), against its prediction and the budget.
+
+Bar: all-modes ≥ 0.98× the keep/full plan's speed on every family and ≥ 1.05× on at least
+one; peak within 5% of the prediction and within the budget. Raw rows:
+``bench/results/<device>-modes.csv``."""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+
+from bench import zoo_common as zc
+from memplan import memory
+from memplan.errors import NoPlanFitsError
+from memplan.plan import Plan
+from memplan.probe.checkpointing import in_mode
+from memplan.profile import Profile
+from memplan.solver import SolveRequest, solve
+from memplan.verify import verify_plan
+
+FAMILIES = ("gpt_lm", "vit", "unet", "lora", "uneven_mlp", "resnet_bn")
+FRACTION = 0.7
+ROUNDS = 15
+WARM_STEPS = 3
+"""Untimed steps per configuration first: a new model's first steps are slow (allocator
+and oneDNN warm-up) for longer than median_step_seconds' one warm-up round."""
+SPEED_FLOOR = 0.98
+SPEED_GAIN = 1.05
+PEAK_TOLERANCE = 0.05
+
+
+class ModeTrainer(zc.Trainer):
+    """zoo_common's Trainer with each layer in its plan's mode."""
+
+    def __init__(self, case: zc.Case, plan: Plan, device: str) -> None:
+        self.modes = dict(plan.checkpoint)
+        super().__init__(
+            case=case,
+            micro=plan.micro_batch_size,
+            accumulation=plan.accumulation_steps,
+            layers=tuple(self.modes),
+            device=device,
+        )
+
+    def checkpointing(self):
+        stack = ExitStack()
+        modules = dict(self.model.named_modules())
+        for mode in sorted(set(self.modes.values())):
+            stack.enter_context(
+                in_mode([modules[n] for n, m in self.modes.items() if m == mode], mode)
+            )
+        return stack
+
+
+def _solve(case: zc.Case, profile: Profile, budget: int, min_micro: int, **kwargs) -> Plan | None:
+    request = SolveRequest(
+        min_micro=min_micro,
+        target_batch=zc.TARGET,
+        budget_bytes=budget,
+        model_path=case.path,
+        profile_path="(in memory)",
+        allow_small_bn_micro=True,
+        **kwargs,
+    )
+    try:
+        return solve(profile, request).plan
+    except NoPlanFitsError:
+        return None
+
+
+def _key(plan: Plan) -> tuple:
+    return (plan.micro_batch_size, tuple(sorted(plan.checkpoint.items())))
+
+
+def _describe(plan: Plan | None) -> str:
+    if plan is None:
+        return "none fits"
+    counts: dict[str, int] = {}
+    for mode in plan.checkpoint.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "all kept"
+    return f"{plan.micro_batch_size}×{plan.accumulation_steps}, {modes}"
+
+
+def _fixed_budget(profile: Profile, base: int) -> int:
+    """Halfway between the least peak any plan of micro-batch TARGET needs (every mode
+    allowed) and its measured no-checkpoint peak, before the solver's 3% margin."""
+    bounds = memory.step_bounds(profile, zc.TARGET, 1, modes=memory.available_modes(profile))
+    least = memory.min_allocated_bytes(bounds)
+    return int((least + 0.5 * (base - least)) / (1 - memory.DEFAULT_MARGIN))
+
+
+def family_row(case: zc.Case, device: str, min_micro: int = 1) -> dict:
+    started = time.perf_counter()
+    profile = zc.probed(case, device).profile
+    base = zc.measured(case, device, zc.TARGET, 1, ()).peak_bytes
+    budget = int(FRACTION * base) if min_micro == 1 else _fixed_budget(profile, base)
+    plans = {
+        "all modes": _solve(case, profile, budget, min_micro),
+        "keep/full": _solve(case, profile, budget, min_micro, modes="keep,full"),
+        "full ckpt": _solve(
+            case,
+            profile,
+            budget,
+            min_micro,
+            modes="keep,full",
+            always_checkpoint=profile.layer_names,
+        ),
+    }
+    row: dict = {
+        "case": case.name,
+        "micro_batch": "any" if min_micro == 1 else f"{min_micro} (fixed)",
+        "layers": len(profile.layer_names),
+        "budget_bytes": budget,
+        "base_bytes": base,
+        **{f"plan {name}": _describe(plan) for name, plan in plans.items()},
+    }
+    distinct: dict[tuple, Plan] = {}
+    for plan in plans.values():
+        if plan is not None:
+            distinct.setdefault(_key(plan), plan)
+    trainers = [ModeTrainer(case, plan, device) for plan in distinct.values()]
+    for trainer in trainers:
+        with trainer.checkpointing():
+            for _ in range(WARM_STEPS):
+                trainer.step()
+    seconds = dict(zip(distinct, zc.median_step_seconds(trainers, ROUNDS), strict=True))
+    for name, plan in plans.items():
+        row[f"s {name}"] = seconds[_key(plan)] if plan is not None else None
+    best = plans["all modes"]
+    if best is not None:
+        kf, fc = row["s keep/full"], row["s full ckpt"]
+        row["speedup vs keep/full"] = kf / row["s all modes"] if kf else None
+        row["speedup vs full ckpt"] = fc / row["s all modes"] if fc else None
+        verified = verify_plan(case.path, best, steps=1, device=device, check_gradients=False)
+        row["predicted_bytes"] = best.predicted.peak_bytes
+        row["measured_bytes"] = verified.measured_peak_bytes
+        row["peak_error"] = zc.relative_error(
+            best.predicted.peak_bytes, verified.measured_peak_bytes
+        )
+        row["within_budget"] = verified.measured_peak_bytes <= budget
+    row["seconds"] = time.perf_counter() - started
+    print(
+        f"  {case.name}: {row.get('plan all modes')} vs {row.get('plan keep/full')}: "
+        f"×{row.get('speedup vs keep/full') or float('nan'):.3f}, peak error "
+        f"{row.get('peak_error', float('nan')):+.2%} ({row['seconds']:.0f} s)",
+        flush=True,
+    )
+    return row
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _line(r: dict) -> str:
+    return (
+        f"| {r['case']} | {r['plan all modes']} | {r['plan keep/full']} | "
+        f"{r['plan full ckpt']} | {_fmt(r.get('speedup vs keep/full'), '.3f')} | "
+        f"{_fmt(r.get('speedup vs full ckpt'), '.3f')} | "
+        f"{zc.mib(r['predicted_bytes']) if 'predicted_bytes' in r else '–'} | "
+        f"{zc.mib(r['measured_bytes']) if 'measured_bytes' in r else '–'} | "
+        f"{_fmt(r.get('peak_error'), '+.2%')} | {r.get('within_budget', '–')} |"
+    )
+
+
+def run(device: str) -> str:
+    cases, skipped = zc.available_cases()
+    chosen = [c for c in cases if c.name in FAMILIES]
+    rows = [family_row(case, device) for case in chosen]
+    fixed = [family_row(case, device, min_micro=zc.TARGET) for case in chosen]
+    zc.write_csv(zc.RESULTS / f"{device}-modes.csv", rows + fixed)
+    measured = [r for r in rows if r.get("speedup vs keep/full") is not None]
+    floor_ok = all(r["speedup vs keep/full"] >= SPEED_FLOOR for r in measured)
+    gains = [r["case"] for r in measured if r["speedup vs keep/full"] >= SPEED_GAIN]
+    peaks_ok = all(abs(r["peak_error"]) <= PEAK_TOLERANCE and r["within_budget"] for r in measured)
+    header = [
+        "| family | all modes | keep/full | full ckpt | × vs keep/full | × vs full ckpt | "
+        "predicted | measured | error | within budget |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines = [
+        "### Per-layer modes at a binding budget (`bench/modes.py`)\n",
+        f"Target batch {zc.TARGET}, budget {FRACTION:.0%} of the measured no-checkpoint peak of "
+        f"micro-batch {zc.TARGET}. Plans: every mode the profile supports (on {device}: "
+        + ("keep, selective, full" if device == "cpu" else "keep, selective, full, offload")
+        + "), the best keep/full plan (`--modes keep,full`), and every layer fully "
+        "checkpointed. Times: median of "
+        f"{ROUNDS} interleaved steps in one run (identical plans measured once). Peak: an "
+        "independent `verify_plan` run applying the all-modes plan with `memplan.apply`.\n",
+        "**The bar's setting: any micro-batch dividing 16.**\n",
+        *header,
+    ]
+    lines += [_line(r) for r in rows]
+    lines += [
+        "",
+        f"**Micro-batch fixed at {zc.TARGET}** (`--min-micro {zc.TARGET}`: e.g. for "
+        "BatchNorm statistics), budget halfway between the least peak any plan of "
+        f"micro-batch {zc.TARGET} needs and its no-checkpoint peak: only checkpointing can "
+        "make it fit, so the modes decide the speed.\n",
+        *header,
+    ]
+    lines += [_line(r) for r in fixed]
+    fixed_measured = [r for r in fixed if r.get("speedup vs keep/full") is not None]
+    if fixed_measured:
+        ratios = [r["speedup vs keep/full"] for r in fixed_measured]
+        lines += [
+            "",
+            f"Fixed micro-batch: all modes vs keep/full ×{min(ratios):.3f} to "
+            f"×{max(ratios):.3f}; peaks within {PEAK_TOLERANCE:.0%} and budget: "
+            + (
+                "yes"
+                if all(
+                    abs(r["peak_error"]) <= PEAK_TOLERANCE and r["within_budget"]
+                    for r in fixed_measured
+                )
+                else "NO"
+            )
+            + ".",
+        ]
+    lines += [
+        "",
+        f"Bar (first table): all modes ≥ {SPEED_FLOOR}× keep/full everywhere: "
+        f"{'PASS' if floor_ok and measured else 'FAIL'}; ≥ {SPEED_GAIN}× on at least one "
+        f"family: {'PASS (' + ', '.join(gains) + ')' if gains else 'FAIL'}; peak within "
+        f"{PEAK_TOLERANCE:.0%} of the prediction and within budget: "
+        f"{'PASS' if peaks_ok and measured else 'FAIL'}.",
+    ]
+    lines += [f"- {note}" for note in skipped]
+    return "\n".join(lines) + "\n"

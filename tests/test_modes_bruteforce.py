@@ -1,0 +1,269 @@
+"""The solver with per-layer modes against brute force over every assignment of
+layers × modes, on random profiles (any numbers, savings of either sign, ties frequent).
+
+The oracle computes peaks straight from the segments with its own loop (each segment's
+points for the active layer's mode, less the held layers' savings in their modes), times
+with its own sums, and ranks fitting plans by the documented order: (step time in whole
+picoseconds, number of layers not kept, larger micro-batch, then per layer the mode's tie
+digit, earliest layer first). Also: a larger budget never gives a slower plan."""
+
+import dataclasses
+import itertools
+import math
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from profiles_factory import raw_profile
+
+from memplan import memory, timing
+from memplan.devices import DeviceSpec
+from memplan.errors import NoPlanFitsError
+from memplan.profile import Affine, Segment
+from memplan.solver import SolveRequest, least_cost_modes, solve
+
+small_ints = st.integers(0, 3000)
+slopes = st.integers(0, 120)
+times = st.sampled_from([0.0, 0.125, 0.25, 0.5])  # few values: ties are frequent
+LINK = 64.0  # host link, bytes per second: offload times on the 0.125 s grid (ties)
+SPEC = DeviceSpec(
+    name="test-gpu",
+    display_name="Test GPU",
+    memory_bytes=10**9,
+    bf16_flops=1e12,
+    fp16_flops=1e12,
+    fp32_flops=1e12,
+    memory_bandwidth=1e12,
+    host_link_bandwidth=LINK,
+)
+
+
+def pts(draw, lo=1, hi=3):
+    return tuple(draw(st.lists(st.tuples(small_ints, slopes), min_size=lo, max_size=hi)))
+
+
+@st.composite
+def segments(draw, n):
+    out = []
+    for _ in range(draw(st.integers(1, 2 * n + 3))):
+        held = draw(st.integers(0, n))
+        active = "none" if held == n else draw(st.sampled_from(["none", "fwd", "bwd"]))
+        extra = {} if active == "none" else {"ckpt_points": pts(draw, 1, 2)}
+        if active != "none":
+            extra["selective_points"] = pts(draw, 1, 2)
+        out.append(Segment(held=held, active=active, points=pts(draw), **extra))
+    return out
+
+
+def affine(draw, lo, hi, slo, shi):
+    return Affine(intercept=draw(st.integers(lo, hi)), slope=draw(st.integers(slo, shi)))
+
+
+@st.composite
+def problems(draw, max_layers=5):
+    n = draw(st.integers(1, max_layers))
+    profile = raw_profile(
+        savings=[affine(draw, -30, 300, -3, 40) for _ in range(n)],
+        fwd_seconds=[Affine(intercept=draw(times), slope=draw(times)) for _ in range(n)],
+        bwd_seconds=[Affine(intercept=draw(times), slope=draw(times)) for _ in range(n)],
+        timeline={"no_grads": draw(segments(n)), "grads_resident": draw(segments(n))},
+        optimizer_peak=Affine(intercept=draw(small_ints), slope=draw(st.integers(0, 20))),
+        step_fixed_seconds=Affine(intercept=draw(times), slope=draw(times)),
+        optimizer_seconds=draw(times),
+        names=[f"blocks.{i}" for i in range(n)],
+    )
+    layers = tuple(
+        dataclasses.replace(
+            layer,
+            selective_savings_bytes=affine(draw, -30, 300, -3, 40),
+            selective_recompute_seconds=Affine(intercept=draw(times), slope=draw(times)),
+            # what offload moves: small multiples of 4 B, so its time ties with others
+            saved_bytes=Affine(
+                intercept=draw(st.sampled_from([0, 4, 8, 16, 32])),
+                slope=draw(st.sampled_from([0, 4, 8])),
+            ),
+        )
+        for layer in profile.layers
+    )
+    profile = dataclasses.replace(profile, layers=layers)
+    offload = draw(st.booleans())
+    modes = draw(
+        st.sampled_from(
+            ["keep,selective,full,offload", "keep,selective,full", "keep,offload", "keep,full"]
+            if offload
+            else ["keep,selective,full", "keep,selective", "keep,full"]
+        )
+    )
+    if "offload" not in modes:
+        offload = False
+    target = draw(st.sampled_from([1, 2, 4, 6, 8]))
+    # Budgets from below the least any plan needs to above the plain peak: some fit, some
+    # not, many only with a mix of modes.
+    all_modes = tuple(m for m in ("keep", "selective", "full", "offload") if m in modes)
+    low = memory.min_allocated_bytes(memory.step_bounds(profile, 1, target, modes=all_modes))
+    high = memory.step_peak(profile, target, [], 1).allocated_bytes
+    reserve = memory.reserve_for(profile, SPEC if offload else None)
+    allocated = draw(st.integers(max(1, low - 20), max(2, low + 20, high)))
+    request = SolveRequest(
+        target_batch=target,
+        budget_bytes=allocated + reserve.bytes_for(allocated),
+        margin=0.0,
+        modes=modes,
+        device_spec=SPEC if offload else None,
+        host_memory_bytes=draw(st.sampled_from([None, 0, 16, 64, 200])) if offload else None,
+        always_checkpoint=tuple(
+            f"blocks.{i}" for i in sorted(draw(st.sets(st.integers(0, n - 1), max_size=1)))
+        ),
+    )
+    return profile, request
+
+
+def oracle_peak(profile, b, k, assignment):
+    n = len(profile.layers)
+
+    def saving(j):
+        mode = assignment[j]
+        layer = profile.layers[j]
+        if mode == "keep":
+            return 0
+        if mode == "selective":
+            return math.floor(layer.selective_savings_bytes.at(b))
+        return math.floor(layer.savings_bytes.at(b))  # full and offload
+
+    best = math.ceil(profile.optimizer_step_peak_bytes.at(b))
+    for phase in ("no_grads",) if k == 1 else ("no_grads", "grads_resident"):
+        for seg in profile.timeline[phase]:
+            mode = assignment[seg.held] if seg.held < n else "keep"
+            points = seg.points
+            if seg.active != "none" and mode == "full":
+                points = seg.ckpt_points
+            elif seg.active != "none" and mode == "selective":
+                points = seg.selective_points
+            top = max(math.ceil(p[0] + p[1] * b) for p in points)
+            best = max(best, top - sum(saving(j) for j in range(seg.held)))
+    return best
+
+
+def oracle_picoseconds(profile, b, k, assignment, link):
+    """Step time from the per-layer times memplan.timing pools over identical layers (the
+    modes' sums are the oracle's own; offload from the host link)."""
+    ps = timing.to_picoseconds
+    t = timing.micro_step_times(profile, b)
+    micro = ps(t.fixed_seconds) + sum(map(ps, t.fwd_seconds)) + sum(map(ps, t.bwd_seconds))
+    for j, mode in enumerate(assignment):
+        if mode == "full":
+            micro += ps(t.fwd_seconds[j])  # no measured recompute: one forward
+        elif mode == "selective":
+            micro += ps(t.selective_seconds[j])
+        elif mode == "offload":
+            micro += ps(2 * max(math.ceil(profile.layers[j].saved_bytes.at(b)), 0) / link)
+    return k * micro + ps(t.optimizer_step_seconds)
+
+
+def brute_force(profile, request):
+    n = len(profile.layers)
+    modes = request.modes
+    always = {int(name.split(".")[1]) for name in request.always_checkpoint}
+    micro = [b for b in range(1, request.target_batch + 1) if request.target_batch % b == 0]
+    reserve = memory.reserve_for(profile, request.device_spec)
+    limit = memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
+    best, least = None, None
+    for b in micro:
+        k = request.target_batch // b
+        for assignment in itertools.product(modes, repeat=n):
+            if any(assignment[j] == "keep" for j in always):
+                continue
+            peak = oracle_peak(profile, b, k, assignment)
+            host = sum(
+                max(math.ceil(profile.layers[j].saved_bytes.at(b)), 0)
+                for j in range(n)
+                if assignment[j] == "offload"
+            )
+            least = peak if least is None else min(least, peak)
+            if peak > limit or (
+                request.host_memory_bytes is not None and host > request.host_memory_bytes
+            ):
+                continue
+            rank = (
+                oracle_picoseconds(profile, b, k, assignment, LINK),
+                sum(m != "keep" for m in assignment),
+                -b,
+                tuple({"full": 0, "selective": 1, "offload": 2, "keep": 3}[m] for m in assignment),
+            )
+            if best is None or rank < best[0]:
+                best = (rank, b, assignment, peak)
+    return best, least, reserve
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems())
+def test_solver_with_modes_matches_brute_force(problem):
+    profile, request = problem
+    best, least, reserve = brute_force(profile, request)
+    if best is None:
+        event("nothing fits")
+        try:
+            solve(profile, request)
+        except NoPlanFitsError as exc:
+            assert exc.min_peak_bytes == least + reserve.bytes_for(least)
+            return
+        raise AssertionError("expected NoPlanFitsError")
+    _, b, assignment, peak = best
+    used = sorted(set(assignment) - {"keep"})
+    event(f"modes used: {used}")
+    event("a mix of modes" if len(used) > 1 else "one mode or none")
+    plan = solve(profile, request).plan
+    names = profile.layer_names
+    assert plan.micro_batch_size == b
+    assert plan.checkpoint == {names[j]: m for j, m in enumerate(assignment) if m != "keep"}
+    assert plan.predicted.peak_bytes == peak + reserve.bytes_for(peak)
+    assert memory.plan_peak(profile, plan, request.device_spec).allocated_bytes == peak
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems(max_layers=6), data=st.data())
+def test_branch_and_bound_and_the_host_staircase_never_change_the_answer(problem, data):
+    profile, request = problem
+    b, k = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 2))
+    host = data.draw(st.sampled_from([None, 0, 16, 64, 200]))
+    bounds = memory.step_bounds(profile, b, k, modes=request.modes, host_limit_bytes=host)
+    low = memory.min_allocated_bytes(bounds)
+    limit = data.draw(st.integers(low - 5, max(low, memory.bounds_peak_bytes(bounds, []))))
+    costs = {
+        m: [data.draw(st.sampled_from([0, 1, 2, 5])) for _ in profile.layers]
+        for m in request.modes
+        if m != "keep"
+    }
+    fast = least_cost_modes(bounds, limit, costs)
+    slow = least_cost_modes(bounds, limit, costs, prune=False)
+    assert fast == slow
+    # and the exhaustive answer
+    n = len(profile.layers)
+    best = None
+    for assignment in itertools.product(request.modes, repeat=n):
+        chosen = {j: m for j, m in enumerate(assignment) if m != "keep"}
+        if memory.bounds_peak_bytes(bounds, chosen) > limit:
+            continue
+        if host is not None and memory.host_total_bytes(bounds, chosen) > host:
+            continue
+        rank = (
+            sum(costs[m][j] for j, m in chosen.items()),
+            len(chosen),
+            tuple({"full": 0, "selective": 1, "offload": 2, "keep": 3}[m] for m in assignment),
+        )
+        if best is None or rank < best[0]:
+            best = (rank, chosen)
+    assert fast == (None if best is None else best[1])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=problems(), extra=st.integers(1, 5000))
+def test_a_larger_budget_is_never_slower(problem, extra):
+    profile, request = problem
+    try:
+        small = solve(profile, request).plan
+    except NoPlanFitsError:
+        return
+    larger = dataclasses.replace(request, budget_bytes=request.budget_bytes + extra)
+    big = solve(profile, larger).plan
+    assert big.predicted.step_seconds <= small.predicted.step_seconds + 1e-12
+    event("faster" if big.predicted.step_seconds < small.predicted.step_seconds else "same")
