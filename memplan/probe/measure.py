@@ -20,7 +20,7 @@ from memplan.modes import FULL, KEEP
 from memplan.probe.backends import make_backend
 from memplan.probe.checkpointing import checkpointed, in_mode
 from memplan.probe.tracker import resident_tensors
-from memplan.runtime import disable_kv_cache
+from memplan.training_state import disable_kv_cache
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
