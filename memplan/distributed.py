@@ -32,15 +32,9 @@ N × k × micro samples (the data-parallel form of the accumulation rule of docs
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import shutil
-import signal
 import socket
-import sys
-import tempfile
-import threading
 import time
 import traceback
 import weakref
@@ -56,6 +50,7 @@ from memplan.distributed_grads import gradient_check, gradient_error
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
+from memplan.rank_lifetime import RunFolder, die_with_parent
 from memplan.verify import (
     GradientCheck,
     Verdict,
@@ -192,43 +187,10 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _die_with_parent(parent_pid: int, folder: Path) -> None:
-    """A rank must not outlive the ``memplan verify`` that started it (killed by SIGKILL,
-    it cannot kill its ranks itself). Linux: the kernel sends SIGTERM when the parent dies
-    (``prctl(PR_SET_PDEATHSIG)``, see prctl(2)); elsewhere a thread watches the parent pid.
-    Either way an orphaned rank removes the run's temporary folder and exits 143 at once, without
-    the traceback a KeyboardInterrupt in atexit would print. Ctrl-C reaches the whole
-    process group: ranks ignore it and let the parent end them."""
-
-    def parent_gone(signum: int = signal.SIGTERM, frame: Any = None) -> None:
-        if os.getppid() != parent_pid:  # else the parent ended us and reads the folder
-            shutil.rmtree(folder, ignore_errors=True)
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, parent_gone)
-    armed = False
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            pr_set_pdeathsig = 1
-            armed = libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0) == 0
-    if os.getppid() != parent_pid:  # it died before the line above took effect
-        parent_gone()
-    if not armed:
-
-        def watch() -> None:
-            while os.getppid() == parent_pid:
-                time.sleep(0.5)
-            parent_gone()
-
-        threading.Thread(target=watch, daemon=True).start()
-
-
 def _worker(rank: int, config: dict[str, Any]) -> None:
     """One rank. Writes ``rank<r>.json`` (result or error) into ``config['folder']``."""
     folder = Path(config["folder"])
-    _die_with_parent(int(config["parent_pid"]), folder)
+    die_with_parent(int(config["parent_pid"]), folder)
     try:
         result = _run_rank(rank, config)
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
@@ -423,8 +385,8 @@ def verify_distributed(
 
     from memplan.schema import to_data
 
-    with tempfile.TemporaryDirectory(prefix="memplan-dist-") as tmp:
-        folder = Path(tmp)
+    with RunFolder() as run:  # the ranks and this folder end with us: memplan.rank_lifetime
+        folder = run.path
         config = {
             "folder": str(folder),
             "parent_pid": os.getpid(),
@@ -456,6 +418,7 @@ def verify_distributed(
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+        run.watch(process.pid for process in context.processes)
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
@@ -483,6 +446,7 @@ def verify_distributed(
                 if process.is_alive():
                     process.kill()
                     process.join(5)
+            run.ranks_ended()
         progress(1, 1, "done")
         raw = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 

@@ -1,6 +1,8 @@
 """A tiny model file that misbehaves on request (tests/test_trust.py, tests/test_fuzz.py):
 MEMPLAN_TEST_MISBEHAVE names what it does — exit at import or in build_model, print,
-raise, return meta tensors or NaN losses. Unset, it is a well-behaved two-block MLP."""
+raise, return meta tensors or NaN losses. Unset, it is a well-behaved two-block MLP.
+MEMPLAN_TEST_STEP_MARKS names a folder where every process running a training loss leaves a
+file named by its pid (so a test knows the ranks are training)."""
 
 import os
 import sys
@@ -52,6 +54,9 @@ def make_batch(batch_size: int):
 
 
 def training_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    marks = os.environ.get("MEMPLAN_TEST_STEP_MARKS")
+    if marks:
+        open(os.path.join(marks, str(os.getpid())), "a").close()
     out = model(batch)
     if MODE == "nan_loss_at_1" and batch.shape[0] == 1:
         # statistics over a batch of one: the unbiased std of one sample is NaN
