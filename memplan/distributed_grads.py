@@ -60,28 +60,28 @@ def gradient_error(
     kinds = (torch.nn.modules.batchnorm._BatchNorm,)
     if any(isinstance(m, kinds) for m in reference_net.modules()):
         return "the model has BatchNorm: statistics are per micro-batch and per rank"
-    for module in reference_net.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
     torch.manual_seed(seed + 10_000)  # the same full batch on every rank
     full = map_batch(mf.make_batch(world * k * micro), lambda t: t.to(device))
     policy = fsdp_mixed_precision(plan)
-    if policy is None:
-        mf.loss(reference_net, full).backward()
-        reference = {
-            name: p.grad.detach().float().clone()
-            for name, p in reference_net.named_parameters()
-            if p.grad is not None
-        }
-    else:
-        reference = _mixed_precision_reference(reference_net, mf, plan, full, world, map_batch)
+    # Dropout masks depend on the batch shape: both sides run with every dropout neutralised
+    # (modules, functional, fused attention dropout), in train mode so checkpointing still
+    # runs; the same aten-level mode as single-process verify (runtime.no_dropout).
+    with runtime.no_dropout():
+        if policy is None:
+            mf.loss(reference_net, full).backward()
+            reference = {
+                name: p.grad.detach().float().clone()
+                for name, p in reference_net.named_parameters()
+                if p.grad is not None
+            }
+        else:
+            reference = _mixed_precision_reference(
+                reference_net, mf, plan, full, world, map_batch
+            )
     del reference_net
 
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
-    for module in net.modules():
-        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-            module.p = 0.0
     runtime.apply(net, plan)
     # lr 0: the optimizer step must not move the weights before the gradients are read
     model, optimizer = wrap_for_plan(
@@ -102,8 +102,9 @@ def gradient_error(
         return original_step(*args, **kwargs)
 
     optimizer.step = step_and_capture  # type: ignore[method-assign]
-    for piece in mine:
-        acc.step(piece, mf.loss)
+    with runtime.no_dropout():
+        for piece in mine:
+            acc.step(piece, mf.loss)
     worst = 0.0
     for name, ref in reference.items():
         got = captured.get(name)
