@@ -75,9 +75,7 @@ def gradient_error(
                 if p.grad is not None
             }
         else:
-            reference = _mixed_precision_reference(
-                reference_net, mf, plan, full, world, map_batch
-            )
+            reference = _mixed_precision_reference(reference_net, mf, plan, full, world, map_batch)
     del reference_net
 
     torch.manual_seed(seed)
