@@ -91,7 +91,22 @@ def test_nan_loss_during_probe_is_a_warning_naming_the_step(monkeypatch):
 
     monkeypatch.setenv("MEMPLAN_TEST_MISBEHAVE", "nan_loss_at_1")
     profile = probe_model(MISBEHAVE, device="cpu", micro_batches=(1, 2))
-    assert any("loss was nan at micro-batch 1" in w for w in profile.warnings), profile.warnings
+    first = [w for w in profile.warnings if "loss was nan at micro-batch 1" in w]
+    assert len(first) == 1, profile.warnings
+    # the model's layers were finite: the NaN came from the loss's statistics over one sample
+    assert "every module's output was finite: it arose in the loss computation" in first[0]
+
+
+def test_nan_loss_during_probe_names_the_first_layer_that_output_nan(monkeypatch):
+    from memplan.probe import probe_model
+
+    monkeypatch.setenv("MEMPLAN_TEST_MISBEHAVE", "nan_in_block_1_at_1")
+    profile = probe_model(MISBEHAVE, device="cpu", micro_batches=(1, 2))
+    first = [w for w in profile.warnings if "loss was nan at micro-batch 1" in w]
+    assert len(first) == 1, profile.warnings
+    # block 0 and block 1's Linear were finite; block 1's own forward made the NaN (named,
+    # not the Sequential around it, and not 0.lin, whose weights the NaN step spoils later)
+    assert "the first layer to output NaN or inf was 1 (Block)" in first[0]
 
 
 # ------------------------------------------------------------------ 3: data is validated
@@ -424,6 +439,19 @@ def test_micro_batches_that_cannot_fit_the_machine_are_refused_before_allocating
     result = invoke("probe", MISBEHAVE, "--device", "cpu", "--micro-batches", "1,100000000000")
     assert result.exit_code == 2, result.output
     assert "is available" in " ".join(result.output.split())
+    assert time.perf_counter() - start < 30
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_huge_first_micro_batch_is_estimated_and_refused_before_running_it(device):
+    # nothing is measured at the first size yet: a step at micro-batch 2 is scaled instead
+    start = time.perf_counter()
+    sizes = "100000000000,100000000001"
+    result = invoke("probe", MISBEHAVE, "--device", device, "--micro-batches", sizes)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "size 100000000000 would need about" in text
+    assert "scaled from a step at micro-batch 2" in text and "is available" in text
     assert time.perf_counter() - start < 30
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 import memplan
 import memplan.runtime
@@ -40,6 +41,7 @@ from memplan.probe.layers import (
     own_params_owners,
     param_bytes,
 )
+from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
 from memplan.probe.tracker import LiveTracker, resident_tensors, state_tensors, storages_bytes
 from memplan.profile import (
@@ -149,24 +151,49 @@ class Session:
             if scale != 1.0:
                 loss = loss * scale
         recorder.forward_done()
+        bad = None
         if loss.device.type != "meta" and not bool(torch.isfinite(loss.detach())):
-            self._warn_loss(float(loss.detach()), batch)
+            bad = float(loss.detach())
         loss.backward()
         del loss
-        return recorder.end()
+        record = recorder.end()
+        if bad is not None:
+            self._warn_loss(bad, batch)
+        return record
 
     def _warn_loss(self, value: float, batch: Any) -> None:
         """A NaN or infinite loss is measured all the same (the memory is real) but named:
-        a plan trained on it learns nothing."""
+        a plan trained on it learns nothing. The first one also says where it arose
+        (memplan.probe.nonfinite): one more forward of the batch, before the optimizer
+        steps on NaN gradients and every later loss is NaN because the weights are, run
+        unseen by the tracker (its dispatch mode is set aside) and by the recorder (a
+        record of its own, thrown away)."""
         sizes = [t.shape[0] for t in batch_tensors(batch) if t.dim() > 0]
         size = f"micro-batch {sizes[0]}" if sizes else "a micro-batch"
-        message = (
+        head = (
             f"The training loss was {value} at {size} during the probe (a probe step of "
-            f"{self.model_file.spec}); check the model and make_batch for that size "
-            "(e.g. statistics over a batch of one)."
+            f"{self.model_file.spec})"
         )
-        if message not in self.warnings:
-            self.warnings.append(message)
+        tail = (
+            "; check the model and make_batch for that size (e.g. statistics over a batch of one)."
+        )
+        first = not any(w.startswith("The training loss was ") for w in self.warnings)
+        if any(w.startswith(head) for w in self.warnings):
+            return
+        where = (
+            None if first else "after an earlier non-finite step, whose NaN the weights may hold"
+        )
+        if first:
+            clock = self.recorder.clock
+            with _disable_current_modes():
+                self.recorder.begin(None)
+                try:
+                    with self.backend.forward_context():
+                        where = where_nonfinite(self.model, self.model_file.loss, batch)
+                finally:
+                    self.recorder.end()
+                    self.recorder.clock = clock
+        self.warnings.append(f"{head}: {where}{tail}" if where else head + tail)
 
     def tracked_step(self, batch: Any) -> Run:
         tracker = self.backend.tracker()
@@ -336,27 +363,59 @@ def estimated_bytes(session: Session, first: SizeRuns, size: int) -> tuple[float
     """A linear estimate of what micro-batch ``size`` will allocate, from the first probed
     size: the live bytes above the start of its step scale with the batch (on meta only
     the host batch is real). Used to refuse a size before allocating it, not to plan."""
-    run = first.no_grads
-    scale = size / first.size
+    return _scaled_bytes(session, first.size, first.no_grads, first.batch_bytes, size)
+
+
+def _scaled_bytes(
+    session: Session, measured_size: int, run: Run, batch_bytes: int, size: int
+) -> tuple[float, str]:
+    scale = size / measured_size
     if session.backend.device == "meta":
-        return first.batch_bytes * scale, "for the batch on the host"
+        return batch_bytes * scale, "for the batch on the host"
     start = run.values[0] if run.values else 0
     return start + max(run.peak_bytes - start, 0) * scale, ""
+
+
+def _refuse(session: Session, size: int, need: float, what: str, source: str) -> None:
+    have = available_bytes(session.backend.device)
+    if have is not None and need > have:
+        raise BadInputError(
+            f"--micro-batches: size {size} would need about {format_bytes(int(need))} "
+            f"{what or 'on ' + session.backend.device} ({source}), and only "
+            f"{format_bytes(have)} is available.",
+            hint="Probe smaller sizes (e.g. --micro-batches 1,2,4): the fits extrapolate "
+            "to larger micro-batches.",
+        )
 
 
 def refuse_unfit_size(session: Session, first: SizeRuns, size: int) -> None:
     """BadInputError when micro-batch ``size`` cannot fit this machine (estimated from the
     first probed size), rather than letting the kernel kill the process."""
     need, what = estimated_bytes(session, first, size)
-    have = available_bytes(session.backend.device)
-    if have is not None and need > have:
-        raise BadInputError(
-            f"--micro-batches: size {size} would need about {format_bytes(int(need))} "
-            f"{what or 'on ' + session.backend.device} (scaled from micro-batch "
-            f"{first.size}), and only {format_bytes(have)} is available.",
-            hint="Probe smaller sizes (e.g. --micro-batches 1,2,4): the fits extrapolate "
-            "to larger micro-batches.",
-        )
+    _refuse(session, size, need, what, f"scaled from micro-batch {first.size}")
+
+
+CALIBRATION_SIZE = 2
+"""The micro-batch of the step that sizes up a larger first ``--micro-batches`` size."""
+
+
+def refuse_unfit_first_size(session: Session, size: int) -> None:
+    """The same refusal for the first size, before anything runs at it: one tracked
+    forward and backward at micro-batch ``CALIBRATION_SIZE`` (2, not 1, so that BatchNorm
+    over a batch still trains), scaled as ``refuse_unfit_size`` scales. Nothing to do for
+    sizes up to that one. The calibration step leaves no gradients behind."""
+    if size <= CALIBRATION_SIZE:
+        return
+    batch = session.backend.batch(session.model_file, CALIBRATION_SIZE)
+    batch_bytes = sum(t.numel() * t.element_size() for t in batch_tensors(batch))
+    run = Run(None, [], 0)  # on meta only the host batch is real: no step needed
+    if session.backend.device != "meta":
+        session.zero_grad()
+        run = session.tracked_step(batch)
+        session.zero_grad()
+    del batch
+    need, what = _scaled_bytes(session, CALIBRATION_SIZE, run, batch_bytes, size)
+    _refuse(session, size, need, what, f"scaled from a step at micro-batch {CALIBRATION_SIZE}")
 
 
 def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRuns:
@@ -1006,6 +1065,7 @@ def _probe(
         if backend.op_cache is None
         else ForwardMisses(backend.op_cache, session.layers, session.layer_names)
     )
+    refuse_unfit_first_size(session, sizes[0])
     try:
         warm_up(session, sizes[0])
     except torch.OutOfMemoryError as exc:

@@ -23,6 +23,9 @@ if MODE in ("print", "print_everywhere"):
     print("hello from the model file at import")
 
 
+BLOCKS: list[nn.Module] = []
+
+
 class Block(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -31,7 +34,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if MODE == "print_everywhere":
             print("forward says hi")
-        return torch.relu(self.lin(x))
+        h = torch.relu(self.lin(x))
+        if MODE == "nan_in_block_1_at_1" and x.shape[0] == 1 and self is BLOCKS[1]:
+            h = h / h.std(0)  # the unbiased std of one sample is NaN
+        return h
 
 
 def build_model() -> nn.Module:
@@ -42,7 +48,8 @@ def build_model() -> nn.Module:
     if MODE == "build_raise":
         raise RuntimeError("boom")
     torch.manual_seed(0)
-    return nn.Sequential(Block(), Block())
+    BLOCKS[:] = [Block(), Block()]
+    return nn.Sequential(*BLOCKS)
 
 
 def make_batch(batch_size: int):
