@@ -403,17 +403,24 @@ def refuse_unfit_first_size(session: Session, size: int) -> None:
     """The same refusal for the first size, before anything runs at it: one tracked
     forward and backward at micro-batch ``CALIBRATION_SIZE`` (2, not 1, so that BatchNorm
     over a batch still trains), scaled as ``refuse_unfit_size`` scales. Nothing to do for
-    sizes up to that one. The calibration step leaves no gradients behind."""
+    sizes up to that one, or when the model cannot take a batch of 2. The calibration step
+    leaves no gradients behind."""
     if size <= CALIBRATION_SIZE:
         return
-    batch = session.backend.batch(session.model_file, CALIBRATION_SIZE)
-    batch_bytes = sum(t.numel() * t.element_size() for t in batch_tensors(batch))
-    run = Run(None, [], 0)  # on meta only the host batch is real: no step needed
-    if session.backend.device != "meta":
+    warnings = list(session.warnings)  # the probed sizes will say what this step would
+    try:
+        batch = session.backend.batch(session.model_file, CALIBRATION_SIZE)
+        batch_bytes = sum(t.numel() * t.element_size() for t in batch_tensors(batch))
+        run = Run(None, [], 0)  # on meta only the host batch is real: no step needed
+        if session.backend.device != "meta":
+            session.zero_grad()
+            run = session.tracked_step(batch)
+        del batch
+    except Exception:  # a model that takes no batch of 2: the real sizes say what is wrong
+        return
+    finally:
         session.zero_grad()
-        run = session.tracked_step(batch)
-        session.zero_grad()
-    del batch
+        session.warnings[:] = warnings
     need, what = _scaled_bytes(session, CALIBRATION_SIZE, run, batch_bytes, size)
     _refuse(session, size, need, what, f"scaled from a step at micro-batch {CALIBRATION_SIZE}")
 
