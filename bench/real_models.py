@@ -105,7 +105,7 @@ def run_case(file: str) -> dict:
         device="cpu",
         micro_batch=plan.micro_batch_size,
         accumulation_steps=plan.accumulation_steps,
-        checkpoint_layers=plan.checkpoint_layers,
+        checkpoint_modes=plan.checkpoint,
     ).peak_bytes
     return {
         "model": file,

@@ -72,7 +72,7 @@ def test_the_bar_on_third_party_models(name: str) -> None:
         device="cpu",
         micro_batch=plan.micro_batch_size,
         accumulation_steps=plan.accumulation_steps,
-        checkpoint_layers=plan.checkpoint_layers,
+        checkpoint_modes=plan.checkpoint,
     )
     assert abs(plan.predicted.peak_bytes - run.peak_bytes) <= 0.05 * run.peak_bytes
     assert run.peak_bytes <= budget
