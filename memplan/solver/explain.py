@@ -1,0 +1,589 @@
+"""Why the solver chose what it chose: the candidates table, the reasons and warnings on a plan,
+and the no-plan-fits error with its hints. No torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from memplan import memory, timing
+from memplan.errors import NoPlanFitsError
+from memplan.memory import Peak
+from memplan.modes import (
+    FULL,
+    KEEP,
+    MODES,
+)
+from memplan.plan import STRATEGIES
+from memplan.profile import Profile
+from memplan.solver.options import (
+    _Context,
+    _has_batchnorm,
+    _names,
+    _Option,
+    _plan,
+    _sharding,
+    _short_list,
+)
+from memplan.solver.request import Candidate
+from memplan.units import format_bytes, format_seconds
+
+
+# --------------------------------------------------------------------------- explaining
+def _over_by(ctx: _Context, option: _Option) -> str:
+    return (
+        f"micro-batch {option.micro_batch} would need {format_bytes(option.peak.peak_bytes)}: "
+        f"over budget by {format_bytes(option.peak.peak_bytes - ctx.usable_bytes)}"
+    )
+
+
+def _candidate(
+    ctx: _Context, option: _Option, best: _Option | None, bn_floor: int | None
+) -> Candidate:
+    target = ctx.request.target_batch
+    chosen = best is not None and option is best
+    notes = []
+    # Short: the table beside it already shows peak, time and relative speed.
+    if chosen:
+        notes.append("chosen")
+    elif not option.fits:
+        notes.append(f"over budget by {format_bytes(option.peak.peak_bytes - ctx.usable_bytes)}")
+    elif option.allowed and best is not None:
+        slower = option.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+        notes.append(
+            f"fits; {slower:+.1%} time" if slower > 0.0005 else "fits; tie, lost on tie-break"
+        )
+    else:
+        notes.append("fits")
+    if not option.allowed:
+        notes.append(f"below the BatchNorm floor of {bn_floor}")
+    if option.strategy == "fsdp" and option.accumulation_steps > 1:
+        notes.append(
+            "reduce-scatter every micro-step"
+            if option.grad_sync == "every_micro_step"
+            else "reduce-scatter on the last micro-step"
+        )
+    return Candidate(
+        micro_batch=option.micro_batch,
+        accumulation_steps=option.accumulation_steps,
+        feasible=option.fits and option.allowed,
+        fits=option.fits,
+        chosen=chosen,
+        checkpoint_layers=_names(ctx.profile, option.checkpointed),
+        n_checkpointed=len(option.checkpointed),
+        checkpoint={
+            ctx.profile.layer_names[i]: mode for i, mode in sorted(option.checkpointed.items())
+        },
+        peak_bytes=option.peak.peak_bytes,
+        step_seconds=option.step_seconds,
+        samples_per_second=target / option.step_seconds if option.step_seconds > 0 else math.inf,
+        peak_phase=option.peak.where,
+        note="; ".join(notes),
+        strategy=option.strategy,
+        grad_sync=option.grad_sync,
+    )
+
+
+def _breakdown_text(peak: Peak) -> str:
+    b = peak.breakdown
+    parts = [
+        ("params", b.params),
+        ("grads", b.grads),
+        ("optimizer", b.optimizer),
+        ("activations", b.activations),
+        ("transient", b.transient),
+        ("reserve", b.reserve),
+    ]
+    return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts if value)
+
+
+def _least_peak(options: Sequence[_Option], strategy: str) -> _Option | None:
+    mine = [o for o in options if o.strategy == strategy and o.allowed]
+    return min(mine, key=lambda o: (o.peak.peak_bytes, o.rank)) if mine else None
+
+
+def _strategy_reasons(ctx: _Context, best: _Option, options: Sequence[_Option]) -> list[str]:
+    """Why this strategy, and what its communication costs."""
+    request = ctx.request
+    world = request.world_size
+    if world == 1 and best.strategy == "ddp":
+        return []
+    lines = []
+    if request.strategy != "auto":
+        lines.append(f"strategy {best.strategy}, as requested; memory figures are per rank")
+    else:
+        less = STRATEGIES[: STRATEGIES.index(best.strategy)]
+        if not less:
+            lines.append(
+                "strategy ddp (auto): the least-sharded strategy, and it fits (sharding "
+                "adds communication and ties every rank's state to the others')"
+            )
+        else:
+            why = []
+            for strategy in less:
+                least = _least_peak(options, strategy)
+                if least is not None:
+                    why.append(
+                        f"{strategy} needs {format_bytes(least.peak.peak_bytes)} per rank at "
+                        f"the least, over the usable {format_bytes(ctx.usable_bytes)}"
+                    )
+            lines.append(
+                f"strategy {best.strategy} (auto): the least-sharded strategy that fits; "
+                + "; ".join(why)
+            )
+        more = STRATEGIES[STRATEGIES.index(best.strategy) + 1 :]
+        faster = [
+            o
+            for o in options
+            if o.strategy in more and o.allowed and o.fits and o.step_seconds < best.step_seconds
+        ]
+        if faster:
+            quickest = min(faster, key=lambda o: o.rank)
+            gain = 1 - quickest.step_seconds / best.step_seconds if best.step_seconds else 0.0
+            if gain >= 0.01:
+                lines.append(
+                    f"{quickest.strategy} would be {gain:.1%} faster by the model "
+                    f"({format_seconds(quickest.step_seconds)} per step: micro-batch "
+                    f"{quickest.micro_batch}, {len(quickest.checkpointed)} layers checkpointed) "
+                    f"at the cost of more communication and sharded state: "
+                    f"--strategy {quickest.strategy}"
+                )
+    if best.strategy == "ddp" and world > 1:
+        lines.append(
+            "DDP with gradient_as_bucket_view=True: its gradient buckets are resident all "
+            "step, and are the gradients once synchronised"
+        )
+    if best.strategy == "fsdp" and ctx.profile.environment.mixed_precision == "params":
+        lines.append(
+            f"FSDP mixed precision: parameters gathered and computed in "
+            f"{ctx.profile.environment.precision}, fp32 master shards and optimizer state, "
+            "gradients reduced in fp32 (MixedPrecisionPolicy(param_dtype, reduce_dtype=float32))"
+        )
+    if best.strategy == "fsdp" and best.accumulation_steps > 1:
+        lines.append(_grad_sync_reason(best, options))
+    if world > 1:
+        lines.append(
+            f"communication: {format_bytes(round(best.comm_bytes))} sent per rank per step "
+            f"at {ctx.bandwidth / 1e9:g} GB/s ({ctx.bandwidth_source}): "
+            f"+{format_seconds(best.comm_seconds)}, counted without overlap"
+        )
+    return lines
+
+
+def _grad_sync_reason(best: _Option, options: Sequence[_Option]) -> str:
+    """Why FSDP reduce-scatters when it does: the other way's peak and time at this size."""
+    other = next(
+        (
+            o
+            for o in options
+            if o.strategy == best.strategy
+            and o.micro_batch == best.micro_batch
+            and o.grad_sync != best.grad_sync
+        ),
+        None,
+    )
+    if best.grad_sync == "last_micro_step":
+        line = (
+            "FSDP accumulates with set_requires_gradient_sync(False): gradients stay "
+            "unsharded until the last micro-step (one reduce-scatter per step)"
+        )
+    else:
+        line = (
+            f"FSDP reduce-scatters every micro-step: gradients stay sharded "
+            f"({best.accumulation_steps} reduce-scatters per step)"
+        )
+    if other is None:
+        return line
+    if not other.fits:
+        why = f"the other way needs {format_bytes(other.peak.peak_bytes)} per rank and does not fit"
+    else:
+        slower = other.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+        why = (
+            f"the other way also fits ({format_bytes(other.peak.peak_bytes)} per rank) but "
+            f"takes {format_seconds(other.step_seconds)} per step ({slower:+.1%})"
+        )
+    return f"{line}; {why}"
+
+
+def _reasons(
+    ctx: _Context,
+    best: _Option,
+    options: Sequence[_Option],
+    bn_floor: int | None,
+    source_reason: str,
+) -> list[str]:
+    profile, request = ctx.profile, ctx.request
+    n = len(profile.layers)
+    reasons = [
+        f"effective batch {request.target_batch} = micro-batch {best.micro_batch} × "
+        f"{best.accumulation_steps} accumulation step(s) × {request.world_size} rank(s)",
+    ]
+    reasons.extend(_strategy_reasons(ctx, best, options))
+    budget_line = (
+        f"budget {format_bytes(request.budget_bytes)} less {request.margin:.0%} "
+        f"safety margin: predicted peaks must stay within "
+        f"{format_bytes(ctx.usable_bytes)}"
+    )
+    if ctx.reserve.fixed_bytes or ctx.reserve.fragmentation_fraction:
+        budget_line += (
+            f", including {format_bytes(best.peak.reserve_bytes)} reserved for CUDA "
+            f"({ctx.reserve.source})"
+        )
+    reasons.append(budget_line)
+    throughput = request.target_batch / best.step_seconds if best.step_seconds > 0 else math.inf
+    line = (
+        f"micro-batch {best.micro_batch} is the fastest plan that fits: "
+        f"{format_seconds(best.step_seconds)} per optimizer step, {throughput:,.1f} samples/s"
+    )
+    others = sorted(
+        (o for o in options if o.allowed and o.fits and o is not best), key=lambda o: o.rank
+    )
+    if others:
+        runner = others[0]
+        slower = runner.step_seconds / best.step_seconds - 1 if best.step_seconds > 0 else 0.0
+        other = "" if runner.strategy == best.strategy else f" with {runner.strategy}"
+        line += (
+            f"; next best, micro-batch {runner.micro_batch}{other}, takes "
+            f"{format_seconds(runner.step_seconds)} ({slower:+.1%})"
+        )
+    reasons.append(line)
+    too_big = [
+        o
+        for o in options
+        if o.strategy == best.strategy
+        and o.allowed
+        and not o.fits
+        and o.micro_batch > best.micro_batch
+    ]
+    reasons.extend(_over_by(ctx, o) for o in too_big[:3])
+    if len(too_big) > 3:
+        reasons.append(f"larger micro-batches (up to {too_big[-1].micro_batch}) need more still")
+
+    names = _names(profile, best.checkpointed)
+    if ctx.forced_in:
+        reasons.append(
+            f"always checkpointed, as requested: {_short_list(_names(profile, ctx.forced_in))}"
+        )
+    if ctx.forced_out:
+        reasons.append(
+            f"never checkpointed, as requested: {_short_list(_names(profile, ctx.forced_out))}"
+        )
+    if not names:
+        reasons.append(
+            f"no activation checkpointing needed: the peak of "
+            f"{format_bytes(best.peak.peak_bytes)} fits without it"
+        )
+    else:
+        recompute = timing.recompute_seconds(best.times, best.checkpointed)
+        micro = timing.micro_step_seconds(best.times, best.checkpointed)
+        plain = memory.step_peak(
+            profile,
+            best.micro_batch,
+            ctx.forced_in,
+            best.accumulation_steps,
+            reserve=ctx.reserve,
+            sharding=_sharding(ctx, best.strategy, best.grad_sync),
+        )
+        without = (
+            ""
+            if plain.peak_bytes <= ctx.usable_bytes
+            else f"; without it micro-batch {best.micro_batch} would need "
+            f"{format_bytes(plain.peak_bytes)}"
+        )
+        used = sorted(set(best.checkpointed.values()), key=MODES.index)
+        what = (
+            "checkpointing"
+            if used == [FULL]
+            else "changing the mode of ("
+            + ", ".join(
+                f"{sum(m == mode for m in best.checkpointed.values())} {mode}" for mode in used
+            )
+            + ")"
+        )
+        reasons.append(
+            f"{what} {len(names)} of {n} layers ({_short_list(names)}): the least "
+            f"extra time that fits, +{format_seconds(recompute)} per micro-step "
+            f"({recompute / micro:.0%} of it){without}"
+            if micro > 0
+            else f"{what} {len(names)} of {n} layers ({_short_list(names)}){without}"
+        )
+        reasons.extend(_layer_mode_reasons(ctx, best))
+    reasons.append(
+        f"peak {format_bytes(best.peak.peak_bytes)} during {best.peak.where}: "
+        f"{_breakdown_text(best.peak)}"
+    )
+    if bn_floor is not None:
+        excluded = [o.micro_batch for o in options if not o.allowed]
+        if excluded:
+            reasons.append(
+                f"micro-batches below {bn_floor} ({', '.join(map(str, excluded))}) excluded: "
+                f"the model has BatchNorm, whose statistics are computed per micro-batch "
+                f"(--allow-small-bn-micro allows them)"
+            )
+    elif _has_batchnorm(profile) and request.allow_small_bn_micro:
+        reasons.append(f"BatchNorm floor of {request.bn_min_micro} waived, as requested")
+    reasons.append(source_reason)
+    return reasons
+
+
+def _layer_mode_reasons(ctx: _Context, best: _Option) -> list[str]:
+    """One line per layer not kept: its mode, what it frees and costs, and why no cheaper
+    mode of that layer would do (with the other layers as they are, the plan would then
+    exceed the budget or the host memory: the plan is the least-time one, so every cheaper
+    swap fails). Then one line for the kept layers."""
+    profile = ctx.profile
+    bounds = memory.step_bounds(
+        profile,
+        best.micro_batch,
+        best.accumulation_steps,
+        _sharding(ctx, best.strategy, best.grad_sync),
+        modes=ctx.modes,
+        host_limit_bytes=ctx.request.host_memory_bytes,
+    )
+    lines = []
+    for i, mode in sorted(best.checkpointed.items()):
+        cost = best.times.mode_seconds(i, mode)
+        text = (
+            f"{profile.layer_names[i]}: {mode}, frees {format_bytes(bounds.saving(mode, i))} "
+            f"while held, +{format_seconds(cost)} per micro-step"
+        )
+        worse = []
+        for other in bounds.allowed(i, ctx.forced_in, ctx.forced_out):
+            if other == mode or best.times.mode_seconds(i, other) > cost:
+                continue
+            swapped = {**best.checkpointed, i: other}
+            swapped = {j: m for j, m in swapped.items() if m != KEEP}
+            over = memory.bounds_peak_bytes(bounds, swapped) - ctx.limit_bytes
+            host = ctx.request.host_memory_bytes
+            if over > 0:
+                worse.append(f"{other} would exceed the budget by {format_bytes(over)}")
+            elif host is not None and memory.host_total_bytes(bounds, swapped) > host:
+                worse.append(f"{other} would exceed --host-memory")
+            else:
+                worse.append(f"{other} fits at equal time (tie-break)")
+        if worse:
+            text += ": " + "; ".join(worse)
+        elif mode == FULL and len(ctx.modes) > 2:
+            text += ": no cheaper mode of this layer saves bytes"
+        lines.append(text)
+    kept = [name for i, name in enumerate(profile.layer_names) if i not in best.checkpointed]
+    if kept and len(ctx.modes) > 2:
+        lines.append(f"kept ({len(kept)}): {_short_list(kept)}: keeping costs nothing")
+    modes_line = "layer modes considered: " + ", ".join(ctx.modes)
+    missing = [m for m in MODES if m not in ctx.modes]
+    if missing:
+        modes_line += f" (not {', '.join(missing)}"
+        modes_line += ": --modes)" if ctx.request.modes is not None else ")"
+    lines.append(modes_line)
+    return lines
+
+
+def _warnings(ctx: _Context, best: _Option) -> list[str]:
+    profile, request = ctx.profile, ctx.request
+    b = best.micro_batch
+    warnings = []
+    if _has_batchnorm(profile):
+        warnings.append(
+            f"the model has BatchNorm: its batch statistics are computed over each micro-batch "
+            f"of {b}, not the effective batch of {request.target_batch}"
+        )
+        bn_layers = [
+            profile.layers[i].name for i in best.checkpointed if profile.layers[i].has_batchnorm
+        ]
+        if bn_layers:
+            warnings.append(
+                f"BatchNorm running statistics update twice per step in checkpointed layers "
+                f"({_short_list(bn_layers)}): the recompute runs their forward again"
+            )
+    probed = profile.micro_batches
+    largest = max(probed)
+    if b > 4 * largest:
+        warnings.append(
+            f"micro-batch {b} is {b / largest:.0f}× the largest probed size ({largest}); the "
+            f"model is validated to 4×: run `memplan verify` before relying on it"
+        )
+    if not min(probed) <= b <= largest:
+        loose = [layer.name for layer in profile.layers if not layer.affine]
+        if loose:
+            warnings.append(
+                f"layers {_short_list(loose)} were not affine in the batch size when probed; "
+                f"micro-batch {b} is outside the probed sizes, so their bytes are extrapolated"
+            )
+    if not profile.op_sequence_stable:
+        warnings.append(
+            f"the op sequence differed between probed sizes (data-dependent routing): verify "
+            f"the plan at micro-batch {b}"
+        )
+    capacity = (
+        request.device_spec.memory_bytes
+        if request.device_spec is not None
+        else profile.environment.device_capacity_bytes
+    )
+    if capacity is not None and request.budget_bytes > capacity:
+        warnings.append(
+            f"the budget {format_bytes(request.budget_bytes)} exceeds the device's "
+            f"{format_bytes(capacity)}"
+        )
+    if request.world_size > 1 and best.strategy == "zero2":
+        warnings.append(
+            "zero2 is modelled on DeepSpeed's documented behaviour (reduce bucket of "
+            "reduce_bucket_size elements), not verified by memplan: run it under DeepSpeed "
+            "and compare its memory report"
+        )
+    warnings.extend(f"profile: {message}" for message in _profile_warnings(profile, warnings))
+    return warnings
+
+
+def _profile_warnings(profile: Profile, said: Sequence[str]) -> list[str]:
+    """The probe's warnings a plan repeats: not those the solver has already said in its
+    own words for this plan (BatchNorm; bytes extrapolated from a non-affine layer), so
+    each warning appears once."""
+    bn_said = any("BatchNorm" in w for w in said)
+    extrapolated = any("extrapolated" in w for w in said)
+    kept = []
+    for message in profile.warnings:
+        if bn_said and "BatchNorm" in message:
+            continue
+        if extrapolated and "not affine" in message:
+            continue
+        kept.append(message)
+    return kept
+
+
+def _no_plan_fits(
+    ctx: _Context, options: Sequence[_Option], bn_floor: int | None
+) -> NoPlanFitsError:
+    profile, request = ctx.profile, ctx.request
+    allowed = [o for o in options if o.allowed]
+    closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
+    least = closest.peak.peak_bytes
+    n = len(profile.layers)
+    strategies = ", ".join(ctx.strategies)
+    message = (
+        f"No plan ({strategies} on {request.world_size} rank(s)) for target batch "
+        f"{request.target_batch} fits "
+        f"{format_bytes(request.budget_bytes)} (less {request.margin:.0%} margin: "
+        f"{format_bytes(ctx.usable_bytes)}). The smallest peak any plan needs is "
+        f"{format_bytes(least)} per rank: {closest.strategy}, micro-batch "
+        f"{closest.micro_batch} × "
+        f"{closest.accumulation_steps} accumulation step(s), {len(closest.checkpointed)} of "
+        f"{n} layers checkpointed, peaking during {closest.peak.where}."
+    )
+    hints = []
+    if request.margin > 0 and least <= request.budget_bytes:
+        # Only the safety margin rules the closest plan out: say so, and how to plan anyway.
+        accepted = math.floor((1.0 - least / request.budget_bytes) * 1000) / 1000
+        smaller = f" (or --margin {accepted:g})" if accepted > 0 else ""
+        hints.append(
+            f"the budget itself holds that plan ({format_bytes(least)} <= "
+            f"{format_bytes(request.budget_bytes)}): only the {request.margin:.0%} safety "
+            f"margin rules it out; --margin 0{smaller} plans without it, at the risk of running "
+            f"out of memory if the real peak exceeds the prediction"
+        )
+    hints.append(
+        f"a budget of at least "
+        f"{format_bytes(memory.budget_for_peak_bytes(least, request.margin), precision=2)}"
+    )
+    hints.extend(_smaller_micro_hints(ctx, options, bn_floor))
+    hints.extend(_layers_hint(ctx, closest, least))
+    state = (
+        memory.params_bytes(profile)
+        + memory.grads_bytes(profile)
+        + memory.optimizer_state_bytes(profile)
+    )
+    trainable_state = memory.grads_bytes(profile) + memory.optimizer_state_bytes(profile)
+    if state + closest.peak.reserve_bytes > ctx.usable_bytes and "fsdp" not in ctx.strategies:
+        hints.append(
+            f"the model state alone (params {format_bytes(memory.params_bytes(profile))}, "
+            f"grads {format_bytes(memory.grads_bytes(profile))}, optimizer "
+            f"{format_bytes(memory.optimizer_state_bytes(profile))}) exceeds the budget: shard "
+            f"it across ranks (FSDP / ZeRO; more DDP ranks alone do not shrink per-rank memory)"
+        )
+    if profile.environment.precision == "fp32":
+        hints.append(
+            "lower precision (bf16 autocast roughly halves activation bytes; probe again with it)"
+        )
+    if trainable_state > 0:
+        hints.append(
+            f"training adapters only (e.g. LoRA) drops most of the "
+            f"{format_bytes(trainable_state)} of gradients and optimizer state"
+        )
+    closest_plan = _plan(ctx, closest, [message], _warnings(ctx, closest))
+    return NoPlanFitsError(
+        message,
+        hint="What would fit: " + "; ".join(hints) + ".",
+        min_peak_bytes=least,
+        closest=closest_plan,
+    )
+
+
+def _layers_hint(ctx: _Context, closest: _Option, least: int) -> list[str]:
+    """Whether naming other checkpoint candidates (``--layers``) could help: only when the
+    closest plan already checkpoints every candidate, and only as much as the activations
+    the fixed parts (everything outside the candidates) keep at its micro-batch."""
+    profile = ctx.profile
+    n = len(profile.layers)
+    if n and len(closest.checkpointed) < n:
+        return []
+    outside = int(sum(part.saved_bytes.at(closest.micro_batch) for part in profile.fixed))
+    deficit = least - ctx.usable_bytes
+    if outside >= deficit > 0:
+        parts = sorted(profile.fixed, key=lambda p: -p.saved_bytes.at(closest.micro_batch))
+        names = ", ".join(p.name for p in parts[:3])
+        return [
+            f"more checkpoint candidates (probe again with --layers GLOB naming finer or more "
+            f"modules): outside the {n} candidate layer(s), {names} keep "
+            f"{format_bytes(outside)} of activations at micro-batch {closest.micro_batch}"
+        ]
+    return [
+        f"not --layers: every candidate is already checkpointed, and the activations outside "
+        f"them ({format_bytes(outside)}) are less than the {format_bytes(deficit)} missing"
+    ]
+
+
+def _smaller_micro_hints(
+    ctx: _Context, options: Sequence[_Option], bn_floor: int | None
+) -> list[str]:
+    """Smaller micro-batches this request excludes that would fit."""
+    request = ctx.request
+    hints = []
+    excluded_fit = [o for o in options if not o.allowed and o.fits]
+    if excluded_fit:
+        best = max(excluded_fit, key=lambda o: o.micro_batch)
+        hints.append(
+            f"micro-batch {best.micro_batch} would fit "
+            f"({format_bytes(best.peak.peak_bytes)}) but is below the BatchNorm floor "
+            f"of {bn_floor} (--allow-small-bn-micro)"
+        )
+        return hints
+    smallest = min(o.micro_batch for o in options)
+    per_rank = request.target_batch // request.world_size
+    least_option = min(options, key=lambda o: (o.peak.peak_bytes, o.rank))
+    sharding = _sharding(ctx, least_option.strategy, least_option.grad_sync)
+    # The largest smaller divisor of the per-rank batch that fits; a non-divisor only when
+    # no divisor fits (and then with a target it divides, never as a --min-micro).
+    divisors = [b for b in range(smallest - 1, 0, -1) if per_rank % b == 0]
+    others = [b for b in range(smallest - 1, max(0, smallest - 65), -1) if per_rank % b]
+    for b in divisors + others:
+        accumulation = per_rank // b if per_rank % b == 0 else 2
+        bounds = memory.step_bounds(ctx.profile, b, accumulation, sharding)
+        if not memory.fits_somehow(
+            bounds, ctx.limit_bytes, forced_in=ctx.forced_in, forced_out=ctx.forced_out
+        ):
+            continue
+        least = memory.min_allocated_bytes(
+            bounds, forced_in=ctx.forced_in, forced_out=ctx.forced_out
+        )
+        needs = format_bytes(least + ctx.reserve.bytes_for(least))
+        if per_rank % b == 0 and b < request.min_micro:
+            why = f"lower --min-micro to {b}"
+        elif per_rank % b == 0 and bn_floor is not None and b < bn_floor:
+            why = "allow it with --allow-small-bn-micro"
+        else:
+            unit = b * request.world_size
+            nearest = max(unit, round(request.target_batch / unit) * unit)
+            why = f"choose a target batch it divides, e.g. {nearest}"
+        hints.append(f"micro-batch {b} would fit ({needs}): {why}")
+        break
+    return hints

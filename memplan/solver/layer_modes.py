@@ -1,0 +1,298 @@
+"""Per-layer modes under a byte budget: the exact DP over layers (keep / selective / full /
+offload) that finds the least-cost assignment whose every step point fits. No torch.
+
+The exactness argument is in memplan.solver's docstring and docs/design.md, "The solver".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from bisect import bisect_left, bisect_right
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from itertools import accumulate
+from operator import itemgetter
+
+from memplan import memory
+from memplan.memory import StepBounds
+from memplan.modes import (
+    FULL,
+    KEEP,
+    TIE_BITS,
+    TIE_DIGIT,
+)
+
+Costs = Mapping[str, Sequence[int]]
+"""Per mode other than keep: each layer's extra cost (whole picoseconds) in that mode."""
+
+
+def _cap_bytes(
+    bounds: StepBounds, limit: int, forced_in: frozenset[int], forced_out: frozenset[int]
+) -> list[int]:
+    """``cap[h]``: a prefix saving from which *every* allowed completion fits. States above
+    it are interchangeable, so they are clipped to it and merged."""
+    return memory.prefix_saving_bounds(
+        bounds, limit, max, forced_in=forced_in, forced_out=forced_out
+    )
+
+
+def _efficient_mode(
+    bounds: StepBounds, costs: Costs, h: int, modes: Sequence[str]
+) -> tuple[str, Fraction] | None:
+    """Layer h's mode of least cost per byte saved among ``modes`` that save bytes (ties:
+    the larger saving, then MODES order), and that ratio."""
+    best = None
+    for mode in modes:
+        saving = bounds.saving(mode, h) if mode != KEEP else 0
+        if saving <= 0:
+            continue
+        ratio = Fraction(costs[mode][h], saving)
+        if best is None or (ratio, -saving) < (best[1], -best[2]):
+            best = (mode, ratio, saving)
+    return None if best is None else (best[0], best[1])
+
+
+def _fits(bounds: StepBounds, limit: int, assignment: Mapping[int, str]) -> bool:
+    if memory.bounds_peak_bytes(bounds, assignment) > limit:
+        return False
+    return bounds.host_limit_bytes is None or (
+        memory.host_total_bytes(bounds, assignment) <= bounds.host_limit_bytes
+    )
+
+
+def _greedy_cost(
+    bounds: StepBounds,
+    limit: int,
+    costs: Costs,
+    forced_in: frozenset[int],
+    forced_out: frozenset[int],
+) -> int | None:
+    """Cost of some assignment that fits, or None: the forced layers plus the fewest layers
+    of best cost per byte saved, each in its most efficient mode (binary search on how
+    many). Only an upper bound for pruning the DP; its quality affects speed, never the
+    answer."""
+    n = len(bounds.plain_bytes)
+    free: list[tuple[Fraction, int, str]] = []
+    forced: dict[int, str] = {}
+    for j in range(n):
+        if j in forced_out:
+            continue
+        allowed = [m for m in bounds.allowed(j, forced_in, forced_out) if m != KEEP]
+        best = _efficient_mode(bounds, costs, j, allowed)
+        if j in forced_in:
+            if not allowed:
+                return None
+            forced[j] = best[0] if best is not None else allowed[0]
+        elif best is not None:
+            free.append((best[1], j, best[0]))
+    free.sort(key=lambda item: (item[0], item[1]))
+
+    def assignment(m: int) -> dict[int, str]:
+        return {**forced, **{j: mode for _, j, mode in free[:m]}}
+
+    if not _fits(bounds, limit, assignment(len(free))):
+        return None
+    lo, hi = -1, len(free)  # fits(hi); smallest such m, assuming more layers never hurt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fits(bounds, limit, assignment(mid)):
+            hi = mid
+        else:
+            lo = mid
+    return sum(costs[mode][j] for j, mode in assignment(hi).items())
+
+
+def _suffix_knapsacks(
+    bounds: StepBounds, costs: Costs, forced_in: frozenset[int], forced_out: frozenset[int]
+) -> list[tuple[list[int], list[int], list[tuple[int, int]]]]:
+    """For each layer i: the layers i .. n-1 that can save bytes, by increasing cost per
+    byte, with running sums of savings and costs. Each is one item: its largest saving at
+    its least cost per byte over its modes (no mode does better, so this relaxes the
+    choice). The least cost of saving D bytes with a fraction of an item allowed (the
+    fractional knapsack, read off these sums) is a lower bound on the real least cost."""
+    n = len(bounds.plain_bytes)
+    out: list[tuple[list[int], list[int], list[tuple[int, int]]]] = [([], [], [])] * (n + 1)
+    ratios: list[Fraction] = []
+    items: list[tuple[int, int]] = []
+    for i in range(n - 1, -1, -1):
+        modes = [m for m in bounds.allowed(i, forced_in, forced_out) if m != KEEP]
+        best = _efficient_mode(bounds, costs, i, modes)
+        if best is not None and i not in forced_out:
+            saving = max(bounds.saving(m, i) for m in modes)
+            item_cost = math.floor(best[1] * saving)  # cost per byte no above any mode's
+            ratio = Fraction(item_cost, saving)
+            at = bisect_right(ratios, ratio)
+            ratios.insert(at, ratio)
+            items.insert(at, (item_cost, saving))
+            out[i] = (
+                list(accumulate(map(itemgetter(1), items))),
+                list(accumulate(map(itemgetter(0), items))),
+                list(items),
+            )
+        else:
+            out[i] = out[i + 1]
+    return out
+
+
+def _pareto(merged: dict[tuple[int, int], int], host: bool) -> list[tuple[int, int, int]]:
+    """The states (P, H, key) no other state beats: one with more saving P, no more host
+    bytes H and no larger key is at least as good in every completion."""
+    states: list[tuple[int, int, int]] = []
+    if not host:
+        for prefix, used in sorted(merged, reverse=True):
+            key = merged[(prefix, used)]
+            if not states or key < states[-1][2]:
+                states.append((prefix, used, key))
+        return states
+    hosts: list[int] = []  # a staircase: host bytes rising, keys falling
+    keys: list[int] = []
+    for (prefix, used), key in sorted(merged.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        at = bisect_right(hosts, used)
+        if at and keys[at - 1] <= key:
+            continue
+        states.append((prefix, used, key))
+        end = at
+        while end < len(hosts) and keys[end] >= key:
+            end += 1
+        hosts[at:end] = [used]
+        keys[at:end] = [key]
+    return states
+
+
+def least_cost_modes(
+    bounds: StepBounds,
+    limit_bytes: int,
+    costs: Costs,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+    prune: bool = True,
+) -> dict[int, str] | None:
+    """The mode assignment (layer index -> mode, keep left out) of least total cost whose
+    allocated step peak is at most ``limit_bytes`` and, with offload, whose host bytes stay
+    within ``bounds.host_limit_bytes``; None when none fits. Layers take the modes of
+    ``bounds.modes``; ``forced_in`` layers any but keep, ``forced_out`` ones keep only.
+    Ties: fewer layers not kept, then the earliest differing layer in the mode first in
+    memplan.modes.TIE_DIGIT (for keep/full alone: the lexicographically smallest index
+    tuple). ``costs`` are non-negative integers. ``prune=False`` turns branch and bound
+    off (same answer, slower: for tests)."""
+    if bounds.optimizer_bytes > limit_bytes:
+        return None
+    floor = memory.feasible_floor_bytes(
+        bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out
+    )
+    if floor[0] > 0:
+        return None
+    n = len(bounds.savings)
+    limit = limit_bytes
+    cap = _cap_bytes(bounds, limit, forced_in, forced_out)
+    host_limit = bounds.host_limit_bytes if bounds.host_binding else None
+    use_host = host_limit is not None
+
+    # Branch and bound. A state (P, cost) before layer i still has to raise P to at least
+    # ``ahead[i] = max need of the points after layer i`` with layers i .. n-1, which costs
+    # at least what the fractional knapsack says. States whose cost plus that bound exceeds
+    # a known plan's cost cannot win.
+    upper = _greedy_cost(bounds, limit, costs, forced_in, forced_out) if prune else None
+    need_min = [0] * (n + 1)
+    need_min[n] = bounds.none_bytes[n] - limit
+    for h in range(n):
+        variants = [bounds.active(m, h) for m in bounds.allowed(h, forced_in, forced_out)]
+        need_min[h] = max(bounds.none_bytes[h], min(variants)) - limit
+    ahead: list[float] = [0] * (n + 1)  # ahead[i] = max(need_min[i+1 ..])
+    ahead[n] = -math.inf  # nothing after the last position
+    for i in range(n - 1, -1, -1):
+        ahead[i] = max(ahead[i + 1], need_min[i + 1])
+    knapsack = _suffix_knapsacks(bounds, costs, forced_in, forced_out) if upper is not None else []
+
+    # The key orders assignments by (cost, number not kept, then per layer the mode's
+    # TIE_DIGIT, earliest layer most significant) and is additive over layers: cost and
+    # count in the high bits, then n digits of TIE_BITS, layer j at digit n-1-j.
+    n1 = n + 1
+    width = TIE_BITS * n
+    mask = (1 << width) - 1
+    keep_digit = TIE_DIGIT[KEEP]
+    start_key = sum(keep_digit << (TIE_BITS * (n - 1 - j)) for j in range(n))
+    states: list[tuple[int, int, int]] = [(min(0, cap[0]), 0, start_key)]
+    for h in range(n):
+        none_need = bounds.none_bytes[h] - limit
+        next_floor, next_cap = floor[h + 1], cap[h + 1]
+        next_ahead = ahead[h + 1]
+        if upper is not None:
+            cum_saving, cum_cost, items = knapsack[h + 1]
+        shift = TIE_BITS * (n - 1 - h)
+        merged: dict[tuple[int, int], int] = {}
+        for mode in bounds.allowed(h, forced_in, forced_out):
+            need = max(none_need, bounds.active(mode, h) - limit)
+            saving = bounds.saving(mode, h)
+            host_add = bounds.host(mode, h) if use_host else 0
+            step = (
+                0
+                if mode == KEEP
+                else ((costs[mode][h] * n1 + 1) << width)
+                + ((TIE_DIGIT[mode] - keep_digit) << shift)
+            )
+            for prefix, used, key in states:
+                if prefix < need:
+                    continue
+                prefix += saving
+                key += step
+                used += host_add
+                if prefix < next_floor or (use_host and used > host_limit):
+                    continue
+                if prefix > next_cap:
+                    prefix = next_cap
+                if upper is not None:
+                    bound = (key >> width) // n1
+                    deficit = next_ahead - prefix
+                    if deficit > 0:  # least cost of the savings still missing
+                        k = bisect_left(cum_saving, deficit)
+                        if k == len(items):
+                            continue  # layers ahead cannot save that much
+                        before_s, before_c = (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
+                        item_cost, item_saving = items[k]
+                        bound += before_c + (deficit - before_s) * item_cost // item_saving
+                    if bound > upper:
+                        continue
+                old = merged.get((prefix, used))
+                if old is None or key < old:
+                    merged[(prefix, used)] = key
+        states = _pareto(merged, use_host)
+        if not states:  # host limit, or floor[0] <= 0 guarantees a state otherwise
+            return None
+    key = min(states, key=itemgetter(2))[2]
+    digits = key & mask
+    by_digit = {d: m for m, d in TIE_DIGIT.items()}
+    out = {}
+    for j in range(n):
+        mode = by_digit[(digits >> (TIE_BITS * (n - 1 - j))) & ((1 << TIE_BITS) - 1)]
+        if mode != KEEP:
+            out[j] = mode
+    return out
+
+
+def least_recompute_set(
+    bounds: StepBounds,
+    limit_bytes: int,
+    cost: Sequence[int],
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+    prune: bool = True,
+) -> tuple[int, ...] | None:
+    """The checkpoint set (layer indices, ascending; every one fully checkpointed) of least
+    total ``cost`` whose allocated step peak is at most ``limit_bytes``; None when no set
+    fits. Ties: fewer layers, then the lexicographically smallest index tuple. The keep/full
+    case of :func:`least_cost_modes`."""
+    if bounds.modes != (KEEP, FULL):
+        bounds = dataclasses.replace(bounds, modes=(KEEP, FULL), host_limit_bytes=None)
+    chosen = least_cost_modes(
+        bounds,
+        limit_bytes,
+        {FULL: cost},
+        forced_in=forced_in,
+        forced_out=forced_out,
+        prune=prune,
+    )
+    return None if chosen is None else tuple(chosen)

@@ -1,0 +1,400 @@
+"""One option of the search: a (strategy, micro-batch, grad sync) evaluated under the memory and
+timing models, and the Plan built from it. No torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from memplan import memory, timing
+from memplan.errors import BadInputError
+from memplan.memory import Peak, Reserve, Sharding
+from memplan.modes import (
+    FULL,
+    KEEP,
+    MODES,
+    OFFLOAD,
+    SELECTIVE,
+)
+from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, ModelFingerprint, Plan, Prediction
+from memplan.profile import Profile
+from memplan.solver.layer_modes import least_cost_modes
+from memplan.solver.request import SolveRequest
+from memplan.timing import MicroStepTimes
+
+
+def _has_batchnorm(profile: Profile) -> bool:
+    return profile.has_batchnorm or any(layer.has_batchnorm for layer in profile.layers)
+
+
+# --------------------------------------------------------------------------- modes
+def _resolve_modes(
+    profile: Profile, request: SolveRequest, forced_in: frozenset[int]
+) -> tuple[tuple[str, ...], float]:
+    """The modes this solve may use and the host link's bytes per second (for offload).
+    Default: keep and full always, selective when the probe measured it, offload when
+    planning for CUDA with a known host link. Asked-for modes the profile or device cannot
+    do are an error that says why."""
+    cuda = memory.plans_for_cuda(profile, request.device_spec)
+    link, link_source = timing.host_link_bandwidth(request.device_spec)
+    can = {KEEP: "", FULL: ""}
+    why_not = {}
+    if memory.has_selective(profile):
+        can[SELECTIVE] = ""
+    else:
+        why_not[SELECTIVE] = (
+            "the profile has no measurement of it (probed by an older memplan, or on meta)"
+        )
+    if not cuda:
+        why_not[OFFLOAD] = "offload moves saved tensors to pinned host memory: CUDA only"
+    elif link <= 0:
+        why_not[OFFLOAD] = f"no host-link bandwidth to time it ({link_source})"
+    else:
+        can[OFFLOAD] = ""
+    if request.modes is None:
+        modes = tuple(m for m in MODES if m in can)
+    else:
+        bad = [m for m in request.modes if m not in can]
+        if bad:
+            raise BadInputError(
+                f"--modes asks for {', '.join(bad)}, which this plan cannot use: "
+                + "; ".join(f"{m}: {why_not[m]}" for m in bad)
+                + ".",
+                hint=f"Leave {', '.join(bad)} out of --modes"
+                + (
+                    ", or probe again with this memplan (on cpu or cuda)"
+                    if SELECTIVE in bad
+                    else ""
+                )
+                + (", or plan for a GPU (--device-profile NAME)" if OFFLOAD in bad else "")
+                + ".",
+            )
+        modes = request.modes
+    if forced_in and modes == (KEEP,):
+        raise BadInputError(
+            "always_checkpoint names layers, but --modes allows keep only.",
+            hint="Add a checkpoint mode to --modes (e.g. keep,full).",
+        )
+    return modes, link
+
+
+# --------------------------------------------------------------------------- names
+def _resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozenset[int]:
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    chosen, unknown = set(), []
+    for name in names:
+        if name in index:
+            chosen.add(index[name])
+        elif any(ch in name for ch in "*?[") and (hits := fnmatch.filter(index, name)):
+            chosen.update(index[hit] for hit in hits)
+        else:
+            unknown.append(name)
+    if unknown:
+        valid = list(profile.layer_names)
+        shown = ", ".join(valid[:20]) + (f", … ({len(valid)} in all)" if len(valid) > 20 else "")
+        close = sorted({m for u in unknown for m in difflib.get_close_matches(u, valid, n=3)})
+        maybe = f" Did you mean {', '.join(close)}?" if close else ""
+        raise BadInputError(
+            f"{field} names unknown layer(s): {', '.join(map(repr, unknown))}.",
+            hint=f"Valid layer names: {shown or '(the profile has no checkpoint candidates)'}."
+            f"{maybe}",
+        )
+    return frozenset(chosen)
+
+
+def _names(profile: Profile, indices: Iterable[int]) -> tuple[str, ...]:
+    names = profile.layer_names
+    return tuple(names[i] for i in sorted(indices))
+
+
+def _short_list(names: Sequence[str]) -> str:
+    if len(names) <= 4:
+        return ", ".join(names)
+    return f"{names[0]}, {names[1]}, …, {names[-1]}"
+
+
+# --------------------------------------------------------------------------- evaluation
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Option:
+    """The best plan at one micro-batch and strategy (or, when none fits, the least peak)."""
+
+    strategy: str
+    micro_batch: int
+    accumulation_steps: int
+    allowed: bool
+    fits: bool
+    checkpointed: dict[int, str]
+    """Layer index -> mode, for the layers not kept."""
+    peak: Peak
+    times: MicroStepTimes
+    step_seconds: float
+    """Communication included."""
+    step_picoseconds: int
+    comm_seconds: float
+    comm_bytes: float
+    grad_sync: GradSync = "last_micro_step"
+
+    @property
+    def rank(self) -> tuple[int, int, int, int, int]:
+        return (
+            self.step_picoseconds,
+            STRATEGIES.index(self.strategy),
+            len(self.checkpointed),
+            -self.micro_batch,
+            GRAD_SYNCS.index(self.grad_sync),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Context:
+    profile: Profile
+    request: SolveRequest
+    forced_in: frozenset[int]
+    forced_out: frozenset[int]
+    reserve: Reserve
+    limit_bytes: int
+    """Largest allocated peak that fits (budget less margin and reserve)."""
+    usable_bytes: int
+    timing_source: timing.TimingSource
+    bandwidth: float = timing.DEFAULT_INTERCONNECT_BYTES_PER_SECOND
+    """Interconnect bytes per second for the communication time."""
+    bandwidth_source: str = ""
+    strategies: tuple[str, ...] = ("ddp",)
+    modes: tuple[str, ...] = (KEEP, FULL)
+    """Modes a layer may take in this solve."""
+    host_link: float = 0.0
+    """Host link bytes per second, for offload times (0: no offload)."""
+
+
+def _sharding(ctx: _Context, strategy: str, grad_sync: GradSync = "last_micro_step") -> Sharding:
+    return Sharding(strategy=strategy, world_size=ctx.request.world_size, grad_sync=grad_sync)
+
+
+def _grad_syncs(strategy: str, accumulation: int, world: int) -> tuple[GradSync, ...]:
+    """The ways a step may synchronise gradients: both for FSDP with accumulation."""
+    if strategy == "fsdp" and accumulation > 1 and world > 1:
+        return GRAD_SYNCS
+    return ("last_micro_step",)
+
+
+def _evaluate(
+    ctx: _Context,
+    micro_batch: int,
+    accumulation: int,
+    allowed: bool,
+    strategy: str = "ddp",
+    grad_sync: GradSync = "last_micro_step",
+) -> _Option:
+    profile = ctx.profile
+    sharding = _sharding(ctx, strategy, grad_sync)
+    bounds = memory.step_bounds(
+        profile,
+        micro_batch,
+        accumulation,
+        sharding,
+        modes=ctx.modes,
+        host_limit_bytes=ctx.request.host_memory_bytes,
+    )
+    times = timing.micro_step_times(
+        profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
+    )
+    if OFFLOAD in ctx.modes:
+        times = timing.with_offload(times, timing.offload_seconds(bounds.host_bytes, ctx.host_link))
+    n = len(times.fwd_seconds)
+    costs = {
+        mode: [timing.to_picoseconds(times.mode_seconds(i, mode)) for i in range(n)]
+        for mode in ctx.modes
+        if mode != KEEP
+    }
+    forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
+    chosen = least_cost_modes(bounds, ctx.limit_bytes, costs, **forced)
+    fits = chosen is not None
+    if chosen is None:
+        least = memory.min_allocated_bytes(bounds, **forced)
+        chosen = least_cost_modes(bounds, least, costs, **forced)
+        if chosen is None:  # the host limit binds there: the least peak within it
+            chosen = least_cost_modes(
+                dataclasses.replace(bounds, host_limit_bytes=None), least, costs, **forced
+            )
+        assert chosen is not None, "the least peak is reachable by definition"
+    peak = memory.step_peak(
+        profile, micro_batch, chosen, accumulation, reserve=ctx.reserve, sharding=sharding
+    )
+    comm_bytes = timing.communication_bytes(
+        strategy,
+        ctx.request.world_size,
+        params_bytes=memory.params_bytes(profile) - profile.totals.buffer_bytes,
+        grads_bytes=memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
+        accumulation_steps=accumulation,
+        reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
+    )
+    comm = timing.communication_seconds(comm_bytes, ctx.bandwidth)
+    return _Option(
+        strategy=strategy,
+        micro_batch=micro_batch,
+        accumulation_steps=accumulation,
+        allowed=allowed,
+        fits=fits,
+        checkpointed=chosen,
+        peak=peak,
+        times=times,
+        step_seconds=timing.step_seconds(times, accumulation, chosen) + comm,
+        step_picoseconds=timing.step_picoseconds(times, accumulation, chosen)
+        + timing.to_picoseconds(comm),
+        comm_seconds=comm,
+        comm_bytes=comm_bytes,
+        grad_sync=grad_sync,
+    )
+
+
+def _model_ref(profile: Profile, request: SolveRequest) -> str:
+    if request.model_path:
+        return request.model_path
+    return profile.model.spec
+
+
+def _device_label(profile: Profile, request: SolveRequest) -> str:
+    if request.device:
+        return request.device
+    if request.device_spec is not None:
+        return request.device_spec.name
+    env = profile.environment
+    if env.device == "meta" and env.device_profile:
+        return env.device_profile
+    return env.device
+
+
+def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequence[str]) -> Plan:
+    profile, request = ctx.profile, ctx.request
+    return Plan(
+        target_batch=request.target_batch,
+        micro_batch_size=option.micro_batch,
+        accumulation_steps=option.accumulation_steps,
+        world_size=request.world_size,
+        strategy=option.strategy,
+        checkpoint={
+            profile.layer_names[i]: mode for i, mode in sorted(option.checkpointed.items())
+        },
+        shard_units=profile.layer_names if option.strategy == "fsdp" else (),
+        shard_unit_types=tuple(dict.fromkeys(layer.module_type for layer in profile.layers))
+        if option.strategy == "fsdp"
+        else (),
+        precision=profile.environment.precision,
+        mixed_precision=profile.environment.mixed_precision,
+        grad_sync=option.grad_sync,
+        device=_device_label(profile, request),
+        budget_bytes=request.budget_bytes,
+        margin=request.margin,
+        predicted=Prediction(
+            peak_bytes=option.peak.peak_bytes,
+            step_seconds=option.step_seconds,
+            breakdown=option.peak.breakdown,
+            peak_phase=option.peak.where,
+        ),
+        model=_model_ref(profile, request),
+        model_fingerprint=ModelFingerprint(
+            # as the model file builds them: fp32 masters when the probe cast to bf16
+            parameter_bytes=memory.master_bytes(
+                profile,
+                _sharding(ctx, option.strategy),
+                profile.totals.params_trainable_bytes + profile.totals.params_frozen_bytes,
+            ),
+            candidate_layers=profile.layer_names,
+        ),
+        profile=request.profile_path,
+        reasons=tuple(reasons),
+        warnings=tuple(warnings),
+    )
+
+
+# --------------------------------------------------------------------------- strategies
+def _strategies(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
+    """The strategies to try. Low precision under sharding runs the engine's mixed-precision
+    policy (FSDP2 ``MixedPrecisionPolicy``), which a profile measures only when probed with
+    parameters in the compute dtype (``--mixed-precision params``); autocast over fp32
+    parameters is what single devices and DDP run."""
+    env = profile.environment
+    world = request.world_size
+    if env.mixed_precision == "params":
+        single = world == 1 and request.strategy == "auto"
+        if request.strategy not in ("fsdp", "auto") or single:
+            raise BadInputError(
+                f"The profile was probed with {env.precision} parameters (--mixed-precision "
+                f"params), which is how FSDP's mixed-precision policy runs; strategy "
+                f"{request.strategy if world > 1 else 'ddp'} on {world} rank(s) runs autocast "
+                "over fp32 parameters instead.",
+                hint=f"Solve with --strategy fsdp, or probe again with --precision "
+                f"{env.precision} (autocast) for single-device and DDP plans.",
+            )
+        if world == 1:
+            raise BadInputError(
+                "FSDP's mixed-precision policy shards over ranks; this profile (probed with "
+                "--mixed-precision params) plans --world-size 2 or more.",
+                hint=f"Solve with --world-size N --strategy fsdp, or probe again with "
+                f"--precision {env.precision} (autocast) for one device.",
+            )
+        return ("fsdp",)
+    if request.strategy != "auto":
+        if request.strategy == "fsdp" and env.precision != "fp32":
+            raise BadInputError(
+                f"The profile was probed under {env.precision} autocast over fp32 parameters; "
+                "FSDP trains in low precision with its mixed-precision policy instead (bf16 "
+                "parameters gathered one unit at a time, bf16 activations, fp32 master shards), "
+                "whose memory that profile does not measure.",
+                hint=f"Probe again with --precision {env.precision} --mixed-precision params "
+                "and solve that profile with --strategy fsdp.",
+            )
+        return (request.strategy,)
+    if world == 1:
+        return ("ddp",)
+    if env.precision != "fp32":  # FSDP needs a profile probed with --mixed-precision params
+        return tuple(st for st in STRATEGIES if st != "fsdp")
+    return STRATEGIES
+
+
+MANY_MICRO_BATCHES = 256
+"""Above this many candidate micro-batches (a target like 897612484786617600 has 103,680
+divisors) the search stops at the first one that does not fit."""
+
+
+def _evaluate_micro_batches(
+    ctx: _Context, micro_batches: list[int], per_rank: int, bn_floor: int | None, strategy: str
+) -> list[_Option]:
+    """Every candidate micro-batch of ``strategy``; for very many, ascending until the first
+    that does not fit even with its best checkpoint set — a larger micro-batch with
+    accumulation holds more activations, so it cannot fit either — plus ``per_rank`` itself
+    (accumulation 1, whose gradients are never resident with activations)."""
+    options = []
+    world = ctx.request.world_size
+    for b in micro_batches:
+        mine = [
+            _evaluate(
+                ctx,
+                b,
+                per_rank // b,
+                allowed=bn_floor is None or b >= bn_floor,
+                strategy=strategy,
+                grad_sync=sync,
+            )
+            for sync in _grad_syncs(strategy, per_rank // b, world)
+        ]
+        options.extend(mine)
+        fits = any(option.fits for option in mine)
+        if len(micro_batches) > MANY_MICRO_BATCHES and not fits and b != per_rank:
+            if micro_batches[-1] == per_rank:
+                last = micro_batches[-1]
+                options.append(
+                    _evaluate(
+                        ctx,
+                        last,
+                        1,
+                        allowed=bn_floor is None or last >= bn_floor,
+                        strategy=strategy,
+                    )
+                )
+            break
+    return options

@@ -1,0 +1,157 @@
+"""The search itself: validate a request, evaluate every option, pick the plan (``solve``) or the
+least peak any plan needs (``least_peak``). No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memplan import memory, timing
+from memplan.errors import BadInputError
+from memplan.plan import STRATEGIES, Plan
+from memplan.profile import Profile
+from memplan.solver.batches import _micro_batches, _split_error
+from memplan.solver.explain import _candidate, _no_plan_fits, _reasons, _warnings
+from memplan.solver.options import (
+    _Context,
+    _evaluate_micro_batches,
+    _has_batchnorm,
+    _names,
+    _Option,
+    _plan,
+    _resolve_layers,
+    _resolve_modes,
+    _strategies,
+)
+from memplan.solver.request import SolveRequest, SolveResult
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Setup:
+    """What ``solve`` and ``least_peak`` share: the context and every option evaluated."""
+
+    ctx: _Context
+    options: tuple[_Option, ...]
+    bn_floor: int | None
+    source_reason: str
+
+
+def _setup(profile: Profile, request: SolveRequest, *, limit_bytes: int | None = None) -> _Setup:
+    """Validate ``request`` against ``profile`` and evaluate every (strategy, micro-batch)
+    option against the allocated limit of the request's budget, or ``limit_bytes``."""
+    forced_in = _resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
+    forced_out = _resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
+    if forced_in & forced_out:
+        raise BadInputError(
+            "always_checkpoint and never_checkpoint both match "
+            f"{', '.join(_names(profile, forced_in & forced_out))}.",
+            hint="Name each layer in one of them only.",
+        )
+
+    target, world = request.target_batch, request.world_size
+    lo, hi = request.min_micro, request.max_micro
+    if target % world:
+        raise _split_error(
+            target, world, lo, hi, f"{target} is not a multiple of world_size {world}"
+        )
+    micro_batches = _micro_batches(target, world, lo, hi)
+    if not micro_batches:
+        raise _split_error(
+            target, world, lo, hi, f"no micro-batch in that range divides {target // world}"
+        )
+    bn_floor = None
+    if _has_batchnorm(profile) and not request.allow_small_bn_micro:
+        bn_floor = request.bn_min_micro
+        if not any(b >= bn_floor for b in micro_batches):
+            raise _split_error(
+                target,
+                world,
+                max(lo, bn_floor),
+                hi,
+                f"the model has BatchNorm and every possible micro-batch "
+                f"({', '.join(map(str, micro_batches))}) is below bn_min_micro {bn_floor}",
+                extra_hint=" Or allow small micro-batches (--allow-small-bn-micro) or lower "
+                "--bn-min-micro, knowing BatchNorm statistics get noisier.",
+            )
+
+    reserve = memory.reserve_for(profile, request.device_spec)
+    source, source_reason = timing.choose_timing_source(
+        profile, request.device_spec, request.timing
+    )
+    bandwidth, bandwidth_source = timing.interconnect_bandwidth(request.device_spec)
+    strategies = _strategies(profile, request)
+    modes, host_link = _resolve_modes(profile, request, forced_in)
+    ctx = _Context(
+        modes=modes,
+        host_link=host_link,
+        profile=profile,
+        request=request,
+        forced_in=forced_in,
+        forced_out=forced_out,
+        reserve=reserve,
+        limit_bytes=memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
+        if limit_bytes is None
+        else limit_bytes,
+        usable_bytes=memory.usable_budget_bytes(request.budget_bytes, request.margin),
+        timing_source=source,
+        bandwidth=bandwidth,
+        bandwidth_source=bandwidth_source,
+        strategies=strategies,
+    )
+    per_rank = target // world
+    options = tuple(
+        option
+        for st in strategies
+        for option in _evaluate_micro_batches(ctx, micro_batches, per_rank, bn_floor, st)
+    )
+    return _Setup(ctx=ctx, options=options, bn_floor=bn_floor, source_reason=source_reason)
+
+
+def solve(profile: Profile, request: SolveRequest) -> SolveResult:
+    """Choose micro-batch, accumulation and checkpoint set for ``request``.
+
+    Raises BadInputError when the target cannot be split or a layer name is unknown, and
+    NoPlanFitsError (with the least peak any plan needs and the closest plan) when no
+    plan fits the budget."""
+    setup = _setup(profile, request)
+    ctx, options, bn_floor = setup.ctx, setup.options, setup.bn_floor
+    fitting = [o for o in options if o.allowed and o.fits]
+    if not fitting:
+        raise _no_plan_fits(ctx, options, bn_floor)
+    least_sharded = min(STRATEGIES.index(o.strategy) for o in fitting)
+    best = min(
+        (o for o in fitting if STRATEGIES.index(o.strategy) == least_sharded),
+        key=lambda o: o.rank,
+    )
+    reasons = _reasons(ctx, best, options, bn_floor, setup.source_reason)
+    warnings = _warnings(ctx, best)
+    plan = _plan(ctx, best, reasons, warnings)
+    return SolveResult(
+        plan=plan,
+        candidates=tuple(_candidate(ctx, o, best, bn_floor) for o in options),
+        usable_budget_bytes=ctx.usable_bytes,
+        reserve=ctx.reserve,
+        timing_source=setup.source_reason,
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LeastPeak:
+    """The least per-rank peak any plan for a target batch needs, whatever the budget."""
+
+    peak_bytes: int
+    """Predicted peak of ``plan`` (allocated bytes plus the reserve)."""
+    plan: Plan
+    """A plan of least peak (ties broken in the solver's order: fastest, fewest checkpoints)."""
+
+
+def least_peak(profile: Profile, request: SolveRequest) -> LeastPeak:
+    """The least peak any allowed plan for ``request``'s target batch, world size and
+    strategies needs; ``request.budget_bytes`` is not consulted. Each option's peak is the
+    least its checkpoint sets reach (``memory.min_allocated_bytes``): the number a
+    ``NoPlanFitsError`` reports. Raises BadInputError when the target cannot be split."""
+    setup = _setup(profile, request, limit_bytes=-1)  # nothing fits: each option at its least
+    allowed = [o for o in setup.options if o.allowed]
+    closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
+    plan = _plan(setup.ctx, closest, (), _warnings(setup.ctx, closest))
+    return LeastPeak(peak_bytes=closest.peak.peak_bytes, plan=plan)
