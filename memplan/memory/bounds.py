@@ -1,0 +1,288 @@
+"""The step as bounds on prefix savings (StepBounds): what the solver's DP reads, and the least
+peak any checkpoint set reaches. No torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from memplan.devices import DeviceSpec
+from memplan.memory.budget import reserve_for
+from memplan.memory.peak import Peak, step_peak
+from memplan.memory.sharding import (
+    SINGLE,
+    Sharding,
+    optimizer_adjust_bytes,
+    segment_adjust_bytes,
+    sharding_for,
+)
+from memplan.memory.terms import (
+    _NO_BOUND,
+    mode_of,
+    mode_savings_bytes,
+    offload_host_bytes,
+    optimizer_step_peak_bytes,
+    phases_for,
+    savings_bytes,
+    segment_points_bytes,
+)
+from memplan.modes import FULL, KEEP, MODES, OFFLOAD
+from memplan.plan import Plan
+from memplan.profile import Profile
+
+# --------------------------------------------------------------------------- bounds
+_INFEASIBLE = 1 << 100
+"""A need no prefix saving meets: a layer with no allowed mode."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepBounds:
+    """The step peak at one micro-batch reduced to per-layer bounds, for the solver.
+
+    With ``P_h`` the savings of the layers 0 .. h-1 in their modes, the allocated step peak
+    of a mode assignment is the largest of ``optimizer_bytes``, ``none_bytes[h] − P_h``
+    (h = 0 .. n) and, for each layer h, ``active_bytes(mode of h, h) − P_h``. This is the
+    segment formula with the maxima taken per ``held`` first; it is equal to
+    :func:`step_peak` to the byte. ``plain_bytes``/``ckpt_bytes``/``savings`` are the keep and
+    full entries; ``mode_bytes``/``mode_savings`` hold the other modes of ``modes``."""
+
+    micro_batch: int
+    accumulation_steps: int
+    savings: tuple[int, ...]
+    """Per layer: what full checkpointing frees while it is held."""
+    none_bytes: tuple[int, ...]
+    """Length n + 1: highest point of the segments with no active layer, by ``held``."""
+    plain_bytes: tuple[int, ...]
+    """Length n: highest point while layer h runs, not checkpointed."""
+    ckpt_bytes: tuple[int, ...]
+    """Length n: highest normalised point while layer h runs, checkpointed."""
+    optimizer_bytes: int
+    modes: tuple[str, ...] = (KEEP, FULL)
+    """Modes a layer may take (``keep`` first)."""
+    mode_bytes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per mode other than keep and full: highest normalised point while layer h runs."""
+    mode_savings: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per mode other than keep and full: what the mode frees while layer h is held."""
+    host_bytes: tuple[int, ...] = ()
+    """Per layer: host memory an offloaded layer takes (empty without offload)."""
+    host_limit_bytes: int | None = None
+    """Host memory offloaded layers may take together; None: no limit."""
+
+    def saving(self, mode: str, h: int) -> int:
+        if mode == KEEP:
+            return 0
+        if mode == FULL:
+            return self.savings[h]
+        return self.mode_savings[mode][h]
+
+    def active(self, mode: str, h: int) -> int:
+        if mode == KEEP:
+            return self.plain_bytes[h]
+        if mode == FULL:
+            return self.ckpt_bytes[h]
+        return self.mode_bytes[mode][h]
+
+    def host(self, mode: str, h: int) -> int:
+        return self.host_bytes[h] if mode == OFFLOAD else 0
+
+    def allowed(
+        self,
+        h: int,
+        forced_in: frozenset[int] = frozenset(),
+        forced_out: frozenset[int] = frozenset(),
+    ) -> tuple[str, ...]:
+        """Modes layer h may take: keep only if it is never checkpointed, any mode but keep
+        if it is always checkpointed."""
+        if h in forced_out:
+            return (KEEP,)
+        if h in forced_in:
+            return tuple(m for m in self.modes if m != KEEP)
+        return self.modes
+
+    @property
+    def host_binding(self) -> bool:
+        """Whether the host-memory limit can bind (offload allowed and every layer
+        offloaded would exceed it)."""
+        return (
+            OFFLOAD in self.modes
+            and self.host_limit_bytes is not None
+            and sum(self.host_bytes) > self.host_limit_bytes
+        )
+
+
+def step_bounds(
+    profile: Profile,
+    micro_batch: int,
+    accumulation_steps: int,
+    sharding: Sharding = SINGLE,
+    modes: Sequence[str] = (KEEP, FULL),
+    host_limit_bytes: int | None = None,
+) -> StepBounds:
+    n = len(profile.layers)
+    modes = tuple(m for m in MODES if m in set(modes) | {KEEP})
+    extra = [m for m in modes if m not in (KEEP, FULL)]
+    none = [_NO_BOUND] * (n + 1)
+    plain = [_NO_BOUND] * n
+    ckpt = [_NO_BOUND] * n
+    others = {m: [_NO_BOUND] * n for m in extra}
+    for phase in phases_for(accumulation_steps):
+        for index, segment in enumerate(profile.timeline[phase]):
+            h = segment.held
+            adjust = (
+                0
+                if sharding == SINGLE
+                else segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
+            )
+            top = segment_points_bytes(segment, micro_batch, active_checkpointed=False) + adjust
+            if segment.active == "none":
+                none[h] = max(none[h], top)
+            else:
+                plain[h] = max(plain[h], top)
+                ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, True) + adjust)
+                for m in extra:
+                    others[m][h] = max(
+                        others[m][h], segment_points_bytes(segment, micro_batch, m) + adjust
+                    )
+    return StepBounds(
+        micro_batch=micro_batch,
+        accumulation_steps=accumulation_steps,
+        savings=savings_bytes(profile, micro_batch),
+        none_bytes=tuple(none),
+        plain_bytes=tuple(plain),
+        ckpt_bytes=tuple(ckpt),
+        optimizer_bytes=optimizer_step_peak_bytes(profile, micro_batch)
+        + optimizer_adjust_bytes(profile, sharding),
+        modes=modes,
+        mode_bytes={m: tuple(v) for m, v in others.items()},
+        mode_savings={m: mode_savings_bytes(profile, micro_batch, m) for m in extra},
+        host_bytes=offload_host_bytes(profile, micro_batch) if OFFLOAD in modes else (),
+        host_limit_bytes=host_limit_bytes,
+    )
+
+
+def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:
+    """Allocated step peak of a checkpoint set (full) or a mode assignment, from the bounds
+    (equals step_peak's)."""
+    chosen: Iterable[int] | Mapping[int, str] = (
+        checkpointed if isinstance(checkpointed, Mapping) else frozenset(checkpointed)
+    )
+    best = bounds.optimizer_bytes
+    prefix = 0
+    for h in range(len(bounds.plain_bytes)):
+        mode = mode_of(chosen, h)
+        best = max(best, bounds.none_bytes[h] - prefix, bounds.active(mode, h) - prefix)
+        prefix += bounds.saving(mode, h)
+    return max(best, bounds.none_bytes[-1] - prefix)
+
+
+def host_total_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:
+    """Host memory the offloaded layers of an assignment take."""
+    if not isinstance(checkpointed, Mapping):
+        return 0
+    return sum(bounds.host(mode, h) for h, mode in checkpointed.items())
+
+
+def prefix_saving_bounds(
+    bounds: StepBounds,
+    limit_bytes: int,
+    pick: Callable[[list[int]], int],
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> list[int]:
+    """Backward induction over layers h = n-1 .. 0 on the prefix saving ``P_h``: for each
+    allowed mode of layer h, the least ``P_h`` that keeps layer h's segments and, through
+    ``P_{h+1}``, everything after it within ``limit_bytes``; ``pick`` combines the modes
+    (``min``: some completion fits; ``max``: every one does). The host-memory limit is left
+    out (a relaxation: the solver checks it)."""
+    n = len(bounds.plain_bytes)
+    need = [0] * (n + 1)
+    need[n] = bounds.none_bytes[n] - limit_bytes
+    for h in range(n - 1, -1, -1):
+        none_need = bounds.none_bytes[h] - limit_bytes
+        options = [
+            max(
+                none_need,
+                bounds.active(mode, h) - limit_bytes,
+                need[h + 1] - bounds.saving(mode, h),
+            )
+            for mode in bounds.allowed(h, forced_in, forced_out)
+        ]
+        need[h] = pick(options) if options else _INFEASIBLE
+    return need
+
+
+def feasible_floor_bytes(
+    bounds: StepBounds,
+    limit_bytes: int,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> list[int]:
+    """``R[h]``: the least prefix saving ``P_h`` from which some choice of modes for layers
+    h .. n-1 keeps every later point within ``limit_bytes`` (exact, by backward induction:
+    a higher ``P_h`` never hurts, so the feasible values of ``P_h`` are an interval
+    [R[h], ∞)). A plan exists iff ``R[0] <= 0`` and the optimizer step fits (and, with
+    offload, the host limit holds)."""
+    return prefix_saving_bounds(
+        bounds, limit_bytes, min, forced_in=forced_in, forced_out=forced_out
+    )
+
+
+def fits_somehow(
+    bounds: StepBounds,
+    limit_bytes: int,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> bool:
+    """Whether any mode assignment (respecting the forced layers) keeps the allocated peak
+    within ``limit_bytes`` (the host limit aside)."""
+    if bounds.optimizer_bytes > limit_bytes:
+        return False
+    floor = feasible_floor_bytes(bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out)
+    return floor[0] <= 0
+
+
+def min_allocated_bytes(
+    bounds: StepBounds,
+    *,
+    forced_in: frozenset[int] = frozenset(),
+    forced_out: frozenset[int] = frozenset(),
+) -> int:
+    """The smallest allocated peak any mode assignment reaches at this micro-batch (the host
+    limit aside): the minimum over assignments, exact (binary search on the limit;
+    feasibility is monotone in it). Checkpointing everything is not always the minimum: a
+    recompute can peak higher than the plain backward it replaces."""
+    n = len(bounds.plain_bytes)
+    some = {h: bounds.allowed(h, forced_in, forced_out)[0] for h in forced_in}
+    hi = bounds_peak_bytes(bounds, some)  # any valid assignment is an upper bound
+    # A lower bound: no assignment saves more than every layer's largest positive saving.
+    most_saved = sum(max(max(bounds.saving(m, h), 0) for m in bounds.modes) for h in range(n))
+    active = [min(bounds.active(m, h) for m in bounds.modes) for h in range(n)]
+    least = max(bounds.optimizer_bytes, max([*bounds.none_bytes, *active]) - most_saved)
+    lo = least - 1  # infeasible
+    lo = min(lo, hi - 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits_somehow(bounds, mid, forced_in=forced_in, forced_out=forced_out):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def plan_peak(profile: Profile, plan: Plan, device_spec: DeviceSpec | None = None) -> Peak:
+    """The predicted peak of a written plan against a profile (for ``verify`` and ``check``):
+    its micro-batch, accumulation and checkpoint layers, with the reserve for ``device_spec``
+    (or the profile's device), per rank for its strategy and world size. ``allocated_bytes``
+    is what max_memory_allocated should show."""
+    return step_peak(
+        profile,
+        plan.micro_batch_size,
+        plan.checkpoint,
+        plan.accumulation_steps,
+        reserve=reserve_for(profile, device_spec),
+        sharding=sharding_for(plan),
+    )

@@ -1,0 +1,351 @@
+"""Per-rank terms under data parallelism (Sharding): what DDP, ZeRO-1/2 and FSDP remove from or add
+to one process's measured bytes, per phase and segment. No torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from memplan.memory.terms import (
+    PHASE_GRADS_RESIDENT,
+    PHASE_NO_GRADS,
+    _backward_started,
+    grads_at_bytes,
+    grads_bytes,
+    optimizer_state_bytes,
+    params_bytes,
+)
+from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, Plan, Strategy
+from memplan.profile import Profile, Segment
+
+
+# --------------------------------------------------------------------------- per-rank terms
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sharding:
+    """How the model state is spread over the data-parallel ranks, and how the engine that
+    does it is configured (as memplan's emitted code configures it)."""
+
+    strategy: Strategy = "ddp"
+    """``ddp`` (replicas), ``zero1`` (optimizer state sharded), ``zero2`` (and gradients),
+    ``fsdp`` (and parameters: FSDP2 ``fully_shard`` / ZeRO-3)."""
+    world_size: int = 1
+    gradient_as_bucket_view: bool = True
+    """DDP's gradients are views into its all-reduce buckets (memplan's emitted code sets it)."""
+    fsdp_backward_prefetch: int = 1
+    """FSDP2 all-gathers the next unit during the current unit's backward (its default)."""
+    zero2_bucket_elements: int = 500_000_000
+    """DeepSpeed ``reduce_bucket_size`` (elements); 5e8 is DeepSpeed's documented default and
+    what memplan's DeepSpeed config writes."""
+    grad_sync: GradSync = "last_micro_step"
+    """FSDP with accumulation: reduce-scatter on the last micro-step only (unsharded gradients
+    until then) or on every micro-step (sharded gradients); see ``memplan.plan.GradSync``."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}"
+            )
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.grad_sync not in GRAD_SYNCS:
+            raise ValueError(
+                f"grad_sync must be one of {', '.join(GRAD_SYNCS)}, got {self.grad_sync!r}"
+            )
+
+
+SINGLE = Sharding()
+"""One process, nothing sharded: the probe's own situation (adjustments are all zero)."""
+
+
+def sharding_for(plan: Plan) -> Sharding:
+    return Sharding(strategy=plan.strategy, world_size=plan.world_size, grad_sync=plan.grad_sync)
+
+
+def element_bytes(profile: Profile) -> int:
+    """Bytes per parameter element (the probe's parameter dtype)."""
+    return {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}.get(
+        profile.environment.param_dtype, 4
+    )
+
+
+MASTER_ELEMENT_BYTES = 4
+"""fp32: the dtype of master parameters, their gradients once reduced, and the optimizer
+state under a mixed-precision policy (FSDP2 ``MixedPrecisionPolicy(reduce_dtype=float32)``)."""
+
+
+def mixed_precision_params(profile: Profile, sharding: Sharding) -> bool:
+    """Whether the profile was probed with parameters in the compute dtype (``params``) and
+    the plan shards them with FSDP's mixed-precision policy: the probe's parameter, gradient
+    and optimizer-state bytes are then those of bf16 copies, and a rank keeps fp32 ones."""
+    return profile.environment.mixed_precision == "params" and sharding.strategy == "fsdp"
+
+
+def master_element_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Bytes per element of what a rank keeps at rest (params, reduced grads, state)."""
+    if mixed_precision_params(profile, sharding):
+        return MASTER_ELEMENT_BYTES
+    return element_bytes(profile)
+
+
+def master_bytes(profile: Profile, sharding: Sharding, probed_bytes: int) -> int:
+    """``probed_bytes`` of parameter-shaped tensors (params, grads, Adam moments) at the
+    dtype a rank keeps them in: ×2 from bf16 to fp32 masters under a mixed-precision policy,
+    unchanged otherwise. (AdamW's per-tensor ``step`` counters are fp32 already and get
+    doubled too: a few bytes per parameter tensor, on the safe side.)"""
+    e = element_bytes(profile)
+    return probed_bytes * master_element_bytes(profile, sharding) // e
+
+
+def shard_bytes(total_bytes: int, world_size: int, element: int = 4) -> int:
+    """One rank's share of ``total_bytes`` split over ``world_size`` ranks, padded as the
+    engines pad: FSDP2 chunks every parameter on dim 0 (``torch.chunk``) and pads the last
+    chunk to ceil(dim0 / world) rows (torch.distributed.fsdp.fully_shard docs); DeepSpeed
+    ZeRO pads its flat partitions to a multiple of the world size. The profile keeps no
+    parameter shapes, so this pads the *elements* of a group to a multiple of the world size:
+    exact when every dim 0 divides by the world size (e.g. GPT widths on 2, 4, 8 ranks), and
+    low by at most (world − 1) rows per parameter otherwise."""
+    if world_size <= 1 or total_bytes <= 0:
+        return max(total_bytes, 0)
+    elements = math.ceil(total_bytes / element)
+    return math.ceil(elements / world_size) * element
+
+
+def unit_params_bytes(profile: Profile, index: int) -> int:
+    """Parameters of candidate layer ``index``: one FSDP unit (memplan shards each
+    checkpoint candidate as its own ``fully_shard`` unit, and the rest as the root)."""
+    layer = profile.layers[index]
+    return layer.params_trainable_bytes + layer.params_frozen_bytes
+
+
+def root_params_bytes(profile: Profile) -> int:
+    """Parameters outside the candidate layers (embeddings, head): the FSDP root unit."""
+    t = profile.totals
+    layers = sum(unit_params_bytes(profile, i) for i in range(len(profile.layers)))
+    return max(t.params_trainable_bytes + t.params_frozen_bytes - layers, 0)
+
+
+def rank_params_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Parameters and buffers one rank holds at rest. FSDP / ZeRO-3 keeps 1/world of every
+    unit's parameters (ZeRO paper, Rajbhandari et al. 2020, §5.3 "P_os+g+p"); buffers are
+    not sharded (FSDP2 only converts parameters to DTensor). The others keep them all."""
+    if sharding.strategy != "fsdp" or (
+        sharding.world_size == 1 and not mixed_precision_params(profile, sharding)
+    ):
+        return params_bytes(profile)
+    w, e = sharding.world_size, master_element_bytes(profile, sharding)
+    units = [unit_params_bytes(profile, i) for i in range(len(profile.layers))]
+    units.append(root_params_bytes(profile))
+    return (
+        sum(shard_bytes(master_bytes(profile, sharding, u), w, e) for u in units)
+        + profile.totals.buffer_bytes
+    )
+
+
+def rank_optimizer_state_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Optimizer state one rank holds: all of it with DDP; 1/world from ZeRO-1 on (ZeRO
+    paper §5.1 "P_os"; torch.distributed.optim.ZeroRedundancyOptimizer docs: each rank keeps
+    the state of its parameter partition). ZeroRedundancyOptimizer partitions whole tensors
+    greedily, so a rank's share can differ from 1/world by part of one tensor."""
+    state = master_bytes(profile, sharding, optimizer_state_bytes(profile))
+    if sharding.strategy == "ddp" or sharding.world_size == 1:
+        return state
+    return shard_bytes(state, sharding.world_size, master_element_bytes(profile, sharding))
+
+
+def optimizer_transient_bytes(profile: Profile) -> int:
+    """What the optimizer step needs above params, grads and state (foreach temporaries),
+    from the measured step peak at micro-batch 0 (the batch excluded)."""
+    base = params_bytes(profile) + grads_bytes(profile) + optimizer_state_bytes(profile)
+    return max(math.ceil(profile.optimizer_step_peak_bytes.intercept) - base, 0)
+
+
+def ddp_bucket_bytes(profile: Profile, sharding: Sharding) -> int:
+    """DDP's all-reduce buckets: the Reducer allocates flat buckets for every gradient when
+    it is built (torch/csrc/distributed/c10d/reducer.cpp, ``initialize_buckets``) and keeps
+    them for the life of the model, so they are resident in every micro-step, gradients set
+    to None or not. With ``gradient_as_bucket_view=True`` (DDP docs; PyTorch PR #41954) the
+    gradients *are* views of the buckets once synchronised, so the optimizer step holds no
+    second copy; without it, the buckets are a second gradient-sized buffer throughout.
+    Measured on CPU/gloo, 2 ranks, GPT example: +1.00 × gradient bytes in every micro-step."""
+    if sharding.world_size == 1 or sharding.strategy not in ("ddp", "zero1"):
+        return 0
+    return grads_bytes(profile)
+
+
+def bucket_views_replace_grads(sharding: Sharding, phase: str, accumulation_steps: int) -> bool:
+    """The DDP bucket-view rule, in one place: with ``gradient_as_bucket_view=True`` and a
+    synchronised first micro-step (no accumulation), each new gradient is copied into its
+    bucket and freed, so the gradients the probe saw grow are the buckets (counted once);
+    otherwise the buckets are resident on top of whatever gradients are held."""
+    return (
+        sharding.gradient_as_bucket_view
+        and accumulation_steps == 1
+        and phase == PHASE_NO_GRADS
+        and sharding.world_size > 1
+        and sharding.strategy in ("ddp", "zero1")
+    )
+
+
+def zero2_bucket_bytes(profile: Profile, sharding: Sharding) -> int:
+    """DeepSpeed ZeRO-2's gradient reduction bucket (``reduce_bucket_size`` elements,
+    DeepSpeed config docs; contiguous_gradients keeps one such buffer), no larger than the
+    gradients themselves. An assumption: not measured here (no DeepSpeed in this setup)."""
+    if sharding.strategy != "zero2" or sharding.world_size == 1:
+        return 0
+    return min(grads_bytes(profile), sharding.zero2_bucket_elements * element_bytes(profile))
+
+
+def syncs_every_micro_step(sharding: Sharding, accumulation_steps: int) -> bool:
+    """Whether gradients are reduced (and, sharded, scattered) in every micro-step. DDP and
+    ZeRO-1 skip all-reduce with ``no_sync`` on all but the last micro-step; FSDP2 skips
+    reduce-scatter with ``set_requires_gradient_sync(False)`` when ``grad_sync`` is
+    ``last_micro_step`` and reduce-scatters every micro-step otherwise; DeepSpeed ZeRO-2
+    reduces every micro-step (its gradients are partitioned, so it cannot defer)."""
+    return (
+        accumulation_steps == 1
+        or sharding.strategy == "zero2"
+        or (sharding.strategy == "fsdp" and sharding.grad_sync == "every_micro_step")
+    )
+
+
+def sharded_grads_removed_bytes(
+    profile: Profile, sharding: Sharding, held_grads: int, accumulation_steps: int
+) -> int:
+    """Gradient bytes a rank does not hold, of ``held_grads`` the single process holds.
+    ZeRO-2 keeps 1/world of every reduced gradient (ZeRO paper §5.2 "P_os+g"); FSDP too, but
+    only when it reduce-scatters every micro-step: under ``set_requires_gradient_sync(False)``
+    FSDP2 accumulates *unsharded* gradients (FSDP2 docs: "the equivalence of no_sync"), so
+    with accumulation the gradients stay whole until the last micro-step (conservatively:
+    counted whole in every micro-step). Under FSDP's mixed-precision policy the probe held
+    bf16 gradients, and a rank holds fp32 ones (``reduce_dtype``): sharded, or, unsharded
+    under ``set_requires_gradient_sync(False)``, upcast to fp32 after each unit's backward
+    (FSDP2 ``FSDPParam.to_accumulated_grad_if_needed``), so the result can be negative."""
+    if held_grads <= 0 or (
+        sharding.world_size == 1 and not mixed_precision_params(profile, sharding)
+    ):
+        return 0
+    kept = master_bytes(profile, sharding, held_grads)
+    if sharding.strategy == "zero2" or (
+        sharding.strategy == "fsdp" and syncs_every_micro_step(sharding, accumulation_steps)
+    ):
+        e = master_element_bytes(profile, sharding)
+        return held_grads - shard_bytes(kept, sharding.world_size, e)
+    return held_grads - kept
+
+
+def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index: int) -> int:
+    """Unsharded parameters alive at a segment under FSDP2 (its docs: pre-forward/backward
+    hooks all-gather a unit, post-forward/backward hooks free it):
+
+    * the root unit (everything outside the candidate layers) is not resharded after forward
+      (FSDP2 keeps the root whole, as backward needs it at once): whole all micro-step;
+    * a candidate layer is whole during its forward and its backward;
+    * in backward, FSDP2's default prefetch all-gathers the unit whose backward comes next
+      (``fsdp_backward_prefetch`` units) when the current one's backward begins, the root's
+      included: from the loss on, the last layer is already whole (measured on CPU/gloo).
+
+    Forward prefetch is implicit on CUDA streams only; on CPU it does not happen, and on CUDA
+    the allocator reserve covers it. The brief all-gather staging buffer (a flat copy of a
+    unit while it is split into parameters) is not modelled."""
+    if sharding.strategy != "fsdp":
+        return 0
+    segments = profile.timeline[phase]
+    segment = segments[index]
+    h, n = segment.held, len(profile.layers)
+    gathered = root_params_bytes(profile)
+    if segment.active != "none":
+        gathered += unit_params_bytes(profile, h)
+    in_backward = segment.active == "bwd" or (
+        segment.active == "none" and (h == n or _backward_started(segments, index))
+    )
+    if in_backward:
+        for j in range(max(h - sharding.fsdp_backward_prefetch, 0), h):
+            gathered += unit_params_bytes(profile, j)
+    return gathered
+
+
+def fsdp_reduce_scatter_bytes(
+    profile: Profile, sharding: Sharding, phase: str, segment: Segment, accumulation_steps: int
+) -> int:
+    """The reduce-scatter input FSDP2 builds from a unit's gradients at the end of its
+    backward (a padded flat copy, alive next to the unsharded gradients until the collective
+    ends). Only in micro-steps that synchronise: every one when not accumulating, else the
+    last one (the ``grads_resident`` phase; counted in all of them, conservatively). Under
+    the mixed-precision policy the input is in ``reduce_dtype`` (fp32)."""
+    if sharding.strategy != "fsdp" or sharding.world_size == 1 or segment.active != "bwd":
+        return 0
+    synced = syncs_every_micro_step(sharding, accumulation_steps) or phase == PHASE_GRADS_RESIDENT
+    if not synced:
+        return 0
+    grads = master_bytes(profile, sharding, profile.layers[segment.held].grad_bytes)
+    e = master_element_bytes(profile, sharding)
+    return shard_bytes(grads, sharding.world_size, e) * sharding.world_size
+
+
+def segment_adjust_bytes(
+    profile: Profile,
+    sharding: Sharding,
+    phase: str,
+    index: int,
+    accumulation_steps: int,
+) -> int:
+    """Per-rank live bytes at a segment minus what the single-process probe measured there:
+
+    * − parameters a rank does not hold (FSDP), − optimizer state it does not hold (ZeRO-1+),
+      − gradients it does not hold (ZeRO-2; FSDP without accumulation);
+    * + DDP's buckets less the gradients already counted (see ``ddp_bucket_bytes``: with
+      bucket views a synchronised micro-step copies each new gradient into its bucket and
+      frees it, so with k = 1 the probe's growing gradients are replaced by the bucket);
+    * + ZeRO-2's reduction bucket; + FSDP's gathered units and reduce-scatter input.
+
+    Zero for one process (any strategy but FSDP, whose all-gathers still copy)."""
+    if sharding == SINGLE:
+        return 0
+    segment = profile.timeline[phase][index]
+    held_grads = grads_at_bytes(profile, phase, index)
+    delta = 0
+    delta -= params_bytes(profile) - rank_params_bytes(profile, sharding)
+    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
+    delta -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
+    bucket = ddp_bucket_bytes(profile, sharding)
+    if bucket:
+        replaced = bucket_views_replace_grads(sharding, phase, accumulation_steps)
+        delta += bucket - (held_grads if replaced else 0)
+    delta += zero2_bucket_bytes(profile, sharding)
+    delta += fsdp_gathered_bytes(profile, sharding, phase, index)
+    delta += fsdp_reduce_scatter_bytes(profile, sharding, phase, segment, accumulation_steps)
+    return delta
+
+
+def optimizer_adjust_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Per-rank optimizer-step peak minus the probe's: the step runs on what a rank holds, and
+    its temporaries scale with the parameters it updates (ZeRO-1 and up: 1/world). DDP's
+    buckets are the gradients (bucket views); without bucket views they are a second copy."""
+    if sharding == SINGLE:
+        return 0
+    w, e = sharding.world_size, master_element_bytes(profile, sharding)
+    delta = -(params_bytes(profile) - rank_params_bytes(profile, sharding))
+    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
+    if sharding.strategy in ("zero2", "fsdp"):
+        grads = grads_bytes(profile)
+        delta -= grads - shard_bytes(master_bytes(profile, sharding, grads), w, e)
+    if sharding.strategy != "ddp":
+        transient = optimizer_transient_bytes(profile)
+        delta -= transient - shard_bytes(master_bytes(profile, sharding, transient), w, e)
+    if ddp_bucket_bytes(profile, sharding) and not sharding.gradient_as_bucket_view:
+        delta += ddp_bucket_bytes(profile, sharding)
+    return delta
+
+
+def rank_state_bytes(profile: Profile, sharding: Sharding) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) one rank holds in the optimizer step."""
+    w, e = sharding.world_size, master_element_bytes(profile, sharding)
+    grads = grads_bytes(profile)
+    if sharding.strategy in ("zero2", "fsdp"):
+        grads = shard_bytes(master_bytes(profile, sharding, grads), w, e)
+    return (
+        rank_params_bytes(profile, sharding),
+        grads,
+        rank_optimizer_state_bytes(profile, sharding),
+    )

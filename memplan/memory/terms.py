@@ -1,0 +1,252 @@
+"""One process's terms: parameters, gradients, optimizer state, timeline points and savings per
+micro-batch, per-layer modes, and a segment's peak under a checkpoint assignment. No torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from memplan.errors import BadInputError
+from memplan.modes import FULL, KEEP, MODES, OFFLOAD, SELECTIVE
+from memplan.profile import Affine, Phase, Point, Profile, Segment
+
+# Bound used where a layer has no segment of some kind: lower than any byte count.
+_NO_BOUND = -(1 << 100)
+
+PHASE_NO_GRADS: Phase = "no_grads"
+PHASE_GRADS_RESIDENT: Phase = "grads_resident"
+OPTIMIZER_STEP = "optimizer_step"
+
+
+# --------------------------------------------------------------------------- terms
+def params_bytes(profile: Profile) -> int:
+    """Parameters (trainable and frozen) and buffers: resident all step."""
+    t = profile.totals
+    return t.params_trainable_bytes + t.params_frozen_bytes + t.buffer_bytes
+
+
+def grads_bytes(profile: Profile) -> int:
+    """Gradients of the trainable parameters, when all of them exist."""
+    return profile.totals.grad_bytes
+
+
+def optimizer_state_bytes(profile: Profile) -> int:
+    """Optimizer state (AdamW: two moments): resident all step after the first."""
+    return profile.totals.optimizer_state_bytes
+
+
+def point_bytes(point: Point, micro_batch: int) -> int:
+    """Live bytes at a timeline point, rounded up."""
+    return math.ceil(point[0] + point[1] * micro_batch)
+
+
+def affine_bytes(value: Affine, micro_batch: int) -> int:
+    """An affine byte count at ``micro_batch``, rounded up."""
+    return math.ceil(value.at(micro_batch))
+
+
+def savings_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
+    """Per layer: bytes freed while it is held if it is checkpointed, rounded down."""
+    return tuple(math.floor(layer.savings_bytes.at(micro_batch)) for layer in profile.layers)
+
+
+# --------------------------------------------------------------------------- modes
+# With per-layer modes (memplan.modes) the segment formula reads, for a mode per layer μ:
+#
+#     peak_segment(b, μ) = max(points_μ(active)(b)) − Σ_{j < held} savings_μ(j), j(b)
+#
+# keep: plain points, no saving; full: ckpt_points and savings_bytes (the all-checkpointed
+# run); selective: selective_points and selective_savings_bytes (the all-selective run,
+# normalised the same way); offload: plain points (its forward and backward hold at most
+# what the plain run holds: tensors leave for the host after they are saved and come back
+# one autograd node at a time) and the full checkpoint's savings (the layer's input may
+# stay alive on the device as the previous layer's output; counting it as kept is safe).
+# Each mode's points and savings are per layer, independent of the other layers' modes,
+# so the solver's DP over prefix savings stays exact.
+Checkpointed = Iterable[int | str] | Mapping[int | str, str]
+"""Layers to checkpoint: indices or names (meaning ``full``), or a mapping to modes."""
+
+
+def mode_of(checkpointed: Iterable[int] | Mapping[int, str], layer: int) -> str:
+    """The mode of ``layer`` in a set (members are ``full``) or a mapping (absent: keep)."""
+    if isinstance(checkpointed, Mapping):
+        return checkpointed.get(layer, KEEP)
+    return FULL if layer in checkpointed else KEEP  # type: ignore[operator]
+
+
+def layer_modes(profile: Profile, checkpointed: Checkpointed) -> dict[int, str]:
+    """Layer index -> mode for every layer not kept, from indices or names (``full``) or a
+    mapping of indices or names to modes."""
+    pairs = (
+        list(checkpointed.items())
+        if isinstance(checkpointed, Mapping)
+        else [(item, FULL) for item in checkpointed]
+    )
+    indices = layer_indices(profile, [name for name, _ in pairs])
+    del indices  # validates every name
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    out: dict[int, str] = {}
+    for item, mode in pairs:
+        if mode not in MODES:
+            raise BadInputError(
+                f"Layer {item!r} has mode {mode!r}.", hint=f"Modes are {', '.join(MODES)}."
+            )
+        i = index[item] if isinstance(item, str) else int(item)
+        if mode != KEEP:
+            out[i] = mode
+    return dict(sorted(out.items()))
+
+
+def has_selective(profile: Profile) -> bool:
+    """Whether the probe measured the ``selective`` mode (every layer and active segment)."""
+    if not profile.layers or any(layer.selective_savings_bytes is None for layer in profile.layers):
+        return False
+    return all(
+        seg.selective_points
+        for segments in profile.timeline.values()
+        for seg in segments
+        if seg.active != "none"
+    )
+
+
+def available_modes(profile: Profile) -> tuple[str, ...]:
+    """The modes this profile measured (offload, which depends on the device planned for,
+    aside): keep and full, and selective when the probe ran it."""
+    return (KEEP, SELECTIVE, FULL) if has_selective(profile) else (KEEP, FULL)
+
+
+def mode_savings_bytes(profile: Profile, micro_batch: int, mode: str) -> tuple[int, ...]:
+    """Per layer: bytes freed while it is held in ``mode``, rounded down."""
+    if mode == KEEP:
+        return (0,) * len(profile.layers)
+    if mode in (FULL, OFFLOAD):
+        return savings_bytes(profile, micro_batch)
+    if mode == SELECTIVE:
+        if not has_selective(profile):
+            raise BadInputError(
+                "This profile has no measurement of the selective mode.",
+                hint="Probe the model again with this memplan, or leave selective out of --modes.",
+            )
+        return tuple(
+            math.floor(layer.selective_savings_bytes.at(micro_batch))  # type: ignore[union-attr]
+            for layer in profile.layers
+        )
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def offload_host_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
+    """Per layer: bytes an offloaded layer copies to host memory (and back) per micro-step:
+    everything its forward saves for backward, rounded up (more than the device frees, which
+    is safe for both the host-memory cap and the copy time)."""
+    return tuple(max(affine_bytes(layer.saved_bytes, micro_batch), 0) for layer in profile.layers)
+
+
+def held_savings_bytes(savings: Sequence[int], checkpointed: frozenset[int], held: int) -> int:
+    """Savings of the checkpointed layers among the ``held`` ones (layers 0 .. held-1)."""
+    return sum(savings[j] for j in checkpointed if j < held)
+
+
+def held_savings_prefix_bytes(savings: Sequence[int], checkpointed: frozenset[int]) -> list[int]:
+    """``held_savings_bytes`` for every ``held`` from 0 to n at once."""
+    prefix = [0]
+    for j, saving in enumerate(savings):
+        prefix.append(prefix[-1] + (saving if j in checkpointed else 0))
+    return prefix
+
+
+def held_mode_prefix_bytes(
+    profile: Profile, micro_batch: int, checkpointed: Iterable[int] | Mapping[int, str]
+) -> list[int]:
+    """Held savings for every ``held`` from 0 to n, each layer in its own mode."""
+    per_mode: dict[str, tuple[int, ...]] = {}
+    prefix = [0]
+    for j in range(len(profile.layers)):
+        mode = mode_of(checkpointed, j)
+        if mode not in per_mode:
+            per_mode[mode] = mode_savings_bytes(profile, micro_batch, mode)
+        prefix.append(prefix[-1] + per_mode[mode][j])
+    return prefix
+
+
+def segment_points_bytes(
+    segment: Segment, micro_batch: int, active_checkpointed: bool | str
+) -> int:
+    """Highest no-checkpoint-reference point of a segment, for the active layer's mode
+    (``True``: full, ``False``: keep): the all-checkpointed points when it is checkpointed,
+    the all-selective ones when selective, else the plain ones."""
+    mode = (
+        active_checkpointed
+        if isinstance(active_checkpointed, str)
+        else (FULL if active_checkpointed else KEEP)
+    )
+    points = segment.points
+    if segment.active != "none":
+        if mode == FULL:
+            points = segment.ckpt_points
+        elif mode == SELECTIVE:
+            if not segment.selective_points:
+                raise ValueError("segment has no selective_points")
+            points = segment.selective_points
+    return max(point_bytes(p, micro_batch) for p in points)
+
+
+def segment_peak_bytes(
+    segment: Segment, micro_batch: int, checkpointed: frozenset[int], savings: Sequence[int]
+) -> int:
+    """``peak_segment(b, C)`` of profile.py's docstring."""
+    top = segment_points_bytes(segment, micro_batch, segment.held in checkpointed)
+    return top - held_savings_bytes(savings, checkpointed, segment.held)
+
+
+def optimizer_step_peak_bytes(profile: Profile, micro_batch: int) -> int:
+    """Live-byte peak of the optimizer step (params, grads, state and its transient)."""
+    return affine_bytes(profile.optimizer_step_peak_bytes, micro_batch)
+
+
+def phases_for(accumulation_steps: int) -> tuple[Phase, ...]:
+    """Micro-step phases one optimizer step runs: with k = 1 gradients are never resident
+    during a forward, so only the first-micro-step timeline applies."""
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    if accumulation_steps == 1:
+        return (PHASE_NO_GRADS,)
+    return (PHASE_NO_GRADS, PHASE_GRADS_RESIDENT)
+
+
+def layer_indices(profile: Profile, layers: Iterable[int | str]) -> frozenset[int]:
+    """Layer indices from indices or fully-qualified names."""
+    index = {name: i for i, name in enumerate(profile.layer_names)}
+    out = set()
+    for item in layers:
+        if isinstance(item, str) and item not in index:
+            raise BadInputError(
+                f"Layer {item!r} is not a checkpoint candidate of this profile.",
+                hint="Its layers are: " + (", ".join(profile.layer_names) or "(none)") + ".",
+            )
+        i = index[item] if isinstance(item, str) else int(item)
+        if not 0 <= i < len(profile.layers):
+            raise IndexError(f"layer index {i} out of range")
+        out.add(i)
+    return frozenset(out)
+
+
+def _backward_started(segments: Sequence[Segment], index: int) -> bool:
+    return any(seg.active == "bwd" for seg in segments[: index + 1])
+
+
+def grads_at_bytes(profile: Profile, phase: str, index: int | None) -> int:
+    """Gradient bytes alive at a segment. Resident phases and the optimizer step hold all of
+    them; the first micro-step holds those of the layers whose backward has finished (fixed
+    parts' gradients counted once backward has reached a layer: an estimate, since fixed
+    parts carry no position)."""
+    if phase != PHASE_NO_GRADS or index is None:
+        return grads_bytes(profile)
+    segments = profile.timeline[phase]
+    segment = segments[index]
+    if not _backward_started(segments, index):
+        return 0
+    first_done = segment.held + 1 if segment.active == "bwd" else segment.held
+    layer_grads = sum(layer.grad_bytes for layer in profile.layers[first_done:])
+    fixed_grads = max(grads_bytes(profile) - sum(layer.grad_bytes for layer in profile.layers), 0)
+    return layer_grads + (fixed_grads if segment.held < len(profile.layers) else 0)
