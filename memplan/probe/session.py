@@ -1,0 +1,234 @@
+"""A probe session: the model, optimizer, recorder and backend of one probe, the runs it records
+per micro-batch size, and the warm-up step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+import memplan
+import memplan.runtime
+from memplan.errors import CannotMeasureError
+from memplan.loader import ModelFile, batch_tensors
+from memplan.probe.backends import Backend
+from memplan.probe.layers import default_layers, fixed_parts, glob_layers
+from memplan.probe.nonfinite import where_nonfinite
+from memplan.probe.recorder import Recorder, StepRecord
+from memplan.probe.tracker import LiveTracker, resident_tensors
+
+Series = tuple[list[int], list[str]]
+
+
+@dataclass(slots=True)
+class Run:
+    """One tracked micro-step (or optimizer step)."""
+
+    record: StepRecord | None
+    values: list[int]
+    peak_bytes: int
+    virtual_seconds: float = 0.0
+    ops: list[str] = field(default_factory=list)
+
+    def segments(self) -> list[tuple[tuple[int, str], Series]]:
+        """Per segment, in execution order: its key and its (live bytes, op names), the
+        first entry being the boundary itself."""
+        assert self.record is not None
+        marks = self.record.marks
+        out = []
+        for k, mark in enumerate(marks):
+            end = marks[k + 1].pos if k + 1 < len(marks) else len(self.values)
+            values = [mark.live, *self.values[mark.pos : end]]
+            ops = ["<boundary>", *self.ops[mark.pos : end]]
+            out.append(((mark.held, mark.active), (values, ops)))
+        return out
+
+
+@dataclass(slots=True)
+class SizeRuns:
+    size: int
+    no_grads: Run
+    grads_resident: Run
+    optimizer: Run
+    timing: StepRecord
+    optimizer_seconds: float
+    ckpt_no_grads: Run
+    ckpt_grads_resident: Run
+    grads: dict[int, int]
+    """Gradient bytes per parameter (by id), from the real gradients."""
+    state: dict[int, int]
+    """Optimizer-state bytes per parameter (by id), after a real optimizer step."""
+    ckpt_timing: StepRecord | None = None
+    """Untracked all-checkpointed micro-step (None on meta: no real times)."""
+    batch_bytes: int = 0
+    """Bytes of the batch's tensors (made on the host by ``make_batch``)."""
+    sel_no_grads: Run | None = None
+    sel_grads_resident: Run | None = None
+    """Both phases with every layer under selective checkpointing (None on meta)."""
+    sel_timing: StepRecord | None = None
+    """Untracked all-selective micro-step (None on meta)."""
+
+
+@dataclass(slots=True)
+class Session:
+    """A model, its optimizer and the hooks, on one backend."""
+
+    model_file: ModelFile
+    backend: Backend
+    model: torch.nn.Module
+    optimizer: Any
+    layer_names: list[str]
+    layers: list[torch.nn.Module]
+    part_names: list[str]
+    recorder: Recorder
+    warnings: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------------ stepping
+    def micro_step(
+        self, batch: Any, tracker: LiveTracker | None, *, scale: float = 1.0
+    ) -> StepRecord:
+        """Forward and backward of one micro-batch; the loss is dropped before returning."""
+        recorder = self.recorder
+        recorder.clock = lambda: self.backend.clock(tracker)
+        recorder.begin(tracker)
+        with self.backend.forward_context():
+            loss = self.model_file.loss(self.model, batch)
+            if scale != 1.0:
+                loss = loss * scale
+        recorder.forward_done()
+        bad = None
+        if loss.device.type != "meta" and not bool(torch.isfinite(loss.detach())):
+            bad = float(loss.detach())
+        loss.backward()
+        del loss
+        record = recorder.end()
+        if bad is not None:
+            self._warn_loss(bad, batch)
+        return record
+
+    def _warn_loss(self, value: float, batch: Any) -> None:
+        """A NaN or infinite loss is measured all the same (the memory is real) but named:
+        a plan trained on it learns nothing. The first one also says where it arose
+        (memplan.probe.nonfinite): one more forward of the batch, before the optimizer
+        steps on NaN gradients and every later loss is NaN because the weights are, run
+        unseen by the tracker (its dispatch mode is set aside) and by the recorder (a
+        record of its own, thrown away)."""
+        sizes = [t.shape[0] for t in batch_tensors(batch) if t.dim() > 0]
+        size = f"micro-batch {sizes[0]}" if sizes else "a micro-batch"
+        head = (
+            f"The training loss was {value} at {size} during the probe (a probe step of "
+            f"{self.model_file.spec})"
+        )
+        tail = (
+            "; check the model and make_batch for that size (e.g. statistics over a batch of one)."
+        )
+        first = not any(w.startswith("The training loss was ") for w in self.warnings)
+        if any(w.startswith(head) for w in self.warnings):
+            return
+        where = (
+            None if first else "after an earlier non-finite step, whose NaN the weights may hold"
+        )
+        if first:
+            clock = self.recorder.clock
+            with _disable_current_modes():
+                self.recorder.begin(None)
+                try:
+                    with self.backend.forward_context():
+                        where = where_nonfinite(self.model, self.model_file.loss, batch)
+                finally:
+                    self.recorder.end()
+                    self.recorder.clock = clock
+        self.warnings.append(f"{head}: {where}{tail}" if where else head + tail)
+
+    def tracked_step(self, batch: Any) -> Run:
+        tracker = self.backend.tracker()
+        tracker.track(resident_tensors(self.model, self.optimizer, batch))
+        with tracker:
+            record = self.micro_step(batch, tracker)
+        return Run(record, tracker.values, tracker.peak_bytes, tracker.virtual_seconds, tracker.ops)
+
+    def tracked_optimizer_step(self, batch: Any) -> Run:
+        tracker = self.backend.tracker(record=False)
+        tracker.track(resident_tensors(self.model, self.optimizer, batch))
+        with tracker:
+            self.optimizer.step()
+        return Run(None, [], tracker.peak_bytes, tracker.virtual_seconds)
+
+    def timed_optimizer_step(self) -> float:
+        t0 = self.backend.clock()
+        self.optimizer.step()
+        return self.backend.clock() - t0
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def _resolve_layers(model: torch.nn.Module, layers: str | None) -> list[str]:
+    return glob_layers(model, layers) if layers else default_layers(model)
+
+
+def open_session(model_file: ModelFile, backend: Backend, layers: str | None) -> Session:
+    model = backend.build(model_file)
+    # The probe checkpoints every candidate; memplan.apply does the same for every plan.
+    cache_note = memplan.runtime.kv_cache_note(memplan.runtime.disable_kv_cache(model))
+    optimizer = model_file.make_optimizer(model)
+    names = _resolve_layers(model, layers)
+    modules = dict(model.named_modules())
+    parts = fixed_parts(model, names)
+    recorder = Recorder(
+        model, [modules[n] for n in names], {n: modules[n] for n in parts}, clock=backend.clock
+    )
+    recorder.install()
+    return Session(
+        model_file=model_file,
+        backend=backend,
+        model=model,
+        optimizer=optimizer,
+        layer_names=names,
+        layers=[modules[n] for n in names],
+        part_names=parts,
+        recorder=recorder,
+        warnings=[cache_note] if cache_note else [],
+    )
+
+
+def warm_up(session: Session, size: int) -> None:
+    """One full training step (so optimizer state exists); also finds the order in which
+    the layers run, and re-hooks them in that order."""
+    batch = session.backend.batch(session.model_file, size)
+    session.zero_grad()
+    with session.backend.guard():
+        record = session.micro_step(batch, None)
+        session.optimizer.step()
+    session.zero_grad()
+    order = record.layer_order
+    if len(order) != len(session.layer_names) or order != sorted(order):
+        missing = [
+            session.layer_names[i] for i in range(len(session.layer_names)) if i not in order
+        ]
+        if missing:
+            session.warnings.append(
+                f"{len(missing)} candidate layer(s) never ran and are left out: "
+                + ", ".join(missing[:5])
+            )
+        names = [session.layer_names[i] for i in order]
+        modules = dict(session.model.named_modules())
+        session.recorder.remove()
+        session.layer_names = names
+        session.layers = [modules[n] for n in names]
+        session.recorder = Recorder(
+            session.model,
+            session.layers,
+            {n: modules[n] for n in session.part_names},
+            clock=session.backend.clock,
+        )
+        session.recorder.install()
+    if record.problems:
+        raise CannotMeasureError(
+            f"{session.model_file.path}: {record.problems[0]}; a checkpoint candidate must run "
+            "once per micro-step.",
+            hint="Choose other layers with --layers GLOB.",
+        )

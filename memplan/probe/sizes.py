@@ -1,0 +1,216 @@
+"""Running one probed micro-batch size: the tracked phases (plain, all-checkpointed, all-
+selective), the untracked timed runs, and the refusal of a size the device cannot hold.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memplan.devices import local_gpu
+from memplan.errors import BadInputError
+from memplan.loader import batch_tensors
+from memplan.modes import SELECTIVE
+from memplan.probe.alignment import _grad_and_state_bytes
+from memplan.probe.checkpointing import checkpointed, in_mode
+from memplan.probe.recorder import StepRecord
+from memplan.probe.session import Run, Session, SizeRuns
+from memplan.units import format_bytes
+
+TIMING_REPEATS = 3
+"""Untracked timed runs per micro-step kind and size; the run of median total time is kept."""
+
+
+def _is_oom(exc: BaseException) -> bool:
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+@dataclass(slots=True)
+class TimedSize:
+    """Untracked times at one size: a plain micro-step, the same with every layer
+    checkpointed (what checkpointing costs, measured), and an optimizer step."""
+
+    size: int
+    timing: StepRecord
+    optimizer_seconds: float
+    ckpt_timing: StepRecord | None
+    sel_timing: StepRecord | None = None
+
+
+def _median_record(session: Session, batch: Any) -> StepRecord:
+    """One timed run is at the mercy of whatever else the machine does; the run with the
+    median total time of TIMING_REPEATS keeps per-layer times of one consistent run."""
+    records = []
+    for _ in range(TIMING_REPEATS):
+        session.zero_grad()
+        records.append(session.micro_step(batch, None))
+    records.sort(key=lambda r: r.t_end - r.t_start)
+    return records[len(records) // 2]
+
+
+def time_size(
+    session: Session, batch: Any
+) -> tuple[StepRecord, float, StepRecord, StepRecord | None]:
+    """Untracked, so the tracker's overhead stays out of the times: plain, optimizer step,
+    all-checkpointed and all-selective (None on meta) micro-steps."""
+    with checkpointed(session.layers, context_fn=session.backend.checkpoint_context_fn()):
+        ckpt = _median_record(session, batch)
+    selective = None
+    if session.backend.device != "meta":
+        with in_mode(session.layers, SELECTIVE):
+            selective = _median_record(session, batch)
+    plain = _median_record(session, batch)
+    optimizer_seconds = statistics.median(
+        session.timed_optimizer_step() for _ in range(TIMING_REPEATS)
+    )
+    session.zero_grad()
+    return plain, optimizer_seconds, ckpt, selective
+
+
+def time_extra_size(session: Session, size: int) -> TimedSize | None:
+    """Times only (no tracking) at a size above the probed ones. At the small sizes a probe
+    uses, a layer's time is mostly fixed overhead and its growth per sample is lost in
+    noise; one larger size makes the per-sample slope a measurement, not an extrapolation.
+    Skipped (None) when it does not fit the device."""
+    try:
+        batch = session.backend.batch(session.model_file, size)
+        timing, optimizer_seconds, ckpt_timing, sel_timing = time_size(session, batch)
+    except torch.OutOfMemoryError:
+        session.zero_grad()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return None
+    return TimedSize(size, timing, optimizer_seconds, ckpt_timing, sel_timing)
+
+
+def available_bytes(device: str) -> int | None:
+    """What a micro-step may still allocate: free GPU memory on cuda, the host's available
+    memory on cpu and meta (meta allocates nothing but the batch, which is on the host)."""
+    from memplan.devices import host_available_bytes
+
+    if device == "cuda":
+        info = local_gpu(torch.cuda.current_device())
+        return info.free_bytes if info else None
+    return host_available_bytes()
+
+
+def estimated_bytes(session: Session, first: SizeRuns, size: int) -> tuple[float, str]:
+    """A linear estimate of what micro-batch ``size`` will allocate, from the first probed
+    size: the live bytes above the start of its step scale with the batch (on meta only
+    the host batch is real). Used to refuse a size before allocating it, not to plan."""
+    return _scaled_bytes(session, first.size, first.no_grads, first.batch_bytes, size)
+
+
+def _scaled_bytes(
+    session: Session, measured_size: int, run: Run, batch_bytes: int, size: int
+) -> tuple[float, str]:
+    scale = size / measured_size
+    if session.backend.device == "meta":
+        return batch_bytes * scale, "for the batch on the host"
+    start = run.values[0] if run.values else 0
+    return start + max(run.peak_bytes - start, 0) * scale, ""
+
+
+def _refuse(session: Session, size: int, need: float, what: str, source: str) -> None:
+    have = available_bytes(session.backend.device)
+    if have is not None and need > have:
+        raise BadInputError(
+            f"--micro-batches: size {size} would need about {format_bytes(int(need))} "
+            f"{what or 'on ' + session.backend.device} ({source}), and only "
+            f"{format_bytes(have)} is available.",
+            hint="Probe smaller sizes (e.g. --micro-batches 1,2,4): the fits extrapolate "
+            "to larger micro-batches.",
+        )
+
+
+def refuse_unfit_size(session: Session, first: SizeRuns, size: int) -> None:
+    """BadInputError when micro-batch ``size`` cannot fit this machine (estimated from the
+    first probed size), rather than letting the kernel kill the process."""
+    need, what = estimated_bytes(session, first, size)
+    _refuse(session, size, need, what, f"scaled from micro-batch {first.size}")
+
+
+CALIBRATION_SIZE = 2
+"""The micro-batch of the step that sizes up a larger first ``--micro-batches`` size."""
+
+
+def refuse_unfit_first_size(session: Session, size: int) -> None:
+    """The same refusal for the first size, before anything runs at it: one tracked
+    forward and backward at micro-batch ``CALIBRATION_SIZE`` (2, not 1, so that BatchNorm
+    over a batch still trains), scaled as ``refuse_unfit_size`` scales. Nothing to do for
+    sizes up to that one, or when the model cannot take a batch of 2. The calibration step
+    leaves no gradients behind."""
+    if size <= CALIBRATION_SIZE:
+        return
+    warnings = list(session.warnings)  # the probed sizes will say what this step would
+    try:
+        batch = session.backend.batch(session.model_file, CALIBRATION_SIZE)
+        batch_bytes = sum(t.numel() * t.element_size() for t in batch_tensors(batch))
+        run = Run(None, [], 0)  # on meta only the host batch is real: no step needed
+        if session.backend.device != "meta":
+            session.zero_grad()
+            run = session.tracked_step(batch)
+        del batch
+    except Exception:  # a model that takes no batch of 2: the real sizes say what is wrong
+        return
+    finally:
+        session.zero_grad()
+        session.warnings[:] = warnings
+    need, what = _scaled_bytes(session, CALIBRATION_SIZE, run, batch_bytes, size)
+    _refuse(session, size, need, what, f"scaled from a step at micro-batch {CALIBRATION_SIZE}")
+
+
+def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRuns:
+    backend, mf = session.backend, session.model_file
+    batch = backend.batch(mf, size)
+    session.zero_grad()
+    no_grads = session.tracked_step(batch)
+    tick(f"b={size}: no_grads")
+    grads_resident = session.tracked_step(batch)
+    tick(f"b={size}: grads_resident")
+    optimizer = session.tracked_optimizer_step(batch)
+    grads, state = _grad_and_state_bytes(session.model, session.optimizer)
+    tick(f"b={size}: optimizer step")
+    session.zero_grad()
+    ckpt_timing = sel_timing = None
+    if backend.device == "meta":
+        timing, optimizer_seconds = no_grads.record, optimizer.virtual_seconds
+    else:
+        timing, optimizer_seconds, ckpt_timing, sel_timing = time_size(session, batch)
+    tick(f"b={size}: timing")
+    with checkpointed(session.layers, context_fn=backend.checkpoint_context_fn()):
+        ckpt_no_grads = session.tracked_step(batch)
+        tick(f"b={size}: checkpointed no_grads")
+        ckpt_grads_resident = session.tracked_step(batch)
+        tick(f"b={size}: checkpointed grads_resident")
+    session.zero_grad()
+    sel_no_grads = sel_grads_resident = None
+    if backend.device != "meta":
+        with in_mode(session.layers, SELECTIVE):
+            sel_no_grads = session.tracked_step(batch)
+            sel_grads_resident = session.tracked_step(batch)
+        tick(f"b={size}: selective")
+        session.zero_grad()
+    assert timing is not None
+    return SizeRuns(
+        size,
+        no_grads,
+        grads_resident,
+        optimizer,
+        timing,
+        optimizer_seconds,
+        ckpt_no_grads,
+        ckpt_grads_resident,
+        grads,
+        state,
+        ckpt_timing,
+        sum(t.numel() * t.element_size() for t in batch_tensors(batch)),
+        sel_no_grads,
+        sel_grads_resident,
+        sel_timing,
+    )
