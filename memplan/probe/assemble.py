@@ -5,6 +5,7 @@ the totals, each fitted across sizes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,124 +41,188 @@ AFFINE_TOLERANCE = 0.01
 """A byte quantity whose fit misses a measured size by more than 1% is flagged non-affine."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Sizes:
+    """The runs fitted across sizes: tracked runs for bytes, timed runs (one more size when
+    an extra timing size was run) for seconds."""
+
+    runs: list[SizeRuns]
+    timed: list[TimedSize]
+
+    @property
+    def sizes(self) -> list[int]:
+        return [r.size for r in self.runs]
+
+    @property
+    def time_sizes(self) -> list[int]:
+        return [t.size for t in self.timed]
+
+    def bytes_fit(self, value: Callable[[SizeRuns], float]) -> Affine:
+        return _fit(self.sizes, [value(r) for r in self.runs])
+
+    def seconds_fit(self, value: Callable[[TimedSize], float]) -> Affine:
+        return _fit_time(self.time_sizes, [value(t) for t in self.timed])
+
+
 def assemble(
     session: Session,
     runs: list[SizeRuns],
     extra: dict[str, Any],
     extra_timed: TimedSize | None = None,
 ) -> Profile:
+    """The Profile of ``session`` from the runs of every probed size (and the timing-only
+    ``extra_timed``): layers, fixed parts, timeline and totals, each fitted across sizes.
+    Warnings collect in the order the steps find them."""
     warnings = list(session.warnings)
     probed = tuple(r.size for r in runs)
-    runs = _consistent_runs(runs, warnings)
-    sizes = [r.size for r in runs]
+    fits = _sizes(_consistent_runs(runs, warnings), extra_timed)
+    savings = [
+        fits.bytes_fit(lambda r, j=j: _savings(r, j)) for j in range(len(session.layer_names))
+    ]
+    selective_savings = _selective_savings(fits, len(session.layer_names))
+    layers = [
+        _layer(session, fits, j, savings[j], selective_savings, warnings)
+        for j in range(len(session.layer_names))
+    ]
+    fixed = [*_ran_parts(session, fits), *_own_params_parts(session, fits), *_loss_part(fits)]
+    timeline, stable = _timelines(fits, savings, selective_savings, warnings)
+    bn = has_batchnorm(session.model)
+    if bn:
+        warnings.append(
+            "The model has BatchNorm: its statistics come from the micro-batch, "
+            "not the effective batch, and update twice under checkpoint recompute."
+        )
+    return Profile(
+        model=ModelRef(
+            path=session.model_file.reference or str(session.model_file.path),
+            factory=session.model_file.factory,
+            sha256=session.model_file.sha256,
+        ),
+        environment=_environment(session),
+        micro_batches=probed,
+        totals=_totals(session, fits.runs[-1].grads),
+        layers=tuple(layers),
+        fixed=tuple(fixed),
+        timeline=timeline,
+        optimizer_step_peak_bytes=fits.bytes_fit(lambda r: r.optimizer.peak_bytes),
+        optimizer_step_seconds=fits.seconds_fit(lambda t: t.optimizer_seconds),
+        step_fixed_seconds=fits.seconds_fit(_step_fixed_seconds),
+        allocator_reserve_bytes=extra.get("allocator_reserve_bytes"),
+        context_bytes=extra.get("context_bytes"),
+        has_batchnorm=bn,
+        op_sequence_stable=stable,
+        warnings=tuple(dict.fromkeys(warnings)),
+    )
+
+
+def _sizes(runs: list[SizeRuns], extra_timed: TimedSize | None) -> _Sizes:
     timed = [
         TimedSize(r.size, r.timing, r.optimizer_seconds, r.ckpt_timing, r.sel_timing) for r in runs
     ]
     if extra_timed is not None:
         timed.append(extra_timed)
-    time_sizes = [t.size for t in timed]
-    grads, state = runs[-1].grads, runs[-1].state
-    modules = dict(session.model.named_modules())
-    n_layers = len(session.layer_names)
+    return _Sizes(runs=runs, timed=timed)
 
-    def layer_series(attr: Callable[[SizeRuns, int], float], j: int) -> Affine:
-        return _fit(sizes, [attr(r, j) for r in runs])
 
-    def layer_seconds(attr: Callable[[TimedSize, int], float], j: int) -> Affine:
-        return _fit_time(time_sizes, [attr(t, j) for t in timed])
+def _selective_savings(fits: _Sizes, n_layers: int) -> list[Affine] | None:
+    """Each layer's savings in the all-selective run, when every size ran one (not on meta)."""
+    if not all(r.sel_no_grads is not None for r in fits.runs):
+        return None
+    return [fits.bytes_fit(lambda r, j=j: _savings(r, j, "sel_no_grads")) for j in range(n_layers)]
 
-    def rec(run: Run, j: int) -> Any:
-        assert run.record is not None
-        return run.record.layers[j]
 
-    def saved(run: Run, j: int) -> int:
-        return rec(run, j).post_live - rec(run, j).pre_live
+def _rec(run: Run, j: int) -> Any:
+    assert run.record is not None
+    return run.record.layers[j]
 
-    savings = [layer_series(_savings, j) for j in range(n_layers)]
-    has_sel = all(r.sel_no_grads is not None for r in runs)
-    sel_savings = (
-        [layer_series(lambda r, j: _savings(r, j, "sel_no_grads"), j) for j in range(n_layers)]
-        if has_sel
-        else None
-    )
-    sel_timed = all(t.sel_timing is not None for t in timed)
 
-    layers = []
-    for j, name in enumerate(session.layer_names):
-        module = modules[name]
-        params = _unique_params(module)
-        trainable, frozen = param_bytes(module)
+def _saved(run: Run, j: int) -> int:
+    return _rec(run, j).post_live - _rec(run, j).pre_live
 
-        def fwd_transient(r: SizeRuns, j: int) -> int:
-            x = rec(r.no_grads, j)
-            return _window_peak(r.no_grads.values, x.pre_pos, x.post_pos, x.pre_live)
 
-        def bwd_transient(r: SizeRuns, j: int, ckpt: bool = False) -> int:
-            run = r.ckpt_no_grads if ckpt else r.no_grads
-            x = rec(run, j)
-            return (
-                _window_peak(run.values, x.bwd_pos0, x.bwd_pos1, x.bwd_live0)
-                if x.bwd_pos0 >= 0
-                else 0
-            )
+def _fwd_transient(r: SizeRuns, j: int) -> int:
+    x = _rec(r.no_grads, j)
+    return _window_peak(r.no_grads.values, x.pre_pos, x.post_pos, x.pre_live)
 
-        byte_fits = {
-            "input_bytes": layer_series(lambda r, j: rec(r.no_grads, j).input_bytes, j),
-            "output_bytes": layer_series(lambda r, j: rec(r.no_grads, j).output_bytes, j),
-            "saved_bytes": layer_series(lambda r, j: saved(r.no_grads, j), j),
-            "savings_bytes": savings[j],
-            "fwd_transient_bytes": layer_series(fwd_transient, j),
-            "bwd_transient_bytes": layer_series(bwd_transient, j),
-            "recompute_transient_bytes": layer_series(lambda r, j: bwd_transient(r, j, True), j),
-        }
-        is_affine = all(f.residual <= AFFINE_TOLERANCE for f in byte_fits.values())
-        if not is_affine:
-            worst = max(byte_fits, key=lambda k: byte_fits[k].residual)
-            warnings.append(
-                f"layer {name}: {worst} is not affine in the micro-batch "
-                f"(residual {byte_fits[worst].residual:.1%}); do not trust "
-                "extrapolation from it."
-            )
-        layers.append(
-            Layer(
-                name=name,
-                module_type=type(module).__name__,
-                params_trainable_bytes=trainable,
-                params_frozen_bytes=frozen,
-                grad_bytes=sum(grads.get(id(p), 0) for p in params),
-                optimizer_state_bytes=sum(state.get(id(p), 0) for p in params),
-                **byte_fits,
-                fwd_seconds=layer_seconds(
-                    lambda r, j: r.timing.layers[j].fwd_t1 - r.timing.layers[j].fwd_t0, j
-                ),
-                bwd_seconds=layer_seconds(
-                    lambda r, j: _bwd_seconds(r.timing.layers[j].bwd_t0, r.timing.layers[j].bwd_t1),
-                    j,
-                ),
-                fwd_flops=layer_series(lambda r, j: rec(r.no_grads, j).flops, j),
-                recompute_seconds=None
-                if any(t.ckpt_timing is None for t in timed)
-                else layer_seconds(
-                    lambda t, j: _layer_seconds(t.ckpt_timing, j) - _layer_seconds(t.timing, j), j
-                ),
-                selective_savings_bytes=sel_savings[j] if sel_savings else None,
-                selective_recompute_seconds=layer_seconds(
-                    lambda t, j: _layer_seconds(t.sel_timing, j) - _layer_seconds(t.timing, j), j
-                )
-                if sel_savings and sel_timed
-                else None,
-                affine=is_affine,
-                has_batchnorm=has_batchnorm(module),
-            )
+
+def _bwd_transient(r: SizeRuns, j: int, ckpt: bool = False) -> int:
+    run = r.ckpt_no_grads if ckpt else r.no_grads
+    x = _rec(run, j)
+    return _window_peak(run.values, x.bwd_pos0, x.bwd_pos1, x.bwd_live0) if x.bwd_pos0 >= 0 else 0
+
+
+def _layer(
+    session: Session,
+    fits: _Sizes,
+    j: int,
+    savings: Affine,
+    selective_savings: list[Affine] | None,
+    warnings: list[str],
+) -> Layer:
+    """Layer ``j``: its parameters and state, each byte quantity and time fitted across
+    sizes; a byte quantity that is not affine adds a warning."""
+    name = session.layer_names[j]
+    module = dict(session.model.named_modules())[name]
+    params = _unique_params(module)
+    trainable, frozen = param_bytes(module)
+    grads, state = fits.runs[-1].grads, fits.runs[-1].state
+    byte_fits = {
+        "input_bytes": fits.bytes_fit(lambda r: _rec(r.no_grads, j).input_bytes),
+        "output_bytes": fits.bytes_fit(lambda r: _rec(r.no_grads, j).output_bytes),
+        "saved_bytes": fits.bytes_fit(lambda r: _saved(r.no_grads, j)),
+        "savings_bytes": savings,
+        "fwd_transient_bytes": fits.bytes_fit(lambda r: _fwd_transient(r, j)),
+        "bwd_transient_bytes": fits.bytes_fit(lambda r: _bwd_transient(r, j)),
+        "recompute_transient_bytes": fits.bytes_fit(lambda r: _bwd_transient(r, j, True)),
+    }
+    is_affine = all(f.residual <= AFFINE_TOLERANCE for f in byte_fits.values())
+    if not is_affine:
+        worst = max(byte_fits, key=lambda k: byte_fits[k].residual)
+        warnings.append(
+            f"layer {name}: {worst} is not affine in the micro-batch "
+            f"(residual {byte_fits[worst].residual:.1%}); do not trust "
+            "extrapolation from it."
         )
+    sel_timed = all(t.sel_timing is not None for t in fits.timed)
+    return Layer(
+        name=name,
+        module_type=type(module).__name__,
+        params_trainable_bytes=trainable,
+        params_frozen_bytes=frozen,
+        grad_bytes=sum(grads.get(id(p), 0) for p in params),
+        optimizer_state_bytes=sum(state.get(id(p), 0) for p in params),
+        **byte_fits,
+        fwd_seconds=fits.seconds_fit(
+            lambda t: t.timing.layers[j].fwd_t1 - t.timing.layers[j].fwd_t0
+        ),
+        bwd_seconds=fits.seconds_fit(
+            lambda t: _bwd_seconds(t.timing.layers[j].bwd_t0, t.timing.layers[j].bwd_t1)
+        ),
+        fwd_flops=fits.bytes_fit(lambda r: _rec(r.no_grads, j).flops),
+        recompute_seconds=None
+        if any(t.ckpt_timing is None for t in fits.timed)
+        else fits.seconds_fit(
+            lambda t: _layer_seconds(t.ckpt_timing, j) - _layer_seconds(t.timing, j)
+        ),
+        selective_savings_bytes=selective_savings[j] if selective_savings else None,
+        selective_recompute_seconds=fits.seconds_fit(
+            lambda t: _layer_seconds(t.sel_timing, j) - _layer_seconds(t.timing, j)
+        )
+        if selective_savings and sel_timed
+        else None,
+        affine=is_affine,
+        has_batchnorm=has_batchnorm(module),
+    )
 
-    # Fixed parts, in the order they first ran; then parameters held directly by ancestors
-    # of the layers, then the loss computed outside the model's forward.
-    first = runs[0].no_grads.record
+
+def _ran_parts(session: Session, fits: _Sizes) -> list[FixedPart]:
+    """Modules outside the layers that ran in the forward, in the order they first ran."""
+    first = fits.runs[0].no_grads.record
     assert first is not None
-    ran = sorted(first.parts, key=lambda n: first.parts[n].first_seen)
+    modules = dict(session.model.named_modules())
+    grads, state = fits.runs[-1].grads, fits.runs[-1].state
     fixed = []
-    for name in ran:
+    for name in sorted(first.parts, key=lambda n: first.parts[n].first_seen):
         module = modules[name]
         params = _unique_params(module)
         trainable, frozen = param_bytes(module)
@@ -173,15 +238,22 @@ def assemble(
                 params_frozen_bytes=frozen,
                 grad_bytes=sum(grads.get(id(p), 0) for p in params),
                 optimizer_state_bytes=sum(state.get(id(p), 0) for p in params),
-                saved_bytes=_fit(sizes, [part(r.no_grads).saved_bytes for r in runs]),
-                fwd_seconds=_fit_time(time_sizes, [part(t.timing).fwd_seconds for t in timed]),
-                bwd_seconds=_fit_time(
-                    time_sizes,
-                    [_bwd_seconds(part(t.timing).bwd_t0, part(t.timing).bwd_t1) for t in timed],
+                saved_bytes=fits.bytes_fit(lambda r: part(r.no_grads).saved_bytes),
+                fwd_seconds=fits.seconds_fit(lambda t: part(t.timing).fwd_seconds),
+                bwd_seconds=fits.seconds_fit(
+                    lambda t: _bwd_seconds(part(t.timing).bwd_t0, part(t.timing).bwd_t1)
                 ),
-                fwd_flops=_fit(sizes, [part(r.no_grads).flops for r in runs]),
+                fwd_flops=fits.bytes_fit(lambda r: part(r.no_grads).flops),
             )
         )
+    return fixed
+
+
+def _own_params_parts(session: Session, fits: _Sizes) -> list[FixedPart]:
+    """Parameters held directly by ancestors of the layers (no time, no activations)."""
+    modules = dict(session.model.named_modules())
+    grads, state = fits.runs[-1].grads, fits.runs[-1].state
+    fixed = []
     for owner in own_params_owners(session.model, session.layer_names):
         module = modules[owner]
         params = _unique_params(module, recurse=False)
@@ -200,35 +272,51 @@ def assemble(
                 fwd_flops=Affine.zero(),
             )
         )
-    loss_saved = [r.no_grads.record.loss_saved_bytes for r in runs]  # type: ignore[union-attr]
-    loss_flops = [r.no_grads.record.loss_flops for r in runs]  # type: ignore[union-attr]
-    if any(loss_saved) or any(loss_flops):
-        fixed.append(
-            FixedPart(
-                name="(loss)",
-                module_type="training_loss",
-                params_trainable_bytes=0,
-                params_frozen_bytes=0,
-                grad_bytes=0,
-                optimizer_state_bytes=0,
-                saved_bytes=_fit(sizes, loss_saved),
-                fwd_seconds=_fit_time(time_sizes, [t.timing.loss_seconds for t in timed]),
-                bwd_seconds=Affine.zero(),
-                fwd_flops=_fit(sizes, loss_flops),
-            )
-        )
+    return fixed
 
+
+def _loss_part(fits: _Sizes) -> list[FixedPart]:
+    """The loss computed outside the model's forward, when it saved or computed anything."""
+    loss_saved = [r.no_grads.record.loss_saved_bytes for r in fits.runs]  # type: ignore[union-attr]
+    loss_flops = [r.no_grads.record.loss_flops for r in fits.runs]  # type: ignore[union-attr]
+    if not (any(loss_saved) or any(loss_flops)):
+        return []
+    return [
+        FixedPart(
+            name="(loss)",
+            module_type="training_loss",
+            params_trainable_bytes=0,
+            params_frozen_bytes=0,
+            grad_bytes=0,
+            optimizer_state_bytes=0,
+            saved_bytes=_fit(fits.sizes, loss_saved),
+            fwd_seconds=fits.seconds_fit(lambda t: t.timing.loss_seconds),
+            bwd_seconds=Affine.zero(),
+            fwd_flops=_fit(fits.sizes, loss_flops),
+        )
+    ]
+
+
+def _timelines(
+    fits: _Sizes,
+    savings: list[Affine],
+    selective_savings: list[Affine] | None,
+    warnings: list[str],
+) -> tuple[dict[str, Any], bool]:
+    """Both phases' segments, and whether the op sequence was the same at every size (if not,
+    segment maxima were fitted and a warning says so)."""
+    runs = fits.runs
     timeline = {}
     stable = True
     for phase in ("no_grads", "grads_resident"):
         segs, ok = _timeline(
-            sizes,
+            fits.sizes,
             [getattr(r, phase) for r in runs],
             [getattr(r, f"ckpt_{phase}") for r in runs],
             savings,
             warnings,
-            [getattr(r, f"sel_{phase}") for r in runs] if has_sel else None,
-            sel_savings,
+            [getattr(r, f"sel_{phase}") for r in runs] if selective_savings is not None else None,
+            selective_savings,
         )
         timeline[phase] = segs
         stable &= ok
@@ -238,60 +326,41 @@ def assemble(
             "routing?): segment maxima were fitted, not points; verify plans at "
             "their micro-batch."
         )
+    return timeline, stable
 
-    def step_fixed(r: TimedSize) -> float:
-        t = r.timing
-        in_layers = sum(x.fwd_t1 - x.fwd_t0 + _bwd_seconds(x.bwd_t0, x.bwd_t1) for x in t.layers)
-        return (t.t_end - t.t_start) - in_layers
 
-    model = session.model
-    params_trainable, params_frozen = param_bytes(model)
-    buffers = storages_bytes(model.buffers())
-    first_param = next(model.parameters())
+def _step_fixed_seconds(r: TimedSize) -> float:
+    """A micro-step's time outside the layers (and outside their backward)."""
+    t = r.timing
+    in_layers = sum(x.fwd_t1 - x.fwd_t0 + _bwd_seconds(x.bwd_t0, x.bwd_t1) for x in t.layers)
+    return (t.t_end - t.t_start) - in_layers
+
+
+def _environment(session: Session) -> Environment:
     backend = session.backend
-    bn = has_batchnorm(model)
-    if bn:
-        warnings.append(
-            "The model has BatchNorm: its statistics come from the micro-batch, "
-            "not the effective batch, and update twice under checkpoint recompute."
-        )
-    return Profile(
-        model=ModelRef(
-            path=session.model_file.reference or str(session.model_file.path),
-            factory=session.model_file.factory,
-            sha256=session.model_file.sha256,
+    first_param = next(session.model.parameters())
+    return Environment(
+        torch_version=str(torch.__version__),
+        memplan_version=memplan.__version__,
+        device=backend.device,  # type: ignore[arg-type]
+        device_name=backend.device_name(),
+        device_capacity_bytes=backend.capacity_bytes(),
+        device_profile=backend.spec.name if backend.spec else None,
+        precision=backend.precision,  # type: ignore[arg-type]
+        optimizer_class=type(session.optimizer).__name__,
+        param_dtype=str(first_param.dtype).removeprefix("torch."),
+        mixed_precision=backend.mixed_precision,  # type: ignore[arg-type]
+    )
+
+
+def _totals(session: Session, grads: dict[int, int]) -> Totals:
+    params_trainable, params_frozen = param_bytes(session.model)
+    return Totals(
+        params_trainable_bytes=params_trainable,
+        params_frozen_bytes=params_frozen,
+        buffer_bytes=storages_bytes(session.model.buffers()),
+        grad_bytes=sum(grads.values()),
+        optimizer_state_bytes=storages_bytes(
+            t for s in session.optimizer.state.values() for t in state_tensors(s)
         ),
-        environment=Environment(
-            torch_version=str(torch.__version__),
-            memplan_version=memplan.__version__,
-            device=backend.device,  # type: ignore[arg-type]
-            device_name=backend.device_name(),
-            device_capacity_bytes=backend.capacity_bytes(),
-            device_profile=backend.spec.name if backend.spec else None,
-            precision=backend.precision,  # type: ignore[arg-type]
-            optimizer_class=type(session.optimizer).__name__,
-            param_dtype=str(first_param.dtype).removeprefix("torch."),
-            mixed_precision=backend.mixed_precision,  # type: ignore[arg-type]
-        ),
-        micro_batches=probed,
-        totals=Totals(
-            params_trainable_bytes=params_trainable,
-            params_frozen_bytes=params_frozen,
-            buffer_bytes=buffers,
-            grad_bytes=sum(grads.values()),
-            optimizer_state_bytes=storages_bytes(
-                t for s in session.optimizer.state.values() for t in state_tensors(s)
-            ),
-        ),
-        layers=tuple(layers),
-        fixed=tuple(fixed),
-        timeline=timeline,
-        optimizer_step_peak_bytes=_fit(sizes, [r.optimizer.peak_bytes for r in runs]),
-        optimizer_step_seconds=_fit_time(time_sizes, [t.optimizer_seconds for t in timed]),
-        step_fixed_seconds=_fit_time(time_sizes, [step_fixed(t) for t in timed]),
-        allocator_reserve_bytes=extra.get("allocator_reserve_bytes"),
-        context_bytes=extra.get("context_bytes"),
-        has_batchnorm=bn,
-        op_sequence_stable=stable,
-        warnings=tuple(dict.fromkeys(warnings)),
     )
