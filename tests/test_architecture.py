@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "memplan"
 MAX_LINES = 600
 # Over the bar and reworked by other issues this round (cli.py: its command bodies are being
 # thinned separately); listed so that the debt is visible, not hidden.
-OVER_LIMIT_FOR_NOW = {"probe/runner.py", "memory.py", "solver.py", "distributed.py", "cli.py"}
+OVER_LIMIT_FOR_NOW = {"cli.py"}
 
 
 def module_name(path: Path) -> str:
