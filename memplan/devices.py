@@ -13,6 +13,7 @@ from pathlib import Path
 
 from memplan.errors import BadInputError
 from memplan.schema import from_data, load_yaml_file
+from memplan.units import parse_budget
 
 ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "rtx-4090": "rtx4090"}
 
@@ -140,3 +141,18 @@ def host_available_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def resolve_budget(
+    budget: str, *, device_spec: DeviceSpec | None, probed_capacity_bytes: int | None
+) -> int:
+    """``--budget`` in bytes: a size, a percentage of the device's memory (the spec's, else the
+    probed device's, else the local GPU's when ``auto``) or ``auto`` (the local GPU's free
+    memory, which only a visible GPU can answer)."""
+    capacity = device_spec.memory_bytes if device_spec else probed_capacity_bytes
+    free = None
+    if budget.strip().lower() == "auto":
+        gpu = local_gpu()
+        free = gpu.free_bytes if gpu else None
+        capacity = capacity or (gpu.total_bytes if gpu else None)
+    return parse_budget(budget, capacity_bytes=capacity, free_bytes=free)

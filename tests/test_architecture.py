@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "memplan"
 MAX_LINES = 600
 # Over the bar and reworked by other issues this round (cli.py: its command bodies are being
 # thinned separately); listed so that the debt is visible, not hidden.
-OVER_LIMIT_FOR_NOW = {"cli.py"}
+OVER_LIMIT_FOR_NOW: set[str] = set()
 
 
 def module_name(path: Path) -> str:
@@ -73,8 +73,8 @@ def test_import_graph_has_no_circle():
 
 def test_the_old_cli_circle_would_be_found():
     edges = graph()
-    edges["memplan.cli_check"] = edges["memplan.cli_check"] | {"memplan.cli"}
-    assert find_cycle(edges) == ["memplan.cli", "memplan.cli_check", "memplan.cli"]
+    edges["memplan.cli.check"] = edges["memplan.cli.check"] | {"memplan.cli"}
+    assert find_cycle(edges) == ["memplan.cli", "memplan.cli.check", "memplan.cli"]
 
 
 def test_rich_only_in_render():

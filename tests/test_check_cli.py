@@ -20,7 +20,7 @@ GROWN = str(MODELS / "check_grown.py")
 @pytest.fixture(scope="module")
 def app():
     from memplan.cli import app
-    from memplan.cli_check import register
+    from memplan.cli.check import register
 
     register(app)
     return app

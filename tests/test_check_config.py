@@ -15,7 +15,7 @@ MODELS = Path(__file__).parent / "models"
 @pytest.fixture(scope="module")
 def app():
     from memplan.cli import app
-    from memplan.cli_check import register
+    from memplan.cli.check import register
 
     register(app)
     register(app)  # idempotent

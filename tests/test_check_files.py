@@ -52,7 +52,7 @@ def test_pre_commit_entry_is_a_registered_command():
     from typer.testing import CliRunner
 
     from memplan.cli import app
-    from memplan.cli_check import register
+    from memplan.cli.check import register
 
     register(app)
     hook = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())[0]

@@ -4,7 +4,7 @@ Thin: each command parses its options, calls one library function (``memplan.che
 renders the result (``memplan.render.check``; ``--json`` on stdout), writes the JUnit file
 and the GitHub step summary, and exits with ``CheckReport.exit_code``. ``register(app)``
 adds both commands to the typer app (``memplan.cli`` calls it) and may be called more than
-once; this module does not import ``memplan.cli``.
+once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from memplan.cli_base import run_command
+from memplan.cli.base import run_command
 
 if TYPE_CHECKING:
     from memplan.report import CheckPlots

@@ -1,6 +1,6 @@
 """What every ``memplan`` command shares: the ``--debug`` state and ``run_command``, which
-maps a ``MemplanError`` (and only it) to one paragraph on stderr and its exit code. Its own
-module so that ``memplan.cli`` and ``memplan.cli_check`` both import it and not each other."""
+maps a ``MemplanError`` (and only it) to one paragraph on stderr and its exit code. Every
+command module imports it; none imports ``memplan.cli`` itself, which registers them."""
 
 from __future__ import annotations
 

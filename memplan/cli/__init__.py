@@ -1,0 +1,88 @@
+"""The ``memplan`` command line: each command loads its input, calls one library function
+and renders the result. Domain errors become one paragraph on stderr and an exit code in
+one place (``memplan.cli.base.run_command``).
+
+One module per command (``probe``, ``show`` with ``devices``, ``solve``, ``verify``,
+``report``, ``check`` with ``init-check``); ``options`` holds what several share. This
+module builds the app, registers them in ``--help`` order and handles signals."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from memplan import __version__
+from memplan.cli import check, probe, report, show, solve, verify
+from memplan.cli.base import state as _state
+from memplan.cli.options import FORMATS_HELP
+from memplan.errors import Interrupted
+
+__all__ = ["FORMATS_HELP", "app", "main"]
+
+app = typer.Typer(
+    name="memplan",
+    help="Memory planner for PyTorch training: measure a model, pick micro-batch × "
+    "accumulation × checkpointed layers that fit a budget, prove it with a real run.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"memplan {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print version.")
+    ] = False,
+) -> None:
+    _state["debug"] = debug
+
+
+for _command in (
+    probe.probe,
+    show.show,
+    solve.solve,
+    verify.verify,
+    report.report,
+    show.devices,
+):
+    app.command()(_command)
+check.register(app)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def main() -> None:
+    """Console-script entry point. SIGINT and SIGTERM unwind the command (so temporary files
+    and child processes are cleaned up), print one line and exit 128 + the signal number:
+    130 for Ctrl-C, 143 for SIGTERM."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    try:
+        app()
+    except (Interrupted, KeyboardInterrupt) as exc:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+        raise SystemExit(128 + signum) from None
+    finally:
+        # The command is over: a Ctrl-C during interpreter shutdown must not turn a finished
+        # run into a death by SIGINT (rc -2); SIGTERM keeps its default action.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -1,0 +1,94 @@
+"""``memplan probe``: measure a model per layer and write its profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from memplan.cli.base import run_command
+from memplan.cli.options import (
+    LoraOption,
+    ModelArgument,
+    SeqLenOption,
+    TaskOption,
+    parse_micro_batches,
+    running_user_code,
+)
+from memplan.errors import BadInputError
+from memplan.loader import model_reference
+from memplan.schema import to_data
+
+
+@run_command
+def probe(
+    model: ModelArgument,
+    task: TaskOption = None,
+    seq_len: SeqLenOption = None,
+    lora: LoraOption = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda or meta.")] = "auto",
+    micro_batches: Annotated[
+        str, typer.Option("--micro-batches", help="Sizes to measure, e.g. 1,2,4.")
+    ] = "1,2,4",
+    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (autocast).")] = "fp32",
+    mixed_precision: Annotated[
+        str,
+        typer.Option(
+            "--mixed-precision",
+            help="autocast (single device, DDP) or params: parameters in --precision, as "
+            "FSDP's mixed-precision policy trains (for --strategy fsdp plans).",
+        ),
+    ] = "autocast",
+    layers: Annotated[
+        str | None, typer.Option(help="Glob of checkpoint candidates, e.g. 'transformer.h.*'.")
+    ] = None,
+    device_profile: Annotated[
+        str | None,
+        typer.Option("--device-profile", help="GPU spec to time a meta probe against."),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the profile YAML.")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the profile as JSON on stdout.")
+    ] = False,
+) -> None:
+    """Measure a model per layer (memory and time) and write a profile."""
+    from memplan import render
+    from memplan.fileio import check_output, write_text_atomic
+    from memplan.probe import probe_model
+    from memplan.profile import profile_to_yaml
+
+    if device not in ("auto", "cpu", "cuda", "meta"):
+        raise BadInputError(f"--device {device!r} is not one of auto, cpu, cuda, meta.")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise BadInputError(f"--precision {precision!r} is not one of fp32, bf16, fp16.")
+    sizes = parse_micro_batches(micro_batches)
+    if output is not None:
+        check_output(output, force=force)  # refuse before minutes of probing, not after
+    model = model_reference(model, task=task, seq_len=seq_len, lora=lora)
+    with running_user_code(model, as_json=as_json), render.progress("probing") as on_progress:
+        profile = probe_model(
+            model,
+            device=device,
+            micro_batches=sizes,
+            precision=precision,
+            layers=layers,
+            device_profile=device_profile,
+            on_progress=on_progress,
+            mixed_precision=mixed_precision,
+        )
+    if as_json:
+        render.print_json(to_data(profile))
+    else:
+        render.show_profile(profile)
+        if profile.deduplicated_layers:
+            render.info(
+                f"{len(profile.deduplicated_layers)} of {len(profile.layers)} layers are "
+                "identical to an earlier one and reused its meta measurements"
+            )
+    if output is not None:
+        write_text_atomic(output, profile_to_yaml(profile), force=force)
+        render.info(f"wrote {output}")

@@ -1,0 +1,57 @@
+"""``memplan report``: draw where the peak is, from a plan or a profile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from memplan.cli.base import run_command
+
+
+@run_command
+def report(
+    file: Annotated[Path, typer.Argument(metavar="PROFILE|PLAN", help="A plan or profile YAML.")],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="report.html (a page) or report.png.")
+    ],
+    profile_path: Annotated[
+        Path | None,
+        typer.Option("--profile", help="The plan's profile, if not where the plan says."),
+    ] = None,
+    target_batch: Annotated[
+        int | None, typer.Option("--target-batch", help="With a profile: solve for this batch.")
+    ] = None,
+    budget: Annotated[
+        str | None, typer.Option(help="With a profile: the budget to solve against.")
+    ] = None,
+    device_profile: Annotated[
+        str | None, typer.Option("--device-profile", help="With a profile: GPU to plan for.")
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
+) -> None:
+    """Draw where the peak is: predicted memory over one step, candidates, layer choices."""
+    from memplan import render
+    from memplan.fileio import refuse_existing
+    from memplan.report import build_report, check_output, write_report
+    from memplan.report.draw import matplotlib_pyplot
+    from memplan.units import format_bytes
+
+    check_output(output)
+    refuse_existing(output, force=force)
+    matplotlib_pyplot()  # a missing extra is an error before any work
+    result = build_report(
+        file,
+        profile_path=profile_path,
+        target_batch=target_batch,
+        budget=budget,
+        device_profile=device_profile,
+    )
+    size = write_report(result, output, force=force)
+    for note in result.notes:
+        render.warn(note)
+    render.info(
+        f"wrote {output} ({format_bytes(size)}): peak {format_bytes(result.timeline.peak_bytes)}"
+        f" during {result.timeline.bars[result.timeline.peak_index].where}"
+    )

@@ -1,0 +1,164 @@
+"""``memplan solve``: choose a plan for a profile and write it (and its ``--format`` files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from memplan.cli.base import run_command
+from memplan.cli.options import FORMATS_HELP, finite, split_names
+from memplan.memory import DEFAULT_MARGIN
+from memplan.schema import to_data
+
+if TYPE_CHECKING:
+    from memplan.errors import NoPlanFitsError
+    from memplan.solver import SolveResult
+
+
+@run_command
+def solve(
+    profile_path: Annotated[
+        Path, typer.Argument(metavar="PROFILE", help="Profile YAML from `memplan probe`.")
+    ],
+    target_batch: Annotated[int, typer.Option("--target-batch", help="Effective batch size.")],
+    budget: Annotated[
+        str, typer.Option(help="24GiB, 512MiB, bytes, 80% (of device memory) or auto.")
+    ],
+    world_size: Annotated[int, typer.Option("--world-size", help="Data-parallel ranks.")] = 1,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            help="ddp, zero1, zero2, fsdp, or auto (the least-sharded strategy that fits)."
+        ),
+    ] = "ddp",
+    device_profile: Annotated[
+        str | None,
+        typer.Option("--device-profile", help="GPU to plan for (see `memplan devices`)."),
+    ] = None,
+    margin: Annotated[
+        float, typer.Option(help="Fraction of the budget kept free.")
+    ] = DEFAULT_MARGIN,
+    min_micro: Annotated[int, typer.Option("--min-micro")] = 1,
+    max_micro: Annotated[int | None, typer.Option("--max-micro")] = None,
+    always: Annotated[
+        list[str] | None,
+        typer.Option("--always-checkpoint", help="Layer names always checkpointed."),
+    ] = None,
+    never: Annotated[
+        list[str] | None, typer.Option("--never-checkpoint", help="Layer names never checkpointed.")
+    ] = None,
+    bn_min_micro: Annotated[
+        int, typer.Option("--bn-min-micro", help="Smallest micro-batch for BatchNorm models.")
+    ] = 16,
+    allow_small_bn_micro: Annotated[bool, typer.Option("--allow-small-bn-micro")] = False,
+    modes: Annotated[
+        str | None,
+        typer.Option(
+            "--modes",
+            help="Per-layer modes to choose from, e.g. keep,full or "
+            "keep,selective,full,offload (default: every mode the profile and device support).",
+        ),
+    ] = None,
+    host_memory: Annotated[
+        str | None,
+        typer.Option("--host-memory", help="Host memory offloaded layers may take, e.g. 64GiB."),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Model file to name in emitted configs (default: the profile's)."),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write plan.yaml here.")
+    ] = None,
+    formats: Annotated[str | None, typer.Option("--format", help=FORMATS_HELP)] = None,
+    out_dir: Annotated[
+        Path | None,
+        typer.Option("--out-dir", help="Folder for --format files (default: beside -o, else .)."),
+    ] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite existing output files.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print plan and candidates as JSON on stdout.")
+    ] = False,
+) -> None:
+    """Pick micro-batch × accumulation × checkpointed layers that fit the budget and run fastest."""
+    from memplan import render
+    from memplan.devices import load_device, resolve_budget
+    from memplan.emit.files import plan_targets, write_plan_files
+    from memplan.errors import NoPlanFitsError
+    from memplan.profile import load_profile
+    from memplan.solver import SolveRequest
+    from memplan.solver import solve as run_solver
+    from memplan.units import parse_size
+
+    # Every refusal of an output comes before anything is solved or written.
+    targets = plan_targets(output, formats, out_dir, force=force)
+    finite(margin, "--margin", positive=False)
+    profile = load_profile(profile_path)
+    spec = load_device(device_profile) if device_profile else None
+    request = SolveRequest(
+        target_batch=target_batch,
+        budget_bytes=resolve_budget(
+            budget,
+            device_spec=spec,
+            probed_capacity_bytes=profile.environment.device_capacity_bytes,
+        ),
+        world_size=world_size,
+        strategy=strategy,
+        margin=margin,
+        min_micro=min_micro,
+        max_micro=max_micro,
+        always_checkpoint=split_names(always),
+        never_checkpoint=split_names(never),
+        bn_min_micro=bn_min_micro,
+        allow_small_bn_micro=allow_small_bn_micro,
+        device_spec=spec,
+        model_path=model or profile.model.spec,
+        profile_path=str(profile_path),
+        modes=modes,
+        host_memory_bytes=parse_size(host_memory, what="--host-memory") if host_memory else None,
+    )
+    try:
+        result = run_solver(profile, request)
+    except NoPlanFitsError as exc:
+        _show_no_fit(exc, request.budget_bytes, as_json=as_json)
+        raise
+    _show_result(result, as_json=as_json)
+    written = write_plan_files(result.plan, targets, force=force)
+    for path in written.paths:
+        render.info(f"wrote {path}")
+    for _, exc in written.refused[:-1]:
+        render.error(exc)
+    if written.refused:
+        raise written.refused[-1][1]
+
+
+def _show_result(result: SolveResult, *, as_json: bool) -> None:
+    from memplan import render
+
+    rows = [dict(to_data(cand)) for cand in result.candidates]
+    if as_json:
+        render.print_json({"feasible": True, "plan": to_data(result.plan), "candidates": rows})
+    else:
+        render.show_plan(result.plan)
+        render.show_candidates(rows, result.plan.micro_batch_size)
+
+
+def _show_no_fit(exc: NoPlanFitsError, budget_bytes: int, *, as_json: bool) -> None:
+    from memplan import render
+    from memplan.units import format_bytes
+
+    if as_json:
+        render.print_json(
+            {
+                "feasible": False,
+                "min_peak_bytes": exc.min_peak_bytes,
+                "budget_bytes": budget_bytes,
+                "message": str(exc),
+                "closest": to_data(exc.closest) if exc.closest else None,
+            }
+        )
+    elif exc.closest is not None:
+        render.info(f"closest plan needs {format_bytes(exc.closest.predicted.peak_bytes)}:")
+        render.show_plan(exc.closest)

@@ -1,0 +1,183 @@
+"""``memplan verify``: run a plan for real (one process, or one per rank) and compare
+measured with predicted memory and time; ``--report`` also draws measured over predicted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from memplan.cli.base import run_command
+from memplan.cli.options import (
+    LoraOption,
+    ModelArgument,
+    SeqLenOption,
+    TaskOption,
+    finite,
+    running_user_code,
+)
+from memplan.errors import BadInputError
+from memplan.loader import model_reference
+from memplan.schema import to_data
+
+if TYPE_CHECKING:
+    from memplan.distributed import DistributedVerifyResult
+    from memplan.plan import Plan
+    from memplan.verify import VerifyResult
+
+
+@run_command
+def verify(
+    model: ModelArgument,
+    plan_path: Annotated[
+        Path, typer.Argument(metavar="PLAN", help="plan.yaml from `memplan solve`.")
+    ],
+    task: TaskOption = None,
+    seq_len: SeqLenOption = None,
+    lora: LoraOption = None,
+    steps: Annotated[
+        int, typer.Option(help="Optimizer steps to measure (and as many to time).")
+    ] = 3,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: the plan's device).")
+    ] = None,
+    tolerance: Annotated[float, typer.Option(help="Largest |peak error| that passes.")] = 0.05,
+    world_size: Annotated[
+        int | None,
+        typer.Option(
+            "--world-size",
+            help="Ranks to run (default: the plan's); more than 1 starts real processes.",
+        ),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds the multi-process run may take before it is killed.")
+    ] = 300.0,
+    grad_check: Annotated[
+        bool,
+        typer.Option(
+            "--grad-check/--no-grad-check", help="Compare accumulated and full-batch gradients."
+        ),
+    ] = True,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON on stdout.")
+    ] = False,
+    report_path: Annotated[
+        Path | None,
+        typer.Option("--report", help="Also write report.html/.png: measured over predicted."),
+    ] = None,
+) -> None:
+    """Run the plan for real and compare measured with predicted memory and time."""
+    from memplan import render
+    from memplan.plan import load_plan
+
+    _check_options(world_size, steps, tolerance, timeout, device)
+    plan = load_plan(plan_path)
+    if report_path is not None:
+        _check_report_path(report_path)
+    model = model_reference(model, task=task, seq_len=seq_len, lora=lora)
+    distributed = (world_size or plan.world_size) > 1
+    with (
+        running_user_code(model, as_json=as_json),
+        render.progress("verifying on several ranks" if distributed else "verifying") as tick,
+    ):
+        result = _run(
+            model,
+            plan,
+            distributed=distributed,
+            world_size=world_size,
+            steps=steps,
+            device=device,
+            tolerance=tolerance,
+            check_gradients=grad_check,
+            timeout_s=timeout,
+            on_progress=tick,
+            record_timeline=report_path is not None,
+        )
+    if as_json:
+        render.print_json(_json(result))
+    elif distributed:
+        render.show_distributed_verify(result)
+    else:
+        render.show_verify(result)
+    _write_verify_report(result, plan_path, report_path)
+    if not result.passed:
+        raise typer.Exit(1)
+
+
+def _check_options(
+    world_size: int | None, steps: int, tolerance: float, timeout: float, device: str | None
+) -> None:
+    if world_size is not None and world_size < 1:
+        raise BadInputError(f"--world-size {world_size} must be at least 1.")
+    if steps < 1:
+        raise BadInputError(f"--steps {steps} must be at least 1.")
+    finite(tolerance, "--tolerance", positive=False)
+    finite(timeout, "--timeout", positive=True)
+    if device is not None and device not in ("cpu", "cuda"):
+        raise BadInputError(
+            f"--device {device!r}: verify runs on cpu or cuda.",
+            hint="Choose --device cpu or --device cuda (pick a GPU with CUDA_VISIBLE_DEVICES=N).",
+        )
+
+
+def _run(
+    model: str,
+    plan: Plan,
+    *,
+    distributed: bool,
+    world_size: int | None,
+    timeout_s: float,
+    **options: Any,
+) -> VerifyResult | DistributedVerifyResult:
+    """One process, or (``distributed``) one process per rank."""
+    if not distributed:
+        from memplan.verify import verify_plan
+
+        return verify_plan(model, plan, **options)
+    from memplan.distributed import verify_distributed
+
+    return verify_distributed(model, plan, world_size=world_size, timeout_s=timeout_s, **options)
+
+
+def _json(result: VerifyResult | DistributedVerifyResult) -> dict[str, Any]:
+    """The result as JSON, with the verdict's derived fields; per-op bytes are for
+    ``--report``, not the JSON."""
+    data = to_data(result)
+    if "ranks" in data:
+        for rank in data["ranks"]:
+            rank.pop("timeline", None)
+        data.update(
+            measured_peak_bytes=result.measured_peak_bytes,
+            peak_error=result.peak_error,
+            rank_errors=[result.rank_error(r.rank) for r in result.ranks],  # type: ignore[union-attr]
+        )
+    else:
+        data.pop("timeline", None)
+        data.update(peak_error=result.peak_error, time_error=result.time_error)  # type: ignore[union-attr]
+    data.update(within_budget=result.within_budget, passed=result.passed, failures=result.failures)
+    return data
+
+
+def _check_report_path(path: Path) -> None:
+    """Refuse a bad or existing --report path, or a missing matplotlib, before running."""
+    from memplan.fileio import refuse_existing
+    from memplan.report import check_output
+    from memplan.report.draw import matplotlib_pyplot
+
+    check_output(path)
+    refuse_existing(path)
+    matplotlib_pyplot()
+
+
+def _write_verify_report(
+    result: VerifyResult | DistributedVerifyResult, plan_path: Path | None, path: Path | None
+) -> None:
+    if path is None or plan_path is None:
+        return
+    from memplan import render
+    from memplan.report import write_verify_report
+    from memplan.units import format_bytes
+
+    size = write_verify_report(result, plan_path, path)
+    render.info(f"wrote {path} ({format_bytes(size)})")

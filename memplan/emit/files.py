@@ -1,0 +1,79 @@
+"""Where ``memplan solve`` writes: the plan YAML (``-o``) and one file per ``--format``.
+
+Every target is refused, if it must be, before anything is solved (an unknown format, an
+existing file without ``--force``, something that is not a regular file, an unwritable
+folder, two outputs on one file); after solving, every format that can write the plan is
+written, and the formats that cannot are returned with why, so that one refusal does not
+stop the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from memplan.emit import FORMATS, emit_all
+from memplan.errors import BadInputError, MemplanError
+from memplan.fileio import check_outputs, write_outputs
+from memplan.loader import relative_reference
+from memplan.plan import Plan, plan_to_yaml
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanTargets:
+    """The files a solve will write, already checked."""
+
+    folder: Path
+    """Where the ``--format`` files go; scripts resolve a relative model path against it."""
+    targets: tuple[tuple[Path, str | None], ...]
+    """``(path, format)``; format None is the plan YAML named by ``-o``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WrittenFiles:
+    """What ``write_plan_files`` wrote, and the formats that cannot write the plan."""
+
+    paths: tuple[Path, ...]
+    refused: tuple[tuple[str, MemplanError], ...]
+
+
+def plan_targets(
+    output: Path | None, formats: str | None, out_dir: Path | None, *, force: bool
+) -> PlanTargets:
+    """The checked targets of ``-o output --format a,b --out-dir DIR``: the ``--format`` files
+    go to ``out_dir``, else beside ``output``, else the current folder. Raises BadInputError
+    (or OutputExistsError) for any target that would be refused at write time."""
+    wanted = [f.strip() for f in (formats or "").split(",") if f.strip()]
+    unknown = [f for f in wanted if f not in FORMATS]
+    if unknown:
+        raise BadInputError(
+            f"--format {', '.join(unknown)} is not a known format.",
+            hint=f"Known formats: {', '.join(FORMATS)}.",
+        )
+    folder = out_dir or (output.parent if output is not None else Path("."))
+    targets: list[tuple[Path, str | None]] = [] if output is None else [(output, None)]
+    targets += [
+        (folder / FORMATS[fmt].filename, fmt)
+        for fmt in wanted
+        if not (fmt == "plan" and output is not None)
+    ]
+    check_outputs((path for path, _ in targets), force=force)
+    return PlanTargets(folder=folder, targets=tuple(targets))
+
+
+def write_plan_files(plan: Plan, targets: PlanTargets, *, force: bool) -> WrittenFiles:
+    """Write ``plan`` to every target whose format can write its strategy (scripts name the
+    model relative to their own folder); the others come back in ``refused``."""
+    emitted = emit_all(
+        plan,
+        [fmt for _, fmt in targets.targets if fmt is not None],
+        model_path=relative_reference(plan.model, targets.folder),
+    )
+    texts = {fmt: text for fmt, _, text in emitted.files}
+    outputs = [
+        (path, plan_to_yaml(plan) if fmt is None else texts[fmt])
+        for path, fmt in targets.targets
+        if fmt is None or fmt in texts
+    ]
+    paths = write_outputs(outputs, force=force)
+    return WrittenFiles(paths=tuple(paths), refused=tuple(emitted.refused))
