@@ -25,11 +25,16 @@ class Block(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        in_features: int = IN_FEATURES,
+        widths: tuple[int, ...] = WIDTHS,
+        classes: int = CLASSES,
+    ) -> None:
         super().__init__()
-        dims = (IN_FEATURES, *WIDTHS)
+        dims = (in_features, *widths)
         self.blocks = nn.Sequential(*(Block(a, b) for a, b in itertools.pairwise(dims)))
-        self.head = nn.Linear(dims[-1], CLASSES)
+        self.head = nn.Linear(dims[-1], classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(x).mean(dim=1))
