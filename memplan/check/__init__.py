@@ -3,7 +3,7 @@
 For each check: probe the model (on ``meta`` or ``cpu`` in CI) in a child process, solve for
 the target batch against the budget, and compare the new profile with a committed baseline
 profile by layer name, so a failure can say *what grew*. Everything here returns data (a
-``CheckReport``); ``memplan.cli_check`` renders it (``memplan.render.check``) and exits with
+``CheckReport``); ``memplan.cli.check`` renders it (``memplan.render.check``) and exits with
 ``CheckReport.exit_code`` (the rule is in ``memplan.check.result``). One job per module:
 
 * ``config``   memplan.yaml, read through the schema and resolved against its folder;

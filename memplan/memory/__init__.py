@@ -55,12 +55,16 @@ from memplan.memory.budget import (
 )
 from memplan.memory.peak import (
     Peak,
+    StepPoint,
     activations_at_bytes,
     breakdown_at,
     describe_peak,
     describe_segment,
     micro_step_peak_bytes,
+    optimizer_point_bytes,
+    rank_segments,
     step_peak,
+    step_points,
 )
 from memplan.memory.sharding import (
     MASTER_ELEMENT_BYTES,
@@ -131,6 +135,7 @@ __all__ = [
     "Reserve",
     "Sharding",
     "StepBounds",
+    "StepPoint",
     "activations_at_bytes",
     "affine_bytes",
     "allocated_limit_bytes",
@@ -165,6 +170,7 @@ __all__ = [
     "mode_savings_bytes",
     "offload_host_bytes",
     "optimizer_adjust_bytes",
+    "optimizer_point_bytes",
     "optimizer_state_bytes",
     "optimizer_step_peak_bytes",
     "optimizer_transient_bytes",
@@ -176,6 +182,7 @@ __all__ = [
     "prefix_saving_bounds",
     "rank_optimizer_state_bytes",
     "rank_params_bytes",
+    "rank_segments",
     "rank_state_bytes",
     "reserve_for",
     "root_params_bytes",
@@ -188,6 +195,7 @@ __all__ = [
     "sharding_for",
     "step_bounds",
     "step_peak",
+    "step_points",
     "syncs_every_micro_step",
     "unit_params_bytes",
     "usable_budget_bytes",

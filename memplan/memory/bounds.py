@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 
 from memplan.devices import DeviceSpec
 from memplan.memory.budget import reserve_for
-from memplan.memory.peak import Peak, step_peak
+from memplan.memory.peak import Peak, optimizer_point_bytes, rank_segments, step_peak
 from memplan.memory.sharding import (
     SINGLE,
     Sharding,
-    optimizer_adjust_bytes,
-    segment_adjust_bytes,
     sharding_for,
 )
 from memplan.memory.terms import (
@@ -22,8 +20,6 @@ from memplan.memory.terms import (
     mode_of,
     mode_savings_bytes,
     offload_host_bytes,
-    optimizer_step_peak_bytes,
-    phases_for,
     savings_bytes,
     segment_points_bytes,
 )
@@ -43,8 +39,9 @@ class StepBounds:
     With ``P_h`` the savings of the layers 0 .. h-1 in their modes, the allocated step peak
     of a mode assignment is the largest of ``optimizer_bytes``, ``none_bytes[h] − P_h``
     (h = 0 .. n) and, for each layer h, ``active_bytes(mode of h, h) − P_h``. This is the
-    segment formula with the maxima taken per ``held`` first; it is equal to
-    :func:`step_peak` to the byte. ``plain_bytes``/``ckpt_bytes``/``savings`` are the keep and
+    segment formula with the maxima taken per ``held`` first, over the same walk of the
+    step as :func:`step_points` (``rank_segments``); it is equal to :func:`step_peak` to
+    the byte. ``plain_bytes``/``ckpt_bytes``/``savings`` are the keep and
     full entries; ``mode_bytes``/``mode_savings`` hold the other modes of ``modes``."""
 
     micro_batch: int
@@ -126,24 +123,18 @@ def step_bounds(
     plain = [_NO_BOUND] * n
     ckpt = [_NO_BOUND] * n
     others = {m: [_NO_BOUND] * n for m in extra}
-    for phase in phases_for(accumulation_steps):
-        for index, segment in enumerate(profile.timeline[phase]):
-            h = segment.held
-            adjust = (
-                0
-                if sharding == SINGLE
-                else segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
-            )
-            top = segment_points_bytes(segment, micro_batch, active_checkpointed=False) + adjust
-            if segment.active == "none":
-                none[h] = max(none[h], top)
-            else:
-                plain[h] = max(plain[h], top)
-                ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, True) + adjust)
-                for m in extra:
-                    others[m][h] = max(
-                        others[m][h], segment_points_bytes(segment, micro_batch, m) + adjust
-                    )
+    for _, _, segment, adjust in rank_segments(profile, accumulation_steps, sharding):
+        h = segment.held
+        top = segment_points_bytes(segment, micro_batch, KEEP) + adjust
+        if segment.active == "none":
+            none[h] = max(none[h], top)
+        else:
+            plain[h] = max(plain[h], top)
+            ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, FULL) + adjust)
+            for m in extra:
+                others[m][h] = max(
+                    others[m][h], segment_points_bytes(segment, micro_batch, m) + adjust
+                )
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,
@@ -151,8 +142,7 @@ def step_bounds(
         none_bytes=tuple(none),
         plain_bytes=tuple(plain),
         ckpt_bytes=tuple(ckpt),
-        optimizer_bytes=optimizer_step_peak_bytes(profile, micro_batch)
-        + optimizer_adjust_bytes(profile, sharding),
+        optimizer_bytes=optimizer_point_bytes(profile, micro_batch, sharding),
         modes=modes,
         mode_bytes={m: tuple(v) for m, v in others.items()},
         mode_savings={m: mode_savings_bytes(profile, micro_batch, m) for m in extra},

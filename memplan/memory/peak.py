@@ -5,7 +5,7 @@ break the peak into its terms and describe its place. No torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from memplan.memory.budget import NO_RESERVE, Reserve
@@ -61,6 +61,82 @@ class Peak:
     breakdown: Breakdown
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPoint:
+    """One point of an optimizer step on one rank: a segment of a phase, or the optimizer
+    step (``index`` None)."""
+
+    phase: str
+    index: int | None
+    allocated_bytes: int
+
+
+def rank_segments(
+    profile: Profile,
+    accumulation_steps: int,
+    sharding: Sharding = SINGLE,
+    phases: Sequence[str] | None = None,
+) -> Iterator[tuple[str, int, Segment, int]]:
+    """``(phase, index, segment, adjust)`` for every segment of one optimizer step in order
+    (``phases``: default all of the step's), with what sharding adds to or removes from the
+    measured bytes there on one rank (``segment_adjust_bytes``; 0 for one process). The walk
+    that ``step_points`` and ``step_bounds`` share."""
+    for phase in phases_for(accumulation_steps) if phases is None else phases:
+        for index, segment in enumerate(profile.timeline[phase]):
+            adjust = (
+                0
+                if sharding == SINGLE
+                else segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
+            )
+            yield phase, index, segment, adjust
+
+
+def optimizer_point_bytes(profile: Profile, micro_batch: int, sharding: Sharding = SINGLE) -> int:
+    """The optimizer step's allocated peak on one rank."""
+    return optimizer_step_peak_bytes(profile, micro_batch) + optimizer_adjust_bytes(
+        profile, sharding
+    )
+
+
+def step_points(
+    profile: Profile,
+    micro_batch: int,
+    checkpointed: Checkpointed,
+    accumulation_steps: int,
+    *,
+    sharding: Sharding = SINGLE,
+    phases: Sequence[str] | None = None,
+) -> list[StepPoint]:
+    """The one evaluation of the model: the allocated bytes at every point of one optimizer
+    step on one rank, in order. Each segment of each phase is ``peak_segment`` of the module
+    docstring (its active layer's points in that layer's mode, less the savings of the
+    layers held, each in its mode) plus the rank's adjustment; the optimizer step comes
+    last (unless ``phases`` names only some phases). ``step_peak`` is the first highest of
+    them and the report draws them all; ``step_bounds`` regroups the same walk by held layer
+    for the solver, and the tests prove it equal to this to the byte."""
+    chosen = layer_modes(profile, checkpointed)
+    held = held_mode_prefix_bytes(profile, micro_batch, chosen)
+    n = len(profile.layers)
+    points = []
+    for phase, index, segment, adjust in rank_segments(
+        profile, accumulation_steps, sharding, phases
+    ):
+        mode = mode_of(chosen, segment.held) if segment.held < n else KEEP
+        top = segment_points_bytes(segment, micro_batch, mode)
+        points.append(
+            StepPoint(phase=phase, index=index, allocated_bytes=top - held[segment.held] + adjust)
+        )
+    if phases is None:
+        points.append(
+            StepPoint(
+                phase=OPTIMIZER_STEP,
+                index=None,
+                allocated_bytes=optimizer_point_bytes(profile, micro_batch, sharding),
+            )
+        )
+    return points
+
+
 def micro_step_peak_bytes(
     profile: Profile,
     phase: Phase,
@@ -70,22 +146,21 @@ def micro_step_peak_bytes(
     sharding: Sharding = SINGLE,
     accumulation_steps: int = 1,
 ) -> tuple[int, int | None]:
-    """Peak over one phase's segments and the index of the (first) segment reaching it,
-    for one rank under ``sharding`` (``segment_adjust_bytes``). ``checkpointed``: a set
-    (full checkpointing) or a mapping of layer index to mode."""
-    held = held_mode_prefix_bytes(profile, micro_batch, checkpointed)
-    n = len(profile.layers)
-    best, best_index = _NO_BOUND, None
-    for index, segment in enumerate(profile.timeline[phase]):
-        # segment_peak_bytes, with the held savings summed once for all segments
-        active_mode = mode_of(checkpointed, segment.held) if segment.held < n else KEEP
-        top = segment_points_bytes(segment, micro_batch, active_mode)
-        value = top - held[segment.held]
-        if sharding != SINGLE:
-            value += segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
-        if value > best:
-            best, best_index = value, index
-    return best, best_index
+    """Peak over one phase's segments and the index of the (first) segment reaching it, for
+    one rank under ``sharding``: a view of ``step_points``. ``checkpointed``: a set (full
+    checkpointing) or a mapping of layer index to mode."""
+    points = step_points(
+        profile,
+        micro_batch,
+        checkpointed,
+        accumulation_steps,
+        sharding=sharding,
+        phases=(phase,),
+    )
+    if not points:
+        return _NO_BOUND, None
+    best = max(p.allocated_bytes for p in points)
+    return best, next(p.index for p in points if p.allocated_bytes == best)
 
 
 def step_peak(
@@ -100,36 +175,23 @@ def step_peak(
     """The predicted peak of one optimizer step with ``accumulation_steps`` micro-steps of
     ``micro_batch`` samples, checkpointing ``checkpointed`` (layer indices or names: full
     checkpointing; or a mapping of them to modes), on one rank under ``sharding`` (default:
-    one process)."""
+    one process): the first highest of ``step_points``, with its place and breakdown."""
     chosen = layer_modes(profile, checkpointed)
-    places: list[tuple[int, str, int | None]] = []
-    for phase_name in phases_for(accumulation_steps):
-        value, seg_index = micro_step_peak_bytes(
-            profile,
-            phase_name,
-            micro_batch,
-            chosen,
-            sharding=sharding,
-            accumulation_steps=accumulation_steps,
-        )
-        if seg_index is not None:
-            places.append((value, phase_name, seg_index))
-    optimizer = optimizer_step_peak_bytes(profile, micro_batch)
-    places.append((optimizer + optimizer_adjust_bytes(profile, sharding), OPTIMIZER_STEP, None))
-    best = max(value for value, _, _ in places)
-    _, phase, index = next(place for place in places if place[0] == best)  # first place wins
+    points = step_points(profile, micro_batch, chosen, accumulation_steps, sharding=sharding)
+    best = max(p.allocated_bytes for p in points)
+    top = next(p for p in points if p.allocated_bytes == best)  # the first place wins
     reserve_bytes = reserve.bytes_for(best)
     return Peak(
         peak_bytes=best + reserve_bytes,
         allocated_bytes=best,
         reserve_bytes=reserve_bytes,
-        phase=phase,
-        segment_index=index,
-        where=describe_peak(profile, phase, index, chosen),
+        phase=top.phase,
+        segment_index=top.index,
+        where=describe_peak(profile, top.phase, top.index, chosen),
         breakdown=breakdown_at(
             profile,
-            phase,
-            index,
+            top.phase,
+            top.index,
             micro_batch,
             chosen,
             best,

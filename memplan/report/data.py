@@ -138,11 +138,10 @@ def predicted_timeline(
     reserve: Reserve = memory.NO_RESERVE,
     sharding: Sharding = memory.SINGLE,
 ) -> Timeline:
-    """Every segment of one optimizer step, as memory.step_peak walks them. With
-    accumulation the gradients-resident micro-step is drawn once (micro-steps 2..k are
-    identical)."""
+    """Every point of one optimizer step (memory.step_points, whose first highest is the
+    step peak). With accumulation the gradients-resident micro-step is drawn once
+    (micro-steps 2..k are identical)."""
     # ``checkpointed``: a set (full) or a mapping of layer index to mode (memplan.modes).
-    held = memory.held_mode_prefix_bytes(profile, micro_batch, checkpointed)
     names = profile.layer_names
     k = accumulation_steps
     bars: list[TimelineBar] = []
@@ -190,21 +189,12 @@ def predicted_timeline(
             reserve=parts.reserve,
         )
 
-    for phase in memory.phases_for(k):
-        label = "micro-step 1" if phase == memory.PHASE_NO_GRADS else _later_steps(k)
-        for index, segment in enumerate(profile.timeline[phase]):
-            # The same sum as memory.micro_step_peak_bytes, segment by segment.
-            mode = (
-                memory.mode_of(checkpointed, segment.held) if segment.held < len(names) else "keep"
-            )
-            top = memory.segment_points_bytes(segment, micro_batch, mode)
-            value = top - held[segment.held]
-            if sharding != memory.SINGLE:
-                value += memory.segment_adjust_bytes(profile, sharding, phase, index, k)
-            bars.append(bar(phase, index, label, value))
-    optimizer = memory.optimizer_step_peak_bytes(profile, micro_batch)
-    optimizer += memory.optimizer_adjust_bytes(profile, sharding)
-    bars.append(bar(memory.OPTIMIZER_STEP, None, "optimizer step", optimizer))
+    for point in memory.step_points(profile, micro_batch, checkpointed, k, sharding=sharding):
+        if point.index is None:
+            label = "optimizer step"
+        else:
+            label = "micro-step 1" if point.phase == memory.PHASE_NO_GRADS else _later_steps(k)
+        bars.append(bar(point.phase, point.index, label, point.allocated_bytes))
     best = max(b.total_bytes for b in bars)
     peak_index = next(i for i, b in enumerate(bars) if b.total_bytes == best)
     return Timeline(
