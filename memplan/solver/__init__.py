@@ -30,8 +30,8 @@ is exactly brute force's. States that cannot be completed are dropped (``R[h]``,
 
 The package, one job per module: ``request`` (what is asked and answered), ``batches``
 (splitting the target batch), ``layer_modes`` (the per-layer DP), ``options`` (one option
-evaluated), ``search`` (``solve`` and ``least_peak``) and ``explain`` (reasons, warnings,
-candidates and the no-fit error).
+evaluated), ``search`` (``solve`` and ``least_peak``), ``explain`` (reasons, warnings and
+candidates) and ``no_fit`` (the no-fit error and its hints).
 """
 
 from memplan.solver.layer_modes import least_cost_modes, least_recompute_set

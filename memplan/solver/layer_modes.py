@@ -16,12 +16,7 @@ from operator import itemgetter
 
 from memplan import memory
 from memplan.memory import StepBounds
-from memplan.modes import (
-    FULL,
-    KEEP,
-    TIE_BITS,
-    TIE_DIGIT,
-)
+from memplan.modes import FULL, KEEP, TIE_BITS, TIE_DIGIT
 
 Costs = Mapping[str, Sequence[int]]
 """Per mode other than keep: each layer's extra cost (whole picoseconds) in that mode."""

@@ -10,9 +10,7 @@ from memplan import memory
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
 from memplan.memory import Reserve
-from memplan.modes import (
-    parse_modes,
-)
+from memplan.modes import parse_modes
 from memplan.plan import STRATEGIES, GradSync, Plan
 from memplan.timing import TimingMode
 

@@ -11,7 +11,8 @@ from memplan.errors import BadInputError
 from memplan.plan import STRATEGIES, Plan
 from memplan.profile import Profile
 from memplan.solver.batches import _micro_batches, _split_error
-from memplan.solver.explain import _candidate, _no_plan_fits, _reasons, _warnings
+from memplan.solver.explain import _candidate, _reasons, _warnings
+from memplan.solver.no_fit import _no_plan_fits
 from memplan.solver.options import (
     _Context,
     _evaluate_micro_batches,
