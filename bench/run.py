@@ -34,6 +34,7 @@ SECTIONS = [
     "big_models",
     "real_models",
     "modes",
+    "seqlen",
 ]
 
 

@@ -234,7 +234,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         timeout=timedelta(seconds=float(config["timeout_s"])),
     )
     plan = plan_from_data(config["plan"], source="plan")
-    mf = load_model_file(config["model"])
+    mf = load_model_file(config["model"]).at_seq_len(plan.seq_len)
     micro, k, seed = plan.micro_batch_size, plan.accumulation_steps, int(config["seed"])
 
     torch.manual_seed(seed)

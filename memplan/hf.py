@@ -259,9 +259,15 @@ def build_module(ref: HfReference) -> types.ModuleType:
             )
         return model
 
-    def make_batch(batch_size: int) -> dict[str, Any]:
+    def make_batch(batch_size: int, seq_len: int | None = None) -> dict[str, Any]:
+        seq = ref.seq_len if seq_len is None else seq_len
+        if limit is not None and seq > limit:
+            raise BadInputError(
+                f"{ref}: seq-len {seq} exceeds the model's {limit} positions.",
+                hint=f"Plan and probe lengths of {limit} or less.",
+            )
         g = torch.Generator().manual_seed(1000 + batch_size)
-        shape = (batch_size, ref.seq_len)
+        shape = (batch_size, seq)
         ids = torch.randint(0, vocab, shape, generator=g)
         batch = {"input_ids": ids, "attention_mask": torch.ones(shape, dtype=torch.long)}
         if ref.task == "seq-cls":

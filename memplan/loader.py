@@ -1,6 +1,7 @@
 """Import a user's model file and hold it to the model-file contract (docs/design.md, "The model file").
 
-A model file defines ``build_model()`` and ``make_batch(batch_size)``, optionally
+A model file defines ``build_model()`` and ``make_batch(batch_size)`` (or
+``make_batch(batch_size, seq_len)``: then memplan can plan the sequence length), optionally
 ``training_loss(model, batch)`` and ``make_optimizer(model)``; ``model.py:other_factory``
 selects another factory than ``build_model``. Every way a file can break the contract is a
 ``ModelFileError`` that names the file and function, and an exception raised by the user's
@@ -10,9 +11,11 @@ code is reported at the user's own ``file:line``, not at memplan's frames.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
@@ -64,7 +67,8 @@ def _out_of_host_memory(exc: BaseException) -> bool:
 
 
 def _args_text(args: tuple[Any, ...]) -> str:
-    return f"({args[0]})" if args and isinstance(args[0], int) else "()"
+    ints = [str(a) for a in args if isinstance(a, int) and not isinstance(a, bool)]
+    return f"({', '.join(ints)})" if args and len(ints) == len(args) else "()"
 
 
 def _is_passthrough(exc: BaseException) -> bool:
@@ -173,6 +177,24 @@ class ModelFile:
     has_make_optimizer: bool = False
     reference: str | None = None
     """The ``hf:`` reference the model was built from (memplan.hf), else None."""
+    takes_seq_len: bool = False
+    """Whether ``make_batch`` takes a second parameter, the sequence length (issue 13)."""
+    seq_len: int | None = None
+    """The length ``make_batch`` is called with (``at_seq_len``); None: the file's own."""
+
+    def at_seq_len(self, seq_len: int | None) -> ModelFile:
+        """This model file with batches of ``seq_len`` tokens per sample; None: unchanged.
+        A file whose ``make_batch`` takes no length cannot: ModelFileError (exit 2)."""
+        if seq_len is None:
+            return self
+        if not self.takes_seq_len:
+            raise ModelFileError(
+                f"{self.path}: make_batch(batch_size) takes no sequence length, so memplan "
+                f"cannot make batches of {seq_len} tokens.",
+                hint=f"Define make_batch(batch_size, seq_len) in {self.path} and build each "
+                "sample with seq_len tokens.",
+            )
+        return dataclasses.replace(self, seq_len=seq_len)
 
     @property
     def spec(self) -> str:
@@ -216,16 +238,17 @@ class ModelFile:
         return model
 
     def make_batch(self, batch_size: int) -> Any:
-        batch = self._call("make_batch", batch_size)
+        args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
+        batch = self._call("make_batch", *args)
         if not is_tensor_batch(batch):
             raise ModelFileError(
-                f"{self.path}: make_batch({batch_size}) returned {type(batch).__name__}; "
+                f"{self.path}: make_batch{_args_text(args)} returned {type(batch).__name__}; "
                 "it must return a tensor, a tuple/list of tensors or a dict of tensors.",
                 hint="Return tensors on CPU; memplan moves them to the device.",
             )
         if any(getattr(t, "is_meta", False) for t in batch_tensors(batch)):
             raise ModelFileError(
-                f"{self.path}: make_batch({batch_size}) returned meta tensors, which hold "
+                f"{self.path}: make_batch{_args_text(args)} returned meta tensors, which hold "
                 "no data to train on.",
                 hint="Return real tensors on CPU; memplan moves them to the device itself "
                 "(also to meta for --device meta).",
@@ -362,7 +385,19 @@ def load_model_file(
         sha256=digest,
         has_training_loss=callable(getattr(module, "training_loss", None)),
         has_make_optimizer=callable(getattr(module, "make_optimizer", None)),
+        takes_seq_len=takes_seq_len(module.make_batch),
     )
+
+
+def takes_seq_len(make_batch: Callable[..., Any]) -> bool:
+    """Whether ``make_batch`` can be called as ``make_batch(batch_size, seq_len)``: a second
+    positional parameter (with or without a default), or ``*args``."""
+    try:
+        params = list(inspect.signature(make_batch).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable without a signature
+        return False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
 
 
 class _OsExit(SystemExit):
@@ -419,6 +454,7 @@ def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
         module=module,
         sha256=digest.hexdigest(),
         reference=str(ref),
+        takes_seq_len=True,
     )
 
 

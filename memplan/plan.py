@@ -128,6 +128,10 @@ class Plan:
     reasons: tuple[str, ...] = ()
     """One line per decision: why this micro-batch, this accumulation, these layers."""
     warnings: tuple[str, ...] = ()
+    seq_len: int | None = None
+    """Tokens per sample the plan is for (``memplan solve --seq-len``; issue 13): verify and
+    the emitted configs make batches of this length. None: the model file's own batches
+    (not written to plan files)."""
 
     def __post_init__(self) -> None:
         for name in ("target_batch", "micro_batch_size", "accumulation_steps", "world_size"):
@@ -200,6 +204,8 @@ def plan_to_yaml(plan: Plan) -> str:
     (``checkpoint_layers`` is derived and not written)."""
     data = yaml.safe_load(dump_yaml(plan))
     del data["checkpoint_layers"]
+    if data.get("seq_len") is None:
+        data.pop("seq_len", None)
     data["checkpoint"] = _BlockMap(data["checkpoint"] or {})
     return yaml.dump(data, Dumper=_PlanDumper, sort_keys=False, default_flow_style=None, width=100)
 
@@ -272,6 +278,8 @@ def plan_problem(plan: Plan) -> tuple[str, str] | None:
             f"is {plan.device!r}, not one of {', '.join(PLAN_DEVICES)} or a device profile "
             f"({', '.join(list_devices())})"
         )
+    if plan.seq_len is not None and not 1 <= plan.seq_len <= 2**24:
+        return "plan.seq_len", f"is {plan.seq_len}, not a length from 1 to {2**24} tokens"
     if plan.model_fingerprint is not None and plan.model_fingerprint.parameter_bytes < 0:
         return "plan.model_fingerprint.parameter_bytes", "is negative"
     return None

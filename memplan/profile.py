@@ -40,7 +40,9 @@ from typing import Literal
 from memplan.errors import ProfileError
 from memplan.schema import dump_yaml, from_data, load_yaml_file
 
-PROFILE_SCHEMA_VERSION = 1
+PROFILE_SCHEMA_VERSION = 2
+"""2: optional ``seq_len`` and ``seq`` (a probe over sequence lengths, memplan.seqlen).
+1 (still read, unchanged): neither."""
 
 Device = Literal["cpu", "cuda", "meta"]
 Precision = Literal["fp32", "bf16", "fp16"]
@@ -264,6 +266,12 @@ class Profile:
     """Candidate layers not traced themselves: each is identical to an earlier one (same
     class, parameter shapes and dtypes, input shapes) and reuses its measurement; see
     ``memplan.probe.dedup``. Empty for a full probe."""
+    seq_len: int | None = None
+    """Tokens per sample of the batches these numbers describe: the length probed (the
+    longest one, with ``seq``), or the length a profile was evaluated at
+    (``memplan.seqlen.profile_at``). None: the model file's own batches."""
+    seq: SeqGrid | None = None
+    """The probe at several sequence lengths (``memplan probe --seq-lens``); None: one."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:
@@ -294,6 +302,29 @@ class Profile:
         return self.environment.device
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SeqGrid:
+    """A profile per probed sequence length, for ``memplan.seqlen`` to fit across lengths.
+    Each holds the same layers, segments and timeline points in the same order (point i of
+    a segment is the same op at every length), pruned together: a point is dropped only
+    where its fit in ``(b, s)`` is dominated at every ``b, s >= 0``."""
+
+    seq_lens: tuple[int, ...]
+    """The probed lengths, ascending."""
+    profiles: tuple[Profile, ...]
+    """One per length, in the same order; their own ``seq`` is None."""
+
+    def __post_init__(self) -> None:
+        if len(self.seq_lens) < 2 or list(self.seq_lens) != sorted(set(self.seq_lens)):
+            raise ValueError("seq_lens must hold at least two distinct lengths, ascending")
+        if any(s < 1 for s in self.seq_lens):
+            raise ValueError("seq_lens must be positive")
+        if len(self.profiles) != len(self.seq_lens):
+            raise ValueError("profiles must hold one profile per length")
+        if any(p.seq is not None for p in self.profiles):
+            raise ValueError("profiles must not nest another seq grid")
+
+
 def _check_version(data: dict, source: str) -> None:
     version = data.get("schema_version")
     if not isinstance(version, int) or isinstance(version, bool):
@@ -308,6 +339,9 @@ def _check_version(data: dict, source: str) -> None:
             f"({PROFILE_SCHEMA_VERSION}).",
             hint="Upgrade memplan, or probe the model again.",
         )
+    if version == 1:  # schema 1 is schema 2 without seq_len and seq
+        data["schema_version"] = PROFILE_SCHEMA_VERSION
+        return
     if version < PROFILE_SCHEMA_VERSION:  # migrations by version go here as the schema moves
         raise ProfileError(
             f"{source} has schema_version {version}, which is no longer read.",
@@ -353,6 +387,11 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
     """``(field path, what is wrong)`` for the first value no measurement can produce —
     negative bytes or times, an empty timeline — else None. The schema has already
     refused NaN, infinity and absurd magnitudes."""
+    if profile.seq is not None:
+        for i, inner in enumerate(profile.seq.profiles):
+            problem = profile_problem(inner)
+            if problem is not None:
+                return problem[0].replace("profile.", f"profile.seq.profiles[{i}].", 1), problem[1]
     sizes = profile.micro_batches
     largest = max(sizes)
     parts = [("profile.totals", profile.totals)]

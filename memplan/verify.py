@@ -258,6 +258,7 @@ def verify_plan(
     ``record_timeline`` keeps the live bytes after every op of the last step (for
     ``memplan verify --report``)."""
     mf = model if isinstance(model, ModelFile) else load_model_file(model)
+    mf = mf.at_seq_len(plan.seq_len)  # batches of the plan's length (issue 13)
     try:
         return _verify(
             mf, plan, steps, device, tolerance, check_gradients, seed, on_progress, record_timeline

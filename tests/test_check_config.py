@@ -79,6 +79,8 @@ def test_percent_budget_uses_device_profile(tmp_path):
         ({"target_batch": 10, "world_size": 4}, {}, "checks[0]"),
         ({"device_profile": "gtx9999"}, {}, "checks[0].device_profile"),
         ({"micro_batches": [4]}, {}, "checks[0].micro_batches"),
+        ({"seq_len": 0}, {}, "checks[0]"),
+        ({"seq_len": "long"}, {}, "checks[0].seq_len"),
         ({}, {"chekcs": []}, "(top level)"),
     ],
 )

@@ -147,3 +147,38 @@ def test_build_model_not_a_module(tmp_path: Path) -> None:
     text = GOOD.replace("    return nn.Linear(4, 1)", "    return 42")
     err = load_error(str(write(tmp_path, text)))
     assert "not a torch.nn.Module" in err.message
+
+
+@pytest.mark.parametrize(
+    ("signature", "takes"),
+    [
+        ("batch_size", False),
+        ("batch_size, seq_len", True),
+        ("batch_size, seq_len=128", True),
+        ("batch_size, /, seq_len", True),
+        ("*args", True),
+        ("batch_size, *, seq_len=128", False),
+        ("batch_size, **kwargs", False),
+    ],
+)
+def test_make_batch_takes_a_length_by_its_signature(tmp_path: Path, signature, takes) -> None:
+    """Issue 13: a second positional parameter is the sequence length."""
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import torch\n"
+        "def build_model():\n    return torch.nn.Linear(2, 1)\n"
+        f"def make_batch({signature}):\n"
+        "    given = dict(locals())\n"
+        "    args = given.get('args') or (given.get('batch_size'), given.get('seq_len') or 3)\n"
+        "    return torch.ones(args[0], args[1] if len(args) > 1 else 3, 2)\n"
+    )
+    mf = load_model_file(path)
+    assert mf.takes_seq_len is takes
+    if takes:
+        assert tuple(mf.at_seq_len(7).make_batch(2).shape) == (2, 7, 2)
+        assert mf.at_seq_len(None) is mf
+    else:
+        assert mf.make_batch(2).shape[0] == 2
+        with pytest.raises(ModelFileError, match=r"make_batch\(batch_size, seq_len\)") as info:
+            mf.at_seq_len(64)
+        assert "m.py" in str(info.value)

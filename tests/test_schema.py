@@ -90,7 +90,7 @@ def test_wrong_type_names_the_dotted_field(tmp_path):
 def test_future_version_refused(tmp_path):
     path = tmp_path / "p.yaml"
     path.write_text(
-        profile_to_yaml(tiny_profile()).replace("schema_version: 1", "schema_version: 9")
+        profile_to_yaml(tiny_profile()).replace("schema_version: 2", "schema_version: 9")
     )
     with pytest.raises(ProfileError, match="newer than this memplan"):
         load_profile(path)

@@ -67,6 +67,9 @@ class CheckSpec:
     """Committed profile (relative to memplan.yaml) to compare a new profile with."""
     layers: str | None = None
     """Glob of checkpoint candidates for the probe (default: the repeated blocks)."""
+    seq_len: int | None = None
+    """Tokens per sample: the probe calls ``make_batch(batch_size, seq_len)`` and the plan
+    is for that length (issue 13); omitted: the model file's own batches."""
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -83,6 +86,10 @@ class CheckSpec:
             raise ValueError("baseline must be a path, not empty")
         if not 0 <= self.margin < 1:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if self.seq_len is not None and not 1 <= self.seq_len <= 2**24:
+            raise ValueError(
+                f"seq_len must be a length from 1 to {2**24} tokens, got {self.seq_len}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

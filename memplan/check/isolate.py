@@ -16,6 +16,7 @@ once per check. In the child, stdout is pointed at stderr: a model that prints c
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import sys
@@ -51,6 +52,8 @@ class ProbeRequest:
     layers: str | None = None
     device_profile: str | None = None
     micro_batches: tuple[int, ...] | None = None
+    seq_len: int | None = None
+    """Tokens per sample (``make_batch(batch_size, seq_len)``); None: the file's own."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +75,10 @@ class IsolatedProbeError(MemplanError):
 def _probe(request: ProbeRequest) -> Profile:
     from memplan.probe import probe_model
 
+    if request.seq_len is not None:
+        from memplan.probe.seqgrid import probe_seq_grid
+
+        probe_model = functools.partial(probe_seq_grid, seq_lens=(request.seq_len,))
     if request.micro_batches is None:
         return probe_model(
             request.model_arg,

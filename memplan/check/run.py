@@ -121,6 +121,7 @@ def probe_request(check: ResolvedCheck) -> ProbeRequest:
         layers=spec.layers,
         device_profile=spec.device_profile,
         micro_batches=sizes,
+        seq_len=spec.seq_len,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Annotated
 
@@ -27,6 +28,14 @@ def probe(
     task: TaskOption = None,
     seq_len: SeqLenOption = None,
     lora: LoraOption = None,
+    seq_lens: Annotated[
+        str | None,
+        typer.Option(
+            "--seq-lens",
+            help="Sequence lengths to probe, e.g. 128,256 (make_batch(batch_size, seq_len)): "
+            "two or more let `solve --seq-len` plan any length.",
+        ),
+    ] = None,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda or meta.")] = "auto",
     micro_batches: Annotated[
         str, typer.Option("--micro-batches", help="Sizes to measure, e.g. 1,2,4.")
@@ -68,6 +77,14 @@ def probe(
     sizes = parse_micro_batches(micro_batches)
     if output is not None:
         check_output(output, force=force)  # refuse before minutes of probing, not after
+    if seq_lens is not None:
+        from memplan.probe.seqgrid import probe_seq_grid
+        from memplan.seqlen import parse_seq_lens
+
+        lens = parse_seq_lens(seq_lens)
+        if seq_len is not None:
+            raise BadInputError("--seq-len and --seq-lens: give one (--seq-lens 128,256).")
+        probe_model = functools.partial(probe_seq_grid, seq_lens=lens)
     model = model_reference(model, task=task, seq_len=seq_len, lora=lora)
     with running_user_code(model, as_json=as_json), render.progress("probing") as on_progress:
         profile = probe_model(

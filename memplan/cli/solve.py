@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -14,6 +15,7 @@ from memplan.schema import to_data
 
 if TYPE_CHECKING:
     from memplan.errors import NoPlanFitsError
+    from memplan.seqplan import SeqSolve
     from memplan.solver import SolveResult
 
 
@@ -22,10 +24,31 @@ def solve(
     profile_path: Annotated[
         Path, typer.Argument(metavar="PROFILE", help="Profile YAML from `memplan probe`.")
     ],
-    target_batch: Annotated[int, typer.Option("--target-batch", help="Effective batch size.")],
     budget: Annotated[
         str, typer.Option(help="24GiB, 512MiB, bytes, 80% (of device memory) or auto.")
     ],
+    target_batch: Annotated[
+        int | None, typer.Option("--target-batch", help="Effective batch size (samples).")
+    ] = None,
+    seq_len: Annotated[
+        str | None,
+        typer.Option(
+            "--seq-len",
+            help="Plan at this many tokens per sample, or max: the longest length (in steps of "
+            "--seq-multiple) with a plan (profiles probed with --seq-lens).",
+        ),
+    ] = None,
+    seq_multiple: Annotated[
+        int, typer.Option("--seq-multiple", help="Step of --seq-len max, in tokens.")
+    ] = 64,
+    tokens_per_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--tokens-per-batch",
+            help="Effective batch in tokens (packed samples of --seq-len tokens), instead of "
+            "--target-batch.",
+        ),
+    ] = None,
     world_size: Annotated[int, typer.Option("--world-size", help="Data-parallel ranks.")] = 1,
     strategy: Annotated[
         str,
@@ -87,7 +110,10 @@ def solve(
     from memplan.devices import load_device, resolve_budget
     from memplan.emit.files import plan_targets, write_plan_files
     from memplan.errors import NoPlanFitsError
+    from memplan.errors import BadInputError
     from memplan.profile import load_profile
+    from memplan.seqlen import parse_seq_len
+    from memplan.seqplan import solve_seq
     from memplan.solver import SolveRequest
     from memplan.solver import solve as run_solver
     from memplan.units import parse_size
@@ -95,10 +121,22 @@ def solve(
     # Every refusal of an output comes before anything is solved or written.
     targets = plan_targets(output, formats, out_dir, force=force)
     finite(margin, "--margin", positive=False)
+    length = parse_seq_len(seq_len) if seq_len is not None else None
+    if (target_batch is None) == (tokens_per_batch is None):
+        raise BadInputError(
+            "Give the effective batch once: --target-batch (samples) or --tokens-per-batch "
+            "(tokens, with --seq-len)."
+        )
     profile = load_profile(profile_path)
+    if tokens_per_batch is not None and seq_len is None:
+        if profile.seq_len is None:
+            raise BadInputError(
+                "--tokens-per-batch needs the length of a sample: give --seq-len N or max."
+            )
+        length = profile.seq_len
     spec = load_device(device_profile) if device_profile else None
     request = SolveRequest(
-        target_batch=target_batch,
+        target_batch=target_batch or 1,  # with --tokens-per-batch, set per length
         budget_bytes=resolve_budget(
             budget,
             device_spec=spec,
@@ -119,12 +157,19 @@ def solve(
         modes=modes,
         host_memory_bytes=parse_size(host_memory, what="--host-memory") if host_memory else None,
     )
+    seq = None
     try:
-        result = run_solver(profile, request)
+        if seq_len is None and tokens_per_batch is None:
+            result = run_solver(profile, request)
+        else:
+            seq = solve_seq(
+                profile, request, length, multiple=seq_multiple, tokens_per_batch=tokens_per_batch
+            )
+            result = seq.result
     except NoPlanFitsError as exc:
         _show_no_fit(exc, request.budget_bytes, as_json=as_json)
         raise
-    _show_result(result, as_json=as_json)
+    _show_result(result, seq, as_json=as_json)
     written = write_plan_files(result.plan, targets, force=force)
     for path in written.paths:
         render.info(f"wrote {path}")
@@ -134,15 +179,23 @@ def solve(
         raise written.refused[-1][1]
 
 
-def _show_result(result: SolveResult, *, as_json: bool) -> None:
+def _show_result(result: SolveResult, seq: SeqSolve | None, *, as_json: bool) -> None:
     from memplan import render
+    from memplan.units import format_bytes
 
     rows = [dict(to_data(cand)) for cand in result.candidates]
+    plan = result.plan
     if as_json:
-        render.print_json({"feasible": True, "plan": to_data(result.plan), "candidates": rows})
+        extra = {"seq": to_data(dataclasses.replace(seq, result=None))} if seq else {}
+        render.print_json({"feasible": True, "plan": to_data(plan), "candidates": rows, **extra})
     else:
-        render.show_plan(result.plan)
-        render.show_candidates(rows, result.plan.micro_batch_size)
+        render.show_plan(plan)
+        render.show_candidates(rows, plan.micro_batch_size)
+        if seq is not None and seq.next_len is not None and seq.next_least_peak_bytes:
+            render.info(
+                f"seq_len {plan.seq_len} chosen; {seq.next_len} tokens has no plan: it needs "
+                f"{format_bytes(seq.next_least_peak_bytes)} at the least"
+            )
 
 
 def _show_no_fit(exc: NoPlanFitsError, budget_bytes: int, *, as_json: bool) -> None:

@@ -118,6 +118,7 @@ def main(argv=None):
 
     # memplan's own loader: the model-file contract, with its error messages.
     model_file = load_model_file(args.model, search_dir=Path(__file__).resolve().parent)
+    model_file = model_file.at_seq_len(plan.seq_len)  # the plan's tokens per sample, if any
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     net = model_file.build_model().to(device).train()
     memplan.apply(net, plan)

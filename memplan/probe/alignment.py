@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from memplan.probe.fitting import add_affine, fit_affine, fit_seconds, sum_affine, undominated
+from memplan.probe.fitting import add_affine, fit_affine, fit_seconds, sum_affine
+from memplan.probe.fitting import undominated as _undominated
 from memplan.probe.recorder import StepRecord
 from memplan.probe.session import Run, Series, SizeRuns
 from memplan.probe.tracker import state_tensors, storages_bytes
@@ -110,7 +111,11 @@ def _timeline(
     warnings: list[str],
     selective: list[Run] | None = None,
     selective_savings: list[Affine] | None = None,
+    prune: bool = True,
 ) -> tuple[tuple[Segment, ...], bool]:
+    """``prune`` False keeps every point, in op order (memplan.probe.seqgrid prunes the
+    points of several sequence lengths together)."""
+    undominated = _undominated if prune else tuple
     per_size = [run.segments() for run in plain]
     keys = [[key for key, _ in segs] for segs in per_size]
     stable = True

@@ -69,6 +69,8 @@ def assemble(
     runs: list[SizeRuns],
     extra: dict[str, Any],
     extra_timed: TimedSize | None = None,
+    *,
+    prune: bool = True,
 ) -> Profile:
     """The Profile of ``session`` from the runs of every probed size (and the timing-only
     ``extra_timed``): layers, fixed parts, timeline and totals, each fitted across sizes.
@@ -85,7 +87,7 @@ def assemble(
         for j in range(len(session.layer_names))
     ]
     fixed = [*_ran_parts(session, fits), *_own_params_parts(session, fits), *_loss_part(fits)]
-    timeline, stable = _timelines(fits, savings, selective_savings, warnings)
+    timeline, stable = _timelines(fits, savings, selective_savings, warnings, prune)
     bn = has_batchnorm(session.model)
     if bn:
         warnings.append(
@@ -302,6 +304,7 @@ def _timelines(
     savings: list[Affine],
     selective_savings: list[Affine] | None,
     warnings: list[str],
+    prune: bool = True,
 ) -> tuple[dict[str, Any], bool]:
     """Both phases' segments, and whether the op sequence was the same at every size (if not,
     segment maxima were fitted and a warning says so)."""
@@ -317,6 +320,7 @@ def _timelines(
             warnings,
             [getattr(r, f"sel_{phase}") for r in runs] if selective_savings is not None else None,
             selective_savings,
+            prune,
         )
         timeline[phase] = segs
         stable &= ok

@@ -112,6 +112,8 @@ def _probe(
     tick: Callable[[str], None],
     mixed_precision: str,
     reuse_identical: bool,
+    *,
+    prune: bool = True,
 ) -> Profile:
     backend = make_backend(device, precision, device_profile, mixed_precision, reuse_identical)
     session = open_session(model_file, backend, layers)
@@ -194,7 +196,7 @@ def _probe(
     ):
         extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
         tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only")
-    profile = assemble(session, runs, extra, extra_timed)
+    profile = assemble(session, runs, extra, extra_timed, prune=prune)
     if forward_misses is not None:
         forward_misses.remove()
         profile = dataclasses.replace(

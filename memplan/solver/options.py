@@ -308,6 +308,7 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
         profile=request.profile_path,
         reasons=tuple(reasons),
         warnings=tuple(warnings),
+        seq_len=profile.seq_len,
     )
 
 
