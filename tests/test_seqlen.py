@@ -8,7 +8,7 @@ import dataclasses
 import itertools
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from profiles_factory import ChainSpec
 
@@ -116,7 +116,10 @@ def test_faster_than_square_fits_no_form():
 )
 def test_fits_of_physical_bytes_extrapolate_exactly(c1, c2, d0, d2, lens, target):
     """Per sample c1·s + c2·s² (tokens and token pairs), per micro-step d0 + d2·s²
-    (parameters and a mask): two lengths recover both exactly at any length."""
+    (parameters and a mask): two lengths recover both exactly at any length — unless the
+    token-pair part is so small that the two lengths also read as a one-token shift
+    (``SHIFT_TOKENS``: c2·s₁·(2s₁ − 3) ≤ c1), the ambiguity the module documents."""
+    assume(c2 == 0 or c2 * lens[0] * (2 * lens[0] - 3) > 1.01 * c1)
     slope = fit_seq(lens, [c1 * s + c2 * s * s for s in lens])
     intercept = fit_seq(lens, [d0 + d2 * s * s for s in lens], per_sample=False, pairs=True)
     assert slope.fits and intercept.fits
