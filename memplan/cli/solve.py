@@ -109,8 +109,7 @@ def solve(
     from memplan import render
     from memplan.devices import load_device, resolve_budget
     from memplan.emit.files import plan_targets, write_plan_files
-    from memplan.errors import NoPlanFitsError
-    from memplan.errors import BadInputError
+    from memplan.errors import BadInputError, NoPlanFitsError
     from memplan.profile import load_profile
     from memplan.seqlen import parse_seq_len
     from memplan.seqplan import solve_seq
