@@ -183,10 +183,6 @@ def test_a_check_states_its_length(tmp_path):
     """memplan.yaml ``seq_len``: the probe makes batches of that length; a model file whose
     make_batch takes none is that check's error (exit 2), the other check still runs."""
     import yaml
-
-    from memplan.cli_check import register
-
-    register(app)
     config = tmp_path / "memplan.yaml"
     config.write_text(
         yaml.safe_dump(
