@@ -183,6 +183,7 @@ def test_a_check_states_its_length(tmp_path):
     """memplan.yaml ``seq_len``: the probe makes batches of that length; a model file whose
     make_batch takes none is that check's error (exit 2), the other check still runs."""
     import yaml
+
     config = tmp_path / "memplan.yaml"
     config.write_text(
         yaml.safe_dump(
