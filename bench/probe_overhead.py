@@ -20,12 +20,15 @@ ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt.py"
 LLAMA = ROOT / "examples" / "llama7b.py"
 SIZES = (1, 2, 4)
-MICRO_STEPS_PER_SIZE = 4 + 2 * TIMING_REPEATS
-"""What the probe runs per size: no_grads and grads_resident, both again checkpointed, and
-TIMING_REPEATS untracked timing micro-steps plain and as many checkpointed (plus optimizer
-steps, which the plain step below includes)."""
+TIMED_PER_SIZE = 3 * TIMING_REPEATS
+"""Untracked timing micro-steps per size: TIMING_REPEATS rounds of plain, all-checkpointed
+and all-selective (memplan.probe.runner.time_size)."""
+MICRO_STEPS_PER_SIZE = 6 + TIMED_PER_SIZE
+"""What the probe runs per size: no_grads and grads_resident, both again checkpointed and
+again selective, and the timing rounds (plus optimizer steps, which the plain step below
+includes)."""
 EXTRA_SIZE = TIMING_EXTRA_FACTOR * max(SIZES)
-"""And 2 × TIMING_REPEATS untracked timing micro-steps at this size, for the time fits."""
+"""And TIMED_PER_SIZE untracked timing micro-steps at this size, for the time fits."""
 
 META_SCRIPT = """
 import json, resource, sys, time
@@ -75,7 +78,7 @@ def probe_overhead(device: str) -> dict[str, float]:
     probe_seconds = time.perf_counter() - t0
     plain = {b: _plain_step_seconds(device, b) for b in (*SIZES, EXTRA_SIZE)}
     plain_total = sum(MICRO_STEPS_PER_SIZE * plain[b] for b in SIZES)
-    plain_total += 2 * TIMING_REPEATS * plain[EXTRA_SIZE]
+    plain_total += TIMED_PER_SIZE * plain[EXTRA_SIZE]
     return {
         "probe_seconds": probe_seconds,
         "plain_seconds": plain_total,
@@ -107,7 +110,7 @@ def run(device: str) -> str:
         f"GPT example ({GPT.name}) probed on {device} at micro-batches {', '.join(map(str, SIZES))}: "
         f"{over['probe_seconds']:.2f} s of probe against {over['plain_seconds']:.2f} s for the "
         f"{MICRO_STEPS_PER_SIZE} plain training steps per size it stands for, and "
-        f"{2 * TIMING_REPEATS} at micro-batch {EXTRA_SIZE} timed only "
+        f"{TIMED_PER_SIZE} at micro-batch {EXTRA_SIZE} timed only "
         f"(best of 3 per size: "
         + ", ".join(f"b={b} {over[f'step_b{b}'] * 1e3:.0f} ms" for b in (*SIZES, EXTRA_SIZE))
         + f") — overhead ×{over['ratio']:.1f}.",

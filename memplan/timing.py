@@ -183,6 +183,22 @@ def measured_times(profile: Profile, micro_batch: int) -> MicroStepTimes:
     )
 
 
+def selective_slower_layers(times: MicroStepTimes) -> tuple[int, ...]:
+    """Layers whose measured selective checkpointing costs at least what full recompute
+    does (in whole picoseconds, as the solver compares). Full frees more (only the inputs
+    stay), so selective is never worth it there; on a CPU, where selective sends every op
+    of a layer through a Python dispatch mode in forward and in recompute, small layers are
+    like that. The solver does not offer selective on them."""
+    if not times.selective_seconds:
+        return ()
+    return tuple(
+        i
+        for i in range(len(times.fwd_seconds))
+        if to_picoseconds(times.mode_seconds(i, SELECTIVE))
+        >= to_picoseconds(times.mode_seconds(i, FULL))
+    )
+
+
 def roofline_seconds(flops: float, bytes_moved: float, spec: DeviceSpec, precision: str) -> float:
     """max(compute time, memory time) against the spec's peaks (times the efficiencies)."""
     compute = flops / (spec.peak_flops(precision) * ROOFLINE_FLOPS_EFFICIENCY)

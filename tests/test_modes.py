@@ -186,6 +186,62 @@ def test_solver_picks_selective_where_it_is_enough_and_says_why():
     assert any(r.startswith("layer modes considered: keep, selective, full") for r in p.reasons)
 
 
+def test_selective_no_faster_than_full_is_never_chosen_and_the_reason_says_so():
+    """Selective at 0.25 s/sample (or more) costs what full does and frees less: it is not
+    offered, the plan checkpoints in full only, and a reason names the barred layers. At
+    0.2499 s/sample it is offered and chosen again."""
+    b = 64
+    for seconds in (0.25, 0.3):
+        profile, _ = selective_chain(selective_seconds=seconds)
+        plain = memory.step_peak(profile, b, [], 1).allocated_bytes
+        budget = plain - 2 * 60 * b
+        request = SolveRequest(target_batch=b, budget_bytes=budget, margin=0.0, min_micro=b)
+        p = solve(profile, request).plan
+        assert set(p.checkpoint.values()) == {"full"}
+        assert any(r.startswith("selective not offered on 4 layer(s)") for r in p.reasons)
+        times = timing.measured_times(profile, b)
+        assert timing.selective_slower_layers(times) == (0, 1, 2, 3)
+    # Just below full's cost it is offered again (and chosen: it is enough and cheaper).
+    profile, _ = selective_chain(selective_seconds=0.2499)
+    plain = memory.step_peak(profile, b, [], 1).allocated_bytes
+    request = SolveRequest(target_batch=b, budget_bytes=plain - 2 * 60 * b, margin=0.0, min_micro=b)
+    p = solve(profile, request).plan
+    assert p.checkpoint == {"h.0": "selective", "h.1": "selective"}
+    assert not any(r.startswith("selective not offered") for r in p.reasons)
+
+
+def test_mode_seconds_are_medians_of_paired_round_differences():
+    """Three rounds of (plain, moded) micro-steps over two layers; round 2 hit a slow
+    spell (everything 10× slower). The cost per layer is the median of the per-round
+    window differences plus half the median difference outside the layers."""
+    from memplan.probe.recorder import LayerRecord, StepRecord
+    from memplan.probe.sizes import mode_seconds
+
+    def record(windows, outside, scale=1.0):
+        layers, t = [], 0.0
+        for fwd, bwd in windows:
+            layers.append(
+                LayerRecord(fwd_t0=t, fwd_t1=t + fwd * scale, bwd_t0=0.0, bwd_t1=bwd * scale)
+            )
+            t += fwd * scale
+        total = sum((f + b) * scale for f, b in windows) + outside * scale
+        return StepRecord(layers=layers, t_start=0.0, t_end=total)
+
+    plain = [
+        record([(1, 2), (1, 2)], 1),
+        record([(1, 2), (1, 2)], 1, 10),
+        record([(1, 2), (1, 2)], 1),
+    ]
+    moded = [
+        record([(2, 4), (1, 5)], 2),
+        record([(2, 4), (1, 5)], 2, 10),
+        record([(2, 4), (1, 5)], 2),
+    ]
+    # layer 0: (6 − 3) = 3 per round (30 in the slow one): median 3; layer 1: 3; outside +1
+    assert mode_seconds(plain, moded) == pytest.approx((3.5, 3.5))
+    assert mode_seconds([], []) == ()
+
+
 def test_modes_that_cannot_apply_are_refused_with_the_reason():
     profile, _ = selective_chain()
     with pytest.raises(BadInputError, match=r"offload.*CUDA only"):

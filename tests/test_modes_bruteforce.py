@@ -5,7 +5,8 @@ The oracle computes peaks straight from the segments with its own loop (each seg
 points for the active layer's mode, less the held layers' savings in their modes), times
 with its own sums, and ranks fitting plans by the documented order: (step time in whole
 picoseconds, number of layers not kept, larger micro-batch, then per layer the mode's tie
-digit, earliest layer first). Also: a larger budget never gives a slower plan."""
+digit, earliest layer first); selective is left out of a layer where it is no faster than
+full (both allowed). Also: a larger budget never gives a slower plan."""
 
 import dataclasses
 import itertools
@@ -169,8 +170,20 @@ def brute_force(profile, request):
     best, least = None, None
     for b in micro:
         k = request.target_batch // b
+        t = timing.micro_step_times(profile, b)
+        ps = timing.to_picoseconds
+        # selective is never offered where it is no faster than full (both allowed)
+        barred = {
+            j
+            for j in range(n)
+            if "selective" in modes
+            and "full" in modes
+            and ps(t.selective_seconds[j]) >= ps(t.fwd_seconds[j])
+        }
         for assignment in itertools.product(modes, repeat=n):
             if any(assignment[j] == "keep" for j in always):
+                continue
+            if any(assignment[j] == "selective" for j in barred):
                 continue
             peak = oracle_peak(profile, b, k, assignment)
             host = sum(

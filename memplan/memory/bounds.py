@@ -65,6 +65,9 @@ class StepBounds:
     """Per layer: host memory an offloaded layer takes (empty without offload)."""
     host_limit_bytes: int | None = None
     """Host memory offloaded layers may take together; None: no limit."""
+    barred: frozenset[tuple[int, str]] = frozenset()
+    """(layer, mode) pairs not offered although the mode is: the solver bars ``selective``
+    where the probe measured it no faster than ``full`` (memplan.solver)."""
 
     def saving(self, mode: str, h: int) -> int:
         if mode == KEEP:
@@ -93,9 +96,12 @@ class StepBounds:
         if it is always checkpointed."""
         if h in forced_out:
             return (KEEP,)
+        modes = self.modes
+        if self.barred:
+            modes = tuple(m for m in modes if (h, m) not in self.barred)
         if h in forced_in:
-            return tuple(m for m in self.modes if m != KEEP)
-        return self.modes
+            return tuple(m for m in modes if m != KEEP)
+        return modes
 
     @property
     def host_binding(self) -> bool:

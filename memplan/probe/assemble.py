@@ -17,7 +17,6 @@ from memplan.probe.alignment import (
     _consistent_runs,
     _fit,
     _fit_time,
-    _layer_seconds,
     _savings,
     _timeline,
     _unique_params,
@@ -119,7 +118,8 @@ def assemble(
 
 def _sizes(runs: list[SizeRuns], extra_timed: TimedSize | None) -> _Sizes:
     timed = [
-        TimedSize(r.size, r.timing, r.optimizer_seconds, r.ckpt_timing, r.sel_timing) for r in runs
+        TimedSize(r.size, r.timing, r.optimizer_seconds, r.full_seconds, r.selective_seconds)
+        for r in runs
     ]
     if extra_timed is not None:
         timed.append(extra_timed)
@@ -185,7 +185,7 @@ def _layer(
             f"(residual {byte_fits[worst].residual:.1%}); do not trust "
             "extrapolation from it."
         )
-    sel_timed = all(t.sel_timing is not None for t in fits.timed)
+    sel_timed = all(t.selective_seconds is not None for t in fits.timed)
     return Layer(
         name=name,
         module_type=type(module).__name__,
@@ -202,13 +202,11 @@ def _layer(
         ),
         fwd_flops=fits.bytes_fit(lambda r: _rec(r.no_grads, j).flops),
         recompute_seconds=None
-        if any(t.ckpt_timing is None for t in fits.timed)
-        else fits.seconds_fit(
-            lambda t: _layer_seconds(t.ckpt_timing, j) - _layer_seconds(t.timing, j)
-        ),
+        if any(t.full_seconds is None for t in fits.timed)
+        else fits.seconds_fit(lambda t: t.full_seconds[j]),  # type: ignore[index]
         selective_savings_bytes=selective_savings[j] if selective_savings else None,
         selective_recompute_seconds=fits.seconds_fit(
-            lambda t: _layer_seconds(t.sel_timing, j) - _layer_seconds(t.timing, j)
+            lambda t: t.selective_seconds[j]  # type: ignore[index]
         )
         if selective_savings and sel_timed
         else None,

@@ -2,7 +2,8 @@
 
 Per probed micro-batch size, after a warm-up step (so optimizer state exists): phase
 ``no_grads`` (gradients set to None), phase ``grads_resident`` (again, without zeroing), the
-optimizer step; one untracked micro-step and optimizer step for times (the tracker's own
+optimizer step; untracked rounds of a plain, an all-checkpointed and (not on meta) an
+all-selective micro-step for times (memplan.probe.sizes.time_size: the tracker's own
 overhead stays out of them); then both phases again with every candidate layer checkpointed,
 and (not on meta) again with every layer under selective checkpointing (memplan.modes), so
 that any mix of keep, selective and full is predicted exactly. Each point of each segment is

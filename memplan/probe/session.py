@@ -61,15 +61,16 @@ class SizeRuns:
     """Gradient bytes per parameter (by id), from the real gradients."""
     state: dict[int, int]
     """Optimizer-state bytes per parameter (by id), after a real optimizer step."""
-    ckpt_timing: StepRecord | None = None
-    """Untracked all-checkpointed micro-step (None on meta: no real times)."""
+    full_seconds: tuple[float, ...] | None = None
+    """Per layer: what full checkpointing adds to a micro-step, measured untracked
+    (memplan.probe.sizes.mode_seconds; None on meta: no real times)."""
     batch_bytes: int = 0
     """Bytes of the batch's tensors (made on the host by ``make_batch``)."""
     sel_no_grads: Run | None = None
     sel_grads_resident: Run | None = None
     """Both phases with every layer under selective checkpointing (None on meta)."""
-    sel_timing: StepRecord | None = None
-    """Untracked all-selective micro-step (None on meta)."""
+    selective_seconds: tuple[float, ...] | None = None
+    """Per layer: the same under selective checkpointing (None on meta)."""
 
 
 @dataclass(slots=True)

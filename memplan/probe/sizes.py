@@ -4,9 +4,10 @@ selective), the untracked timed runs, and the refusal of a size the device canno
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,14 +17,14 @@ from memplan.devices import local_gpu
 from memplan.errors import BadInputError
 from memplan.loader import batch_tensors
 from memplan.modes import SELECTIVE
-from memplan.probe.alignment import _grad_and_state_bytes
+from memplan.probe.alignment import _grad_and_state_bytes, _layer_seconds
 from memplan.probe.checkpointing import checkpointed, in_mode
 from memplan.probe.recorder import StepRecord
 from memplan.probe.session import Run, Session, SizeRuns
 from memplan.units import format_bytes
 
-TIMING_REPEATS = 3
-"""Untracked timed runs per micro-step kind and size; the run of median total time is kept."""
+TIMING_REPEATS = 5
+"""Interleaved timing rounds per size (see time_size)."""
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -32,44 +33,83 @@ def _is_oom(exc: BaseException) -> bool:
 
 @dataclass(slots=True)
 class TimedSize:
-    """Untracked times at one size: a plain micro-step, the same with every layer
-    checkpointed (what checkpointing costs, measured), and an optimizer step."""
+    """Untracked times at one size: a plain micro-step, what full and selective
+    checkpointing of each layer add to a micro-step (measured), and an optimizer step."""
 
     size: int
     timing: StepRecord
     optimizer_seconds: float
-    ckpt_timing: StepRecord | None
-    sel_timing: StepRecord | None = None
+    full_seconds: tuple[float, ...] | None
+    """Per layer: extra seconds per micro-step with the layer fully checkpointed."""
+    selective_seconds: tuple[float, ...] | None = None
+    """Per layer: the same under selective checkpointing (None on meta)."""
 
 
-def _median_record(session: Session, batch: Any) -> StepRecord:
-    """One timed run is at the mercy of whatever else the machine does; the run with the
-    median total time of TIMING_REPEATS keeps per-layer times of one consistent run."""
-    records = []
-    for _ in range(TIMING_REPEATS):
-        session.zero_grad()
-        records.append(session.micro_step(batch, None))
-    records.sort(key=lambda r: r.t_end - r.t_start)
-    return records[len(records) // 2]
+def _total_seconds(record: StepRecord) -> float:
+    return record.t_end - record.t_start
+
+
+def mode_seconds(plain: Sequence[StepRecord], moded: Sequence[StepRecord]) -> tuple[float, ...]:
+    """Per layer: what running every layer in a mode adds to a micro-step, from rounds that
+    each ran a plain micro-step and the mode's one back to back (``plain[r]``, ``moded[r]``).
+
+    All of the cost counts: a layer's forward (selective checkpointing sends every op of it
+    through a Python dispatch mode, and full checkpointing packs its inputs) and its
+    backward (the recompute, and the saved tensors unpacked), measured between the layer's
+    hooks, plus an even share of any change outside the layers (the autograd engine's own
+    work on the checkpoint's nodes). A median of the round-by-round differences, so a slow
+    spell of a shared machine, which hits one round, moves no decision."""
+    n = len(plain[0].layers) if plain else 0
+    if n == 0:
+        return ()
+    pairs = list(zip(plain, moded, strict=True))
+    per_layer = [
+        statistics.median(_layer_seconds(m, j) - _layer_seconds(p, j) for p, m in pairs)
+        for j in range(n)
+    ]
+
+    def outside(record: StepRecord) -> float:
+        return _total_seconds(record) - sum(_layer_seconds(record, j) for j in range(n))
+
+    rest = statistics.median(outside(m) - outside(p) for p, m in pairs)
+    return tuple(c + rest / n for c in per_layer)
 
 
 def time_size(
     session: Session, batch: Any
-) -> tuple[StepRecord, float, StepRecord, StepRecord | None]:
-    """Untracked, so the tracker's overhead stays out of the times: plain, optimizer step,
-    all-checkpointed and all-selective (None on meta) micro-steps."""
-    with checkpointed(session.layers, context_fn=session.backend.checkpoint_context_fn()):
-        ckpt = _median_record(session, batch)
-    selective = None
+) -> tuple[StepRecord, float, tuple[float, ...], tuple[float, ...] | None]:
+    """Untracked, so the tracker's overhead stays out of the times: TIMING_REPEATS rounds,
+    each a plain, an all-checkpointed and (not on meta) an all-selective micro-step back to
+    back, then the optimizer steps. Interleaved, so a slow spell of the machine hits one
+    round of every configuration alike rather than all repeats of one. Returns the plain
+    record of the round with the median plain total (per-layer times of one consistent
+    run), the optimizer step's median, and per layer what full and selective (None on
+    meta) add (:func:`mode_seconds`)."""
+    layers = session.layers
+    configs: list[tuple[str, Callable[[], Any]]] = [
+        ("plain", contextlib.nullcontext),
+        ("full", lambda: checkpointed(layers, context_fn=session.backend.checkpoint_context_fn())),
+    ]
     if session.backend.device != "meta":
-        with in_mode(session.layers, SELECTIVE):
-            selective = _median_record(session, batch)
-    plain = _median_record(session, batch)
+        configs.append((SELECTIVE, lambda: in_mode(layers, SELECTIVE)))
+    records: dict[str, list[StepRecord]] = {name: [] for name, _ in configs}
+    for _ in range(TIMING_REPEATS):
+        for name, context in configs:
+            with context():
+                session.zero_grad()
+                records[name].append(session.micro_step(batch, None))
+    plain = sorted(records["plain"], key=_total_seconds)[len(records["plain"]) // 2]
     optimizer_seconds = statistics.median(
         session.timed_optimizer_step() for _ in range(TIMING_REPEATS)
     )
     session.zero_grad()
-    return plain, optimizer_seconds, ckpt, selective
+    selective = records.get(SELECTIVE)
+    return (
+        plain,
+        optimizer_seconds,
+        mode_seconds(records["plain"], records["full"]),
+        mode_seconds(records["plain"], selective) if selective else None,
+    )
 
 
 def time_extra_size(session: Session, size: int) -> TimedSize | None:
@@ -79,13 +119,13 @@ def time_extra_size(session: Session, size: int) -> TimedSize | None:
     Skipped (None) when it does not fit the device."""
     try:
         batch = session.backend.batch(session.model_file, size)
-        timing, optimizer_seconds, ckpt_timing, sel_timing = time_size(session, batch)
+        timing, optimizer_seconds, full, selective = time_size(session, batch)
     except torch.OutOfMemoryError:
         session.zero_grad()
         gc.collect()
         torch.cuda.empty_cache()
         return None
-    return TimedSize(size, timing, optimizer_seconds, ckpt_timing, sel_timing)
+    return TimedSize(size, timing, optimizer_seconds, full, selective)
 
 
 def available_bytes(device: str) -> int | None:
@@ -177,11 +217,11 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     grads, state = _grad_and_state_bytes(session.model, session.optimizer)
     tick(f"b={size}: optimizer step")
     session.zero_grad()
-    ckpt_timing = sel_timing = None
+    full_seconds = selective_seconds = None
     if backend.device == "meta":
         timing, optimizer_seconds = no_grads.record, optimizer.virtual_seconds
     else:
-        timing, optimizer_seconds, ckpt_timing, sel_timing = time_size(session, batch)
+        timing, optimizer_seconds, full_seconds, selective_seconds = time_size(session, batch)
     tick(f"b={size}: timing")
     with checkpointed(session.layers, context_fn=backend.checkpoint_context_fn()):
         ckpt_no_grads = session.tracked_step(batch)
@@ -208,9 +248,9 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         ckpt_grads_resident,
         grads,
         state,
-        ckpt_timing,
+        full_seconds,
         sum(t.numel() * t.element_size() for t in batch_tensors(batch)),
         sel_no_grads,
         sel_grads_resident,
-        sel_timing,
+        selective_seconds,
     )

@@ -22,6 +22,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from memplan import timing
 from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
 from memplan.plan import Plan
@@ -256,6 +257,33 @@ def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> No
         )
     for message in profile.warnings:
         warn(message)
+    slow = _selective_note(profile)
+    if slow:
+        console.print(Text(f"note: {slow}"))
+
+
+def _selective_note(profile: Profile) -> str:
+    """A line when the probe measured selective checkpointing no faster than full on some
+    layers at the largest probed micro-batch (solve then never picks it there)."""
+    if not profile.micro_batches or profile.environment.device == "meta":
+        return ""
+    size = max(profile.micro_batches)
+    try:
+        times = timing.measured_times(profile, size)
+    except ValueError:
+        return ""
+    slower = timing.selective_slower_layers(times)
+    if not slower:
+        return ""
+    names = compact_names([profile.layer_names[i] for i in slower])
+    first = slower[0]
+    return (
+        f"selective checkpointing measured no faster than full recompute on {len(slower)} "
+        f"of {len(profile.layers)} layer(s) at micro-batch {size} ({names}; e.g. "
+        f"+{format_seconds(times.mode_seconds(first, 'selective'))} against "
+        f"+{format_seconds(times.mode_seconds(first, 'full'))} per micro-step): solve does "
+        "not choose it there."
+    )
 
 
 # ---------------------------------------------------------------- plan

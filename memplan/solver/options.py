@@ -181,6 +181,19 @@ def _grad_syncs(strategy: str, accumulation: int, world: int) -> tuple[GradSync,
     return ("last_micro_step",)
 
 
+def _bar_slow_selective(
+    bounds: memory.StepBounds, times: MicroStepTimes, modes: tuple[str, ...]
+) -> memory.StepBounds:
+    """``bounds`` with selective not offered where it is no faster than full (when both
+    are among ``modes``; memplan.timing.selective_slower_layers)."""
+    if SELECTIVE not in modes or FULL not in modes:
+        return bounds
+    slower = timing.selective_slower_layers(times)
+    if not slower:
+        return bounds
+    return dataclasses.replace(bounds, barred=frozenset((i, SELECTIVE) for i in slower))
+
+
 def _evaluate(
     ctx: _Context,
     micro_batch: int,
@@ -210,6 +223,7 @@ def _evaluate(
         for mode in ctx.modes
         if mode != KEEP
     }
+    bounds = _bar_slow_selective(bounds, times, ctx.modes)
     forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
     chosen = least_cost_modes(bounds, ctx.limit_bytes, costs, **forced)
     fits = chosen is not None
