@@ -9,11 +9,12 @@ from collections.abc import Sequence
 
 from memplan import memory, timing
 from memplan.memory import Peak
-from memplan.modes import FULL, KEEP, MODES, SELECTIVE
+from memplan.modes import FULL, KEEP, MODES
 from memplan.plan import STRATEGIES
 from memplan.profile import Profile
 from memplan.solver.options import (
     _bar_slow_selective,
+    _barred_selective_reason,
     _Context,
     _has_batchnorm,
     _names,
@@ -372,18 +373,7 @@ def _layer_mode_reasons(ctx: _Context, best: _Option) -> list[str]:
         modes_line += f" (not {', '.join(missing)}"
         modes_line += ": --modes)" if ctx.request.modes is not None else ")"
     lines.append(modes_line)
-    slower = sorted(i for i, m in bounds.barred if m == SELECTIVE)
-    if slower:
-        names = [profile.layer_names[i] for i in slower]
-        first = slower[0]
-        lines.append(
-            f"selective not offered on {len(slower)} layer(s) ({_short_list(names)}): at "
-            f"micro-batch {best.micro_batch} the probe measured it no faster than full "
-            f"recompute (e.g. {profile.layer_names[first]}: "
-            f"+{format_seconds(best.times.mode_seconds(first, SELECTIVE))} against "
-            f"+{format_seconds(best.times.mode_seconds(first, FULL))} per micro-step), "
-            "and full frees more"
-        )
+    lines.extend(_barred_selective_reason(profile, bounds, best.times))
     return lines
 
 

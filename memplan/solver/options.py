@@ -25,6 +25,7 @@ from memplan.profile import Profile
 from memplan.solver.layer_modes import least_cost_modes
 from memplan.solver.request import SolveRequest
 from memplan.timing import MicroStepTimes
+from memplan.units import format_seconds
 
 
 def _has_batchnorm(profile: Profile) -> bool:
@@ -192,6 +193,24 @@ def _bar_slow_selective(
     if not slower:
         return bounds
     return dataclasses.replace(bounds, barred=frozenset((i, SELECTIVE) for i in slower))
+
+
+def _barred_selective_reason(
+    profile: Profile, bounds: memory.StepBounds, times: MicroStepTimes
+) -> list[str]:
+    """The plan's reason line for the layers where selective was not offered."""
+    slower = sorted(i for i, m in bounds.barred if m == SELECTIVE)
+    if not slower:
+        return []
+    first = slower[0]
+    return [
+        f"selective not offered on {len(slower)} layer(s) "
+        f"({_short_list(_names(profile, slower))}): at micro-batch {bounds.micro_batch} the "
+        f"probe measured it no faster than full recompute (e.g. {profile.layer_names[first]}: "
+        f"+{format_seconds(times.mode_seconds(first, SELECTIVE))} against "
+        f"+{format_seconds(times.mode_seconds(first, FULL))} per micro-step), and full "
+        "frees more"
+    ]
 
 
 def _evaluate(
