@@ -107,29 +107,28 @@ def checkpointed(
     """Within the block, each of ``modules`` runs under non-reentrant checkpoint.
     ``context_fn`` is checkpoint's (forward context, recompute context) factory; the meta
     backend uses it to recompute under its own autocast, which checkpoint cannot restore."""
-    wrapped: list[tuple[torch.nn.Module, Any]] = []
-    try:
-        for module in modules:
-            previous = module.__dict__.get("forward")
-            module.forward = functools.partial(_checkpointed_forward, module.forward, context_fn)
-            wrapped.append((module, previous))
+    with _forwards_wrapped(modules, _checkpointed_forward, context_fn):
         yield
-    finally:
-        for module, previous in reversed(wrapped):
-            if previous is None:
-                del module.forward
-            else:
-                module.forward = previous
 
 
 @contextmanager
 def in_mode(modules: Iterable[torch.nn.Module], mode: str) -> Iterator[None]:
     """Within the block, each of ``modules`` runs in ``mode`` (see :func:`run_in_mode`)."""
+    with _forwards_wrapped(modules, _mode_forward, mode):
+        yield
+
+
+@contextmanager
+def _forwards_wrapped(
+    modules: Iterable[torch.nn.Module], wrapper: Callable[..., Any], arg: Any
+) -> Iterator[None]:
+    """Within the block, each module's ``forward`` is ``wrapper(original_forward, arg, ...)``;
+    on exit every module gets back exactly what it had (its own instance attribute, or none)."""
     wrapped: list[tuple[torch.nn.Module, Any]] = []
     try:
         for module in modules:
             previous = module.__dict__.get("forward")
-            module.forward = functools.partial(_mode_forward, module.forward, mode)
+            module.forward = functools.partial(wrapper, module.forward, arg)
             wrapped.append((module, previous))
         yield
     finally:
