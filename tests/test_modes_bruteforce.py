@@ -11,6 +11,7 @@ full (both allowed). Also: a larger budget never gives a slower plan."""
 import dataclasses
 import itertools
 import math
+from fractions import Fraction
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -280,3 +281,64 @@ def test_a_larger_budget_is_never_slower(problem, extra):
     big = solve(profile, larger).plan
     assert big.predicted.step_seconds <= small.predicted.step_seconds + 1e-12
     event("faster" if big.predicted.step_seconds < small.predicted.step_seconds else "same")
+
+
+class _Options:
+    """The part of StepBounds the pruning bounds read: each layer's saving per mode."""
+
+    def __init__(self, savings: list[dict[str, int]]) -> None:
+        self.by_layer = savings
+        self.plain_bytes = [0] * len(savings)
+
+    def allowed(self, h, forced_in=frozenset(), forced_out=frozenset()):
+        return ("keep", *self.by_layer[h])
+
+    def saving(self, mode, h):
+        return 0 if mode == "keep" else self.by_layer[h][mode]
+
+
+@st.composite
+def layer_options(draw):
+    n = draw(st.integers(1, 4))
+    savings, costs = [], {m: [0] * n for m in ("selective", "full", "offload")}
+    for h in range(n):
+        modes = draw(st.lists(st.sampled_from(["selective", "full", "offload"]), unique=True))
+        savings.append({m: draw(st.integers(-50, 400)) for m in modes})
+        for m in modes:
+            costs[m][h] = draw(st.integers(0, 900))
+    return savings, costs
+
+
+@given(layer_options(), st.integers(1, 1700))
+@settings(max_examples=300, deadline=None)
+def test_the_pruning_lower_bound_never_exceeds_the_least_cost(problem, deficit):
+    """The DP prunes a state when its cost plus a lower bound on the least cost of saving
+    ``deficit`` more bytes with the layers ahead exceeds a known plan's: the bound (the LP
+    relaxation over each layer's hull steps) must never exceed the true least cost, found
+    here by trying every mode of every layer."""
+    from memplan.solver.layer_modes import _hull_steps, _suffix_knapsacks
+
+    savings, costs = problem
+    options = _Options(savings)
+    n = len(savings)
+    for h in range(n):  # hull steps: positive savings, cost per byte rising
+        steps = _hull_steps(options, costs, h, list(savings[h]))
+        assert all(s > 0 and c >= 0 for c, s, _ in steps)
+        ratios = [Fraction(c, s) for c, s, _ in steps]
+        assert ratios == sorted(ratios) and len(set(ratios)) == len(ratios)
+    cum_saving, cum_cost, items = _suffix_knapsacks(options, costs, frozenset(), frozenset())[0]
+    least = None
+    for choice in itertools.product(*[("keep", *s) for s in savings]):
+        saved = sum(options.saving(m, h) for h, m in enumerate(choice))
+        if saved >= deficit:
+            cost = sum(costs[m][h] for h, m in enumerate(choice) if m != "keep")
+            least = cost if least is None else min(least, cost)
+    k = next((i for i, total in enumerate(cum_saving) if total >= deficit), len(items))
+    if k == len(items):  # the bound says the layers cannot save that much
+        assert least is None
+        return
+    assert least is not None
+    before_s, before_c = (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
+    item_cost, item_saving = items[k]
+    bound = before_c + (deficit - before_s) * item_cost // item_saving
+    assert bound <= least

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from bisect import bisect_left, bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from operator import itemgetter
 
 from memplan import memory
@@ -56,6 +56,23 @@ def _fits(bounds: StepBounds, limit: int, assignment: Mapping[int, str]) -> bool
     )
 
 
+def _least_fitting_prefix(
+    bounds: StepBounds, limit: int, assignment: Callable[[int], dict[int, str]], count: int
+) -> dict[int, str] | None:
+    """``assignment(m)`` for the smallest m in 0 .. count that fits (binary search, assuming
+    more never hurts), or None when even ``assignment(count)`` does not."""
+    if not _fits(bounds, limit, assignment(count)):
+        return None
+    lo, hi = -1, count
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if _fits(bounds, limit, assignment(mid)):
+            hi = mid
+        else:
+            lo = mid
+    return assignment(hi)
+
+
 def _greedy_cost(
     bounds: StepBounds,
     limit: int,
@@ -63,63 +80,105 @@ def _greedy_cost(
     forced_in: frozenset[int],
     forced_out: frozenset[int],
 ) -> int | None:
-    """Cost of some assignment that fits, or None: the forced layers plus the fewest layers
-    of best cost per byte saved, each in its most efficient mode (binary search on how
-    many). Only an upper bound for pruning the DP; its quality affects speed, never the
-    answer."""
+    """Cost of some assignment that fits, or None: the cheaper of two greedy ones, each the
+    forced layers plus the shortest prefix that fits of (a) the layers by best cost per
+    byte saved, each in its most efficient mode, and (b) every layer's hull steps
+    (:func:`_hull_steps`) by cost per byte, each layer in the mode of its last step taken.
+    Only an upper bound for pruning the DP; its quality affects speed, never the answer."""
     n = len(bounds.plain_bytes)
     free: list[tuple[Fraction, int, str]] = []
+    steps: list[tuple[Fraction, int, int, str]] = []
     forced: dict[int, str] = {}
     for j in range(n):
         if j in forced_out:
             continue
         allowed = [m for m in bounds.allowed(j, forced_in, forced_out) if m != KEEP]
         best = _efficient_mode(bounds, costs, j, allowed)
+        hull = _hull_steps(bounds, costs, j, allowed)
         if j in forced_in:
             if not allowed:
                 return None
             forced[j] = best[0] if best is not None else allowed[0]
         elif best is not None:
             free.append((best[1], j, best[0]))
+        steps += [
+            (Fraction(c, s), j, k, mode)
+            for k, (c, s, mode) in enumerate(hull)
+            if not (j in forced_in and mode == forced[j] and k == 0)
+        ]
     free.sort(key=lambda item: (item[0], item[1]))
+    steps.sort(key=lambda item: (item[0], item[1], item[2]))
 
-    def assignment(m: int) -> dict[int, str]:
+    def by_layer(m: int) -> dict[int, str]:
         return {**forced, **{j: mode for _, j, mode in free[:m]}}
 
-    if not _fits(bounds, limit, assignment(len(free))):
-        return None
-    lo, hi = -1, len(free)  # fits(hi); smallest such m, assuming more layers never hurt
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _fits(bounds, limit, assignment(mid)):
-            hi = mid
-        else:
-            lo = mid
-    return sum(costs[mode][j] for j, mode in assignment(hi).items())
+    def by_step(m: int) -> dict[int, str]:
+        chosen = dict(forced)
+        for _, j, _, mode in steps[:m]:
+            chosen[j] = mode
+        return chosen
+
+    found = [
+        _least_fitting_prefix(bounds, limit, by_layer, len(free)),
+        _least_fitting_prefix(bounds, limit, by_step, len(steps)),
+    ]
+    prices = [sum(costs[mode][j] for j, mode in a.items()) for a in found if a is not None]
+    return min(prices) if prices else None
+
+
+def _hull_steps(
+    bounds: StepBounds, costs: Costs, h: int, modes: Sequence[str]
+) -> list[tuple[int, int, str]]:
+    """Layer h's modes that save bytes, as the steps of the lower convex hull of its
+    (saving, cost) points from (0, 0): each step (extra cost, extra saving, mode reached),
+    in increasing cost per byte. A mode above the hull is never worth a fraction of it
+    (the multiple-choice knapsack's LP relaxation takes hull steps only, in this order)."""
+    best: dict[int, tuple[int, str]] = {}
+    for mode in modes:
+        saving = bounds.saving(mode, h) if mode != KEEP else 0
+        if saving <= 0:
+            continue
+        cost = costs[mode][h]
+        if saving not in best or cost < best[saving][0]:
+            best[saving] = (cost, mode)
+    # a point is worth something only if every point that saves more costs more
+    points: list[tuple[int, int, str]] = []  # (saving, cost, mode), savings descending
+    for saving in sorted(best, reverse=True):
+        cost, mode = best[saving]
+        if not points or cost < points[-1][1]:
+            points.append((saving, cost, mode))
+    hull: list[tuple[int, int, str]] = [(0, 0, KEEP)]
+    for saving, cost, mode in reversed(points):
+        while len(hull) >= 2:
+            (s0, c0, _), (s1, c1, _) = hull[-2], hull[-1]
+            # the last point stays only if it lies strictly below the chord to this one
+            if (c1 - c0) * (saving - s0) < (cost - c0) * (s1 - s0):
+                break
+            hull.pop()
+        hull.append((saving, cost, mode))
+    return [(c1 - c0, s1 - s0, mode) for (s0, c0, _), (s1, c1, mode) in pairwise(hull)]
 
 
 def _suffix_knapsacks(
     bounds: StepBounds, costs: Costs, forced_in: frozenset[int], forced_out: frozenset[int]
 ) -> list[tuple[list[int], list[int], list[tuple[int, int]]]]:
-    """For each layer i: the layers i .. n-1 that can save bytes, by increasing cost per
-    byte, with running sums of savings and costs. Each is one item: its largest saving at
-    its least cost per byte over its modes (no mode does better, so this relaxes the
-    choice). The least cost of saving D bytes with a fraction of an item allowed (the
-    fractional knapsack, read off these sums) is a lower bound on the real least cost."""
+    """For each layer i: the hull steps (:func:`_hull_steps`) of the layers i .. n-1, by
+    increasing cost per byte, with running sums of savings and costs. The least cost of
+    saving D bytes with a fraction of a step allowed (the LP relaxation of choosing one
+    mode per layer, read off these sums) is a lower bound on the real least cost."""
     n = len(bounds.plain_bytes)
     out: list[tuple[list[int], list[int], list[tuple[int, int]]]] = [([], [], [])] * (n + 1)
     ratios: list[Fraction] = []
     items: list[tuple[int, int]] = []
     for i in range(n - 1, -1, -1):
         modes = [m for m in bounds.allowed(i, forced_in, forced_out) if m != KEEP]
-        best = _efficient_mode(bounds, costs, i, modes)
-        if best is not None and i not in forced_out:
-            saving = max(bounds.saving(m, i) for m in modes)
-            item_cost = math.floor(best[1] * saving)  # cost per byte no above any mode's
-            ratio = Fraction(item_cost, saving)
-            at = bisect_right(ratios, ratio)
-            ratios.insert(at, ratio)
-            items.insert(at, (item_cost, saving))
+        steps = _hull_steps(bounds, costs, i, modes) if i not in forced_out else []
+        if steps:
+            for step_cost, step_saving, _ in steps:
+                ratio = Fraction(step_cost, step_saving)
+                at = bisect_right(ratios, ratio)
+                ratios.insert(at, ratio)
+                items.insert(at, (step_cost, step_saving))
             out[i] = (
                 list(accumulate(map(itemgetter(1), items))),
                 list(accumulate(map(itemgetter(0), items))),
