@@ -116,6 +116,25 @@ def _selective_over_full(profile: Profile, micro_batch: int) -> float | None:
     return sum(times.selective_seconds) / full if full > 0 else None
 
 
+def _seconds_per_mib(profile: Profile, micro_batch: int, mode: str) -> float | None:
+    """What ``mode`` on every layer adds to a micro-step, per MiB it frees while the layers
+    are held, as the probe measured both (None without a measurement, or when it frees
+    nothing). An exact solver prefers the mode of the lower figure wherever the budget
+    needs many bytes: it buys them cheaper."""
+    times = timing.measured_times(profile, micro_batch)
+    if mode == "selective" and not times.selective_seconds:
+        return None
+    n = len(times.fwd_seconds)
+    seconds = sum(times.mode_seconds(i, mode) for i in range(n))
+    freed = 0.0
+    for layer in profile.layers:
+        fit = layer.savings_bytes if mode == "full" else layer.selective_savings_bytes
+        if fit is None:
+            return None
+        freed += fit.at(micro_batch)
+    return seconds / (freed / 2**20) if freed > 0 else None
+
+
 def family_row(case: zc.Case, device: str, min_micro: int = 1) -> dict:
     started = time.perf_counter()
     profile = zc.probed(case, device).profile
@@ -140,6 +159,8 @@ def family_row(case: zc.Case, device: str, min_micro: int = 1) -> dict:
         "budget_bytes": budget,
         "base_bytes": base,
         "selective/full": _selective_over_full(profile, zc.TARGET),
+        "full s/MiB": _seconds_per_mib(profile, zc.TARGET, "full"),
+        "selective s/MiB": _seconds_per_mib(profile, zc.TARGET, "selective"),
         "selective barred": len(
             timing.selective_slower_layers(timing.measured_times(profile, zc.TARGET))
         ),
@@ -183,9 +204,14 @@ def _fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _ms_per_mib(seconds: float | None) -> str:
+    return "–" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
 def _line(r: dict) -> str:
     return (
         f"| {r['case']} | {_fmt(r.get('selective/full'), '.2f')} | "
+        f"{_ms_per_mib(r.get('full s/MiB'))} | {_ms_per_mib(r.get('selective s/MiB'))} | "
         f"{r['plan all modes']} | {r['plan keep/full']} | "
         f"{r['plan full ckpt']} | {_fmt(r.get('speedup vs keep/full'), '.3f')} | "
         f"{_fmt(r.get('speedup vs full ckpt'), '.3f')} | "
@@ -206,9 +232,9 @@ def run(device: str) -> str:
     gains = [r["case"] for r in measured if r["speedup vs keep/full"] >= SPEED_GAIN]
     peaks_ok = all(abs(r["peak_error"]) <= PEAK_TOLERANCE and r["within_budget"] for r in measured)
     header = [
-        "| family | sel÷full (probe) | all modes | keep/full | full ckpt | × vs keep/full | "
+        "| family | sel÷full (probe) | full ms/MiB | sel ms/MiB | all modes | keep/full | full ckpt | × vs keep/full | "
         "× vs full ckpt | predicted | measured | error | within budget |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines = [
         "### Per-layer modes at a binding budget (`bench/modes.py`)\n",
@@ -225,11 +251,27 @@ def run(device: str) -> str:
         "included); where a layer's ratio is ≥ 1 the solver does not offer selective "
         "there. `gpt_wide` (d_model 512, matmul-bound blocks) is this section's own "
         "family, added because on this CPU selective checkpointing only pays off where "
-        "the matmuls it saves outweigh its per-op Python dispatch.\n",
+        "the matmuls it saves outweigh its per-op Python dispatch. `full ms/MiB`, `sel "
+        "ms/MiB`: what the mode on every layer adds to a micro-step, per MiB it frees while "
+        "the layers are held (the probe's figures at micro-batch "
+        f"{zc.TARGET}): the price of a byte in each mode, which decides what an exact "
+        "solver buys.\n",
         "**The bar's setting: any micro-batch dividing 16.**\n",
         *header,
     ]
     lines += [_line(r) for r in rows]
+    priced = [r for r in rows if r.get("full s/MiB") and r.get("selective s/MiB")]
+    dearer = [r["case"] for r in priced if r["selective s/MiB"] > r["full s/MiB"]]
+    if priced:
+        lines += [
+            "",
+            f"A MiB freed by selective checkpointing cost more than one freed by full "
+            f"recompute on {len(dearer)} of {len(priced)} families"
+            + (f" ({', '.join(dearer)})" if dearer else "")
+            + ". Where it does, the exact solver takes selective only where a layer's "
+            "whole full saving is more than the budget needs (a knapsack edge), never "
+            "as the main way to fit.",
+        ]
     all_kept = [r["case"] for r in rows if r.get("plan keep/full", "").endswith("all kept")]
     if all_kept:
         lines += [

@@ -78,6 +78,7 @@ PLAN_SHAPE = {
     "checkpointed": int,
     "n_layers": int,
     "checkpoint_layers": list,
+    "checkpoint": dict,
     "peak_bytes": int,
     "step_seconds": float,
     "peak_phase": str,
@@ -151,6 +152,8 @@ def validate_json_shape(data: dict) -> None:
             _check_keys(check["plan"], PLAN_SHAPE, f"{where}.plan")
             assert all(isinstance(n, str) for n in check["plan"]["checkpoint_layers"])
             assert check["plan"]["checkpointed"] == len(check["plan"]["checkpoint_layers"])
+            assert list(check["plan"]["checkpoint"]) == check["plan"]["checkpoint_layers"]
+            assert set(check["plan"]["checkpoint"].values()) <= {"selective", "full", "offload"}
             _check_keys(check["plan"]["breakdown"], BREAKDOWN_SHAPE, f"{where}.plan.breakdown")
         for j, growth in enumerate(check["growth"]):
             _check_keys(growth, GROWTH_SHAPE, f"{where}.growth[{j}]")

@@ -391,3 +391,43 @@ def test_cli_modes(tmp_path):
         assert needle in " ".join(result.output.split())
     result = run("--host-memory", "lots")
     assert result.exit_code == 2 and "--host-memory" in result.output
+
+
+def test_the_plan_panel_report_and_check_summary_name_each_layers_mode():
+    """A plan mixing modes: the solve panel groups the layers by mode, the report's layer
+    table shows each layer's mode with that mode's saving and cost, and check's plan summary
+    (and its JSON) records the mode of every layer."""
+    from memplan.check.run import _summarise
+    from memplan.render import checkpoint_names
+    from memplan.report.data import layer_rows
+    from memplan.report.page import _layer_table
+
+    profile, _ = selective_chain(selective_per_sample=(60, 30, 30, 30), selective_seconds=0.2)
+    b = 64
+    plain = memory.step_peak(profile, b, [], 1).allocated_bytes
+    budget = plain - 150 * b  # 90 + 60: one full and h.0 selective (0.45 s/sample) is least
+    p = solve(
+        profile, SolveRequest(target_batch=b, budget_bytes=budget, margin=0.0, min_micro=b)
+    ).plan
+    assert p.checkpoint == {"h.0": "selective", "h.1": "full"}
+    assert checkpoint_names(p) == "h.0 selective, h.1 full"
+
+    times = timing.measured_times(profile, b)
+    rows = layer_rows(profile, b, 1, memory.layer_modes(profile, p.checkpoint), times)
+    assert [r.mode for r in rows] == ["selective", "full", "keep", "keep"]
+    assert [r.savings_bytes for r in rows] == [60 * b, 90 * b, 90 * b, 90 * b]
+    assert [r.recompute_seconds for r in rows] == pytest.approx([0.2 * b] + [0.25 * b] * 3)
+    table = _layer_table(dataclasses.replace(_report_stub(), layers=rows))
+    assert table.count(">selective<") == 1 and table.count(">checkpointed (full)<") == 1
+    assert table.count(">kept<") == 2
+
+    summary = _summarise(p, len(profile.layers))
+    assert summary.checkpoint == (("h.0", "selective"), ("h.1", "full"))
+    assert summary.checkpoint_layers == ("h.0", "h.1")
+
+
+def _report_stub():
+    from memplan.report.data import Report
+
+    fields = {f.name: None for f in dataclasses.fields(Report)}
+    return Report(**fields)

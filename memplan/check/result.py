@@ -37,6 +37,9 @@ class PlanSummary:
     world_size: int
     checkpoint_layers: tuple[str, ...]
     n_layers: int
+    checkpoint: tuple[tuple[str, str], ...] = ()
+    """Each layer not kept and its mode (memplan.modes), in ``checkpoint_layers`` order: a
+    baseline run's plan that turned a selective layer full shows here."""
     """Checkpoint candidates in the profile: ``len(checkpoint_layers)`` of ``n_layers``."""
     peak_bytes: int
     step_seconds: float

@@ -261,6 +261,7 @@ def _summarise(plan: Plan | None, n_layers: int) -> PlanSummary | None:
         world_size=plan.world_size,
         checkpoint_layers=tuple(plan.checkpoint_layers),
         n_layers=n_layers,
+        checkpoint=tuple((name, plan.checkpoint[name]) for name in plan.checkpoint_layers),
         peak_bytes=int(plan.predicted.peak_bytes),
         step_seconds=float(plan.predicted.step_seconds),
         peak_phase=plan.predicted.peak_phase,

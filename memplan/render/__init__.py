@@ -25,6 +25,7 @@ from rich.text import Text
 from memplan import timing
 from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
+from memplan.modes import MODES
 from memplan.plan import Plan
 from memplan.profile import Affine, Profile
 from memplan.units import format_bytes, format_seconds
@@ -307,6 +308,17 @@ def breakdown_bar(plan: Plan, width: int = 60) -> Text:
     return text + legend
 
 
+def checkpoint_names(plan: Plan) -> str:
+    """The plan's checkpointed layers, folded (:func:`compact_names`); with more than one
+    mode, each group followed by its mode: ``h.0-1 full, h.5 selective``."""
+    by_mode: dict[str, list[str]] = {}
+    for name, mode in plan.checkpoint.items():
+        by_mode.setdefault(mode, []).append(name)
+    if set(by_mode) <= {"full"}:
+        return compact_names(plan.checkpoint_layers)
+    return ", ".join(f"{compact_names(by_mode[mode])} {mode}" for mode in MODES if mode in by_mode)
+
+
 def compact_names(names: tuple[str, ...] | list[str]) -> str:
     """``h.0 h.1 h.2 h.5`` -> ``h.0-2, h.5``: runs of numbered siblings folded."""
     if not names:
@@ -341,10 +353,7 @@ def show_plan(plan: Plan) -> None:
         + "\n",
         style="bold",
     )
-    lines.append(
-        f"checkpoint {len(plan.checkpoint_layers)} layer(s): "
-        f"{compact_names(plan.checkpoint_layers)}\n"
-    )
+    lines.append(f"checkpoint {len(plan.checkpoint_layers)} layer(s): {checkpoint_names(plan)}\n")
     sharding = (
         f" · strategy {plan.strategy}" if plan.world_size > 1 or plan.strategy != "ddp" else ""
     )

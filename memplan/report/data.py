@@ -11,12 +11,14 @@ estimate, as in a plan's breakdown).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memplan import memory, timing
 from memplan.devices import DeviceSpec
 from memplan.memory import Reserve, Sharding
+from memplan.modes import FULL, KEEP, OFFLOAD
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver import Candidate
@@ -88,10 +90,14 @@ class LayerRow:
     held_bytes: int
     """What its forward keeps alive for backward, not checkpointed."""
     savings_bytes: int
-    """What checkpointing it frees while it is held."""
+    """What its mode frees while it is held; for a kept layer, what full checkpointing
+    would free."""
     recompute_seconds: float
-    """Extra time per optimizer step if checkpointed (all micro-steps)."""
+    """Extra time per optimizer step in its mode (all micro-steps); for a kept layer, what
+    full checkpointing would add."""
     checkpointed: bool
+    mode: str = "keep"
+    """The plan's mode for it (memplan.modes): keep, selective, full or offload."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -213,18 +219,41 @@ def layer_rows(
     checkpointed: frozenset[int] | dict[int, str],
     times: timing.MicroStepTimes,
 ) -> tuple[LayerRow, ...]:
-    savings = memory.savings_bytes(profile, micro_batch)
-    return tuple(
-        LayerRow(
-            name=layer.name,
-            module_type=layer.module_type,
-            held_bytes=memory.affine_bytes(layer.saved_bytes, micro_batch),
-            savings_bytes=savings[i],
-            recompute_seconds=accumulation_steps * times.checkpoint_seconds(i),
-            checkpointed=i in checkpointed,
+    modes = memory.layer_modes(profile, checkpointed)
+    savings = {
+        mode: memory.mode_savings_bytes(profile, micro_batch, mode)
+        for mode in {*modes.values(), FULL}
+    }
+    rows = []
+    for i, layer in enumerate(profile.layers):
+        mode = modes.get(i, KEEP)
+        shown = FULL if mode == KEEP else mode
+        rows.append(
+            LayerRow(
+                name=layer.name,
+                module_type=layer.module_type,
+                held_bytes=memory.affine_bytes(layer.saved_bytes, micro_batch),
+                savings_bytes=savings[shown][i],
+                recompute_seconds=accumulation_steps * times.mode_seconds(i, shown)
+                if shown != OFFLOAD or times.offload_seconds
+                else math.nan,
+                checkpointed=mode != KEEP,
+                mode=mode,
+            )
         )
-        for i, layer in enumerate(profile.layers)
-    )
+    return tuple(rows)
+
+
+def _mode_counts(checkpoint: dict[str, str], n_layers: int | None = None) -> str:
+    """``{'h.0': 'full', 'h.1': 'full', 'h.2': 'selective'}`` of 4 layers -> ``layers: 2
+    full, 1 selective, 1 kept``; without ``n_layers`` the kept ones are not counted."""
+    counts: dict[str, int] = {}
+    for mode in checkpoint.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    parts = [f"{n} {m}" for m, n in sorted(counts.items())]
+    if n_layers is not None:
+        parts.append(f"{n_layers - len(checkpoint)} kept")
+    return "layers: " + ", ".join(parts) if parts else "no layer checkpointed"
 
 
 def plan_report(
@@ -260,14 +289,19 @@ def plan_report(
     times = timing.micro_step_times(
         profile, plan.micro_batch_size, source=source, device_spec=device_spec
     )
+    if OFFLOAD in chosen.values():  # timed as the solver times it: the host link's rate
+        link, _ = timing.host_link_bandwidth(device_spec)
+        host = memory.offload_host_bytes(profile, plan.micro_batch_size)
+        times = timing.with_offload(times, timing.offload_seconds(host, link) if link > 0 else ())
     per_rank = (
         f" · {plan.world_size} ranks ({plan.strategy}), per rank" if plan.world_size > 1 else ""
     )
     return Report(
         title=(
             f"{plan.model} · micro-batch {plan.micro_batch_size} × accumulation "
-            f"{plan.accumulation_steps}{per_rank} · {len(plan.checkpoint_layers)} of "
-            f"{len(profile.layers)} layers checkpointed · {plan.device} · {plan.precision}"
+            f"{plan.accumulation_steps}{per_rank} · "
+            f"{_mode_counts(plan.checkpoint, len(profile.layers))} · {plan.device} · "
+            f"{plan.precision}"
         ),
         profile=profile,
         plan=plan,
@@ -326,7 +360,7 @@ def plan_only_report(plan: Plan, why: str) -> Report:
     return Report(
         title=(
             f"{plan.model} · micro-batch {plan.micro_batch_size} × accumulation "
-            f"{plan.accumulation_steps} · {len(plan.checkpoint_layers)} layers checkpointed · "
+            f"{plan.accumulation_steps} · {_mode_counts(plan.checkpoint)} · "
             f"{plan.device} · {plan.precision}"
         ),
         profile=None,

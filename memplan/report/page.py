@@ -32,6 +32,14 @@ def _clean_svg(svg: str) -> str:
     return _METADATA.sub("", svg)
 
 
+_CHOICE = {
+    "keep": "kept",
+    "full": "checkpointed (full)",
+    "selective": "selective",
+    "offload": "offloaded",
+}
+
+
 def _layer_table(report: Report) -> str:
     rows = []
     for row in report.layers:
@@ -42,12 +50,12 @@ def _layer_table(report: Report) -> str:
             f"<td>{format_bytes(row.held_bytes)}</td>"
             f"<td>{format_bytes(row.savings_bytes)}</td>"
             f"<td>{format_seconds(row.recompute_seconds)}</td>"
-            f"<td>{'checkpointed' if row.checkpointed else 'kept'}</td></tr>"
+            f"<td>{_CHOICE.get(row.mode, html.escape(row.mode))}</td></tr>"
         )
     return (
         '<table id="layers"><thead><tr><th>layer</th><th>type</th>'
-        "<th>bytes held for backward</th><th>checkpointing frees</th>"
-        "<th>recompute cost per step</th><th>choice</th></tr></thead><tbody>"
+        "<th>bytes held for backward</th><th>its mode frees</th>"
+        "<th>its mode costs per step</th><th>choice</th></tr></thead><tbody>"
         + "".join(rows)
         + "</tbody></table>"
     )
