@@ -15,6 +15,7 @@ from memplan.memory.sharding import (
     bucket_views_replace_grads,
     ddp_bucket_bytes,
     fsdp_gathered_bytes,
+    fsdp_grads_bytes,
     optimizer_adjust_bytes,
     rank_optimizer_state_bytes,
     rank_params_bytes,
@@ -263,6 +264,8 @@ def breakdown_at(
         else:
             segment = profile.timeline[phase][index]
             params += fsdp_gathered_bytes(profile, sharding, phase, index)
+            if sharding.strategy == "fsdp" and sharding.world_size > 1:
+                grads = fsdp_grads_bytes(profile, sharding, phase, index, accumulation_steps)
             grads -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
             grads += ddp_bucket_bytes(profile, sharding) + zero2_bucket_bytes(profile, sharding)
             if ddp_bucket_bytes(profile, sharding) and bucket_views_replace_grads(

@@ -17,7 +17,7 @@ from memplan.memory.terms import (
     params_bytes,
 )
 from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, Plan, Strategy
-from memplan.profile import Profile, Segment
+from memplan.profile import Profile
 
 
 # --------------------------------------------------------------------------- per-rank terms
@@ -212,26 +212,13 @@ def syncs_every_micro_step(sharding: Sharding, accumulation_steps: int) -> bool:
 def sharded_grads_removed_bytes(
     profile: Profile, sharding: Sharding, held_grads: int, accumulation_steps: int
 ) -> int:
-    """Gradient bytes a rank does not hold, of ``held_grads`` the single process holds.
-    ZeRO-2 keeps 1/world of every reduced gradient (ZeRO paper §5.2 "P_os+g"); FSDP too, but
-    only when it reduce-scatters every micro-step: under ``set_requires_gradient_sync(False)``
-    FSDP2 accumulates *unsharded* gradients (FSDP2 docs: "the equivalence of no_sync"), so
-    with accumulation the gradients stay whole until the last micro-step (conservatively:
-    counted whole in every micro-step). Under FSDP's mixed-precision policy the probe held
-    bf16 gradients, and a rank holds fp32 ones (``reduce_dtype``): sharded, or, unsharded
-    under ``set_requires_gradient_sync(False)``, upcast to fp32 after each unit's backward
-    (FSDP2 ``FSDPParam.to_accumulated_grad_if_needed``), so the result can be negative."""
-    if held_grads <= 0 or (
-        sharding.world_size == 1 and not mixed_precision_params(profile, sharding)
-    ):
+    """Gradient bytes a ZeRO-2 rank does not hold, of ``held_grads`` the single process
+    holds: it keeps 1/world of every reduced gradient (ZeRO paper §5.2 "P_os+g"). FSDP's
+    gradients depend on the place in the backward: ``fsdp_grads_bytes``."""
+    del accumulation_steps  # ZeRO-2 reduces every micro-step
+    if held_grads <= 0 or sharding.strategy != "zero2" or sharding.world_size == 1:
         return 0
-    kept = master_bytes(profile, sharding, held_grads)
-    if sharding.strategy == "zero2" or (
-        sharding.strategy == "fsdp" and syncs_every_micro_step(sharding, accumulation_steps)
-    ):
-        e = master_element_bytes(profile, sharding)
-        return held_grads - shard_bytes(kept, sharding.world_size, e)
-    return held_grads - kept
+    return held_grads - shard_bytes(held_grads, sharding.world_size, element_bytes(profile))
 
 
 def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index: int) -> int:
@@ -265,22 +252,142 @@ def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index:
     return gathered
 
 
-def fsdp_reduce_scatter_bytes(
-    profile: Profile, sharding: Sharding, phase: str, segment: Segment, accumulation_steps: int
+@dataclass(frozen=True, slots=True)
+class _UnitGrads:
+    """One FSDP unit's gradients, in bytes: as the probe computed them (``probed``, the
+    compute dtype), unsharded in ``reduce_dtype`` (``whole``), the reduce-scatter input
+    (``scatter_input``: padded to a multiple of the world size) and one rank's shard."""
+
+    probed: int
+    whole: int
+    scatter_input: int
+    shard: int
+
+
+def _unit_grads(profile: Profile, sharding: Sharding, probed: int) -> _UnitGrads:
+    whole = master_bytes(profile, sharding, probed)
+    shard = shard_bytes(whole, sharding.world_size, master_element_bytes(profile, sharding))
+    return _UnitGrads(
+        probed=probed, whole=whole, scatter_input=shard * sharding.world_size, shard=shard
+    )
+
+
+def _root_grads_bytes(profile: Profile) -> int:
+    """Gradients outside the candidate layers (the root unit's)."""
+    return max(grads_bytes(profile) - sum(layer.grad_bytes for layer in profile.layers), 0)
+
+
+def fsdp_grads_bytes(
+    profile: Profile, sharding: Sharding, phase: str, index: int, accumulation_steps: int
 ) -> int:
-    """The reduce-scatter input FSDP2 builds from a unit's gradients at the end of its
-    backward (a padded flat copy, alive next to the unsharded gradients until the collective
-    ends). Only in micro-steps that synchronise: every one when not accumulating, else the
-    last one (the ``grads_resident`` phase; counted in all of them, conservatively). Under
-    the mixed-precision policy the input is in ``reduce_dtype`` (fp32)."""
-    if sharding.strategy != "fsdp" or sharding.world_size == 1 or segment.active != "bwd":
+    """Gradient bytes one FSDP2 rank holds at a segment, reduce-scatter buffers included, at
+    the segment's highest moment. Read from FSDP2 (torch 2.13,
+    ``torch/distributed/fsdp/_fully_shard/``) and measured op by op on 2 gloo ranks:
+
+    * units reduce in backward order (the layers last to first, the root last, from the
+      final callback ``FSDPState._root_post_backward_final_callback``: its inputs need no
+      gradient);
+    * ``FSDPParamGroup.post_backward`` of a unit that reduces copies its unsharded gradients
+      into a padded reduce-scatter input (``foreach_reduce``, in ``reduce_dtype``), frees
+      them, and keeps the input alive until the next unit's ``post_backward``
+      (``reduce_scatter_states``, ``reduce_scatter_max_input_buffers`` = 1); the output is
+      the rank's new sharded gradient, or is added into the one it already has and freed;
+    * a unit that does not reduce (``set_requires_gradient_sync(False)``) keeps its
+      gradients unsharded; under a mixed-precision policy ``to_accumulated_grad_if_needed``
+      upcasts them to ``reduce_dtype`` in a separate tensor, and later micro-steps'
+      compute-dtype gradients land in a fresh ``.grad`` and are added into it at the
+      unit's ``post_backward`` (``accumulate_unsharded_grad_if_needed``);
+    * the root's gradients, computed during the backward, wait unsharded for the end.
+
+    A unit's ``post_backward`` (its reduce-scatter input next to its unsharded gradients,
+    then next to its output) counts in the segment after its backward. Not modelled: a
+    unit's own new gradients during its backward, which the probe holds too (though after
+    the first micro-step it adds each into ``.grad`` at once, while a rank with a separate
+    accumulator keeps them to the unit's ``post_backward``)."""
+    segments = profile.timeline[phase]
+    segment = segments[index]
+    h, n = segment.held, len(profile.layers)
+    started = _backward_started(segments, index)
+    resident = phase == PHASE_GRADS_RESIDENT  # earlier micro-steps' gradients exist
+    every = syncs_every_micro_step(sharding, accumulation_steps)
+    syncing = every or resident  # grads_resident stands for the last micro-step
+    sharded_before = resident and every  # accumulated sharded, in place
+    mixed = mixed_precision_params(profile, sharding)
+    units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
+    root = _unit_grads(profile, sharding, _root_grads_bytes(profile))
+
+    def held(unit: _UnitGrads, posted: bool) -> int:
+        """The unit's gradients before (``posted`` False) or after its post_backward."""
+        if sharded_before or (posted and syncing):
+            return unit.shard
+        if resident or posted:
+            return unit.whole  # accumulated unsharded (upcast under mixed precision)
         return 0
-    synced = syncs_every_micro_step(sharding, accumulation_steps) or phase == PHASE_GRADS_RESIDENT
-    if not synced:
-        return 0
-    grads = master_bytes(profile, sharding, profile.layers[segment.held].grad_bytes)
-    e = master_element_bytes(profile, sharding)
-    return shard_bytes(grads, sharding.world_size, e) * sharding.world_size
+
+    # The root's gradients of this micro-step, from the backward's start to its end (all of
+    # them: the profile does not say which fixed parts run before the layers). They land
+    # in a fresh .grad but in the first micro-step, in fp32 FSDP without sharding, where
+    # they are added in place as the probe adds them.
+    root_fresh = (
+        root.probed if started and h < n and (mixed or sharded_before or not resident) else 0
+    )
+
+    def steady(first_posted: int) -> int:
+        """Held when layers ``first_posted`` .. n-1 have run their post_backward: their
+        shards or unsharded gradients, the others', the root's, and the last reduce-scatter
+        input, kept until the next post_backward."""
+        total = sum(held(u, j >= first_posted) for j, u in enumerate(units))
+        total += held(root, False) + root_fresh
+        if syncing and first_posted < n:
+            total += units[first_posted].scatter_input
+        return total
+
+    if not started:
+        return steady(n)
+    if segment.active == "bwd":
+        return steady(h + 1)
+    # Right after the backward of layer h: its post_backward ran as its input's gradient was
+    # computed (just before the probe's boundary, where the residual stream's gradient is
+    # added in).
+    moments = [
+        steady(h),
+        *_post_backward_moments(steady(h), units[h], syncing, sharded_before, resident, mixed),
+    ]
+    if h == 0:  # the root's post_backward, from the final callback at the backward's end
+        base = steady(h) - held(root, False) - root_fresh
+        if syncing:
+            base -= units[0].scatter_input if n else 0  # released before the root's
+            base -= root_params_bytes(profile)  # resharded first
+            unsharded = root.whole if resident and not sharded_before else root.probed
+            moments.append(base + unsharded + root.scatter_input)
+            old_shard = root.shard if sharded_before else 0  # the output is added into it
+            moments.append(base + old_shard + _reduce_output_bytes(root))
+        elif mixed:
+            moments.append(steady(h) + root.whole)
+    return max(moments)
+
+
+def _reduce_output_bytes(unit: _UnitGrads) -> int:
+    """Live while a unit's reduce-scatter runs: its input and its output (the shard)."""
+    return unit.scatter_input + unit.shard
+
+
+def _post_backward_moments(
+    steady: int,
+    unit: _UnitGrads,
+    syncing: bool,
+    sharded_before: bool,
+    resident: bool,
+    mixed: bool,
+) -> list[int]:
+    """Gradient bytes at the peaks of one unit's ``post_backward``, given ``steady``, what
+    is held after it (its shard and kept input, or its unsharded gradients)."""
+    if not syncing:  # upcast next to the compute-dtype gradients
+        return [steady + unit.probed] if mixed else []
+    new_shard = 0 if sharded_before else unit.shard
+    before = steady - new_shard - unit.scatter_input
+    unsharded = unit.whole if resident and not sharded_before else unit.probed
+    return [before + unsharded + unit.scatter_input, before + _reduce_output_bytes(unit)]
 
 
 def segment_adjust_bytes(
@@ -297,12 +404,12 @@ def segment_adjust_bytes(
     * + DDP's buckets less the gradients already counted (see ``ddp_bucket_bytes``: with
       bucket views a synchronised micro-step copies each new gradient into its bucket and
       frees it, so with k = 1 the probe's growing gradients are replaced by the bucket);
-    * + ZeRO-2's reduction bucket; + FSDP's gathered units and reduce-scatter input.
+    * + ZeRO-2's reduction bucket; + FSDP's gathered units; FSDP's gradients and
+      reduce-scatter buffers in place of the probe's gradients (``fsdp_grads_bytes``).
 
     Zero for one process (any strategy but FSDP, whose all-gathers still copy)."""
     if sharding == SINGLE:
         return 0
-    segment = profile.timeline[phase][index]
     held_grads = grads_at_bytes(profile, phase, index)
     delta = 0
     delta -= params_bytes(profile) - rank_params_bytes(profile, sharding)
@@ -313,8 +420,11 @@ def segment_adjust_bytes(
         replaced = bucket_views_replace_grads(sharding, phase, accumulation_steps)
         delta += bucket - (held_grads if replaced else 0)
     delta += zero2_bucket_bytes(profile, sharding)
-    delta += fsdp_gathered_bytes(profile, sharding, phase, index)
-    delta += fsdp_reduce_scatter_bytes(profile, sharding, phase, segment, accumulation_steps)
+    if sharding.strategy == "fsdp":
+        delta += fsdp_gathered_bytes(profile, sharding, phase, index)
+        if sharding.world_size > 1:
+            delta += fsdp_grads_bytes(profile, sharding, phase, index, accumulation_steps)
+            delta -= held_grads
     return delta
 
 
