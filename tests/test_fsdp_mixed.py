@@ -60,27 +60,46 @@ def test_forward_holds_shards_and_one_gathered_bf16_unit():
 
 
 @pytest.mark.parametrize(
-    ("grad_sync", "phase", "expected"),
+    ("grad_sync", "phase", "grads"),
     [
-        # first micro-step, backward of h.2: h.3's and the root's gradients done (2000 B of
-        # bf16). Skipping the reduce-scatter keeps them unsharded, upcast to fp32 (+2000);
-        # reducing every micro-step keeps a quarter of their fp32 bytes (−1000) and copies
-        # h.2's gradients in fp32 for the reduce-scatter (+2000).
-        ("last_micro_step", "no_grads", -2500 - 5000 + 2000 + 3000),
-        ("every_micro_step", "no_grads", -2500 - 5000 - 1000 + 3000 + 2000),
-        # later micro-steps: all 5000 B of gradients exist: unsharded fp32 (+5000) or a
-        # quarter of fp32 (−2500); the last micro-step's reduce-scatter copy is counted.
-        ("last_micro_step", "grads_resident", -2500 - 5000 + 5000 + 3000 + 2000),
-        ("every_micro_step", "grads_resident", -2500 - 5000 - 2500 + 3000 + 2000),
+        # A unit is 1000 B of bf16 gradients: 2000 B in fp32, a 500 B shard on each of 4
+        # ranks, a 2000 B reduce-scatter input. In the backward of h.2, h.3's post_backward
+        # has run; the root (1000 B of bf16 gradients) reduces only at the end.
+        # First micro-step, no reduce-scatter: h.3 upcast to fp32, the root's in bf16.
+        ("last_micro_step", "no_grads", 2000 + 1000),
+        # Reduce-scatter every micro-step: h.3's shard and its input, kept until the next
+        # unit's post_backward; the root's in bf16.
+        ("every_micro_step", "no_grads", 500 + 2000 + 1000),
+        # Last micro-step: h.3 reduced (shard and kept input), h.0 to h.2 and the root still
+        # accumulated in fp32, the root's new bf16 gradients apart from its accumulator.
+        ("last_micro_step", "grads_resident", 500 + 2000 + 3 * 2000 + 2000 + 1000),
+        # Sharded every micro-step: every unit's shard, the kept input, the root's bf16.
+        ("every_micro_step", "grads_resident", 5 * 500 + 2000 + 1000),
     ],
 )
-def test_accumulating_backward_by_hand(grad_sync, phase, expected):
+def test_accumulating_backward_by_hand(grad_sync, phase, grads):
     profile = mixed()
     fsdp = Sharding(strategy="fsdp", world_size=4, grad_sync=grad_sync)
     bwd = index_of(profile, phase, "backward of h.2")
     # gathered: root, h.2 and the prefetched h.1 (3000), all bf16 as measured
     assert memory.fsdp_gathered_bytes(profile, fsdp, phase, bwd) == ROOT + 2 * UNIT
-    assert memory.segment_adjust_bytes(profile, fsdp, phase, bwd, 2) == expected
+    assert memory.fsdp_grads_bytes(profile, fsdp, phase, bwd, 2) == grads
+    held = memory.grads_at_bytes(profile, phase, bwd)  # the probe's bf16 gradients, out
+    assert held == (2000 if phase == "no_grads" else G)
+    assert memory.segment_adjust_bytes(profile, fsdp, phase, bwd, 2) == (
+        -(P + S) + 2 * (P + S) // 4 + ROOT + 2 * UNIT + grads - held
+    )
+
+
+def test_post_backward_puts_the_input_next_to_the_unsharded_gradients():
+    # Right after h.2's backward in the last micro-step: after its post_backward h.2 and h.3
+    # are shards (1000), h.0 and h.1 fp32 (4000), the root fp32 and bf16 (3000), h.2's
+    # input kept (2000): 10000. During it, the input was allocated while h.2's 2000 B of
+    # fp32 gradients were still alive and before its shard: 10000 - 500 + 2000 = 11500.
+    profile = mixed()
+    fsdp = Sharding(strategy="fsdp", world_size=4)
+    after = index_of(profile, "grads_resident", "backward between h.2 and h.1")
+    assert memory.fsdp_grads_bytes(profile, fsdp, "grads_resident", after, 2) == 11500
 
 
 def test_reduce_scatter_every_micro_step_costs_k_reductions():

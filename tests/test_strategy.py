@@ -111,13 +111,14 @@ def test_fsdp_by_hand_without_accumulation():
     assert memory.segment_adjust_bytes(profile, fsdp, "no_grads", fwd, 1) == (
         -resident_out + ROOT + UNIT
     )
-    # Backward of h.2: h.3's and the root's gradients exist (2000 B; half kept), the root,
-    # h.2 and the prefetched h.1 are gathered, and h.2's gradients are copied for the
-    # reduce-scatter.
+    # Backward of h.2: the probe held h.3's and the root's gradients (2000 B). A rank holds
+    # h.3's shard (500) and its reduce-scatter input, kept until h.2's post_backward
+    # (1000), and the root's whole (1000: the root reduces at the end); the root, h.2 and
+    # the prefetched h.1 are gathered.
     bwd = segment_index(profile, "no_grads", "backward of h.2")
     assert memory.grads_at_bytes(profile, "no_grads", bwd) == 2000
     assert memory.segment_adjust_bytes(profile, fsdp, "no_grads", bwd, 1) == (
-        -resident_out - 1000 + (ROOT + 2 * UNIT) + UNIT
+        -resident_out + (ROOT + 2 * UNIT) + (500 + 1000 + 1000) - 2000
     )
     # At the loss the backward begins: the root prefetches the last layer.
     loss = segment_index(profile, "no_grads", "head and loss after h.3")
