@@ -182,7 +182,7 @@ def test_fsdp_mixed_precision_plans_verify_within_1_percent(width, accumulation,
     # 16-128): +18·width - 162 B with accumulation, -162 B without; here +990 B (+0.57%),
     # +990 B (+0.64%) and -162 B (-0.12%). 18·width: the input Linear's bf16 gradients,
     # counted from the start of the backward though they come last; -162 B: DeviceMesh rank
-    # maps (4 × 8 B) and the fp32 batch (128 B) that the bf16 probe did not hold.
+    # maps (4 × 8 B), the fp32 batch (128 B) that the bf16 probe did not hold, 2 B untraced.
     model = model_file(tmp_path, width=width)
     profile = probe_model(
         model, device="cpu", precision="bf16", mixed_precision="params", micro_batches=(2, 4)
