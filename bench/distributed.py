@@ -6,7 +6,9 @@ strategy memplan can run with torch engines (DDP, ZeRO-1 via ZeroRedundancyOptim
 joined with gloo (CPU) or NCCL (CUDA), every rank's peak measured with the probe's tracker.
 Two shapes per strategy: accumulation with one layer checkpointed, and one larger
 micro-batch with no accumulation (gradients then appear during backward, and FSDP
-reduce-scatters them in every micro-step).
+reduce-scatters them in every micro-step). Then FSDP under its mixed-precision policy
+(bf16 parameters, fp32 masters and reductions) from a ``--mixed-precision params`` probe,
+accumulating with each ``grad_sync``.
 """
 
 from __future__ import annotations
@@ -81,8 +83,55 @@ def run(device: str) -> str:
                 + " | ".join(format_bytes(m, precision=2) for m in measured)
                 + f" | {result.peak_error:+.2%} | {grad_text} |"
             )
+    lines += _mixed_precision_rows(model, device)
     lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _mixed_precision_rows(model: str, device: str) -> list[str]:
+    """FSDP under MixedPrecisionPolicy(bf16, fp32) from a ``--mixed-precision params``
+    probe, accumulating with each way of reducing gradients."""
+    import dataclasses
+
+    from memplan import memory
+
+    profile = probe_model(
+        model, device=device, precision="bf16", mixed_precision="params", micro_batches=(1, 2, 4)
+    )
+    target, max_micro, always = SHAPES[0]
+    request = SolveRequest(
+        target_batch=target,
+        budget_bytes=1 << 30,
+        world_size=WORLD,
+        strategy="fsdp",
+        max_micro=max_micro,
+        always_checkpoint=always,
+        model_path=model,
+    )
+    base = solve(profile, request).plan
+    rows = []
+    for sync in ("last_micro_step", "every_micro_step"):
+        plan = dataclasses.replace(base, grad_sync=sync)
+        peak = memory.plan_peak(profile, plan).peak_bytes
+        plan = dataclasses.replace(
+            plan, predicted=dataclasses.replace(plan.predicted, peak_bytes=peak)
+        )
+        result = verify_distributed(model, plan, steps=STEPS, device=device)
+        measured = [r.peak_bytes for r in result.ranks]
+        shape = f"{plan.micro_batch_size} × {plan.accumulation_steps} × {WORLD}"
+        print(
+            f"  fsdp bf16 {sync} {shape}: predicted {result.predicted_peak_bytes} B, measured "
+            f"{measured} B, worst error {result.peak_error:+.2%}",
+            flush=True,
+        )
+        grad = result.gradient_check
+        rows.append(
+            f"| fsdp bf16 params, {sync} | {shape} | {len(plan.checkpoint_layers)} | "
+            f"{format_bytes(result.predicted_peak_bytes, precision=2)} | "
+            + " | ".join(format_bytes(m, precision=2) for m in measured)
+            + f" | {result.peak_error:+.2%} | {grad.status} |"
+        )
+    return rows
 
 
 if __name__ == "__main__":
