@@ -35,6 +35,9 @@ class DeviceSpec:
     host_link_bandwidth: float = 0.0
     """Bytes per second, one direction, between the GPU and host memory (its PCIe link):
     times the ``offload`` mode. 0: unknown (offload is not planned)."""
+    compute_capability: float | None = None
+    """CUDA compute capability (8.0 for A100, 9.0 for H100): which fused attention kernels
+    a meta probe models (memplan.probe.meta_attention). None: undecided (math path)."""
 
     def peak_flops(self, precision: str) -> float:
         value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[

@@ -19,6 +19,7 @@ from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import ModelFile, map_batch, move_batch
 from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
+from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.tracker import LiveTracker, Roofline
 
@@ -74,6 +75,11 @@ class Backend:
         self.dtype = DTYPES[self.precision]
         self.torch_device = torch.device(self.device)
         self.roofline: Roofline | None = None
+        self.attention_target = CUDA if self.spec and self.spec.memory_bytes is not None else CPU
+        """Meta only: whose fused attention kernels the probe models (memplan.probe.
+        meta_attention): a named GPU spec's, else the CPU's, which ``--device cpu`` checks."""
+        self.attention_notes: list[str] = []
+        """Meta only: what the spec could not decide about attention kernels (warnings)."""
         if self.device == "meta":
             spec = self.spec or load_device(DEFAULT_META_SPEC)
             self.spec = spec
@@ -132,23 +138,40 @@ class Backend:
     # ------------------------------------------------------------------------- autocast
     @contextmanager
     def forward_context(self) -> Iterator[None]:
-        """Around the forward (the loss): autocast at the chosen precision."""
-        if self.precision == "fp32" or self.cast_params:
-            yield
-        elif self.device == "meta":
-            with _meta_autocast(self.dtype):
+        """Around the forward (the loss): autocast at the chosen precision; on meta, also
+        the target device's attention kernels."""
+        if self.device == "meta":
+            with self._meta_context():
                 yield
+        elif self.precision == "fp32" or self.cast_params:
+            yield
         else:
             with torch.autocast(device_type=self.device, dtype=self.dtype):
                 yield
 
     def checkpoint_context_fn(self) -> Callable[[], tuple[Any, Any]] | None:
         """For checkpoint's ``context_fn``: real autocast state is restored by checkpoint
-        itself during recompute; the meta emulation has to be entered again."""
-        if self.device != "meta" or self.precision == "fp32" or self.cast_params:
+        itself during recompute; the meta emulations (autocast, attention kernels) have to
+        be entered again."""
+        if self.device != "meta":
             return None
-        dtype = self.dtype
-        return lambda: (nullcontext(), _meta_autocast(dtype))
+        return lambda: (nullcontext(), self._meta_context())
+
+    @contextmanager
+    def _meta_context(self) -> Iterator[None]:
+        """The attention mode outside autocast, so that it sees the inputs autocast casts,
+        as the device's kernel choice does (autocast runs above the SDPA dispatch)."""
+        attention = MetaAttention(
+            self.attention_target,
+            self.spec.compute_capability if self.spec else None,
+            self.attention_notes,
+        )
+        with attention:
+            if self.precision == "fp32" or self.cast_params:
+                yield
+            else:
+                with _meta_autocast(self.dtype):
+                    yield
 
     def device_name(self) -> str:
         if self.device == "meta":

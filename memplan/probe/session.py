@@ -101,8 +101,10 @@ class Session:
                 loss = loss * scale
         recorder.forward_done()
         bad = None
-        if loss.device.type != "meta" and not bool(torch.isfinite(loss.detach())):
-            bad = float(loss.detach())
+        if loss.device.type != "meta":
+            with _disable_current_modes():  # memplan's own check: no part of the step
+                if not bool(torch.isfinite(loss.detach())):
+                    bad = float(loss.detach())
         loss.backward()
         del loss
         record = recorder.end()

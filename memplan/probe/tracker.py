@@ -31,6 +31,27 @@ from memplan.probe import shadow
 _EMPTY: dict[str, Any] = {}
 
 
+def _flop_formulas() -> dict[Any, Any]:
+    """torch.utils.flop_counter's formulas, plus the CPU flash attention kernel and its
+    backward, which it lacks: the same FLOPs as the CUDA flash kernel's formulas (both
+    compute softmax(QKᵀ)V and its gradients; torch/utils/flop_counter.py sdpa_flop)."""
+    aten = torch.ops.aten
+    formulas = dict(flop_registry)
+    aliases = {
+        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu_backward": (
+            "_scaled_dot_product_flash_attention_backward"
+        ),
+    }
+    for name, like in aliases.items():
+        if hasattr(aten, name) and getattr(aten, like, None) in formulas:
+            formulas.setdefault(getattr(aten, name), formulas[getattr(aten, like)])
+    return formulas
+
+
+_FLOP_FORMULAS = _flop_formulas()
+
+
 class Roofline:
     """Time of one op on a device spec: max(FLOPs / peak FLOP/s, bytes / bandwidth)."""
 
@@ -173,7 +194,7 @@ class LiveTracker(TorchDispatchMode):
             self.values.append(self.live_bytes)
             self.ops.append(packet.__name__)
         op_flops = 0.0
-        counter = flop_registry.get(packet)
+        counter = _FLOP_FORMULAS.get(packet)
         if counter is not None:
             try:
                 op_flops = float(counter(*args, **kwargs, out_val=out))
