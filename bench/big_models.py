@@ -212,8 +212,9 @@ def run(device: str) -> str:
                 "is the same probe without reusing identical blocks (memplan.probe.dedup), in "
                 "the same run. Activations: bytes one middle layer saves per "
                 "sample, measured, next to Megatron's s·b·h·(34 + 5as/h) (Korthikanti et al. "
-                "2022, eq. 1; it counts dropout masks this model lacks, and, like the meta "
-                "probe's math attention path, materialised attention scores).\n",
+                "2022, eq. 1; it counts dropout masks this model lacks, and materialised "
+                "attention scores, 5as/h, which the H100's flash attention, the kernel the meta "
+                "probe runs for it (memplan.probe.meta_attention), does not keep).\n",
                 "| model | params | layers | probe (wall, CPU) | peak RSS | layers reused | full probe | "
                 "activations/layer (GiB) | Megatron (GiB) | ratio |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

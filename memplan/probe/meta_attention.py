@@ -234,8 +234,8 @@ def cuda_kernel(call: SdpaCall, capability: float | None) -> CudaChoice:
         and _mask_shape_ok(call)
         and dtypes_equal
         and q.dtype in allowed
-        and all((t.storage_offset() * t.element_size()) % (alignment * t.element_size()) == 0
-                for t in (q, k, v))
+        and (major < 8 or all(t.numel() == 0 or t.storage_offset() % alignment == 0
+                              for t in (q, k, v)))  # check_data_ptr_alignment_mem_efficient
     )  # fmt: skip
     if efficient:
         note = None
@@ -303,7 +303,7 @@ def run_cuda_flash(call: SdpaCall) -> torch.Tensor:
 
 def run_cuda_efficient(call: SdpaCall) -> torch.Tensor:
     mask = _additive_mask(call)
-    if mask is not None:  # the kernel reads a (batch, heads, q, k) bias (attention.cpp preprocess_mask)
+    if mask is not None:  # a (batch, heads, q, k) bias: attention.cpp preprocess_mask
         mask = mask.expand(
             call.query.shape[0], call.query.shape[1], call.query.shape[2], call.key.shape[2]
         )

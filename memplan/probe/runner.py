@@ -197,6 +197,7 @@ def _probe(
     ):
         extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
         tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only")
+    session.warnings.extend(backend.attention_notes)  # what the spec left undecided
     profile = assemble(session, runs, extra, extra_timed, prune=prune)
     if forward_misses is not None:
         forward_misses.remove()
