@@ -1,0 +1,39 @@
+"""Two profiles compared in every byte field (import as ``from profile_bytes import
+assert_meta_equals_cpu``; pytest puts tests/ on the path): the bar for a meta probe is the
+cpu probe of the same model, to the byte."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from memplan.schema import to_data
+
+
+def _bytes_fields(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each item's name and every ``*_bytes`` field (an int or an affine fit), but the
+    selective ones: meta runs no selective mode."""
+    return [
+        {
+            k: v
+            for k, v in item.items()
+            if k == "name" or (k.endswith("_bytes") and not k.startswith("selective"))
+        }
+        for item in items
+    ]
+
+
+def assert_meta_equals_cpu(cpu: Any, meta: Any) -> None:
+    """Every byte field of two profiles: layers, fixed parts, totals, optimizer step and
+    every timeline point."""
+    for name in ("layers", "fixed"):
+        assert _bytes_fields(to_data(getattr(meta, name))) == _bytes_fields(
+            to_data(getattr(cpu, name))
+        ), name
+    assert meta.totals == cpu.totals
+    assert meta.optimizer_step_peak_bytes == cpu.optimizer_step_peak_bytes
+    timeline = {
+        phase: [dataclasses.replace(s, selective_points=()) for s in segments]
+        for phase, segments in cpu.timeline.items()
+    }
+    assert to_data(meta.timeline) == to_data(timeline)
