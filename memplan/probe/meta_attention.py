@@ -118,17 +118,24 @@ def cpu_kernel(call: SdpaCall) -> str:
         return MATH  # sdp_utils_cpp.h check_nested_tensor
     with _disable_current_modes():  # the stand-ins are no part of the probed step
         mask = None if call.attn_mask is None else _stand_in(call.attn_mask)
-        choice = torch._fused_sdp_choice(
-            _stand_in(call.query),
-            _stand_in(call.key),
-            _stand_in(call.value),
-            mask,
-            call.dropout_p,
-            call.is_causal,
-            scale=call.scale,
-            enable_gqa=call.enable_gqa,
-        )
+        try:
+            choice = _cpu_choice(call, mask)
+        except RuntimeError:  # a call PyTorch refuses: the original call will say why
+            return MATH
     return FLASH if choice == int(SDPBackend.FLASH_ATTENTION) else MATH
+
+
+def _cpu_choice(call: SdpaCall, mask: torch.Tensor | None) -> int:
+    return torch._fused_sdp_choice(
+        _stand_in(call.query),
+        _stand_in(call.key),
+        _stand_in(call.value),
+        mask,
+        call.dropout_p,
+        call.is_causal,
+        scale=call.scale,
+        enable_gqa=call.enable_gqa,
+    )
 
 
 @dataclass(frozen=True, slots=True)
