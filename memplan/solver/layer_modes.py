@@ -101,11 +101,7 @@ def _greedy_cost(
             forced[j] = best[0] if best is not None else allowed[0]
         elif best is not None:
             free.append((best[1], j, best[0]))
-        steps += [
-            (Fraction(c, s), j, k, mode)
-            for k, (c, s, mode) in enumerate(hull)
-            if not (j in forced_in and mode == forced[j] and k == 0)
-        ]
+        steps += [(Fraction(c, s), j, k, mode) for k, (c, s, mode) in enumerate(hull)]
     free.sort(key=lambda item: (item[0], item[1]))
     steps.sort(key=lambda item: (item[0], item[1], item[2]))
 
