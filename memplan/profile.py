@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from memplan import fast_yaml
 from memplan.errors import ProfileError
-from memplan.schema import dump_yaml, from_data, load_yaml_file
+from memplan.schema import from_data, load_yaml_file, to_data
 
 PROFILE_SCHEMA_VERSION = 2
 """2: optional ``seq_len`` and ``seq`` (a probe over sequence lengths, memplan.seqlen).
@@ -447,7 +448,8 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def profile_to_yaml(profile: Profile) -> str:
-    return dump_yaml(profile)
+    """The profile's YAML (memplan.fast_yaml: a 10,000-layer profile in seconds)."""
+    return fast_yaml.dump(to_data(profile))
 
 
 def is_finite_affine(value: Affine) -> bool:

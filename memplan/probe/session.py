@@ -4,6 +4,7 @@ per micro-batch size, and the warm-up step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,16 +170,23 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _resolve_layers(model: torch.nn.Module, layers: str | None) -> list[str]:
+def resolve_layers(model: torch.nn.Module, layers: str | None) -> list[str]:
     return glob_layers(model, layers) if layers else default_layers(model)
 
 
-def open_session(model_file: ModelFile, backend: Backend, layers: str | None) -> Session:
-    model = backend.build(model_file)
+def open_session(
+    model_file: ModelFile,
+    backend: Backend,
+    layers: str | None,
+    build: Callable[[], torch.nn.Module] | None = None,
+) -> Session:
+    """``build`` makes the model instead of the backend (a copy of one whose run of
+    identical blocks was cut short: memplan.probe.repeats)."""
+    model = backend.build(model_file) if build is None else build()
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
     cache_note = memplan.runtime.kv_cache_note(memplan.runtime.disable_kv_cache(model))
     optimizer = model_file.make_optimizer(model)
-    names = _resolve_layers(model, layers)
+    names = resolve_layers(model, layers)
     modules = dict(model.named_modules())
     parts = fixed_parts(model, names)
     recorder = Recorder(

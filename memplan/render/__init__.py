@@ -25,6 +25,7 @@ from rich.text import Text
 from memplan import timing
 from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
+from memplan.layer_runs import run_label, runs
 from memplan.modes import MODES
 from memplan.plan import Plan
 from memplan.profile import Affine, Profile
@@ -208,15 +209,15 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
                 "saved/s": _short_bytes(part.saved_bytes.slope),
             }
         )
+    rows = []
     for layer in profile.layers:
         worst = max(  # the worst fit of the layer's byte counts (what ``affine`` judges)
             getattr(layer, f).residual
             for f in layer.__slots__
             if f.endswith("_bytes") and isinstance(getattr(layer, f), Affine)
         )
-        add(
+        rows.append(
             {
-                "layer": escape(layer.name),
                 **state(layer),
                 "input/s": _short_bytes(layer.input_bytes.slope),
                 "saved/s": _short_bytes(layer.saved_bytes.slope),
@@ -224,6 +225,11 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
                 "fit": "ok" if layer.affine else f"[red]{worst:.1%}[/red]",
             }
         )
+    # alike neighbours (10,000 identical blocks) share one row: blocks.2–9998 × 9,997, each
+    names = profile.layer_names
+    for run in runs([tuple(row.items()) for row in rows]):
+        label = run_label(names, run) + (", each" if run.count > 1 else "")
+        add({"layer": escape(label), **rows[run.start]})
     totals = profile.totals
     saved = _sum_affine(
         [p.saved_bytes for p in profile.layers] + [p.saved_bytes for p in profile.fixed]
