@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from memplan import fast_yaml
 from memplan.errors import ProfileError
 
 T = TypeVar("T")
@@ -47,8 +48,12 @@ LARGEST_FLOAT = 1e30
 
 
 def safe_load(text: str) -> Any:
-    """``yaml.safe_load`` with the C loader when present."""
-    return yaml.load(text, Loader=SAFE_LOADER)  # a SafeLoader: no arbitrary objects
+    """``yaml.safe_load`` with the C loader when present; text in memplan.fast_yaml's layout
+    (a profile memplan wrote) is read a line at a time with ``json``, to the same data."""
+    try:
+        return fast_yaml.load(text)
+    except fast_yaml.NotFast:
+        return yaml.load(text, Loader=SAFE_LOADER)  # a SafeLoader: no arbitrary objects
 
 
 def dump_yaml(obj: Any) -> str:
@@ -87,12 +92,26 @@ def _fail(source: str, path: str, problem: str, hint: str | None = None) -> Prof
     return ProfileError(f"{source}: field '{path}' {problem}.", hint=hint)
 
 
+@functools.cache
+def _shape(tp: Any) -> tuple[Any, tuple]:
+    """``typing.get_origin`` and ``get_args`` of a field type, once per type."""
+    return typing.get_origin(tp), typing.get_args(tp)
+
+
 def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
-    origin = typing.get_origin(tp)
+    if tp is float and type(data) is float and math.isfinite(data) and abs(data) <= LARGEST_FLOAT:
+        return data  # the common case first: a profile holds millions
+    origin, args = _shape(tp)
+    if origin is tuple and args == (float, float) and type(data) is list and len(data) == 2:
+        a, b = data  # a timeline point
+        if type(a) is type(b) is float and all(
+            math.isfinite(x) and abs(x) <= LARGEST_FLOAT for x in (a, b)
+        ):
+            return (a, b)
     if tp is Any:
         return data
     if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
+        options = args
         if data is None and type(None) in options:
             return None
         errors = []
@@ -105,14 +124,13 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
                 errors.append(exc)
         raise errors[0] if errors else _fail(source, path, "must not be null")
     if origin is Literal:
-        allowed = typing.get_args(tp)
+        allowed = args
         if data not in allowed:
             raise _fail(
                 source, path, f"is {data!r}, expected one of {', '.join(map(repr, allowed))}"
             )
         return data
     if origin is tuple:
-        args = typing.get_args(tp)
         if not isinstance(data, (list, tuple)):
             raise _fail(source, path, f"must be a list, got {type(data).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
@@ -127,7 +145,7 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
             for i, (a, item) in enumerate(zip(args, data, strict=True))
         )
     if origin is dict:
-        key_tp, value_tp = typing.get_args(tp)
+        key_tp, value_tp = args
         if not isinstance(data, dict):
             raise _fail(source, path, f"must be a mapping, got {type(data).__name__}")
         return {
