@@ -82,11 +82,12 @@ def rank_segments(
     (``phases``: default all of the step's), with what sharding adds to or removes from the
     measured bytes there on one rank (``segment_adjust_bytes``; 0 for one process). The walk
     that ``step_points`` and ``step_bounds`` share."""
+    single = sharding == SINGLE  # once, not once per segment (a dataclass comparison)
     for phase in phases_for(accumulation_steps) if phases is None else phases:
         for index, segment in enumerate(profile.timeline[phase]):
             adjust = (
                 0
-                if sharding == SINGLE
+                if single
                 else segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
             )
             yield phase, index, segment, adjust
@@ -122,7 +123,7 @@ def step_points(
     for phase, index, segment, adjust in rank_segments(
         profile, accumulation_steps, sharding, phases
     ):
-        mode = mode_of(chosen, segment.held) if segment.held < n else KEEP
+        mode = chosen.get(segment.held, KEEP) if segment.held < n else KEEP
         top = segment_points_bytes(segment, micro_batch, mode)
         points.append(
             StepPoint(phase=phase, index=index, allocated_bytes=top - held[segment.held] + adjust)
