@@ -314,4 +314,5 @@ def build_module(ref: HfReference) -> types.ModuleType:
     module = types.ModuleType(f"memplan_hf_{abs(hash(str(ref))):x}")
     module.build_model = build_model  # type: ignore[attr-defined]
     module.make_batch = make_batch  # type: ignore[attr-defined]
+    module.max_seq_len = limit  # type: ignore[attr-defined]
     return module

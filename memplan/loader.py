@@ -229,6 +229,8 @@ class ModelFile:
     """Whether ``make_batch`` takes a second parameter, the sequence length (issue 13)."""
     seq_len: int | None = None
     """The length ``make_batch`` is called with (``at_seq_len``); None: the file's own."""
+    max_seq_len: int | None = None
+    """The longest sequence the model takes, where known (``hf:`` configs); else None."""
 
     def at_seq_len(self, seq_len: int | None) -> ModelFile:
         """This model file with batches of ``seq_len`` tokens per sample; None: unchanged.
@@ -508,6 +510,7 @@ def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
         sha256=digest.hexdigest(),
         reference=str(ref),
         takes_seq_len=True,
+        max_seq_len=getattr(module, "max_seq_len", None),
     )
 
 
