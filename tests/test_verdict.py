@@ -8,6 +8,7 @@ model's positions, and step-summary forgery. ``check`` runs as a real process
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -90,10 +91,8 @@ def grandchildren(tmp_path):
     pids = tmp_path / "pids"
     yield pids
     for line in pids.read_text().split() if pids.exists() else []:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(int(line), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 # ------------------------------------------------------------------ 1. exit codes
