@@ -19,7 +19,7 @@ __all__ = ["Plan", "Profile", "load_plan", "load_profile", "__version__", *sorte
 
 def __getattr__(name: str) -> Any:
     if name in _RUNTIME:
-        from memplan import runtime
+        from memplan import run
 
-        return getattr(runtime, name)
+        return getattr(run, name)
     raise AttributeError(f"module 'memplan' has no attribute {name!r}")

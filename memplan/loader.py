@@ -556,6 +556,16 @@ def resolve_model_reference(text: str, base: Path) -> str:
     return str(path) if factory == DEFAULT_FACTORY else f"{path}:{factory}"
 
 
+def reference_path(text: str) -> Path:
+    """The file or folder a model reference reads: the model file, or an ``hf:``
+    reference's config source (a local directory or config.json, or a hub id)."""
+    from memplan import hf
+
+    if hf.is_hf_reference(text):
+        return Path(hf.parse_reference(text).source)
+    return Path(split_model_arg(text)[0])
+
+
 def relative_reference(text: str, folder: Path) -> str:
     """``text`` with a relative local path rewritten relative to ``folder`` (where an
     emitted script is written, which resolves paths against its own folder); absolute

@@ -7,7 +7,6 @@ both go through here, so the rules are the same everywhere."""
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import types
@@ -18,6 +17,7 @@ from typing import Any, Literal, TypeVar, Union
 import yaml
 
 from memplan.errors import ProfileError
+from memplan.suggest import did_you_mean
 
 T = TypeVar("T")
 
@@ -247,10 +247,9 @@ def _convert_dataclass(cls: Any, data: Any, *, source: str, path: str) -> Any:
     hints, fields = _fields_of(cls)
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        suggestions = [m for key in unknown for m in difflib.get_close_matches(str(key), fields, 1)]
         hint = f"Known keys: {', '.join(sorted(fields))}."
-        if suggestions:
-            hint = f"Did you mean {', '.join(suggestions)}? " + hint
+        if maybe := did_you_mean(map(str, unknown), list(fields), n=1):
+            hint = f"{maybe} {hint}"
         raise _fail(source, path, f"has unknown key(s) {', '.join(map(str, unknown))}", hint)
     kwargs = {}
     for name, field in fields.items():

@@ -63,7 +63,7 @@ def solve_seq(
     steps). Either way the result names the first step beyond the plan's length that has no
     plan, and what it needs. Raises NoPlanFitsError when nothing fits (for ``max``: with
     what the first step needs), SeqLenError for a length memplan cannot plan."""
-    from memplan.solver import least_peak, solve
+    from memplan.solver import has_plan, least_peak, solve
 
     multiple = check_seq_len(multiple, flag="--seq-multiple")
     if seq_len is not None:
@@ -90,11 +90,7 @@ def solve_seq(
 
     def fits(i: int) -> bool:
         s = steps[i]
-        try:
-            solve(evaluate(s), _request_at(request, s, tokens_per_batch))
-        except NoPlanFitsError:
-            return False
-        return True
+        return has_plan(evaluate(s), _request_at(request, s, tokens_per_batch))
 
     if profile.seq is None:  # one probed length: that length only, nothing to search
         chosen, longest_i = seq_len, None

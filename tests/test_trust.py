@@ -336,7 +336,7 @@ def test_ranks_die_with_the_parent_and_leave_no_temporary_folder(tmp_path, small
 
 
 def test_run_folders_of_dead_owners_are_swept_and_others_kept(tmp_path):
-    from memplan.rank_lifetime import OWNER_FILE, sweep_orphaned_folders
+    from memplan.verify.rank_lifetime import OWNER_FILE, sweep_orphaned_folders
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that no longer runs

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from memplan.devices import DeviceSpec, load_device
+from memplan.devices import DeviceSpec, capacity_bytes, load_device
 from memplan.errors import BadInputError, MemplanError
-from memplan.memory import DEFAULT_MARGIN
-from memplan.profile import split_model_arg
+from memplan.memory import DEFAULT_MARGIN, margin_problem
 from memplan.schema import TOP_LEVEL, from_data, load_yaml_file
 from memplan.units import parse_budget
 
@@ -92,8 +91,8 @@ class CheckSpec:
             )
         if self.baseline is not None and not self.baseline.strip():
             raise ValueError("baseline must be a path, not empty")
-        if not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if problem := margin_problem(self.margin):
+            raise ValueError(problem)
         if self.timeout is not None and not 0 < self.timeout <= MAX_TIMEOUT_S:
             raise ValueError(
                 f"timeout must be seconds above 0 and at most {MAX_TIMEOUT_S}, got {self.timeout}"
@@ -186,13 +185,13 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
 def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> ResolvedCheck:
     """Resolve ``spec``'s paths against ``base`` and its budget to bytes."""
     where = f"checks[{index}]"
-    from memplan.loader import resolve_model_reference
+    from memplan.loader import reference_path, resolve_model_reference
 
     try:  # a model file or an hf: reference, relative paths against the config's folder
         resolved_model = resolve_model_reference(spec.model, base)
     except MemplanError as exc:
         raise config_error(source, f"{where}.model", exc.message, hint=exc.hint) from None
-    model_path = Path(split_model_arg(resolved_model)[0].removeprefix("hf:").partition("?")[0])
+    model_path = reference_path(resolved_model)
 
     device_spec = None
     if spec.device_profile is not None:
@@ -202,7 +201,7 @@ def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> Resol
             raise config_error(
                 source, f"{where}.device_profile", f"is invalid: {exc.message}", hint=exc.hint
             ) from None
-    capacity = device_spec.memory_bytes if device_spec is not None else None
+    capacity = capacity_bytes(device_spec, None)  # no probe yet: only a spec gives one
 
     budget = spec.budget
     if budget is None:

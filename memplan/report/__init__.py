@@ -174,13 +174,17 @@ def build_report(
         )
     if target_batch is None:
         return profile_report(profile, device_spec=spec)
+    from memplan.devices import resolve_budget
     from memplan.solver import SolveRequest, solve
-    from memplan.units import parse_budget
 
-    capacity = spec.memory_bytes if spec else profile.environment.device_capacity_bytes
+    budget_bytes = resolve_budget(
+        budget or "",
+        device_spec=spec,
+        probed_capacity_bytes=profile.environment.device_capacity_bytes,
+    )
     request = SolveRequest(
         target_batch=target_batch,
-        budget_bytes=parse_budget(budget or "", capacity_bytes=capacity),
+        budget_bytes=budget_bytes,
         device_spec=spec,
         profile_path=str(path),
     )
