@@ -387,17 +387,12 @@ _COUNT_FIELDS = (
 )
 
 
-_SIZE_AFFINE_BYTES = (
-    "input_bytes",
-    "output_bytes",
-    "saved_bytes",
-    "fwd_transient_bytes",
-    "bwd_transient_bytes",
-    "recompute_transient_bytes",
-)
-"""A layer's byte quantities that are sizes: the solver evaluates them at every micro-batch
-from 1 up (extrapolating past the probed sizes), so each fit must be non-negative there:
-a slope >= 0 and a value >= 0 at 1 sample."""
+_SIZE_AFFINE_BYTES = ("input_bytes", "output_bytes", "saved_bytes")
+"""A layer's byte quantities that are tensor sizes, proportional to the micro-batch: the
+solver evaluates them at every micro-batch from 1 up (extrapolating past the probed sizes),
+so each fit must be non-negative there: a slope >= 0 and a value >= 0 at 1 sample. (The
+transients are peaks of an allocator's workspace and are measured with small negative
+slopes, e.g. -32 B per sample on CPU: they are held to >= 0 at the probed sizes.)"""
 
 
 def _affine_problem(profile: Profile) -> tuple[str, str] | None:
