@@ -296,7 +296,7 @@ def _checkpoint_problem(plan: Plan) -> tuple[str, str] | None:
     candidates = plan.model_fingerprint.candidate_layers if plan.model_fingerprint else ()
     for name in plan.checkpoint:
         where = f"plan.checkpoint.{name}"
-        if not name.strip():
+        if name == "":
             return where, "names the root module (''), which memplan never checkpoints"
         if candidates and name not in candidates:
             shown = ", ".join(candidates[:6]) + (", ..." if len(candidates) > 6 else "")
