@@ -152,7 +152,12 @@ def _value(token: str) -> Any:
         raise NotFast("an escape JSON and YAML read differently")
     if first in "[{":
         try:
-            value = json.loads(token, parse_constant=_refuse, parse_float=_yaml_float)
+            value = json.loads(
+                token,
+                parse_constant=_refuse,
+                parse_float=_yaml_float,
+                object_pairs_hook=_unique,
+            )
         except ValueError as exc:
             raise NotFast(str(exc)) from None
         return value
@@ -173,6 +178,14 @@ def _value(token: str) -> Any:
     if _PLAIN.fullmatch(token) and token.lower() not in _WORDS:
         return token
     raise NotFast(f"scalar {token[:20]!r}")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A flow mapping's keys, each once (memplan's loader refuses a repeated key)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise NotFast("a repeated key")
+    return out
 
 
 def _refuse(name: str) -> Any:

@@ -94,7 +94,7 @@ def probe_model(
             )
             if derived is not None:
                 return derived
-        return _probe(
+        return probe_sizes(
             model_file,
             sizes,
             device,
@@ -136,7 +136,7 @@ def _probe_repeats(
     try:
         for k, length in enumerate(LENGTHS):
             short.append(
-                _probe(
+                probe_sizes(
                     model_file,
                     sizes,
                     "meta",
@@ -159,7 +159,7 @@ def _probe_repeats(
         return None  # the full probe runs it again, and reports what fails there
 
 
-def _probe(
+def probe_sizes(
     model_file: ModelFile,
     sizes: list[int],
     device: str,
