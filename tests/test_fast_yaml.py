@@ -71,6 +71,7 @@ def test_the_fast_reader_reads_what_pyyaml_reads(data):
         "a:\n- 1\n",  # PyYAML's own layout
         "--- 1\n",
         "a: 1\na: 2\n",
+        'a: {"x": 1, "x": 2}\n',  # JSON keeps the last; memplan's loader refuses it
     ],
 )
 def test_text_of_another_layout_is_left_to_pyyaml(text):
