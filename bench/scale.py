@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "tests" / "models" / "deep_residual.py"
 
 RUN = r"""
-import resource, sys, time
+import sys, time
 from memplan.cli import app
 t = time.perf_counter()
 sys.argv = ["memplan", *sys.argv[1:]]
@@ -32,7 +32,9 @@ try:
 except SystemExit as exc:
     code = exc.code or 0
 seconds = time.perf_counter() - t
-rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak (ru_maxrss would start from the parent's at the fork)
+status = open("/proc/self/status").read().split("VmHWM:")
+rss = int(status[1].split()[0]) * 1024 if len(status) > 1 else 0
 print(f"@@{seconds} {rss} {code}", file=sys.stderr)
 """
 

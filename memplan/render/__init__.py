@@ -438,7 +438,10 @@ def print_json(data: Any) -> None:
     import json
 
     text = json.dumps(json_safe(data), indent=2, default=str, allow_nan=False)
-    stdout.out(text, highlight=False)
+    # straight to the stream: rich would split 50 MB of a 10,000-layer profile into
+    # segments first (1.3 GB and a minute)
+    stdout.file.write(text + "\n")
+    stdout.file.flush()
 
 
 # ---------------------------------------------------------------- verify
