@@ -27,6 +27,7 @@ from typing import Any
 from memplan.errors import (
     BadInputError,
     CannotMeasureError,
+    InternalError,
     Interrupted,
     MemplanError,
     ModelFileError,
@@ -73,6 +74,8 @@ def _args_text(args: tuple[Any, ...]) -> str:
 
 def _is_passthrough(exc: BaseException) -> bool:
     """Errors that are not the user's fault or that callers handle themselves."""
+    if isinstance(exc, InternalError):  # memplan's own machinery failed: exit 3, never blamed
+        return True  # on the user's line (memplan.errors.internal_failure)
     if isinstance(exc, MemplanError | KeyboardInterrupt | SystemExit | Interrupted):
         return True
     return type(exc).__name__ == "OutOfMemoryError"  # torch.cuda.OutOfMemoryError, no import

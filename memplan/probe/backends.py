@@ -107,9 +107,10 @@ class Backend:
 
     def batch(self, model_file: ModelFile, size: int) -> Any:
         cpu = model_file.make_batch(size)
-        batch = move_batch(cpu, self.torch_device)
-        if self.device == "meta":
-            shadow.shadow_batch(cpu, batch)  # ids and masks keep their values
+        if self.device == "meta":  # laid out as on cpu, values kept (probe/shadow.py)
+            batch = shadow.mirror_batch(cpu)
+        else:
+            batch = move_batch(cpu, self.torch_device)
         if self.cast_params:  # FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True)
             batch = map_batch(batch, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
         return batch
