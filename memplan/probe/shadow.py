@@ -5,10 +5,10 @@ on it. Models read values of small integer tensors all the time: Hugging Face's
 ``masking_utils`` asks whether an attention mask is all ones (``_ignore_causal_mask_sdpa``)
 and whether position ids are packed (``find_packed_sequence_indices``), both ending in
 ``.all()`` and a Python ``bool``. Those values come from the batch (ids, masks, labels) and
-from ``arange``, never from weights.
+from factories (``arange``, a decoder's ``torch.ones`` mask), never from weights.
 
-So the meta backend keeps a CPU *shadow* of the batch's integer and boolean tensors, and of
-small integer/boolean results of factory ops. An op whose tensor arguments all have shadows
+So the meta backend keeps a CPU *shadow* (twin) of every tensor of the batch, and of small
+results of factory ops. An op whose tensor arguments all have shadows
 runs on the shadows for real (CPU, tiny), and its meta result is made from the real one
 (same shape, dtype) and shadowed in turn; a value read is then answered from the shadow.
 An op that touches one meta tensor without a shadow (anything computed from weights: a
@@ -204,12 +204,13 @@ def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 
 
 def shadow_factory(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """After a factory op (no tensor arguments) made a small integer/boolean meta tensor
-    (``arange``, ``ones``, ``full``), make its CPU twin."""
+    """After a factory op (no tensor arguments) made a small meta tensor (``arange``,
+    ``ones``, ``full``), make its CPU twin. Floating ones too: a decoder's
+    ``torch.ones(batch, seq, device=...)`` mask is float (BART's), and masking_utils reads
+    whether it is all ones."""
     if not (
         isinstance(out, torch.Tensor)
         and out.is_meta
-        and not out.is_floating_point()
         and not out.is_complex()
         and out.numel() <= MAX_SHADOW_ELEMENTS
     ):

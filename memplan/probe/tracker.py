@@ -27,13 +27,14 @@ from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import CannotMeasureError, MemplanError, internal_failure
 from memplan.probe import shadow
+from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
 
 _EMPTY: dict[str, Any] = {}
 
 
 def _flop_formulas() -> dict[Any, Any]:
-    """torch.utils.flop_counter's formulas, plus the CPU flash attention kernel and its
-    backward, which it lacks: the same FLOPs as the CUDA flash kernel's formulas (both
+    """torch.utils.flop_counter's formulas, plus ``_grouped_mm``'s and the CPU flash
+    attention kernel and its backward, which it lacks: the same FLOPs as the CUDA flash kernel's formulas (both
     compute softmax(QKᵀ)V and its gradients; torch/utils/flop_counter.py sdpa_flop)."""
     aten = torch.ops.aten
     formulas = dict(flop_registry)
@@ -46,6 +47,8 @@ def _flop_formulas() -> dict[Any, Any]:
     for name, like in aliases.items():
         if hasattr(aten, name) and getattr(aten, like, None) in formulas:
             formulas.setdefault(getattr(aten, name), formulas[getattr(aten, like)])
+    for packet, formula in FLOP_FORMULAS.items():  # probe/meta_kernels.py: MoE matmuls
+        formulas.setdefault(packet, formula)
     return formulas
 
 
@@ -179,7 +182,8 @@ class LiveTracker(TorchDispatchMode):
             raise internal_failure(part, func, exc) from exc
         if not handled:
             try:  # the user's op itself: its errors are the user's (or meta's limits)
-                out = func(*args, **kwargs)
+                kernel = META_KERNELS.get(func) if self.meta else None
+                out = func(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
             except (NotImplementedError, RuntimeError) as exc:
                 if self.meta:
                     first = (str(exc).strip().splitlines() or [""])[0]
