@@ -207,10 +207,19 @@ def warm_up(session: Session, size: int) -> None:
         record = session.micro_step(batch, None)
         session.optimizer.step()
     session.zero_grad()
-    order = record.layer_order
+    shared = [i for i, layer in enumerate(record.layers) if layer.calls > 1]
+    for i in shared:  # a block the model calls twice (ALBERT's shared layer): no candidate
+        session.warnings.append(
+            f"candidate layer {session.layer_names[i]} ran its forward "
+            f"{record.layers[i].calls} times per micro-step (a shared block), and a candidate "
+            "must run once: it is left out of the candidates and counted as a fixed part"
+        )
+    order = [i for i in record.layer_order if i not in shared]
     if len(order) != len(session.layer_names) or order != sorted(order):
         missing = [
-            session.layer_names[i] for i in range(len(session.layer_names)) if i not in order
+            session.layer_names[i]
+            for i in range(len(session.layer_names))
+            if i not in order and i not in shared
         ]
         if missing:
             session.warnings.append(
@@ -222,6 +231,7 @@ def warm_up(session: Session, size: int) -> None:
         session.recorder.remove()
         session.layer_names = names
         session.layers = [modules[n] for n in names]
+        session.part_names = fixed_parts(session.model, names)  # a dropped block is fixed
         session.recorder = Recorder(
             session.model,
             session.layers,
@@ -229,9 +239,10 @@ def warm_up(session: Session, size: int) -> None:
             clock=session.backend.clock,
         )
         session.recorder.install()
-    if record.problems:
+    problems = [p for p in record.problems if "more than once" not in p]
+    if problems:
         raise CannotMeasureError(
-            f"{session.model_file.path}: {record.problems[0]}; a checkpoint candidate must run "
+            f"{session.model_file.path}: {problems[0]}; a checkpoint candidate must run "
             "once per micro-step.",
             hint="Choose other layers with --layers GLOB.",
         )
