@@ -15,7 +15,7 @@ import memplan.runtime
 from memplan.errors import CannotMeasureError
 from memplan.loader import ModelFile, batch_tensors
 from memplan.probe.backends import Backend
-from memplan.probe.layers import default_layers, fixed_parts, glob_layers
+from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
 from memplan.probe.tracker import LiveTracker, resident_tensors
@@ -169,8 +169,9 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _resolve_layers(model: torch.nn.Module, layers: str | None) -> list[str]:
-    return glob_layers(model, layers) if layers else default_layers(model)
+def _resolve_layers(model: torch.nn.Module, layers: str | None) -> tuple[list[str], str | None]:
+    """The candidates, and a note when the defaults went a level deeper."""
+    return (glob_layers(model, layers), None) if layers else default_candidates(model)
 
 
 def open_session(model_file: ModelFile, backend: Backend, layers: str | None) -> Session:
@@ -178,7 +179,7 @@ def open_session(model_file: ModelFile, backend: Backend, layers: str | None) ->
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
     cache_note = memplan.runtime.kv_cache_note(memplan.runtime.disable_kv_cache(model))
     optimizer = model_file.make_optimizer(model)
-    names = _resolve_layers(model, layers)
+    names, deeper_note = _resolve_layers(model, layers)
     modules = dict(model.named_modules())
     parts = fixed_parts(model, names)
     recorder = Recorder(
@@ -194,7 +195,7 @@ def open_session(model_file: ModelFile, backend: Backend, layers: str | None) ->
         layers=[modules[n] for n in names],
         part_names=parts,
         recorder=recorder,
-        warnings=[cache_note] if cache_note else [],
+        warnings=[note for note in (cache_note, deeper_note) if note],
     )
 
 
