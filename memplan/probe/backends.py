@@ -80,6 +80,10 @@ class Backend:
         meta_attention): a named GPU spec's, else the CPU's, which ``--device cpu`` checks."""
         self.attention_notes: list[str] = []
         """Meta only: what the spec could not decide about attention kernels (warnings)."""
+        self.spec_given = self.spec is not None
+        """Whether the user named the device spec. A meta probe without one is timed
+        against ``DEFAULT_META_SPEC`` but plans for no device: its profile names none, so
+        a plan adds no CUDA reserve unless solve is given ``--device-profile``."""
         if self.device == "meta":
             spec = self.spec or load_device(DEFAULT_META_SPEC)
             self.spec = spec
@@ -185,7 +189,11 @@ class Backend:
         if self.device == "cuda":
             info = local_gpu(self.torch_device.index or 0)
             return info.total_bytes if info else None
-        return self.spec.memory_bytes if self.spec else None
+        return self.spec.memory_bytes if self.spec and self.spec_given else None
+
+    def target_profile(self) -> str | None:
+        """The device spec the profile is for: the one the user named, else none."""
+        return self.spec.name if self.spec and self.spec_given else None
 
 
 def make_backend(
