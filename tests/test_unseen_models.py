@@ -185,7 +185,7 @@ def test_mobilenet_v3_small_defaults_go_deeper_and_plan_at_the_halfway_budget(
     path = tmp_path / "mobilenet.py"
     path.write_text(MOBILENET)
     profile = probe_model(str(path), device="meta", micro_batches=(1, 2, 4))
-    # its repeated blocks (features.2/3's convolutions) are 6 of 43 layers; every block is
+    # its 6 repeated blocks (features.2/3's convolutions) hold 12 of its 88 layers; every block is
     # taken instead, and the profile says so
     assert profile.layer_names == tuple(f"features.{i}" for i in range(13))
     assert any("hold 14% of the model's layers" in w for w in profile.warnings)
