@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from memplan.distributed import verify_distributed
 from memplan.probe import probe_model
 from memplan.solver import SolveRequest, solve
 from memplan.units import format_bytes
+from memplan.verify.distributed import verify_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = "examples/gpt.py"

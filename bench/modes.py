@@ -26,8 +26,8 @@ from bench import zoo_common as zc
 from memplan import memory, timing
 from memplan.errors import NoPlanFitsError
 from memplan.plan import Plan
-from memplan.probe.checkpointing import in_mode
 from memplan.profile import Profile
+from memplan.run.checkpoint import in_mode
 from memplan.solver import SolveRequest, solve
 from memplan.verify import verify_plan
 

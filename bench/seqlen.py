@@ -59,7 +59,7 @@ def _measure(spec: str, seq_len: int, plan) -> int:
     return run.peak_bytes
 
 
-def _plan(profile, seq_len: int, checkpoint_all: bool):
+def build_plan(profile, seq_len: int, checkpoint_all: bool):
     at = profile_at(profile, seq_len)
     request = SolveRequest(
         target_batch=TARGET,
@@ -99,7 +99,7 @@ def run(device: str) -> str:
         for factor in FACTORS:
             seq_len = factor * PROBED[-1]
             for checkpoint_all in (False, True):
-                plan = _plan(profile, seq_len, checkpoint_all)
+                plan = build_plan(profile, seq_len, checkpoint_all)
                 measured = _measure(spec, seq_len, plan)
                 error = plan.predicted.peak_bytes / measured - 1
                 worst = max(worst, abs(error))

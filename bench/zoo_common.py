@@ -21,8 +21,8 @@ import torch
 from memplan import memory
 from memplan.loader import load_model_file, move_batch
 from memplan.probe import MeasuredRun, measure_training_peak, probe_model
-from memplan.probe.checkpointing import checkpointed
 from memplan.profile import Profile
+from memplan.run.checkpoint import checkpointed
 
 ROOT = Path(__file__).resolve().parent.parent
 ZOO = ROOT / "bench" / "zoo"

@@ -1,7 +1,8 @@
 """memplan: a memory planner and auto-tuner for PyTorch training.
 
 The core (profile, memory, timing, solver, plan, emit) imports neither torch nor rich. The
-runtime helpers that do (``apply``, ``remove``, ``Accumulator``) are loaded on first use."""
+run-time helpers that do (``apply``, ``remove``, ``Accumulator``: memplan.run) are loaded
+on first use."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ __all__ = ["Plan", "Profile", "load_plan", "load_profile", "__version__", *sorte
 
 def __getattr__(name: str) -> Any:
     if name in _RUNTIME:
-        from memplan import runtime
+        from memplan import run
 
-        return getattr(runtime, name)
+        return getattr(run, name)
     raise AttributeError(f"module 'memplan' has no attribute {name!r}")

@@ -146,13 +146,19 @@ def host_available_bytes() -> int | None:
         return None
 
 
+def capacity_bytes(device_spec: DeviceSpec | None, probed_capacity_bytes: int | None) -> int | None:
+    """The memory a percentage budget is a share of: the device spec's, else the probed
+    device's (None: neither is known)."""
+    return device_spec.memory_bytes if device_spec else probed_capacity_bytes
+
+
 def resolve_budget(
     budget: str, *, device_spec: DeviceSpec | None, probed_capacity_bytes: int | None
 ) -> int:
     """``--budget`` in bytes: a size, a percentage of the device's memory (the spec's, else the
     probed device's, else the local GPU's when ``auto``) or ``auto`` (the local GPU's free
     memory, which only a visible GPU can answer)."""
-    capacity = device_spec.memory_bytes if device_spec else probed_capacity_bytes
+    capacity = capacity_bytes(device_spec, probed_capacity_bytes)
     free = None
     if budget.strip().lower() == "auto":
         gpu = local_gpu()

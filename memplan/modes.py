@@ -1,5 +1,5 @@
 """Per-layer activation modes: what a candidate layer does with the tensors its forward
-saves for backward. No torch here (memplan.probe.checkpointing applies them).
+saves for backward. No torch here (memplan.run.checkpoint applies them).
 
 * ``keep`` — nothing: the saved tensors stay on the device until its backward.
 * ``selective`` — selective activation checkpointing: the outputs of matmul, convolution

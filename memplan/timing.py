@@ -1,10 +1,15 @@
 """The step-time model: how long one optimizer step takes for a plan. No torch.
 
-    step_seconds = k × (step_fixed(b) + Σ_i (fwd_i(b) + bwd_i(b) + [i ∈ C]·fwd_i(b)))
+    step_seconds = k × (fixed(b) + Σ_i (fwd_i(b) + bwd_i(b)) + Σ_{i ∉ keep} extra_i(b, mode_i))
                    + optimizer_step
+    extra_i(b, full)      = the measured recompute time of layer i (``recompute_seconds``;
+                            one forward, fwd_i(b), where none was measured, as on roofline)
+    extra_i(b, selective) = the measured extra time under selective checkpointing
+    extra_i(b, offload)   = 2 × host bytes / host-link bandwidth (:func:`offload_seconds`)
 
-A checkpointed layer runs its forward twice (once more during backward: the recompute),
-which is the whole cost of checkpointing in this model.
+(``step_seconds`` and ``MicroStepTimes.mode_seconds``.) A plan's collectives are not in
+this sum: the solver adds ``communication_seconds`` of its strategy's bytes to each option
+(memplan.solver.options).
 
 Times come from the profile's measured affine fits ("measured"), or, for a profile probed
 on ``meta`` being planned for another GPU than the one its times were computed for, from

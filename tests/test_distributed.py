@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memplan.distributed import free_port, verify_distributed
 from memplan.emit import emit
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.plan import Breakdown, Plan, Prediction
+from memplan.verify.distributed import free_port, verify_distributed
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"

@@ -17,7 +17,7 @@ from memplan.errors import BadInputError, NoPlanFitsError, ProfileError
 from memplan.modes import parse_modes
 from memplan.plan import Breakdown, Plan, Prediction, load_plan, plan_to_yaml
 from memplan.profile import Affine
-from memplan.runtime import apply, checkpointed_modes, remove
+from memplan.run import apply, checkpointed_modes, remove
 from memplan.solver import SolveRequest, solve
 
 
@@ -319,8 +319,8 @@ def test_selective_keeps_matmul_outputs_and_frees_the_rest():
     """Live bytes after the block's forward (memplan's tracker): selective keeps the two
     Linear outputs (addmm: 16·8·128 + 16·8·32 floats) beyond what full checkpointing keeps,
     and recomputes LayerNorm, GELU and dropout, so it keeps less than the plain run."""
-    from memplan.probe.checkpointing import in_mode
     from memplan.probe.tracker import LiveTracker
+    from memplan.run.checkpoint import in_mode
 
     torch.manual_seed(0)
     block = Block()

@@ -14,7 +14,7 @@ import torch
 from profile_bytes import assert_meta_equals_cpu
 from typer.testing import CliRunner
 
-from memplan import memory, runtime
+from memplan import memory, run
 from memplan.cli import app
 from memplan.errors import CheckpointingError
 from memplan.loader import load_model_file
@@ -220,11 +220,11 @@ def test_apply_turns_the_kv_cache_off_and_says_so() -> None:
     model = load_model_file(str(REAL / "hf_t5.py")).build_model()
     assert model.config.use_cache
     with pytest.warns(UserWarning, match="use_cache was turned off"):
-        runtime.apply(model, ["decoder.block.0"])
+        run.apply(model, ["decoder.block.0"])
     assert not model.config.use_cache and not model.decoder.config.use_cache
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        runtime.apply(model, ["decoder.block.1"])  # said once: nothing left to turn off
+        run.apply(model, ["decoder.block.1"])  # said once: nothing left to turn off
 
 
 def test_a_recompute_that_differs_is_exit_3_not_a_traceback(tmp_path: Path) -> None:
@@ -270,7 +270,7 @@ def test_no_dropout_covers_functional_fused_and_multihead_through_recompute() ->
     grads = []
     for seed in (1, 2):  # different RNG: identical gradients only if no mask is drawn
         torch.manual_seed(seed)
-        with runtime.no_dropout() as neutral:
+        with run.no_dropout() as neutral:
             y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             y.square().sum().backward()
         grads.append(lin.weight.grad.clone())

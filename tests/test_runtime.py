@@ -1,4 +1,4 @@
-"""memplan.runtime: checkpointing by module name and the accumulation step helper.
+"""memplan.run: checkpointing by module name and the accumulation step helper.
 
 Oracles: the same model without checkpointing (gradients must match, dropout included) and
 the full batch in one backward (accumulated gradients must match)."""
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import memplan
-from memplan import runtime
 from memplan.errors import BadInputError
-from memplan.runtime import Accumulator, apply, checkpointed_names, move_to_device, remove
+from memplan.run import Accumulator, apply, checkpointed_names, move_to_device, remove
+from memplan.run.accumulate import samples_in
 
 
 class Block(nn.Module):
@@ -131,10 +131,14 @@ def test_apply_is_idempotent_and_exact() -> None:
     assert "forward" not in model.blocks[0].__dict__
 
 
-def test_apply_accepts_plan_like_and_single_name() -> None:
+def test_apply_accepts_names_and_a_single_name_and_refuses_anything_else() -> None:
     model = TinyNet()
-    assert apply(model, fake_plan(1, layers=["blocks.1", "blocks.2"])) == ["blocks.1", "blocks.2"]
+    assert apply(model, ("blocks.1", "blocks.2")) == ["blocks.1", "blocks.2"]
     assert apply(model, "head") == ["head"]
+    assert checkpointed_names(model) == ["head"]
+    # A plan-shaped object that is not a Plan is not guessed at (apply is typed).
+    with pytest.raises(BadInputError, match="needs a memplan Plan"):
+        apply(model, fake_plan(1, layers=["blocks.1"]))  # type: ignore[arg-type]
     assert checkpointed_names(model) == ["head"]
 
 
@@ -486,7 +490,7 @@ def test_move_to_device_keeps_structure() -> None:
     moved = move_to_device(batch, torch.device("cpu"))
     assert isinstance(moved["nested"], list) and isinstance(moved["nested"][1], tuple)
     assert isinstance(moved["p"], Pair) and moved["p"].b == "s"
-    assert runtime._batch_size(batch) == 2
+    assert samples_in(batch) == 2
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@
         margin: 0.03                # fraction of the budget kept free
         baseline: memplan/baseline/gpt.profile.yaml   # optional committed profile
         layers: "transformer.h.*"   # optional checkpoint-candidate glob for the probe
+        timeout: 600                # optional: seconds the probe may take (--timeout)
 
 The whole file goes through ``memplan.schema`` (unknown keys at any level are rejected with
 the dotted path and a did-you-mean); what the schema cannot say (a model file that does not
@@ -30,15 +31,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from memplan.devices import DeviceSpec, load_device
+from memplan.devices import DeviceSpec, capacity_bytes, load_device
 from memplan.errors import BadInputError, MemplanError
-from memplan.memory import DEFAULT_MARGIN
-from memplan.profile import split_model_arg
+from memplan.memory import DEFAULT_MARGIN, margin_problem
 from memplan.schema import TOP_LEVEL, from_data, load_yaml_file
 from memplan.units import parse_budget
 
 CONFIG_VERSION = 1
 DEFAULT_CONFIG = "memplan.yaml"
+DEFAULT_TIMEOUT_S = 900.0
+"""Seconds a check's probe may take unless ``--timeout`` or its ``timeout:`` says otherwise:
+a meta probe of a large model takes seconds, a CPU probe minutes; a hang takes forever."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,6 +74,9 @@ class CheckSpec:
     seq_len: int | None = None
     """Tokens per sample: the probe calls ``make_batch(batch_size, seq_len)`` and the plan
     is for that length (issue 13); omitted: the model file's own batches."""
+    timeout: float | None = None
+    """Seconds this check's probe may take (then the check is an ``error`` naming the phase
+    it was in); omitted: ``memplan check --timeout`` (default ``DEFAULT_TIMEOUT_S``)."""
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -84,8 +91,12 @@ class CheckSpec:
             )
         if self.baseline is not None and not self.baseline.strip():
             raise ValueError("baseline must be a path, not empty")
-        if not 0 <= self.margin < 1:
-            raise ValueError(f"margin must be in [0, 1), got {self.margin}")
+        if problem := margin_problem(self.margin):
+            raise ValueError(problem)
+        if self.timeout is not None and not 0 < self.timeout <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"timeout must be seconds above 0 and at most {MAX_TIMEOUT_S}, got {self.timeout}"
+            )
         if self.seq_len is not None and not 1 <= self.seq_len <= 2**24:
             raise ValueError(
                 f"seq_len must be a length from 1 to {2**24} tokens, got {self.seq_len}"
@@ -174,13 +185,13 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
 def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> ResolvedCheck:
     """Resolve ``spec``'s paths against ``base`` and its budget to bytes."""
     where = f"checks[{index}]"
-    from memplan.loader import resolve_model_reference
+    from memplan.loader import reference_path, resolve_model_reference
 
     try:  # a model file or an hf: reference, relative paths against the config's folder
         resolved_model = resolve_model_reference(spec.model, base)
     except MemplanError as exc:
         raise config_error(source, f"{where}.model", exc.message, hint=exc.hint) from None
-    model_path = Path(split_model_arg(resolved_model)[0].removeprefix("hf:").partition("?")[0])
+    model_path = reference_path(resolved_model)
 
     device_spec = None
     if spec.device_profile is not None:
@@ -190,7 +201,7 @@ def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> Resol
             raise config_error(
                 source, f"{where}.device_profile", f"is invalid: {exc.message}", hint=exc.hint
             ) from None
-    capacity = device_spec.memory_bytes if device_spec is not None else None
+    capacity = capacity_bytes(device_spec, None)  # no probe yet: only a spec gives one
 
     budget = spec.budget
     if budget is None:

@@ -4,7 +4,7 @@ measured with predicted memory and time; ``--report`` also draws measured over p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -19,12 +19,9 @@ from memplan.cli.options import (
 )
 from memplan.errors import BadInputError
 from memplan.loader import model_reference
-from memplan.schema import to_data
 
 if TYPE_CHECKING:
-    from memplan.distributed import DistributedVerifyResult
-    from memplan.plan import Plan
-    from memplan.verify import VerifyResult
+    from memplan.verify import DistributedVerifyResult, VerifyResult
 
 
 @run_command
@@ -70,6 +67,7 @@ def verify(
     """Run the plan for real and compare measured with predicted memory and time."""
     from memplan import render
     from memplan.plan import load_plan
+    from memplan.verify import run_verify
 
     _check_options(world_size, steps, tolerance, timeout, device)
     plan = load_plan(plan_path)
@@ -81,10 +79,9 @@ def verify(
         running_user_code(model, as_json=as_json),
         render.progress("verifying on several ranks" if distributed else "verifying") as tick,
     ):
-        result = _run(
+        result = run_verify(
             model,
             plan,
-            distributed=distributed,
             world_size=world_size,
             steps=steps,
             device=device,
@@ -95,7 +92,7 @@ def verify(
             record_timeline=report_path is not None,
         )
     if as_json:
-        render.print_json(_json(result))
+        render.print_json(result.json_data())
     elif distributed:
         render.show_distributed_verify(result)
     else:
@@ -119,44 +116,6 @@ def _check_options(
             f"--device {device!r}: verify runs on cpu or cuda.",
             hint="Choose --device cpu or --device cuda (pick a GPU with CUDA_VISIBLE_DEVICES=N).",
         )
-
-
-def _run(
-    model: str,
-    plan: Plan,
-    *,
-    distributed: bool,
-    world_size: int | None,
-    timeout_s: float,
-    **options: Any,
-) -> VerifyResult | DistributedVerifyResult:
-    """One process, or (``distributed``) one process per rank."""
-    if not distributed:
-        from memplan.verify import verify_plan
-
-        return verify_plan(model, plan, **options)
-    from memplan.distributed import verify_distributed
-
-    return verify_distributed(model, plan, world_size=world_size, timeout_s=timeout_s, **options)
-
-
-def _json(result: VerifyResult | DistributedVerifyResult) -> dict[str, Any]:
-    """The result as JSON, with the verdict's derived fields; per-op bytes are for
-    ``--report``, not the JSON."""
-    data = to_data(result)
-    if "ranks" in data:
-        for rank in data["ranks"]:
-            rank.pop("timeline", None)
-        data.update(
-            measured_peak_bytes=result.measured_peak_bytes,
-            peak_error=result.peak_error,
-            rank_errors=[result.rank_error(r.rank) for r in result.ranks],  # type: ignore[union-attr]
-        )
-    else:
-        data.pop("timeline", None)
-        data.update(peak_error=result.peak_error, time_error=result.time_error)  # type: ignore[union-attr]
-    data.update(within_budget=result.within_budget, passed=result.passed, failures=result.failures)
-    return data
 
 
 def _check_report_path(path: Path) -> None:

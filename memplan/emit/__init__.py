@@ -8,7 +8,6 @@ must work on a machine that only plans.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from memplan.emit.script import emit_torch
 from memplan.emit.torchrun import emit_torchrun
 from memplan.errors import BadInputError, MemplanError
 from memplan.plan import Plan
+from memplan.suggest import did_you_mean
 
 __all__ = [
     "FORMATS",
@@ -112,10 +112,10 @@ def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) ->
     """``(suggested_filename, text)`` of ``plan`` in format ``fmt``. ``model_path`` defaults to
     ``plan.model``; ``options`` go to the emitter (e.g. ``candidate_layers`` for ``hf``)."""
     if fmt not in FORMATS:
-        close = difflib.get_close_matches(fmt, FORMATS, n=1)
-        hint = f"Did you mean {close[0]}? " if close else ""
+        maybe = did_you_mean(fmt, list(FORMATS), n=1)
         raise BadInputError(
-            f"Unknown output format {fmt!r}.", hint=f"{hint}Formats: {', '.join(FORMATS)}."
+            f"Unknown output format {fmt!r}.",
+            hint=f"{maybe + ' ' if maybe else ''}Formats: {', '.join(FORMATS)}.",
         )
     spec = FORMATS[fmt]
     if plan.strategy not in spec.strategies:

@@ -16,7 +16,7 @@ from memplan.memory.sharding import (
     sharding_for,
 )
 from memplan.memory.terms import (
-    _NO_BOUND,
+    NO_BOUND,
     mode_of,
     mode_savings_bytes,
     offload_host_bytes,
@@ -125,10 +125,10 @@ def step_bounds(
     n = len(profile.layers)
     modes = tuple(m for m in MODES if m in set(modes) | {KEEP})
     extra = [m for m in modes if m not in (KEEP, FULL)]
-    none = [_NO_BOUND] * (n + 1)
-    plain = [_NO_BOUND] * n
-    ckpt = [_NO_BOUND] * n
-    others = {m: [_NO_BOUND] * n for m in extra}
+    none = [NO_BOUND] * (n + 1)
+    plain = [NO_BOUND] * n
+    ckpt = [NO_BOUND] * n
+    others = {m: [NO_BOUND] * n for m in extra}
     for _, _, segment, adjust in rank_segments(profile, accumulation_steps, sharding):
         h = segment.held
         top = segment_points_bytes(segment, micro_batch, KEEP) + adjust

@@ -78,6 +78,13 @@ def reserve_for(profile: Profile, device_spec: DeviceSpec | None = None) -> Rese
     return Reserve(fixed_bytes=int(context) + int(allocator), source=", ".join(parts))
 
 
+def margin_problem(margin: object) -> str | None:
+    """Why ``margin`` is not a safety margin (a fraction in [0, 1)), or None when it is."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        return f"margin must be a fraction in [0, 1), got {margin!r}"
+    return None
+
+
 def usable_budget_bytes(budget_bytes: int, margin: float = DEFAULT_MARGIN) -> int:
     """The budget less the safety margin: the most a predicted peak may be."""
     return math.floor(budget_bytes * (1.0 - margin))

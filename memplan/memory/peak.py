@@ -25,11 +25,11 @@ from memplan.memory.sharding import (
     zero2_bucket_bytes,
 )
 from memplan.memory.terms import (
-    _NO_BOUND,
+    NO_BOUND,
     OPTIMIZER_STEP,
     PHASE_GRADS_RESIDENT,
     Checkpointed,
-    _backward_started,
+    backward_started,
     grads_at_bytes,
     held_mode_prefix_bytes,
     layer_modes,
@@ -159,7 +159,7 @@ def micro_step_peak_bytes(
         phases=(phase,),
     )
     if not points:
-        return _NO_BOUND, None
+        return NO_BOUND, None
     best = max(p.allocated_bytes for p in points)
     return best, next(p.index for p in points if p.allocated_bytes == best)
 
@@ -317,7 +317,7 @@ def describe_segment(
         text = "micro-step"
     elif h == n:
         text = f"head and loss after {names[-1]}"
-    elif _backward_started(segments, index):
+    elif backward_started(segments, index):
         text = (
             f"backward after {names[0]}"
             if h == 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from memplan.memory.terms import (
     PHASE_GRADS_RESIDENT,
     PHASE_NO_GRADS,
-    _backward_started,
+    backward_started,
     grads_at_bytes,
     grads_bytes,
     optimizer_state_bytes,
@@ -244,7 +244,7 @@ def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index:
     if segment.active != "none":
         gathered += unit_params_bytes(profile, h)
     in_backward = segment.active == "bwd" or (
-        segment.active == "none" and (h == n or _backward_started(segments, index))
+        segment.active == "none" and (h == n or backward_started(segments, index))
     )
     if in_backward:
         for j in range(max(h - sharding.fsdp_backward_prefetch, 0), h):
@@ -307,7 +307,7 @@ def fsdp_grads_bytes(
     segments = profile.timeline[phase]
     segment = segments[index]
     h, n = segment.held, len(profile.layers)
-    started = _backward_started(segments, index)
+    started = backward_started(segments, index)
     resident = phase == PHASE_GRADS_RESIDENT  # earlier micro-steps' gradients exist
     every = syncs_every_micro_step(sharding, accumulation_steps)
     syncing = every or resident  # grads_resident stands for the last micro-step

@@ -12,7 +12,7 @@ from memplan.modes import FULL, KEEP, MODES, OFFLOAD, SELECTIVE
 from memplan.profile import Affine, Phase, Point, Profile, Segment
 
 # Bound used where a layer has no segment of some kind: lower than any byte count.
-_NO_BOUND = -(1 << 100)
+NO_BOUND = -(1 << 100)
 
 PHASE_NO_GRADS: Phase = "no_grads"
 PHASE_GRADS_RESIDENT: Phase = "grads_resident"
@@ -231,7 +231,7 @@ def layer_indices(profile: Profile, layers: Iterable[int | str]) -> frozenset[in
     return frozenset(out)
 
 
-def _backward_started(segments: Sequence[Segment], index: int) -> bool:
+def backward_started(segments: Sequence[Segment], index: int) -> bool:
     return any(seg.active == "bwd" for seg in segments[: index + 1])
 
 
@@ -244,7 +244,7 @@ def grads_at_bytes(profile: Profile, phase: str, index: int | None) -> int:
         return grads_bytes(profile)
     segments = profile.timeline[phase]
     segment = segments[index]
-    if not _backward_started(segments, index):
+    if not backward_started(segments, index):
         return 0
     first_done = segment.held + 1 if segment.active == "bwd" else segment.held
     layer_grads = sum(layer.grad_bytes for layer in profile.layers[first_done:])

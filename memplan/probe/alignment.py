@@ -27,17 +27,17 @@ reshape of a size-1 dimension is a view at micro-batch 1 and a copy above it."""
 
 
 # --------------------------------------------------------------------------- assembling
-def _fit(sizes: Sequence[int], values: Sequence[float]) -> Affine:
+def fit_sizes(sizes: Sequence[int], values: Sequence[float]) -> Affine:
     return fit_affine(list(sizes), [float(v) for v in values])
 
 
-def _layer_seconds(record: StepRecord, j: int) -> float:
+def layer_seconds(record: StepRecord, j: int) -> float:
     """Forward plus backward of layer j in one timed micro-step."""
     x = record.layers[j]
-    return x.fwd_t1 - x.fwd_t0 + _bwd_seconds(x.bwd_t0, x.bwd_t1)
+    return x.fwd_t1 - x.fwd_t0 + backward_seconds(x.bwd_t0, x.bwd_t1)
 
 
-def _fit_time(sizes: Sequence[int], values: Sequence[float]) -> Affine:
+def fit_time(sizes: Sequence[int], values: Sequence[float]) -> Affine:
     return fit_seconds(list(sizes), [float(v) for v in values])
 
 
@@ -81,13 +81,13 @@ def _fit_series(
             excluded.update(b for b, (_, real) in zip(sizes, column, strict=True) if not real)
             if len(have) < 2:
                 have = [(b, v) for b, (v, _) in zip(sizes, column, strict=True)]
-        fit = _fit([b for b, _ in have], [v for _, v in have])
+        fit = fit_sizes([b for b, _ in have], [v for _, v in have])
         points.append((fit.intercept, fit.slope))
     return points, True
 
 
 def _fit_series_maxima(sizes: Sequence[int], series: Sequence[Series]) -> list[Point]:
-    fit = _fit(sizes, [max(values) for values, _ in series])
+    fit = fit_sizes(sizes, [max(values) for values, _ in series])
     return [(fit.intercept, fit.slope)]
 
 
@@ -103,7 +103,7 @@ def _nth_occurrences(
     return out
 
 
-def _timeline(
+def fit_timeline(
     sizes: list[int],
     plain: list[Run],
     ckpt: list[Run],
@@ -179,12 +179,12 @@ def _timeline(
     return tuple(segments), stable
 
 
-def _window_peak(values: list[int], start: int, stop: int, base: int) -> int:
+def window_peak(values: list[int], start: int, stop: int, base: int) -> int:
     window = values[start:stop] if 0 <= start <= stop else []
     return max([base, *window]) - base
 
 
-def _grad_and_state_bytes(
+def grad_and_state_bytes(
     model: torch.nn.Module, optimizer: Any
 ) -> tuple[dict[int, int], dict[int, int]]:
     grads = {id(p): storages_bytes([p.grad]) for p in model.parameters() if p.grad is not None}
@@ -195,11 +195,11 @@ def _grad_and_state_bytes(
     return grads, state
 
 
-def _unique_params(module: torch.nn.Module, *, recurse: bool = True) -> list[torch.nn.Parameter]:
+def unique_params(module: torch.nn.Module, *, recurse: bool = True) -> list[torch.nn.Parameter]:
     return list({id(p): p for p in module.parameters(recurse=recurse)}.values())
 
 
-def _bwd_seconds(t0: float | None, t1: float | None) -> float:
+def backward_seconds(t0: float | None, t1: float | None) -> float:
     return (t1 - t0) if t0 is not None and t1 is not None else 0.0
 
 
@@ -217,12 +217,12 @@ def _same_sequence(a: Run, b: Run) -> bool:
     )
 
 
-def _consistent_runs(runs: list[SizeRuns], warnings: list[str]) -> list[SizeRuns]:
+def consistent_runs(runs: list[SizeRuns], warnings: list[str]) -> list[SizeRuns]:
     """The runs of the sizes that ran the same op sequence as most others, when one or more
     sizes ran a different one and at least two remain. ``nn.TransformerEncoderLayer``, for
     one, takes another path at micro-batch 1: that size tells nothing about the others, and
     fitting segment maxima instead of points would under-predict. A sequence that differs at
-    every size (data-dependent routing) is left to ``_timeline``'s fallback."""
+    every size (data-dependent routing) is left to ``fit_timeline``'s fallback."""
     if len(runs) < 3:
         return runs
 
@@ -274,7 +274,7 @@ def _late_difference(plain: list[tuple[int, bool]], ckpt: list[tuple[int, bool]]
     return total
 
 
-def _savings(r: SizeRuns, j: int, mode_run: str = "ckpt_no_grads") -> int:
+def measured_savings(r: SizeRuns, j: int, mode_run: str = "ckpt_no_grads") -> int:
     """What checkpointing layer j frees while it is held, measured: what its forward keeps
     beyond its inputs (plain minus checkpointed, at its forward's end), plus its outputs
     when, by the end of the forward, only the plain run still keeps them (a consumer that

@@ -11,16 +11,15 @@ from typing import Any
 import torch
 
 import memplan
-import memplan.runtime
 from memplan.probe.alignment import (
-    _bwd_seconds,
-    _consistent_runs,
-    _fit,
-    _fit_time,
-    _savings,
-    _timeline,
-    _unique_params,
-    _window_peak,
+    backward_seconds,
+    consistent_runs,
+    fit_sizes,
+    fit_time,
+    fit_timeline,
+    measured_savings,
+    unique_params,
+    window_peak,
 )
 from memplan.probe.layers import has_batchnorm, own_params_owners, param_bytes
 from memplan.probe.session import Run, Session, SizeRuns
@@ -57,10 +56,10 @@ class _Sizes:
         return [t.size for t in self.timed]
 
     def bytes_fit(self, value: Callable[[SizeRuns], float]) -> Affine:
-        return _fit(self.sizes, [value(r) for r in self.runs])
+        return fit_sizes(self.sizes, [value(r) for r in self.runs])
 
     def seconds_fit(self, value: Callable[[TimedSize], float]) -> Affine:
-        return _fit_time(self.time_sizes, [value(t) for t in self.timed])
+        return fit_time(self.time_sizes, [value(t) for t in self.timed])
 
 
 def assemble(
@@ -76,9 +75,10 @@ def assemble(
     Warnings collect in the order the steps find them."""
     warnings = list(session.warnings)
     probed = tuple(r.size for r in runs)
-    fits = _sizes(_consistent_runs(runs, warnings), extra_timed)
+    fits = _sizes(consistent_runs(runs, warnings), extra_timed)
     savings = [
-        fits.bytes_fit(lambda r, j=j: _savings(r, j)) for j in range(len(session.layer_names))
+        fits.bytes_fit(lambda r, j=j: measured_savings(r, j))
+        for j in range(len(session.layer_names))
     ]
     selective_savings = _selective_savings(fits, len(session.layer_names))
     layers = [
@@ -113,6 +113,7 @@ def assemble(
         has_batchnorm=bn,
         op_sequence_stable=stable,
         warnings=tuple(dict.fromkeys(warnings)),
+        max_seq_len=session.model_file.max_seq_len,
     )
 
 
@@ -130,7 +131,10 @@ def _selective_savings(fits: _Sizes, n_layers: int) -> list[Affine] | None:
     """Each layer's savings in the all-selective run, when every size ran one (not on meta)."""
     if not all(r.sel_no_grads is not None for r in fits.runs):
         return None
-    return [fits.bytes_fit(lambda r, j=j: _savings(r, j, "sel_no_grads")) for j in range(n_layers)]
+    return [
+        fits.bytes_fit(lambda r, j=j: measured_savings(r, j, "sel_no_grads"))
+        for j in range(n_layers)
+    ]
 
 
 def _rec(run: Run, j: int) -> Any:
@@ -144,13 +148,13 @@ def _saved(run: Run, j: int) -> int:
 
 def _fwd_transient(r: SizeRuns, j: int) -> int:
     x = _rec(r.no_grads, j)
-    return _window_peak(r.no_grads.values, x.pre_pos, x.post_pos, x.pre_live)
+    return window_peak(r.no_grads.values, x.pre_pos, x.post_pos, x.pre_live)
 
 
 def _bwd_transient(r: SizeRuns, j: int, ckpt: bool = False) -> int:
     run = r.ckpt_no_grads if ckpt else r.no_grads
     x = _rec(run, j)
-    return _window_peak(run.values, x.bwd_pos0, x.bwd_pos1, x.bwd_live0) if x.bwd_pos0 >= 0 else 0
+    return window_peak(run.values, x.bwd_pos0, x.bwd_pos1, x.bwd_live0) if x.bwd_pos0 >= 0 else 0
 
 
 def _layer(
@@ -165,7 +169,7 @@ def _layer(
     sizes; a byte quantity that is not affine adds a warning."""
     name = session.layer_names[j]
     module = dict(session.model.named_modules())[name]
-    params = _unique_params(module)
+    params = unique_params(module)
     trainable, frozen = param_bytes(module)
     grads, state = fits.runs[-1].grads, fits.runs[-1].state
     byte_fits = {
@@ -198,7 +202,7 @@ def _layer(
             lambda t: t.timing.layers[j].fwd_t1 - t.timing.layers[j].fwd_t0
         ),
         bwd_seconds=fits.seconds_fit(
-            lambda t: _bwd_seconds(t.timing.layers[j].bwd_t0, t.timing.layers[j].bwd_t1)
+            lambda t: backward_seconds(t.timing.layers[j].bwd_t0, t.timing.layers[j].bwd_t1)
         ),
         fwd_flops=fits.bytes_fit(lambda r: _rec(r.no_grads, j).flops),
         recompute_seconds=None
@@ -224,7 +228,7 @@ def _ran_parts(session: Session, fits: _Sizes) -> list[FixedPart]:
     fixed = []
     for name in sorted(first.parts, key=lambda n: first.parts[n].first_seen):
         module = modules[name]
-        params = _unique_params(module)
+        params = unique_params(module)
         trainable, frozen = param_bytes(module)
 
         def part(r: Any, name: str = name) -> Any:
@@ -241,7 +245,7 @@ def _ran_parts(session: Session, fits: _Sizes) -> list[FixedPart]:
                 saved_bytes=fits.bytes_fit(lambda r: part(r.no_grads).saved_bytes),
                 fwd_seconds=fits.seconds_fit(lambda t: part(t.timing).fwd_seconds),
                 bwd_seconds=fits.seconds_fit(
-                    lambda t: _bwd_seconds(part(t.timing).bwd_t0, part(t.timing).bwd_t1)
+                    lambda t: backward_seconds(part(t.timing).bwd_t0, part(t.timing).bwd_t1)
                 ),
                 fwd_flops=fits.bytes_fit(lambda r: part(r.no_grads).flops),
             )
@@ -256,7 +260,7 @@ def _own_params_parts(session: Session, fits: _Sizes) -> list[FixedPart]:
     fixed = []
     for owner in own_params_owners(session.model, session.layer_names):
         module = modules[owner]
-        params = _unique_params(module, recurse=False)
+        params = unique_params(module, recurse=False)
         trainable, frozen = param_bytes(module, recurse=False)
         fixed.append(
             FixedPart(
@@ -289,10 +293,10 @@ def _loss_part(fits: _Sizes) -> list[FixedPart]:
             params_frozen_bytes=0,
             grad_bytes=0,
             optimizer_state_bytes=0,
-            saved_bytes=_fit(fits.sizes, loss_saved),
+            saved_bytes=fit_sizes(fits.sizes, loss_saved),
             fwd_seconds=fits.seconds_fit(lambda t: t.timing.loss_seconds),
             bwd_seconds=Affine.zero(),
-            fwd_flops=_fit(fits.sizes, loss_flops),
+            fwd_flops=fit_sizes(fits.sizes, loss_flops),
         )
     ]
 
@@ -310,7 +314,7 @@ def _timelines(
     timeline = {}
     stable = True
     for phase in ("no_grads", "grads_resident"):
-        segs, ok = _timeline(
+        segs, ok = fit_timeline(
             fits.sizes,
             [getattr(r, phase) for r in runs],
             [getattr(r, f"ckpt_{phase}") for r in runs],
@@ -334,7 +338,7 @@ def _timelines(
 def _step_fixed_seconds(r: TimedSize) -> float:
     """A micro-step's time outside the layers (and outside their backward)."""
     t = r.timing
-    in_layers = sum(x.fwd_t1 - x.fwd_t0 + _bwd_seconds(x.bwd_t0, x.bwd_t1) for x in t.layers)
+    in_layers = sum(x.fwd_t1 - x.fwd_t0 + backward_seconds(x.bwd_t0, x.bwd_t1) for x in t.layers)
     return (t.t_end - t.t_start) - in_layers
 
 

@@ -18,9 +18,9 @@ from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import ModelFile, load_model_file
 from memplan.modes import FULL, KEEP
 from memplan.probe.backends import make_backend
-from memplan.probe.checkpointing import checkpointed, in_mode
 from memplan.probe.tracker import resident_tensors
-from memplan.training_state import disable_kv_cache
+from memplan.run.checkpoint import checkpointed, in_mode
+from memplan.run.training_state import disable_kv_cache
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

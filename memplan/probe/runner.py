@@ -85,7 +85,7 @@ def probe_model(
 
     model_file = load_model_file(model_file_path)
     try:
-        return _probe(
+        return probe_sizes(
             model_file,
             sizes,
             device,
@@ -103,7 +103,7 @@ def probe_model(
         raise known from exc
 
 
-def _probe(
+def probe_sizes(
     model_file: ModelFile,
     sizes: list[int],
     device: str,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from memplan.errors import BadInputError, checkpointing_failure
 from memplan.loader import load_model_file
-from memplan.probe.runner import Progress, _probe
+from memplan.probe.runner import Progress, probe_sizes
 from memplan.profile import Profile
 from memplan.seqlen import grid_profile
 
@@ -60,7 +60,7 @@ def probe_seq_grid(
     profiles = []
     for s, mf in zip(lens, bound, strict=True):
         try:
-            profile = _probe(
+            profile = probe_sizes(
                 mf,
                 sizes,
                 device,

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import memplan
-import memplan.runtime
+import memplan.run
 from memplan.errors import CannotMeasureError
 from memplan.loader import ModelFile, batch_tensors
 from memplan.probe.backends import Backend
@@ -177,7 +177,7 @@ def _resolve_layers(model: torch.nn.Module, layers: str | None) -> tuple[list[st
 def open_session(model_file: ModelFile, backend: Backend, layers: str | None) -> Session:
     model = backend.build(model_file)
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
-    cache_note = memplan.runtime.kv_cache_note(memplan.runtime.disable_kv_cache(model))
+    cache_note = memplan.run.kv_cache_note(memplan.run.disable_kv_cache(model))
     optimizer = model_file.make_optimizer(model)
     names, deeper_note = _resolve_layers(model, layers)
     modules = dict(model.named_modules())

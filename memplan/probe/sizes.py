@@ -17,10 +17,10 @@ from memplan.devices import local_gpu
 from memplan.errors import BadInputError
 from memplan.loader import batch_tensors
 from memplan.modes import SELECTIVE
-from memplan.probe.alignment import _grad_and_state_bytes, _layer_seconds
-from memplan.probe.checkpointing import checkpointed, in_mode
+from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
 from memplan.probe.recorder import StepRecord
 from memplan.probe.session import Run, Session, SizeRuns
+from memplan.run.checkpoint import checkpointed, in_mode
 from memplan.units import format_bytes
 
 TIMING_REPEATS = 5
@@ -64,12 +64,12 @@ def mode_seconds(plain: Sequence[StepRecord], moded: Sequence[StepRecord]) -> tu
         return ()
     pairs = list(zip(plain, moded, strict=True))
     per_layer = [
-        statistics.median(_layer_seconds(m, j) - _layer_seconds(p, j) for p, m in pairs)
+        statistics.median(layer_seconds(m, j) - layer_seconds(p, j) for p, m in pairs)
         for j in range(n)
     ]
 
     def outside(record: StepRecord) -> float:
-        return _total_seconds(record) - sum(_layer_seconds(record, j) for j in range(n))
+        return _total_seconds(record) - sum(layer_seconds(record, j) for j in range(n))
 
     rest = statistics.median(outside(m) - outside(p) for p, m in pairs)
     return tuple(c + rest / n for c in per_layer)
@@ -214,7 +214,7 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     grads_resident = session.tracked_step(batch)
     tick(f"b={size}: grads_resident")
     optimizer = session.tracked_optimizer_step(batch)
-    grads, state = _grad_and_state_bytes(session.model, session.optimizer)
+    grads, state = grad_and_state_bytes(session.model, session.optimizer)
     tick(f"b={size}: optimizer step")
     session.zero_grad()
     full_seconds = selective_seconds = None

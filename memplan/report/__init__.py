@@ -174,13 +174,17 @@ def build_report(
         )
     if target_batch is None:
         return profile_report(profile, device_spec=spec)
+    from memplan.devices import resolve_budget
     from memplan.solver import SolveRequest, solve
-    from memplan.units import parse_budget
 
-    capacity = spec.memory_bytes if spec else profile.environment.device_capacity_bytes
+    budget_bytes = resolve_budget(
+        budget or "",
+        device_spec=spec,
+        probed_capacity_bytes=profile.environment.device_capacity_bytes,
+    )
     request = SolveRequest(
         target_batch=target_batch,
-        budget_bytes=parse_budget(budget or "", capacity_bytes=capacity),
+        budget_bytes=budget_bytes,
         device_spec=spec,
         profile_path=str(path),
     )
@@ -237,6 +241,7 @@ def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
     import base64
     import html
 
+    from memplan.check.formats import markdown_text
     from memplan.report import draw
 
     try:
@@ -248,8 +253,9 @@ def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
     encoded = base64.b64encode(png).decode("ascii")
     where = report.timeline.bars[report.timeline.peak_index].where
     alt = html.escape(f"{name}: predicted memory over one step, peak during {where}")
+    alt = alt.replace("\n", " ").replace("\r", " ")
     return (
-        f"\n#### {html.escape(name)}: where the peak is\n\n"
+        f"\n#### {markdown_text(name)}: where the peak is\n\n"
         f'<img alt="{alt}" src="data:image/png;base64,{encoded}">\n'
     )
 

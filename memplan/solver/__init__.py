@@ -43,7 +43,7 @@ from memplan.solver.request import (
     SolveRequestError,
     SolveResult,
 )
-from memplan.solver.search import LeastPeak, least_peak, solve
+from memplan.solver.search import LeastPeak, has_plan, least_peak, solve
 
 __all__ = [
     "MANY_MICRO_BATCHES",
@@ -53,6 +53,7 @@ __all__ = [
     "SolveRequest",
     "SolveRequestError",
     "SolveResult",
+    "has_plan",
     "least_cost_modes",
     "least_peak",
     "least_recompute_set",

@@ -73,7 +73,7 @@ def _divisors(value: int) -> list[int]:
     return sorted(divisors)
 
 
-def _micro_batches(target: int, world: int, lo: int, hi: int | None) -> list[int]:
+def micro_batch_sizes(target: int, world: int, lo: int, hi: int | None) -> list[int]:
     if target % world:
         return []
     per_rank = target // world
@@ -86,20 +86,20 @@ def _nearest_valid_targets(target: int, world: int, lo: int, hi: int | None) -> 
     found = []
     t = (target - 1) // world * world
     while t >= world * lo:  # a multiple of world × lo is always valid, so this ends soon
-        if _micro_batches(t, world, lo, hi):
+        if micro_batch_sizes(t, world, lo, hi):
             found.append(t)
             break
         t -= world
     t = (target // world + 1) * world
     while True:
-        if _micro_batches(t, world, lo, hi):
+        if micro_batch_sizes(t, world, lo, hi):
             found.append(t)
             break
         t += world
     return found
 
 
-def _split_error(
+def split_error(
     target: int, world: int, lo: int, hi: int | None, why: str, extra_hint: str = ""
 ) -> BadInputError:
     span = f"in [{lo}, {hi}]" if hi is not None else f"of at least {lo}"

@@ -14,29 +14,29 @@ from memplan.modes import FULL, KEEP, MODES
 from memplan.plan import STRATEGIES
 from memplan.profile import Profile
 from memplan.solver.options import (
-    _bar_slow_selective,
-    _barred_selective_reason,
-    _Context,
-    _has_batchnorm,
-    _names,
-    _Option,
-    _sharding,
-    _short_list,
+    PlanOption,
+    SolveContext,
+    bar_slow_selective,
+    barred_selective_reason,
+    has_batchnorm,
+    layer_names_of,
+    sharding_for,
+    short_list,
 )
 from memplan.solver.request import Candidate
 from memplan.units import format_bytes, format_seconds
 
 
 # --------------------------------------------------------------------------- explaining
-def _over_by(ctx: _Context, option: _Option) -> str:
+def _over_by(ctx: SolveContext, option: PlanOption) -> str:
     return (
         f"micro-batch {option.micro_batch} would need {format_bytes(option.peak.peak_bytes)}: "
         f"over budget by {format_bytes(option.peak.peak_bytes - ctx.usable_bytes)}"
     )
 
 
-def _candidate(
-    ctx: _Context, option: _Option, best: _Option | None, bn_floor: int | None
+def candidate_of(
+    ctx: SolveContext, option: PlanOption, best: PlanOption | None, bn_floor: int | None
 ) -> Candidate:
     target = ctx.request.target_batch
     chosen = best is not None and option is best
@@ -67,7 +67,7 @@ def _candidate(
         feasible=option.fits and option.allowed,
         fits=option.fits,
         chosen=chosen,
-        checkpoint_layers=_names(ctx.profile, option.checkpointed),
+        checkpoint_layers=layer_names_of(ctx.profile, option.checkpointed),
         n_checkpointed=len(option.checkpointed),
         checkpoint={
             ctx.profile.layer_names[i]: mode for i, mode in sorted(option.checkpointed.items())
@@ -95,12 +95,14 @@ def _breakdown_text(peak: Peak) -> str:
     return ", ".join(f"{name} {format_bytes(value)}" for name, value in parts if value)
 
 
-def _least_peak(options: Sequence[_Option], strategy: str) -> _Option | None:
+def _least_peak(options: Sequence[PlanOption], strategy: str) -> PlanOption | None:
     mine = [o for o in options if o.strategy == strategy and o.allowed]
     return min(mine, key=lambda o: (o.peak.peak_bytes, o.rank)) if mine else None
 
 
-def _strategy_reasons(ctx: _Context, best: _Option, options: Sequence[_Option]) -> list[str]:
+def _strategy_reasons(
+    ctx: SolveContext, best: PlanOption, options: Sequence[PlanOption]
+) -> list[str]:
     """Why this strategy, and what its communication costs."""
     request = ctx.request
     world = request.world_size
@@ -168,7 +170,7 @@ def _strategy_reasons(ctx: _Context, best: _Option, options: Sequence[_Option]) 
     return lines
 
 
-def _grad_sync_reason(best: _Option, options: Sequence[_Option]) -> str:
+def _grad_sync_reason(best: PlanOption, options: Sequence[PlanOption]) -> str:
     """Why FSDP reduce-scatters when it does: the other way's peak and time at this size."""
     other = next(
         (
@@ -203,10 +205,10 @@ def _grad_sync_reason(best: _Option, options: Sequence[_Option]) -> str:
     return f"{line}; {why}"
 
 
-def _reasons(
-    ctx: _Context,
-    best: _Option,
-    options: Sequence[_Option],
+def plan_reasons(
+    ctx: SolveContext,
+    best: PlanOption,
+    options: Sequence[PlanOption],
     bn_floor: int | None,
     source_reason: str,
 ) -> list[str]:
@@ -260,14 +262,14 @@ def _reasons(
     if len(too_big) > 3:
         reasons.append(f"larger micro-batches (up to {too_big[-1].micro_batch}) need more still")
 
-    names = _names(profile, best.checkpointed)
+    names = layer_names_of(profile, best.checkpointed)
     if ctx.forced_in:
         reasons.append(
-            f"always checkpointed, as requested: {_short_list(_names(profile, ctx.forced_in))}"
+            f"always checkpointed, as requested: {short_list(layer_names_of(profile, ctx.forced_in))}"
         )
     if ctx.forced_out:
         reasons.append(
-            f"never checkpointed, as requested: {_short_list(_names(profile, ctx.forced_out))}"
+            f"never checkpointed, as requested: {short_list(layer_names_of(profile, ctx.forced_out))}"
         )
     if not names:
         reasons.append(
@@ -283,7 +285,7 @@ def _reasons(
             ctx.forced_in,
             best.accumulation_steps,
             reserve=ctx.reserve,
-            sharding=_sharding(ctx, best.strategy, best.grad_sync),
+            sharding=sharding_for(ctx, best.strategy, best.grad_sync),
         )
         without = (
             ""
@@ -302,11 +304,11 @@ def _reasons(
             + ")"
         )
         reasons.append(
-            f"{what} {len(names)} of {n} layers ({_short_list(names)}): the least "
+            f"{what} {len(names)} of {n} layers ({short_list(names)}): the least "
             f"extra time that fits, +{format_seconds(recompute)} per micro-step "
             f"({recompute / micro:.0%} of it){without}"
             if micro > 0
-            else f"{what} {len(names)} of {n} layers ({_short_list(names)}){without}"
+            else f"{what} {len(names)} of {n} layers ({short_list(names)}){without}"
         )
         reasons.extend(_layer_mode_reasons(ctx, best))
     reasons.append(
@@ -321,13 +323,13 @@ def _reasons(
                 f"the model has BatchNorm, whose statistics are computed per micro-batch "
                 f"(--allow-small-bn-micro allows them)"
             )
-    elif _has_batchnorm(profile) and request.allow_small_bn_micro:
+    elif has_batchnorm(profile) and request.allow_small_bn_micro:
         reasons.append(f"BatchNorm floor of {request.bn_min_micro} waived, as requested")
     reasons.append(source_reason)
     return reasons
 
 
-def _layer_mode_reasons(ctx: _Context, best: _Option) -> list[str]:
+def _layer_mode_reasons(ctx: SolveContext, best: PlanOption) -> list[str]:
     """One line per layer not kept: its mode, what it frees and costs, and why no cheaper
     mode of that layer would do (with the other layers as they are, the plan would then
     exceed the budget or the host memory: the plan is the least-time one, so every cheaper
@@ -337,11 +339,11 @@ def _layer_mode_reasons(ctx: _Context, best: _Option) -> list[str]:
         profile,
         best.micro_batch,
         best.accumulation_steps,
-        _sharding(ctx, best.strategy, best.grad_sync),
+        sharding_for(ctx, best.strategy, best.grad_sync),
         modes=ctx.modes,
         host_limit_bytes=ctx.request.host_memory_bytes,
     )
-    bounds = _bar_slow_selective(bounds, best.times, ctx.modes)
+    bounds = bar_slow_selective(bounds, best.times, ctx.modes)
     lines = []
     for i, mode in sorted(best.checkpointed.items()):
         cost = best.times.mode_seconds(i, mode)
@@ -370,22 +372,22 @@ def _layer_mode_reasons(ctx: _Context, best: _Option) -> list[str]:
         lines.append(text)
     kept = [name for i, name in enumerate(profile.layer_names) if i not in best.checkpointed]
     if kept and len(ctx.modes) > 2:
-        lines.append(f"kept ({len(kept)}): {_short_list(kept)}: keeping costs nothing")
+        lines.append(f"kept ({len(kept)}): {short_list(kept)}: keeping costs nothing")
     modes_line = "layer modes considered: " + ", ".join(ctx.modes)
     missing = [m for m in MODES if m not in ctx.modes]
     if missing:
         modes_line += f" (not {', '.join(missing)}"
         modes_line += ": --modes)" if ctx.request.modes is not None else ")"
     lines.append(modes_line)
-    lines.extend(_barred_selective_reason(profile, bounds, best.times))
+    lines.extend(barred_selective_reason(profile, bounds, best.times))
     return lines
 
 
-def _warnings(ctx: _Context, best: _Option) -> list[str]:
+def plan_warnings(ctx: SolveContext, best: PlanOption) -> list[str]:
     profile, request = ctx.profile, ctx.request
     b = best.micro_batch
     warnings = []
-    if _has_batchnorm(profile):
+    if has_batchnorm(profile):
         warnings.append(
             f"the model has BatchNorm: its batch statistics are computed over each micro-batch "
             f"of {b}, not the effective batch of {request.target_batch}"
@@ -396,7 +398,7 @@ def _warnings(ctx: _Context, best: _Option) -> list[str]:
         if bn_layers:
             warnings.append(
                 f"BatchNorm running statistics update twice per step in checkpointed layers "
-                f"({_short_list(bn_layers)}): the recompute runs their forward again"
+                f"({short_list(bn_layers)}): the recompute runs their forward again"
             )
     probed = profile.micro_batches
     largest = max(probed)
@@ -409,7 +411,7 @@ def _warnings(ctx: _Context, best: _Option) -> list[str]:
         loose = [layer.name for layer in profile.layers if not layer.affine]
         if loose:
             warnings.append(
-                f"layers {_short_list(loose)} were not affine in the batch size when probed; "
+                f"layers {short_list(loose)} were not affine in the batch size when probed; "
                 f"micro-batch {b} is outside the probed sizes, so their bytes are extrapolated"
             )
     if not profile.op_sequence_stable:

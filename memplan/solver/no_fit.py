@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 from memplan import memory
 from memplan.errors import NoPlanFitsError
-from memplan.solver.explain import _warnings
-from memplan.solver.options import _Context, _Option, _plan, _sharding
+from memplan.solver.explain import plan_warnings
+from memplan.solver.options import PlanOption, SolveContext, build_plan, sharding_for
 from memplan.units import format_bytes
 
 
-def _no_plan_fits(
-    ctx: _Context, options: Sequence[_Option], bn_floor: int | None
+def no_plan_fits_error(
+    ctx: SolveContext, options: Sequence[PlanOption], bn_floor: int | None
 ) -> NoPlanFitsError:
     profile, request = ctx.profile, ctx.request
     allowed = [o for o in options if o.allowed]
@@ -72,7 +72,7 @@ def _no_plan_fits(
             f"training adapters only (e.g. LoRA) drops most of the "
             f"{format_bytes(trainable_state)} of gradients and optimizer state"
         )
-    closest_plan = _plan(ctx, closest, [message], _warnings(ctx, closest))
+    closest_plan = build_plan(ctx, closest, [message], plan_warnings(ctx, closest))
     return NoPlanFitsError(
         message,
         hint="What would fit: " + "; ".join(hints) + ".",
@@ -81,7 +81,7 @@ def _no_plan_fits(
     )
 
 
-def _layers_hint(ctx: _Context, closest: _Option, least: int) -> list[str]:
+def _layers_hint(ctx: SolveContext, closest: PlanOption, least: int) -> list[str]:
     """Whether naming other checkpoint candidates (``--layers``) could help: only when the
     closest plan already checkpoints every candidate, and only as much as the activations
     the fixed parts (everything outside the candidates) keep at its micro-batch."""
@@ -106,7 +106,7 @@ def _layers_hint(ctx: _Context, closest: _Option, least: int) -> list[str]:
 
 
 def _smaller_micro_hints(
-    ctx: _Context, options: Sequence[_Option], bn_floor: int | None
+    ctx: SolveContext, options: Sequence[PlanOption], bn_floor: int | None
 ) -> list[str]:
     """Smaller micro-batches this request excludes that would fit."""
     request = ctx.request
@@ -123,7 +123,7 @@ def _smaller_micro_hints(
     smallest = min(o.micro_batch for o in options)
     per_rank = request.target_batch // request.world_size
     least_option = min(options, key=lambda o: (o.peak.peak_bytes, o.rank))
-    sharding = _sharding(ctx, least_option.strategy, least_option.grad_sync)
+    sharding = sharding_for(ctx, least_option.strategy, least_option.grad_sync)
     # The largest smaller divisor of the per-rank batch that fits; a non-divisor only when
     # no divisor fits (and then with a target it divides, never as a --min-micro).
     divisors = [b for b in range(smallest - 1, 0, -1) if per_rank % b == 0]

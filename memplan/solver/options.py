@@ -5,7 +5,6 @@ timing models, and the Plan built from it. No torch.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -24,16 +23,17 @@ from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, ModelFingerprint, Pla
 from memplan.profile import Profile
 from memplan.solver.layer_modes import least_cost_modes
 from memplan.solver.request import SolveRequest
+from memplan.suggest import did_you_mean
 from memplan.timing import MicroStepTimes
 from memplan.units import format_seconds
 
 
-def _has_batchnorm(profile: Profile) -> bool:
+def has_batchnorm(profile: Profile) -> bool:
     return profile.has_batchnorm or any(layer.has_batchnorm for layer in profile.layers)
 
 
 # --------------------------------------------------------------------------- modes
-def _resolve_modes(
+def resolve_modes(
     profile: Profile, request: SolveRequest, forced_in: frozenset[int]
 ) -> tuple[tuple[str, ...], float]:
     """The modes this solve may use and the host link's bytes per second (for offload).
@@ -84,7 +84,7 @@ def _resolve_modes(
 
 
 # --------------------------------------------------------------------------- names
-def _resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozenset[int]:
+def resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozenset[int]:
     index = {name: i for i, name in enumerate(profile.layer_names)}
     chosen, unknown = set(), []
     for name in names:
@@ -97,8 +97,8 @@ def _resolve_layers(profile: Profile, names: Iterable[str], field: str) -> froze
     if unknown:
         valid = list(profile.layer_names)
         shown = ", ".join(valid[:20]) + (f", … ({len(valid)} in all)" if len(valid) > 20 else "")
-        close = sorted({m for u in unknown for m in difflib.get_close_matches(u, valid, n=3)})
-        maybe = f" Did you mean {', '.join(close)}?" if close else ""
+        maybe = did_you_mean(sorted(unknown), valid)
+        maybe = f" {maybe}" if maybe else ""
         raise BadInputError(
             f"{field} names unknown layer(s): {', '.join(map(repr, unknown))}.",
             hint=f"Valid layer names: {shown or '(the profile has no checkpoint candidates)'}."
@@ -107,12 +107,12 @@ def _resolve_layers(profile: Profile, names: Iterable[str], field: str) -> froze
     return frozenset(chosen)
 
 
-def _names(profile: Profile, indices: Iterable[int]) -> tuple[str, ...]:
+def layer_names_of(profile: Profile, indices: Iterable[int]) -> tuple[str, ...]:
     names = profile.layer_names
     return tuple(names[i] for i in sorted(indices))
 
 
-def _short_list(names: Sequence[str]) -> str:
+def short_list(names: Sequence[str]) -> str:
     if len(names) <= 4:
         return ", ".join(names)
     return f"{names[0]}, {names[1]}, …, {names[-1]}"
@@ -120,7 +120,7 @@ def _short_list(names: Sequence[str]) -> str:
 
 # --------------------------------------------------------------------------- evaluation
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Option:
+class PlanOption:
     """The best plan at one micro-batch and strategy (or, when none fits, the least peak)."""
 
     strategy: str
@@ -151,7 +151,7 @@ class _Option:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Context:
+class SolveContext:
     profile: Profile
     request: SolveRequest
     forced_in: frozenset[int]
@@ -171,7 +171,9 @@ class _Context:
     """Host link bytes per second, for offload times (0: no offload)."""
 
 
-def _sharding(ctx: _Context, strategy: str, grad_sync: GradSync = "last_micro_step") -> Sharding:
+def sharding_for(
+    ctx: SolveContext, strategy: str, grad_sync: GradSync = "last_micro_step"
+) -> Sharding:
     return Sharding(strategy=strategy, world_size=ctx.request.world_size, grad_sync=grad_sync)
 
 
@@ -182,7 +184,7 @@ def _grad_syncs(strategy: str, accumulation: int, world: int) -> tuple[GradSync,
     return ("last_micro_step",)
 
 
-def _bar_slow_selective(
+def bar_slow_selective(
     bounds: memory.StepBounds, times: MicroStepTimes, modes: tuple[str, ...]
 ) -> memory.StepBounds:
     """``bounds`` with selective not offered where it is no faster than full (when both
@@ -195,7 +197,7 @@ def _bar_slow_selective(
     return dataclasses.replace(bounds, barred=frozenset((i, SELECTIVE) for i in slower))
 
 
-def _barred_selective_reason(
+def barred_selective_reason(
     profile: Profile, bounds: memory.StepBounds, times: MicroStepTimes
 ) -> list[str]:
     """The plan's reason line for the layers where selective was not offered."""
@@ -205,7 +207,7 @@ def _barred_selective_reason(
     first = slower[0]
     return [
         f"selective not offered on {len(slower)} layer(s) "
-        f"({_short_list(_names(profile, slower))}): at micro-batch {bounds.micro_batch} the "
+        f"({short_list(layer_names_of(profile, slower))}): at micro-batch {bounds.micro_batch} the "
         f"probe measured it no faster than full recompute (e.g. {profile.layer_names[first]}: "
         f"+{format_seconds(times.mode_seconds(first, SELECTIVE))} against "
         f"+{format_seconds(times.mode_seconds(first, FULL))} per micro-step), and full "
@@ -214,15 +216,15 @@ def _barred_selective_reason(
 
 
 def _evaluate(
-    ctx: _Context,
+    ctx: SolveContext,
     micro_batch: int,
     accumulation: int,
     allowed: bool,
     strategy: str = "ddp",
     grad_sync: GradSync = "last_micro_step",
-) -> _Option:
+) -> PlanOption:
     profile = ctx.profile
-    sharding = _sharding(ctx, strategy, grad_sync)
+    sharding = sharding_for(ctx, strategy, grad_sync)
     bounds = memory.step_bounds(
         profile,
         micro_batch,
@@ -242,7 +244,7 @@ def _evaluate(
         for mode in ctx.modes
         if mode != KEEP
     }
-    bounds = _bar_slow_selective(bounds, times, ctx.modes)
+    bounds = bar_slow_selective(bounds, times, ctx.modes)
     forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
     chosen = least_cost_modes(bounds, ctx.limit_bytes, costs, **forced)
     fits = chosen is not None
@@ -266,7 +268,7 @@ def _evaluate(
         reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
     )
     comm = timing.communication_seconds(comm_bytes, ctx.bandwidth)
-    return _Option(
+    return PlanOption(
         strategy=strategy,
         micro_batch=micro_batch,
         accumulation_steps=accumulation,
@@ -301,7 +303,9 @@ def _device_label(profile: Profile, request: SolveRequest) -> str:
     return env.device
 
 
-def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequence[str]) -> Plan:
+def build_plan(
+    ctx: SolveContext, option: PlanOption, reasons: Sequence[str], warnings: Sequence[str]
+) -> Plan:
     profile, request = ctx.profile, ctx.request
     return Plan(
         target_batch=request.target_batch,
@@ -333,7 +337,7 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
             # as the model file builds them: fp32 masters when the probe cast to bf16
             parameter_bytes=memory.master_bytes(
                 profile,
-                _sharding(ctx, option.strategy),
+                sharding_for(ctx, option.strategy),
                 profile.totals.params_trainable_bytes + profile.totals.params_frozen_bytes,
             ),
             candidate_layers=profile.layer_names,
@@ -346,7 +350,7 @@ def _plan(ctx: _Context, option: _Option, reasons: Sequence[str], warnings: Sequ
 
 
 # --------------------------------------------------------------------------- strategies
-def _strategies(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
+def strategies_to_try(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
     """The strategies to try. Low precision under sharding runs the engine's mixed-precision
     policy (FSDP2 ``MixedPrecisionPolicy``), which a profile measures only when probed with
     parameters in the compute dtype (``--mixed-precision params``); autocast over fp32
@@ -395,9 +399,9 @@ MANY_MICRO_BATCHES = 256
 divisors) the search stops at the first one that does not fit."""
 
 
-def _evaluate_micro_batches(
-    ctx: _Context, micro_batches: list[int], per_rank: int, bn_floor: int | None, strategy: str
-) -> list[_Option]:
+def evaluate_micro_batches(
+    ctx: SolveContext, micro_batches: list[int], per_rank: int, bn_floor: int | None, strategy: str
+) -> list[PlanOption]:
     """Every candidate micro-batch of ``strategy``; for very many, ascending until the first
     that does not fit even with its best checkpoint set — a larger micro-batch with
     accumulation holds more activations, so it cannot fit either — plus ``per_rank`` itself

@@ -86,8 +86,8 @@ class SolveRequest:
                 raise SolveRequestError(
                     f"max_micro ({self.max_micro}) must be >= min_micro ({self.min_micro})."
                 )
-        if not (isinstance(self.margin, (int, float)) and 0.0 <= self.margin < 1.0):
-            raise SolveRequestError(f"margin must be a fraction in [0, 1), got {self.margin!r}.")
+        if problem := memory.margin_problem(self.margin):
+            raise SolveRequestError(f"{problem}.")
         for name in ("always_checkpoint", "never_checkpoint"):
             value = getattr(self, name)
             names = (value,) if isinstance(value, str) else tuple(value)

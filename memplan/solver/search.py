@@ -10,19 +10,19 @@ from memplan import memory, timing
 from memplan.errors import BadInputError
 from memplan.plan import STRATEGIES, Plan
 from memplan.profile import Profile
-from memplan.solver.batches import _micro_batches, _split_error
-from memplan.solver.explain import _candidate, _reasons, _warnings
-from memplan.solver.no_fit import _no_plan_fits
+from memplan.solver.batches import micro_batch_sizes, split_error
+from memplan.solver.explain import candidate_of, plan_reasons, plan_warnings
+from memplan.solver.no_fit import no_plan_fits_error
 from memplan.solver.options import (
-    _Context,
-    _evaluate_micro_batches,
-    _has_batchnorm,
-    _names,
-    _Option,
-    _plan,
-    _resolve_layers,
-    _resolve_modes,
-    _strategies,
+    PlanOption,
+    SolveContext,
+    build_plan,
+    evaluate_micro_batches,
+    has_batchnorm,
+    layer_names_of,
+    resolve_layers,
+    resolve_modes,
+    strategies_to_try,
 )
 from memplan.solver.request import SolveRequest, SolveResult
 
@@ -31,40 +31,41 @@ from memplan.solver.request import SolveRequest, SolveResult
 class _Setup:
     """What ``solve`` and ``least_peak`` share: the context and every option evaluated."""
 
-    ctx: _Context
-    options: tuple[_Option, ...]
+    ctx: SolveContext
+    options: tuple[PlanOption, ...]
     bn_floor: int | None
     source_reason: str
 
 
-def _setup(profile: Profile, request: SolveRequest, *, limit_bytes: int | None = None) -> _Setup:
+def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = False) -> _Setup:
     """Validate ``request`` against ``profile`` and evaluate every (strategy, micro-batch)
-    option against the allocated limit of the request's budget, or ``limit_bytes``."""
-    forced_in = _resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
-    forced_out = _resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
+    option against the allocated limit of the request's budget; ``ignore_budget``: against
+    no budget at all, so that each option is evaluated at the least peak it can reach."""
+    forced_in = resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
+    forced_out = resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
     if forced_in & forced_out:
         raise BadInputError(
             "always_checkpoint and never_checkpoint both match "
-            f"{', '.join(_names(profile, forced_in & forced_out))}.",
+            f"{', '.join(layer_names_of(profile, forced_in & forced_out))}.",
             hint="Name each layer in one of them only.",
         )
 
     target, world = request.target_batch, request.world_size
     lo, hi = request.min_micro, request.max_micro
     if target % world:
-        raise _split_error(
+        raise split_error(
             target, world, lo, hi, f"{target} is not a multiple of world_size {world}"
         )
-    micro_batches = _micro_batches(target, world, lo, hi)
+    micro_batches = micro_batch_sizes(target, world, lo, hi)
     if not micro_batches:
-        raise _split_error(
+        raise split_error(
             target, world, lo, hi, f"no micro-batch in that range divides {target // world}"
         )
     bn_floor = None
-    if _has_batchnorm(profile) and not request.allow_small_bn_micro:
+    if has_batchnorm(profile) and not request.allow_small_bn_micro:
         bn_floor = request.bn_min_micro
         if not any(b >= bn_floor for b in micro_batches):
-            raise _split_error(
+            raise split_error(
                 target,
                 world,
                 max(lo, bn_floor),
@@ -80,9 +81,9 @@ def _setup(profile: Profile, request: SolveRequest, *, limit_bytes: int | None =
         profile, request.device_spec, request.timing
     )
     bandwidth, bandwidth_source = timing.interconnect_bandwidth(request.device_spec)
-    strategies = _strategies(profile, request)
-    modes, host_link = _resolve_modes(profile, request, forced_in)
-    ctx = _Context(
+    strategies = strategies_to_try(profile, request)
+    modes, host_link = resolve_modes(profile, request, forced_in)
+    ctx = SolveContext(
         modes=modes,
         host_link=host_link,
         profile=profile,
@@ -90,9 +91,11 @@ def _setup(profile: Profile, request: SolveRequest, *, limit_bytes: int | None =
         forced_in=forced_in,
         forced_out=forced_out,
         reserve=reserve,
-        limit_bytes=memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
-        if limit_bytes is None
-        else limit_bytes,
+        # Ignoring the budget, a limit below every peak: no option fits, and each is
+        # evaluated at its least peak (the number a NoPlanFitsError reports).
+        limit_bytes=-1
+        if ignore_budget
+        else memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve),
         usable_bytes=memory.usable_budget_bytes(request.budget_bytes, request.margin),
         timing_source=source,
         bandwidth=bandwidth,
@@ -103,9 +106,15 @@ def _setup(profile: Profile, request: SolveRequest, *, limit_bytes: int | None =
     options = tuple(
         option
         for st in strategies
-        for option in _evaluate_micro_batches(ctx, micro_batches, per_rank, bn_floor, st)
+        for option in evaluate_micro_batches(ctx, micro_batches, per_rank, bn_floor, st)
     )
     return _Setup(ctx=ctx, options=options, bn_floor=bn_floor, source_reason=source_reason)
+
+
+def has_plan(profile: Profile, request: SolveRequest) -> bool:
+    """Whether some allowed plan for ``request`` fits its budget (what ``solve`` would
+    answer with a plan rather than NoPlanFitsError). Raises BadInputError as ``solve``."""
+    return any(o.allowed and o.fits for o in _setup(profile, request).options)
 
 
 def solve(profile: Profile, request: SolveRequest) -> SolveResult:
@@ -118,18 +127,18 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
     ctx, options, bn_floor = setup.ctx, setup.options, setup.bn_floor
     fitting = [o for o in options if o.allowed and o.fits]
     if not fitting:
-        raise _no_plan_fits(ctx, options, bn_floor)
+        raise no_plan_fits_error(ctx, options, bn_floor)
     least_sharded = min(STRATEGIES.index(o.strategy) for o in fitting)
     best = min(
         (o for o in fitting if STRATEGIES.index(o.strategy) == least_sharded),
         key=lambda o: o.rank,
     )
-    reasons = _reasons(ctx, best, options, bn_floor, setup.source_reason)
-    warnings = _warnings(ctx, best)
-    plan = _plan(ctx, best, reasons, warnings)
+    reasons = plan_reasons(ctx, best, options, bn_floor, setup.source_reason)
+    warnings = plan_warnings(ctx, best)
+    plan = build_plan(ctx, best, reasons, warnings)
     return SolveResult(
         plan=plan,
-        candidates=tuple(_candidate(ctx, o, best, bn_floor) for o in options),
+        candidates=tuple(candidate_of(ctx, o, best, bn_floor) for o in options),
         usable_budget_bytes=ctx.usable_bytes,
         reserve=ctx.reserve,
         timing_source=setup.source_reason,
@@ -151,8 +160,8 @@ def least_peak(profile: Profile, request: SolveRequest) -> LeastPeak:
     strategies needs; ``request.budget_bytes`` is not consulted. Each option's peak is the
     least its checkpoint sets reach (``memory.min_allocated_bytes``): the number a
     ``NoPlanFitsError`` reports. Raises BadInputError when the target cannot be split."""
-    setup = _setup(profile, request, limit_bytes=-1)  # nothing fits: each option at its least
+    setup = _setup(profile, request, ignore_budget=True)
     allowed = [o for o in setup.options if o.allowed]
     closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
-    plan = _plan(setup.ctx, closest, (), _warnings(setup.ctx, closest))
+    plan = build_plan(setup.ctx, closest, (), plan_warnings(setup.ctx, closest))
     return LeastPeak(peak_bytes=closest.peak.peak_bytes, plan=plan)

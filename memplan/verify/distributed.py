@@ -46,18 +46,19 @@ from typing import Any
 
 import torch
 
-from memplan.distributed_grads import gradient_check, gradient_error
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
-from memplan.rank_lifetime import RunFolder, die_with_parent
-from memplan.verify import (
+from memplan.run.wrap import wrap_for_plan
+from memplan.schema import to_data
+from memplan.verify.distributed_grads import gradient_check, gradient_error
+from memplan.verify.rank_lifetime import RunFolder, die_with_parent
+from memplan.verify.single import (
     GradientCheck,
     Verdict,
     last_step_timeline,
     predicted_for_device,
 )
-from memplan.wrap import wrap_for_plan
 
 DEFAULT_TIMEOUT_S = 300.0
 """Wall-clock limit of the whole run (start-up, steps, gradient check) unless given."""
@@ -196,6 +197,19 @@ class DistributedVerifyResult(Verdict):
     def measured_step_seconds(self) -> float:
         return max(r.step_seconds for r in self.ranks)
 
+    def json_data(self) -> dict[str, Any]:
+        """The result as JSON data with the verdict's derived fields; per-op bytes are for
+        ``--report``, not the JSON."""
+        data = to_data(self)
+        for rank in data["ranks"]:
+            rank.pop("timeline", None)
+        data.update(
+            measured_peak_bytes=self.measured_peak_bytes,
+            peak_error=self.peak_error,
+            rank_errors=[self.rank_error(r.rank) for r in self.ranks],
+        )
+        return {**data, **self.verdict_data()}
+
 
 # --------------------------------------------------------------------------- the worker
 def _loopback_interface() -> str | None:
@@ -241,10 +255,10 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
 
 
 def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    from memplan import runtime
+    from memplan import run
     from memplan.loader import load_model_file, map_batch
     from memplan.plan import plan_from_data
-    from memplan.verify import fingerprint_note
+    from memplan.verify.single import fingerprint_note
 
     dist = torch.distributed
     world = int(config["world_size"])
@@ -266,13 +280,13 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
     fingerprint_note(plan, net, str(config["model"]))  # raises for another model's plan
-    runtime.apply(net, plan)
+    run.apply(net, plan)
     record = bool(config.get("record_timeline"))
     tracker = DistributedTracker(record=False)
     tracker.track(resident_tensors(net, None, None))
     with tracker:  # DDP's buckets are made here: count them
         model, optimizer = wrap_for_plan(net, plan, mf.make_optimizer, device)
-    acc = runtime.Accumulator(model, optimizer, plan, device=device)
+    acc = run.Accumulator(model, optimizer, plan, device=device)
     torch.manual_seed(seed + 1 + rank)  # different batches on every rank
     if cuda:
         torch.cuda.synchronize()

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from memplan.plan import Plan
-from memplan.verify import GRAD_TOLERANCE, GradientCheck
-from memplan.wrap import COMPUTE_DTYPES, fsdp_mixed_precision, wrap_for_plan
+from memplan.run.wrap import COMPUTE_DTYPES, fsdp_mixed_precision, wrap_for_plan
+from memplan.verify.single import GRAD_TOLERANCE, GradientCheck
 
 
 def _mixed_precision_reference(
@@ -52,7 +52,7 @@ def gradient_error(
     """max over parameters of max|g_ranks − g_full| / max|g_full|, where g_ranks is the
     gradient after this rank's k micro-batches (synchronised by the strategy) and g_full one
     process's gradient of the whole N × k × micro batch. A string says why it was skipped."""
-    from memplan import runtime
+    from memplan import run
 
     k, micro = plan.accumulation_steps, plan.micro_batch_size
     torch.manual_seed(seed)
@@ -65,8 +65,8 @@ def gradient_error(
     policy = fsdp_mixed_precision(plan)
     # Dropout masks depend on the batch shape: both sides run with every dropout neutralised
     # (modules, functional, fused attention dropout), in train mode so checkpointing still
-    # runs; the same aten-level mode as single-process verify (runtime.no_dropout).
-    with runtime.no_dropout():
+    # runs; the same aten-level mode as single-process verify (run.no_dropout).
+    with run.no_dropout():
         if policy is None:
             mf.loss(reference_net, full).backward()
             reference = {
@@ -80,12 +80,12 @@ def gradient_error(
 
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
-    runtime.apply(net, plan)
+    run.apply(net, plan)
     # lr 0: the optimizer step must not move the weights before the gradients are read
     model, optimizer = wrap_for_plan(
         net, plan, lambda m: torch.optim.SGD(m.parameters(), lr=0.0), device
     )
-    acc = runtime.Accumulator(model, optimizer, plan, device=device)
+    acc = run.Accumulator(model, optimizer, plan, device=device)
     pieces = [
         map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(world * k)
     ]
@@ -100,7 +100,7 @@ def gradient_error(
         return original_step(*args, **kwargs)
 
     optimizer.step = step_and_capture  # type: ignore[method-assign]
-    with runtime.no_dropout():
+    with run.no_dropout():
         for piece in mine:
             acc.step(piece, mf.loss)
     worst = 0.0

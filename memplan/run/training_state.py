@@ -1,6 +1,6 @@
 """Training state that checkpointing and the gradient check must switch off: a Hugging
 Face model's key/value cache (``disable_kv_cache``) and dropout of every kind
-(``no_dropout``). ``memplan.runtime`` re-exports both."""
+(``no_dropout``). ``memplan.run`` re-exports both."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ probe's own live-tensor tracker (the instrument that fed the prediction) and, on
 It also checks that accumulation is equivalent to the full batch: the gradient after
 ``k`` micro-batches equals the gradient of one batch of ``k × micro`` samples, where that
 can hold (not with BatchNorm, whose statistics are per micro-batch; every dropout is
-switched off for the comparison, functional and fused included: ``runtime.no_dropout``)."""
+switched off for the comparison, functional and fused included: ``run.no_dropout``)."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ from typing import Any, Literal
 
 import torch
 
-from memplan import runtime
+from memplan import run
 from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
 from memplan.loader import ModelFile, load_model_file, map_batch
 from memplan.plan import Plan
 from memplan.probe.backends import make_backend
 from memplan.probe.tracker import resident_tensors
+from memplan.schema import to_data
 from memplan.units import format_bytes
 
 # Relative tolerance of the gradient comparison: accumulation sums k partial gradients in
@@ -78,6 +79,14 @@ class Verdict:
             out.append("measured peak is over the budget")
         return out
 
+    def verdict_data(self) -> dict[str, Any]:
+        """The verdict's derived fields, for ``--json``."""
+        return {
+            "within_budget": self.within_budget,
+            "passed": self.passed,
+            "failures": self.failures,
+        }
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VerifyResult(Verdict):
@@ -122,6 +131,14 @@ class VerifyResult(Verdict):
         return (self.predicted_step_seconds - self.measured_step_seconds) / max(
             self.measured_step_seconds, 1e-12
         )
+
+    def json_data(self) -> dict[str, Any]:
+        """The result as JSON data with the verdict's derived fields; the per-op timeline is
+        for ``--report``, not the JSON."""
+        data = to_data(self)
+        data.pop("timeline", None)
+        data.update(peak_error=self.peak_error, time_error=self.time_error)
+        return {**data, **self.verdict_data()}
 
 
 def predicted_for_device(plan: Plan, device: str) -> tuple[int, str]:
@@ -208,7 +225,7 @@ def _micro_batches(mf: ModelFile, micro: int, count: int) -> Any:
 
 
 def _run_steps(
-    acc: runtime.Accumulator,
+    acc: run.Accumulator,
     mf: ModelFile,
     plan: Plan,
     steps: int,
@@ -299,8 +316,8 @@ def _verify(
     net = _build(mf, torch_device, seed)
     fingerprint = fingerprint_note(plan, net, mf.reference or str(mf.path))
     optimizer = mf.make_optimizer(net)
-    runtime.apply(net, plan)
-    acc = runtime.Accumulator(net, optimizer, plan, device=torch_device)
+    run.apply(net, plan)
+    acc = run.Accumulator(net, optimizer, plan, device=torch_device)
     cuda = backend.device == "cuda"
     bad_losses: list[str] = []
     try:
@@ -449,14 +466,14 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
         )
     # Dropout masks depend on the batch shape, so equal seeds still give different masks:
     # compare with every dropout at p = 0 (modules, functional and fused attention dropout),
-    # staying in train mode so checkpointing still runs (runtime.no_dropout).
+    # staying in train mode so checkpointing still runs (run.no_dropout).
     net.train()
     full = mf.make_batch(k * micro)
     pieces = _split(full, k, micro)
     full_dev = map_batch(full, lambda t: t.to(backend.torch_device))
-    runtime.disable_kv_cache(net)  # as the plan's run does (runtime.apply)
+    run.disable_kv_cache(net)  # as the plan's run does (run.apply)
     try:
-        with runtime.no_dropout() as neutral:
+        with run.no_dropout() as neutral:
             with backend.forward_context():
                 loss = mf.loss(net, full_dev)
             if not bool(torch.isfinite(loss.detach()).all()):
@@ -472,9 +489,9 @@ def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> Gradi
             }
             net.zero_grad(set_to_none=True)
             del loss, full_dev
-            runtime.apply(net, plan)
+            run.apply(net, plan)
             optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # must not move weights
-            acc = runtime.Accumulator(net, optimizer, plan, device=backend.torch_device)
+            acc = run.Accumulator(net, optimizer, plan, device=backend.torch_device)
             # Read the gradients before the Accumulator's optimizer step zeroes them.
             for piece in pieces[:-1]:
                 acc.step(piece, mf.loss)

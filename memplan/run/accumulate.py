@@ -1,225 +1,18 @@
-"""Run a plan in a user's own training loop: activation checkpointing by module name
-(``apply`` / ``remove``) and a gradient-accumulation step helper (``Accumulator``).
-
-This module and ``probe/`` are where torch lives; the planner itself never imports it.
+"""Gradient accumulation in a user's own training loop: ``Accumulator`` steps once per
+effective batch, and the batch helpers it shares with verify (moving a batch to a device,
+its sample count, the scalar loss of a forward's output).
 """
 
 from __future__ import annotations
 
 import contextlib
-import difflib
 import math
-import types
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
 
 from memplan.errors import BadInputError
-from memplan.modes import FULL, KEEP, MODES, OFFLOAD
-from memplan.probe.checkpointing import require_offload_device, run_in_mode
-from memplan.training_state import disable_kv_cache, kv_cache_note, no_dropout
-
-__all__ = [
-    "Accumulator",
-    "apply",
-    "checkpointed_modes",
-    "checkpointed_names",
-    "disable_kv_cache",
-    "no_dropout",
-    "remove",
-]
-
-# Keys in a patched module's __dict__. Instance attributes, not submodules, parameters or
-# buffers, so ``named_modules()`` and ``state_dict()`` keys do not change.
-_MARK = "_memplan_checkpointed"
-_SAVED_FORWARD = "_memplan_saved_forward"
-_MISSING = object()  # the instance had no forward of its own (the usual case)
-
-_MAX_LISTED_NAMES = 30
-
-
-# --------------------------------------------------------------------------- checkpointing
-
-
-def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Bound to a module instance as its ``forward``. A bound method (not a closure) so that
-    ``copy.deepcopy(model)`` rebinds it to the copy."""
-    saved = self.__dict__.get(_SAVED_FORWARD, _MISSING)
-    inner = type(self).forward.__get__(self) if saved is _MISSING else saved
-    # Recompute only pays off when something is saved for backward: training with grad on.
-    if self.training and torch.is_grad_enabled():
-        mode = self.__dict__.get(_MARK)
-        return run_in_mode(mode if isinstance(mode, str) else FULL, inner, *args, **kwargs)
-    return inner(*args, **kwargs)
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside DDP / DataParallel / torch.compile wrappers: plan names are
-    fully-qualified names in the unwrapped model."""
-    while True:
-        if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def _modes_from(plan_or_names: Any) -> dict[str, str]:
-    """Module name -> mode: a Plan's ``checkpoint`` mapping, a mapping given directly, or
-    names (every one ``full``)."""
-    modes = getattr(plan_or_names, "checkpoint", plan_or_names)
-    if isinstance(modes, Mapping):
-        out = {}
-        for name, mode in modes.items():
-            if mode not in MODES:
-                raise BadInputError(
-                    f"apply(): module {name!r} has mode {mode!r}.",
-                    hint=f"Modes are {', '.join(MODES)}.",
-                )
-            if mode != KEEP:
-                out[str(name)] = mode
-        return out
-    return dict.fromkeys(_names_from(plan_or_names), FULL)
-
-
-def _names_from(plan_or_names: Any) -> list[str]:
-    if isinstance(plan_or_names, str):
-        return [plan_or_names]
-    names = getattr(plan_or_names, "checkpoint_layers", plan_or_names)
-    if isinstance(names, str):
-        return [names]
-    if not isinstance(names, Iterable):
-        raise BadInputError(
-            f"apply() needs a memplan Plan or an iterable of module names, got "
-            f"{type(plan_or_names).__name__}."
-        )
-    return [str(name) for name in names]
-
-
-def _unknown_name_error(name: str, valid: Sequence[str]) -> BadInputError:
-    close = difflib.get_close_matches(name, valid, n=5, cutoff=0.5)
-    rest = [n for n in valid if n not in close]
-    listed = close + rest[: max(0, _MAX_LISTED_NAMES - len(close))]
-    more = len(valid) - len(listed)
-    tail = f", … and {more} more" if more > 0 else ""
-    did_you_mean = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-    return BadInputError(
-        f"Module {name!r} is not in the model.{did_you_mean}",
-        hint=f"Valid module names (closest first): {', '.join(listed)}{tail}.",
-    )
-
-
-def _has_batchnorm_with_stats(module: torch.nn.Module) -> bool:
-    return any(
-        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-        for m in module.modules()
-    )
-
-
-def apply(model: torch.nn.Module, plan_or_names: Any) -> list[str]:
-    """Checkpoint exactly the named modules of ``model`` (non-reentrant, RNG state preserved,
-    so dropout masks in the recompute match the forward).
-
-    ``plan_or_names`` is a memplan ``Plan`` (its ``checkpoint``: each layer in its mode,
-    ``full``, ``selective`` or ``offload``; see memplan.modes), a mapping of module name to
-    mode, or an iterable of fully-qualified module names (``full``). ``offload`` needs CUDA
-    and is refused without it. Names are looked up in the unwrapped model (through DDP,
-    DataParallel and ``torch.compile``). The instance's ``forward`` is patched; no wrapper
-    module is inserted, so module names and ``state_dict`` keys do not change.
-
-    Idempotent: afterwards exactly the named modules are checkpointed — modules checkpointed
-    by an earlier call but not named now are restored. Checkpointing happens only while the
-    module is training and grad is enabled. Warns when a checkpointed module contains
-    BatchNorm (its running statistics update again during the recompute).
-
-    It also switches off a Hugging Face model's key/value cache (``config.use_cache``), as
-    ``gradient_checkpointing_enable`` does, and warns once: the cache breaks recompute, and
-    the probe measured the model without it, so a plan's prediction holds only without it.
-
-    Returns the names now checkpointed. Raises ``BadInputError`` for a name not in the
-    model, listing valid names with the closest matches first."""
-    root = _unwrap(model)
-    wanted = _modes_from(plan_or_names)  # ordered, duplicates dropped
-    modules = dict(root.named_modules(remove_duplicate=False))
-    for name in wanted:
-        if name not in modules:
-            raise _unknown_name_error(name, [n for n in modules if n])
-    if OFFLOAD in wanted.values():
-        require_offload_device()
-
-    for name in checkpointed_names(root):
-        if name not in wanted:
-            _restore(modules[name])
-
-    note = kv_cache_note(disable_kv_cache(root))
-    if note:
-        warnings.warn(f"memplan: {note}", UserWarning, stacklevel=2)
-
-    with_batchnorm = []
-    for name in wanted:
-        module = modules[name]
-        if _has_batchnorm_with_stats(module):
-            with_batchnorm.append(name)
-        if module.__dict__.get(_MARK):
-            module.__dict__[_MARK] = wanted[name]  # already patched: the mode may change
-            continue
-        module.__dict__[_SAVED_FORWARD] = module.__dict__.get("forward", _MISSING)
-        module.__dict__["forward"] = types.MethodType(_checkpointed_forward, module)
-        module.__dict__[_MARK] = wanted[name]
-    if with_batchnorm:
-        warnings.warn(
-            f"memplan: checkpointed module(s) {', '.join(with_batchnorm)} contain BatchNorm: "
-            "its running statistics are updated twice per step (once more in the recompute "
-            "during backward). Leave these modules out of checkpoint_layers, or accept "
-            "slightly different running statistics.",
-            UserWarning,
-            stacklevel=2,
-        )
-    return list(wanted)
-
-
-def _restore(module: torch.nn.Module) -> None:
-    saved = module.__dict__.pop(_SAVED_FORWARD, _MISSING)
-    if saved is _MISSING:
-        module.__dict__.pop("forward", None)
-    else:
-        module.__dict__["forward"] = saved
-    module.__dict__.pop(_MARK, None)
-
-
-def remove(model: torch.nn.Module) -> list[str]:
-    """Undo ``apply``: restore the original ``forward`` of every checkpointed module.
-    Returns the names that were restored."""
-    root = _unwrap(model)
-    restored = checkpointed_names(root)
-    modules = dict(root.named_modules(remove_duplicate=False))
-    for name in restored:
-        _restore(modules[name])
-    return restored
-
-
-def checkpointed_modes(model: torch.nn.Module) -> dict[str, str]:
-    """Module name -> mode of every module ``apply`` has patched, in module order."""
-    return {
-        name: module.__dict__[_MARK]
-        for name, module in _unwrap(model).named_modules(remove_duplicate=False)
-        if module.__dict__.get(_MARK)
-    }
-
-
-def checkpointed_names(model: torch.nn.Module) -> list[str]:
-    """Fully-qualified names of the modules ``apply`` has checkpointed, in module order."""
-    return [
-        name
-        for name, module in _unwrap(model).named_modules(remove_duplicate=False)
-        if module.__dict__.get(_MARK)
-    ]
-
-
-# --------------------------------------------------------------------------- accumulation
 
 Normalize = Literal["mean", "tokens"]
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -249,7 +42,7 @@ def _rebuild_mapping(original: Mapping, moved: dict) -> Any:
         return moved
 
 
-def _batch_size(batch: Any) -> int | None:
+def samples_in(batch: Any) -> int | None:
     """Samples in a micro-batch: the leading dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else None
@@ -259,7 +52,7 @@ def _batch_size(batch: Any) -> int | None:
     elif isinstance(batch, (tuple, list)):
         items = batch
     for item in items:
-        size = _batch_size(item)
+        size = samples_in(item)
         if size is not None:
             return size
     return None
@@ -395,7 +188,7 @@ class Accumulator:
         self._micro += 1
         last = self._micro == self.accumulation_steps
         batch = move_to_device(batch, self.device)
-        size = _batch_size(batch)
+        size = samples_in(batch)
         self._samples += size or 0
 
         sync = contextlib.nullcontext()

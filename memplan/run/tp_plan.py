@@ -1,0 +1,68 @@
+"""Which modules tensor parallelism splits, and how (issue 25): a model's TP plan as a
+mapping of module-name pattern (``*`` matches one name component, as in transformers'
+plans) to style (``colwise``, ``rowwise``, …).
+
+Hugging Face models bring their own (``model._tp_plan`` and the config's
+``base_model_tp_plan``, prefixed with the base model's attribute name); a model file may
+declare ``TP_PLAN`` (a dict) or define ``tp_plan(model)``. Without one, TP is refused."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from memplan.errors import BadInputError
+
+
+def hf_tp_plan(model: torch.nn.Module) -> dict[str, str]:
+    """The TP plan a transformers model declares (empty when it declares none): the config's
+    ``base_model_tp_plan`` under the base model's prefix, then the model's own ``_tp_plan``
+    (e.g. ``lm_head``), as transformers' ``PreTrainedModel`` combines them."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    base = dict(getattr(config, "base_model_tp_plan", None) or {})
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    has_base_attr = bool(prefix) and isinstance(getattr(model, prefix, None), torch.nn.Module)
+    for pattern, style in base.items():
+        plan[f"{prefix}.{pattern}" if has_base_attr else pattern] = str(style)
+    own = getattr(model, "_tp_plan", None)
+    if isinstance(own, Mapping):
+        plan.update({str(k): str(v) for k, v in own.items()})
+    return plan
+
+
+def tp_plan_for(model: torch.nn.Module, declared: Any = None) -> dict[str, str]:
+    """The model's TP plan: ``declared`` (a model file's ``TP_PLAN`` or the result of its
+    ``tp_plan(model)``) if given, else the Hugging Face plan. Raises BadInputError naming
+    what to add when there is none."""
+    plan = dict(declared) if declared else hf_tp_plan(model)
+    if not plan:
+        raise BadInputError(
+            f"{type(model).__name__} declares no tensor-parallel plan, so memplan cannot tell "
+            "which modules to split.",
+            hint="Add TP_PLAN = {'layers.*.attn.q_proj': 'colwise', …, "
+            "'layers.*.attn.o_proj': 'rowwise', …} to the model file (module-name patterns "
+            "to colwise/rowwise), or plan without tensor parallelism (--tp 1).",
+        )
+    return plan
+
+
+def tp_modules(model: torch.nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """Fully-qualified module name -> style for every module ``plan`` matches (a ``*``
+    stands for one name component)."""
+    out: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        if not name:
+            continue
+        parts = name.split(".")
+        for pattern, style in plan.items():
+            pat = pattern.split(".")
+            if len(pat) == len(parts) and all(
+                fnmatch.fnmatchcase(p, q) for p, q in zip(parts, pat, strict=True)
+            ):
+                out[name] = style
+                break
+    return out

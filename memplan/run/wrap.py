@@ -1,0 +1,113 @@
+"""How memplan wraps a model for a plan's data-parallel strategy, in an initialised process
+group: the one definition that ``memplan verify --world-size N`` runs
+(memplan.distributed) and the emitted training scripts import.
+
+* ``ddp``: ``DistributedDataParallel(gradient_as_bucket_view=True)`` and the model file's
+  optimizer;
+* ``zero1``: the same DDP, with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around
+  the optimizer's class (each rank keeps the state of its parameter partition);
+* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` and then on the root,
+  with ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)`` for a
+  ``mixed_precision: params`` plan; ``grad_sync: last_micro_step`` gives the model the
+  ``no_sync()`` the Accumulator uses (``set_requires_gradient_sync(False)``), and
+  ``every_micro_step`` reduce-scatters every micro-step;
+* ``zero2`` is DeepSpeed's and refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from memplan.errors import BadInputError
+from memplan.plan import Plan
+
+
+def fsdp_no_sync(model: torch.nn.Module) -> None:
+    """Give an FSDP2 module the ``no_sync()`` context manager the Accumulator looks for:
+    gradients are accumulated unsharded, without reduce-scatter, inside it (FSDP2's
+    ``set_requires_gradient_sync``, "the equivalence of no_sync in FSDP1")."""
+
+    @contextlib.contextmanager
+    def no_sync() -> Iterator[None]:
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    model.no_sync = no_sync  # type: ignore[assignment]
+
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def fsdp_mixed_precision(plan: Plan) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the plan: parameters gathered and computed in the
+    plan's precision, gradients reduced (and kept) in fp32; None for fp32 or autocast plans."""
+    if getattr(plan, "mixed_precision", "autocast") != "params":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(
+        param_dtype=COMPUTE_DTYPES[plan.precision], reduce_dtype=torch.float32
+    )
+
+
+def shard_fsdp(net: torch.nn.Module, plan: Plan) -> torch.nn.Module:
+    """FSDP2 ``fully_shard`` on each of ``plan.shard_units``, then on the root, with the
+    plan's mixed-precision policy; accumulation as ``plan.grad_sync`` says."""
+    from torch.distributed.fsdp import fully_shard
+
+    modules = dict(net.named_modules())
+    missing = [name for name in plan.shard_units if name not in modules]
+    if missing:
+        raise BadInputError(
+            f"The plan's shard_units {', '.join(missing)} are not modules of the model."
+        )
+    policy = fsdp_mixed_precision(plan)
+    options = {} if policy is None else {"mp_policy": policy}
+    for name in plan.shard_units:  # one all-gather unit per layer, then the root
+        fully_shard(modules[name], **options)
+    fully_shard(net, **options)
+    if getattr(plan, "grad_sync", "last_micro_step") == "last_micro_step":
+        fsdp_no_sync(net)  # without it, the Accumulator reduce-scatters every micro-step
+    return net
+
+
+def wrap_for_plan(
+    net: torch.nn.Module,
+    plan: Plan,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    device: torch.device,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """(model to call, optimizer) for ``plan.strategy`` in an initialised process group:
+    what ``verify --world-size`` runs and what the emitted torchrun script imports."""
+    strategy = plan.strategy
+    if strategy == "zero2":
+        raise BadInputError(
+            "A zero2 plan runs under DeepSpeed (ZeRO stage 2 has no torch engine).",
+            hint="Emit --format deepspeed (or accelerate), or solve with --strategy zero1 or fsdp.",
+        )
+    if strategy == "fsdp":
+        shard_fsdp(net, plan)
+        return net, make_optimizer(net)
+    ids = [device.index] if device.type == "cuda" else None
+    model = torch.nn.parallel.DistributedDataParallel(
+        net, device_ids=ids, gradient_as_bucket_view=True
+    )
+    optimizer = make_optimizer(net)
+    if strategy == "zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        defaults = {
+            k: v for k, v in optimizer.defaults.items() if k in accepted and k != "differentiable"
+        }
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **defaults)
+    return model, optimizer
