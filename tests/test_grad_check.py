@@ -186,3 +186,48 @@ def test_a_fault_in_accumulation_is_not_blamed_on_a_layer(monkeypatch) -> None:
     _loss_not_divided(monkeypatch)
     check, _ = plan_check()
     assert "every checkpointed layer recomputes as it ran forward" in check.diagnosis
+
+
+# ------------------------------------------------------------------ ranks
+SKIPS_FINAL_SYNC = '''
+import contextlib
+from memplan.run.accumulate import Accumulator
+
+_original = Accumulator.step
+
+
+def _step_without_sync(self, batch, loss_fn, **kwargs):
+    # The fault: the last micro-step too runs under no_sync, so no rank ever all-reduces.
+    no_sync = getattr(self.model, "no_sync", None)
+    with no_sync() if callable(no_sync) else contextlib.nullcontext():
+        return _original(self, batch, loss_fn, **kwargs)
+
+
+Accumulator.step = _step_without_sync
+exec(open({model!r}).read())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_ranks_that_skip_the_final_gradient_sync_fail_the_plan_check(strategy, tmp_path):
+    # The fault is injected in each rank's process by the model file it imports.
+    from memplan.verify.distributed import verify_distributed
+
+    path = tmp_path / "no_final_sync.py"
+    path.write_text(SKIPS_FINAL_SYNC.format(model=DROPOUT))
+    plan = hand_plan(
+        str(path),
+        micro=2,
+        k=2,
+        layers=("blocks.1",),
+        world_size=2,
+        strategy=strategy,
+        shard_units=BLOCKS if strategy == "fsdp" else (),
+    )
+    result = verify_distributed(str(path), plan, steps=1, timeout_s=240)
+    check = result.gradient_check
+    assert check.status == "fail", check
+    assert not result.passed
+    assert any("gradient check failed" in failure for failure in result.failures)
