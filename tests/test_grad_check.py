@@ -189,7 +189,7 @@ def test_a_fault_in_accumulation_is_not_blamed_on_a_layer(monkeypatch) -> None:
 
 
 # ------------------------------------------------------------------ ranks
-SKIPS_FINAL_SYNC = '''
+SKIPS_FINAL_SYNC = """
 import contextlib
 from memplan.run.accumulate import Accumulator
 
@@ -205,7 +205,7 @@ def _step_without_sync(self, batch, loss_fn, **kwargs):
 
 Accumulator.step = _step_without_sync
 exec(open({model!r}).read())
-'''
+"""
 
 
 @pytest.mark.slow
