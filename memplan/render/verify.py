@@ -11,7 +11,6 @@ from rich.text import Text
 
 from memplan.render import console
 from memplan.units import format_bytes, format_seconds
-from memplan.verify.grad_check import gradient_failure
 
 
 def show_verify(result: Any) -> None:
@@ -110,9 +109,7 @@ def _show_gradients(result: Any) -> None:
         console.print(Text(f"gradient check: skipped — {grad.reason}"))
     elif grad.status == "fail":
         console.print(
-            Text("gradient check: ")
-            + Text("fail", style="red")
-            + Text(f" — {gradient_failure(grad)}")
+            Text("gradient check: ") + Text("fail", style="red") + Text(f" — {grad.failure_text}")
         )
     else:
         console.print(

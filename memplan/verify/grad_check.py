@@ -62,6 +62,11 @@ class GradientCheck:
     diagnosis: str = ""
     """On failure, where the difference comes from (the layer whose recompute differs)."""
 
+    @property
+    def failure_text(self) -> str:
+        """One line saying how it failed (see :func:`gradient_failure`)."""
+        return gradient_failure(self)
+
 
 def gradient_failure(check: GradientCheck) -> str:
     """One line saying how the plan check failed, naming the worst parameter and layer."""
