@@ -31,6 +31,20 @@ class MemplanError(Exception):
         return f"{self.message}{stop} {self.hint}"
 
 
+KNOWN_EXIT_CODES = (EXIT_OVER_BUDGET, EXIT_BAD_INPUT, EXIT_CANNOT_MEASURE)
+"""The codes a MemplanError may end a command with (0 is success, never an error's)."""
+
+
+def exit_code_of(exc: MemplanError) -> int:
+    """The exit code ``exc`` ends a command with: its own when memplan defines its class and
+    the code is one of ``KNOWN_EXIT_CODES``; else 2, bad input: a ``MemplanError`` subclass
+    from a model file (or a code that is not memplan's) is the model file's error, so no
+    model file chooses memplan's exit code."""
+    code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+    ours = type(exc).__module__.startswith("memplan.")
+    return code if ours and type(code) is int and code in KNOWN_EXIT_CODES else EXIT_BAD_INPUT
+
+
 class BadInputError(MemplanError):
     """The user gave something memplan cannot use (a size string, a flag combination)."""
 

@@ -14,10 +14,10 @@ from memplan.cli.options import (
     SeqLenOption,
     TaskOption,
     finite,
+    planned_model_reference,
     running_user_code,
 )
 from memplan.errors import BadInputError
-from memplan.loader import planned_model_reference
 
 if TYPE_CHECKING:
     from memplan.verify import DistributedVerifyResult, VerifyResult

@@ -113,6 +113,7 @@ def assemble(
         has_batchnorm=bn,
         op_sequence_stable=stable,
         warnings=tuple(dict.fromkeys(warnings)),
+        max_seq_len=session.model_file.max_seq_len,
     )
 
 
