@@ -55,15 +55,34 @@ def check_gradients(
     if plan.precision == "fp32":
         try:
             return _check(mf, plan, device, seed, full, torch.float64)
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as exc:  # the model does not run in float64: compare in fp32
+        except Exception as exc:  # the model does not run (or fit) in float64: use fp32
             # (a model file that fails for another reason fails again, in fp32, and is
             # reported as such)
-            grad, couple = _check(mf, plan, device, seed, full, None)
             note = f" (float64 failed with {type(exc).__name__}: compared in fp32)"
-            return _with_reason(grad, grad.reason + note), couple
-    return _check(mf, plan, device, seed, full, None)
+        grad, couple = _fits(mf, plan, device, seed, full)
+        return _with_reason(grad, grad.reason + note), couple
+    return _fits(mf, plan, device, seed, full)
+
+
+def _fits(
+    mf: ModelFile, plan: Plan, device: torch.device, seed: int, full: Any
+) -> tuple[GradientCheck, BatchCoupling]:
+    """The check in the plan's own precision; skipped when its second copy of the model
+    does not fit the device."""
+    try:
+        return _check(mf, plan, device, seed, full, None)
+    except torch.OutOfMemoryError:
+        reason = "the textbook run's copy of the model does not fit this device next to the plan's"
+        effective = plan.accumulation_steps * plan.micro_batch_size
+        return (
+            GradientCheck(
+                status="skipped",
+                relative_error=None,
+                tolerance=TOLERANCE[plan.precision],
+                reason=reason,
+            ),
+            coupling_skipped(effective, reason),
+        )
 
 
 def _with_reason(check: GradientCheck, reason: str) -> GradientCheck:
@@ -89,8 +108,7 @@ def _check(
     layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
     build = functools.partial(_build, mf, device, seed, dtype)
     with default_dtype(dtype) if dtype is not None else contextlib.nullcontext():
-        reference_net = build()
-        reference = textbook(reference_net, mf.loss, pieces, seeds, k=k, autocast=autocast)
+        reference = textbook(build(), mf.loss, pieces, seeds, k=k, autocast=autocast)
         got, failure = _plan_run(build(), mf, plan, pieces, seeds, device, tol, precision)
         what = (
             f"the plan's {k} micro-batch(es) of {micro} vs the same run without checkpointing, "
