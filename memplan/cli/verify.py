@@ -28,12 +28,16 @@ def verify(
     first: Annotated[
         str,
         typer.Argument(
-            metavar="[MODEL] PLAN",
-            help="plan.yaml from `memplan solve`, optionally after the model (model.py, "
-            "model.py:factory or hf:PATH_OR_ID; default: the one the plan records).",
+            metavar="MODEL_OR_PLAN",
+            help="The plan (plan.yaml from `memplan solve`): the model is the one it records. "
+            "Or the model (model.py, model.py:factory or hf:PATH_OR_ID), then the plan.",
+            show_default=False,
         ),
     ],
-    second: Annotated[str | None, typer.Argument(metavar="", show_default=False)] = None,
+    second: Annotated[
+        str | None,
+        typer.Argument(metavar="[PLAN]", help="The plan, after a model.", show_default=False),
+    ] = None,
     task: TaskOption = None,
     seq_len: SeqLenOption = None,
     lora: LoraOption = None,
