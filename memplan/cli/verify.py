@@ -36,7 +36,7 @@ def verify(
     ],
     second: Annotated[
         str | None,
-        typer.Argument(metavar="[PLAN]", help="The plan, after a model.", show_default=False),
+        typer.Argument(metavar="PLAN", help="The plan, after a model.", show_default=False),
     ] = None,
     task: TaskOption = None,
     seq_len: SeqLenOption = None,
