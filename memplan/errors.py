@@ -90,6 +90,30 @@ class CannotMeasureError(MemplanError):
     exit_code = EXIT_CANNOT_MEASURE
 
 
+class InternalError(CannotMeasureError):
+    """memplan's own machinery failed while the user's code ran: a CPU twin, the live
+    tracker, the meta op cache, meta attention or autocast. It is raised (by
+    ``internal_failure``) at the point where memplan's code calls its own helpers, so it is
+    never a user's error: the loader lets it pass through the user's functions unchanged
+    (never a ``ModelFileError`` at the user's line), and it names memplan's op."""
+
+    exit_code = EXIT_CANNOT_MEASURE
+
+
+def internal_failure(part: str, op: object, exc: BaseException) -> InternalError:
+    """``exc``, raised inside memplan's ``part`` while handling ``op`` (an aten op, or
+    what a hook was doing), as memplan's own failure (exit 3) naming both."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    what = op if isinstance(op, str) else f"op {op}"
+    known = InternalError(
+        f"memplan's {part} failed on {what}: {type(exc).__name__}: {first[:300]}. This is "
+        "memplan's failure, not the model file's",
+        hint="Probe with --device cpu (or cuda) meanwhile, and report this message.",
+    )
+    known.__cause__ = exc
+    return known
+
+
 class Interrupted(BaseException):
     """SIGINT or SIGTERM arrived. A BaseException, like KeyboardInterrupt, so nothing that
     catches ``Exception`` swallows it and cleanups (``finally``) run; the console script

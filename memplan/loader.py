@@ -118,7 +118,8 @@ def _is_passthrough(exc: BaseException) -> bool:
     """Errors that are not the user's fault or that callers handle themselves. A
     ``MemplanError`` passes only when memplan raised it (``raised_by_memplan``): one that
     surfaces from the user's code is the model file's error (exit 2), whatever its class,
-    so a model file never chooses memplan's exit code."""
+    so a model file never chooses memplan's exit code. memplan's machinery failing inside
+    the user's code raises ``InternalError`` from memplan's frames: it passes (exit 3)."""
     if isinstance(exc, KeyboardInterrupt | SystemExit):
         return True
     if isinstance(exc, MemplanError | Interrupted):  # Interrupted: memplan's signal handler

@@ -132,6 +132,10 @@ def init_check(
     baseline: Annotated[
         str | None, typer.Option(help="Baseline profile path to record (relative to the output).")
     ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(help="Checkpoint candidates: comma-separated globs of module names."),
+    ] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
 ) -> None:
     """Write a starter memplan.yaml for `memplan check`."""
@@ -152,6 +156,7 @@ def init_check(
             precision=precision,
             name=name,
             baseline=baseline,
+            layers=layers,
         )
     if starter.min_peak_bytes is not None:
         render.info(

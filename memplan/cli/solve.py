@@ -213,4 +213,6 @@ def _show_no_fit(exc: NoPlanFitsError, budget_bytes: int, *, as_json: bool) -> N
         )
     elif exc.closest is not None:
         render.info(f"closest plan needs {format_bytes(exc.closest.predicted.peak_bytes)}:")
-        render.show_plan(exc.closest)
+        # the error paragraph that follows says why it does not fit: not twice
+        reasons = tuple(r for r in exc.closest.reasons if r not in str(exc))
+        render.show_plan(dataclasses.replace(exc.closest, reasons=reasons))

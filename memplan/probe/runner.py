@@ -126,7 +126,7 @@ def _probe_repeats(
     not extrapolate exactly (the caller probes it in full)."""
     backend = make_backend("meta", precision, device_profile, mixed_precision, True)
     model = backend.build(model_file)
-    names = resolve_layers(model, layers)
+    names, _ = resolve_layers(model, layers)
     repeat = longest_run(model, names)
     if repeat is None:
         return None

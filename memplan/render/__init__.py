@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -77,6 +78,23 @@ def warn(message: str) -> None:
 
 def reset_warnings() -> None:
     _warned.clear()
+
+
+@contextlib.contextmanager
+def warnings_rendered() -> Iterator[None]:
+    """Within the block, Python warnings print as memplan's ``warning:`` lines (once per
+    message), not as raw ``file:line: UserWarning`` lines."""
+
+    def show(message: Any, category: type, filename: str, lineno: int, *_: Any) -> None:
+        text = str(message).removeprefix("memplan: ")
+        if category is not UserWarning:
+            text = f"{text} ({category.__name__})"
+        warn(text)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = show
+        yield
 
 
 def info(message: str) -> None:
@@ -364,7 +382,8 @@ def show_plan(plan: Plan) -> None:
         f" · strategy {plan.strategy}" if plan.world_size > 1 or plan.strategy != "ddp" else ""
     )
     per_rank = " per rank" if plan.world_size > 1 else ""
-    lines.append(f"precision {plan.precision} · device {plan.device}{sharding}\n")
+    device = plan.device + (" (no named device: no CUDA reserve)" if plan.device == "meta" else "")
+    lines.append(f"precision {plan.precision} · device {device}{sharding}\n")
     lines.append(f"predicted peak{per_rank} ")
     lines.append(breakdown_bar(plan))
     lines.append(f"\npeak during: {predicted.peak_phase or 'n/a'}\n")
@@ -445,122 +464,6 @@ def print_json(data: Any) -> None:
 
 
 # ---------------------------------------------------------------- verify
-def show_verify(result: Any) -> None:
-    """Predicted against measured for one verify run (memplan.verify.VerifyResult)."""
-    plan = result.plan
-    table = Table(
-        title=(
-            f"verify: micro-batch {plan.micro_batch_size} × {plan.accumulation_steps}, "
-            f"{len(plan.checkpoint_layers)} checkpointed · {result.device_name} · "
-            f"{result.steps} step(s)"
-        ),
-        title_justify="left",
-        header_style="bold",
-    )
-    for column in ("", "predicted", "measured", "error"):
-        table.add_column(column, justify="left" if not column else "right")
-
-    def err(value: float, limit: float | None) -> str:
-        text = f"{value:+.1%}"
-        if limit is None:
-            return text
-        return f"[green]{text}[/green]" if abs(value) <= limit else f"[red]{text}[/red]"
-
-    table.add_row(
-        "peak memory",
-        format_bytes(result.predicted_peak_bytes),
-        format_bytes(result.measured_peak_bytes),
-        err(result.peak_error, result.tolerance),
-    )
-    if result.cuda_max_allocated_bytes is not None:
-        reserve = plan.predicted.breakdown.reserve
-        table.add_row(
-            "  allocated (torch.cuda)",
-            format_bytes(result.predicted_peak_bytes - reserve),
-            format_bytes(result.cuda_max_allocated_bytes),
-            "",
-        )
-        table.add_row(
-            "  reserved (torch.cuda)", "", format_bytes(result.cuda_max_reserved_bytes or 0), ""
-        )
-    table.add_row(
-        "time per optimizer step",
-        format_seconds(result.predicted_step_seconds),
-        format_seconds(result.measured_step_seconds),
-        err(result.time_error, None),
-    )
-    table.add_row(
-        "budget",
-        format_bytes(plan.budget_bytes),
-        "",
-        "[green]within[/green]" if result.within_budget else "[red]EXCEEDED[/red]",
-    )
-    table.add_row("effective batch", str(plan.target_batch), str(result.effective_batch), "")
-    console.print(table)
-    if result.note:
-        console.print(Text(f"note: {result.note}"))
-    grad = result.gradient_check
-    if grad.status == "skipped":
-        console.print(Text(f"gradient check: skipped — {grad.reason}"))
-    elif grad.max_relative_error is None:
-        console.print(f"gradient check: [red]{grad.status}[/red] — {escape(grad.reason)}")
-    else:
-        colour = "green" if grad.status == "pass" else "red"
-        console.print(
-            f"gradient check: [{colour}]{grad.status}[/{colour}] — {escape(grad.reason)}: "
-            f"max relative difference {grad.max_relative_error:.2e} "
-            f"(tolerance {grad.tolerance:.0e})"
-        )
-    verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
-    failed = f" — {'; '.join(result.failures)}" if result.failures else ""
-    console.print(
-        f"{verdict}{failed}: peak error {result.peak_error:+.1%} (tolerance "
-        f"±{result.tolerance:.0%}), measured peak "
-        f"{'within' if result.within_budget else 'over'} the budget."
-    )
-
-
-def show_distributed_verify(result: Any) -> None:
-    """Per-rank predicted against measured (memplan.distributed.DistributedVerifyResult)."""
-    plan = result.plan
-    table = Table(
-        title=(
-            f"verify: {plan.strategy} on {result.world_size} ranks ({result.backend}, "
-            f"{result.device}) · micro-batch {plan.micro_batch_size} × "
-            f"{plan.accumulation_steps} · {len(plan.checkpoint_layers)} checkpointed"
-        ),
-        title_justify="left",
-        header_style="bold",
-    )
-    for column in ("rank", "predicted peak", "measured peak", "error", "step time"):
-        table.add_column(column, justify="right")
-    for rank in result.ranks:
-        error = result.rank_error(rank.rank)
-        colour = "green" if abs(error) <= result.tolerance else "red"
-        table.add_row(
-            str(rank.rank),
-            format_bytes(result.predicted_peak_bytes),
-            format_bytes(rank.peak_bytes),
-            f"[{colour}]{error:+.2%}[/{colour}]",
-            format_seconds(rank.step_seconds),
-        )
-    console.print(table)
-    check = result.gradient_check
-    if check.max_relative_error is None:
-        console.print(Text(f"gradient check: {check.status} — {check.reason}"))
-    else:
-        console.print(
-            f"gradient check: {check.status} — {escape(check.reason)}: max relative "
-            f"difference {check.max_relative_error:.2e} (tolerance {check.tolerance:.0e})"
-        )
-    verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
-    console.print(
-        f"{verdict}: worst rank error {result.peak_error:+.2%} (tolerance "
-        f"±{result.tolerance:.0%}), largest rank "
-        f"{'within' if result.within_budget else 'over'} the budget."
-    )
-
-
 # ---------------------------------------------------------------- devices
 def show_devices(specs: list[DeviceSpec]) -> None:
     """The GPU specs memplan can plan for, one row each."""

@@ -25,8 +25,9 @@ reported too. Memory that gloo or NCCL allocate outside PyTorch tensors is not s
 A rank that raises, dies or outlives ``timeout_s`` ends the run: the others are killed,
 and a ``CannotMeasureError`` says which rank, how, and the tail of its error.
 
-It also checks that N ranks × k micro-batches give the gradient of one batch of
-N × k × micro samples (the data-parallel form of the accumulation rule of docs/design.md).
+It also checks the gradients (memplan.verify.distributed_grads): the ranks' against the same
+micro-batches run the textbook way in one process, and separately whether micro-batching
+changes the objective (batch coupling).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
 from memplan.schema import to_data
 from memplan.verify.distributed_grads import gradient_check, gradient_error
+from memplan.verify.grad_check import BatchCoupling
 from memplan.verify.rank_lifetime import RunFolder, die_with_parent
 from memplan.verify.single import (
     GradientCheck,
@@ -176,6 +178,7 @@ class DistributedVerifyResult(Verdict):
     ranks: tuple[RankResult, ...]
     tolerance: float
     gradient_check: GradientCheck
+    batch_coupling: BatchCoupling
     predicted_step_seconds: float
 
     @property
@@ -490,7 +493,9 @@ def verify_distributed(
         progress(1, 1, "done")
         raw = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
-    errors = [r.get("gradient_error") for r in raw]
+    grad, couple = gradient_check(
+        plan, [r.get("gradient_error") for r in raw], check_gradients, world
+    )
     return DistributedVerifyResult(
         plan=plan,
         device=chosen,
@@ -513,6 +518,7 @@ def verify_distributed(
             for r in raw
         ),
         tolerance=tolerance,
-        gradient_check=gradient_check(plan, errors, check_gradients, world),
+        gradient_check=grad,
+        batch_coupling=couple,
         predicted_step_seconds=plan.predicted.step_seconds,
     )
