@@ -389,11 +389,13 @@ def test_check_puts_each_checks_png_in_the_step_summary(tmp_path):
     )
     assert result.exit_code == 1, result.output  # the second check is over budget
     text = summary.read_text()
-    assert "fits" in text and "too-small" in text  # the check's own table comes first
+    # The summary writes names as escaped Markdown text (formats.markdown_text): the
+    # hyphen of "too-small" comes out as "too\\-small".
+    assert "fits" in text and "too\\-small" in text  # the check's own table comes first
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', text)
     # One image per check: the plan that fits, and the closest plan to the one that does not.
     assert len(images) == 2
-    assert text.index("#### fits: where") < text.index("#### too-small: where")
+    assert text.index("#### fits: where") < text.index("#### too\\-small: where")
     sizes = [png_size(base64.b64decode(encoded)) for encoded in images]
     # Timeline and candidates for the passing check; the timeline alone for the failing
     # one (no candidate fits its budget, so there is no candidates chart).
