@@ -158,13 +158,19 @@ def solve(
     )
     seq = None
     try:
-        if seq_len is None and tokens_per_batch is None:
-            result = run_solver(profile, request)
-        else:
-            seq = solve_seq(
-                profile, request, length, multiple=seq_multiple, tokens_per_batch=tokens_per_batch
-            )
-            result = seq.result
+        with render.progress("memplan solve", quiet=as_json) as on_progress:
+            on_progress(0, 0, f"{len(profile.layers):,} layers")
+            if seq_len is None and tokens_per_batch is None:
+                result = run_solver(profile, request)
+            else:
+                seq = solve_seq(
+                    profile,
+                    request,
+                    length,
+                    multiple=seq_multiple,
+                    tokens_per_batch=tokens_per_batch,
+                )
+                result = seq.result
     except NoPlanFitsError as exc:
         _show_no_fit(exc, request.budget_bytes, as_json=as_json)
         raise

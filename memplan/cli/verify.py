@@ -91,7 +91,9 @@ def verify(
     distributed = (world_size or plan.world_size) > 1
     with (
         running_user_code(model, as_json=as_json),
-        render.progress("verifying on several ranks" if distributed else "verifying") as tick,
+        render.progress(
+            "verifying on several ranks" if distributed else "verifying", quiet=as_json
+        ) as tick,
     ):
         result = run_verify(
             model,

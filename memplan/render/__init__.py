@@ -102,8 +102,14 @@ def info(message: str) -> None:
 
 
 @contextlib.contextmanager
-def progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A progress bar driven by the library's ``on_progress(done, total, what)`` callbacks."""
+def progress(description: str, *, quiet: bool = False) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr driven by the library's ``on_progress(done, total, what)``
+    callbacks (a phase with no count: call it with total 0 or never), showing what it is
+    doing and the elapsed time. Silent (the callback does nothing) with ``quiet`` (``--json``)
+    or when stderr is not a terminal, so logs and pipes stay clean."""
+    if quiet or not console.is_terminal:
+        yield lambda done, total, what: None
+        return
     bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -116,7 +122,7 @@ def progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
     task = bar.add_task(description, total=None, what="")
 
     def update(done: int, total: int, what: str) -> None:
-        bar.update(task, completed=done, total=total, what=what)
+        bar.update(task, completed=done, total=total or None, what=what)
 
     with bar:
         yield update
