@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory.layout import check_layout, rank_profile, tp_measured
-from memplan.parallel import Parallel, Schedule
+from memplan.parallel import Parallel, Schedule, in_flight
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.request import SolveRequest, SolveResult
@@ -118,6 +118,9 @@ def candidate_layouts(profile: Profile, world: int, ask: LayoutRequest) -> list[
                     continue
                 if tp > 1 and not tp_measured(profile):
                     continue
+                dp = world // (tp * pp * cp)
+                if profile.environment.mixed_precision == "params" and dp < 2:
+                    continue  # FSDP's mixed-precision policy, as probed, needs shards
                 sp = ask.sequence_parallel
                 if sp is None:
                     sp = ask.auto and tp > 1
@@ -164,6 +167,20 @@ def bubble_fraction(parallel: Parallel, m: int) -> float:
     return idle / (m + idle)
 
 
+_RANKS: dict[tuple, Profile] = {}
+
+
+def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> Profile:
+    """``rank_profile``, which depends on the micro-batches only through the stage's
+    in-flight count: kept for the search of one profile (the last one asked)."""
+    key = (id(profile), parallel, stage, in_flight(parallel, stage, m))
+    if key not in _RANKS:
+        if _RANKS and next(iter(_RANKS))[0] != id(profile):
+            _RANKS.clear()
+        _RANKS[key] = rank_profile(profile, parallel, stage, m)
+    return _RANKS[key]
+
+
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
     if request.strategy != "auto":
         return request.strategy
@@ -189,9 +206,9 @@ def evaluate_layout(
     most_layers = 0
     # Stage 0 holds the most micro-batches in flight: the likeliest not to fit, tried first.
     for stage in range(parallel.pp):
-        rank = rank_profile(profile, parallel, stage, m)
+        rank = _rank_profile(profile, parallel, stage, m)
         most_layers = max(most_layers, len(rank.layers))
-        result = solve_if_fits(rank, stage_request)
+        result = solve_if_fits(rank, stage_request, explain=False)
         if result is None:
             return None
         results.append(result)
