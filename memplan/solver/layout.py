@@ -100,8 +100,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(profile: Profile, world: int, ask: LayoutRequest) -> list[Parallel]:
-    """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1."""
+def candidate_layouts(
+    profile: Profile, world: int, ask: LayoutRequest, strategy: str = "fsdp"
+) -> list[Parallel]:
+    """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1.
+    The data-parallel ranks are DDP replicas for ``ddp``, shards otherwise."""
     n = len(profile.layers)
     tps = [ask.tp] if ask.tp else (_divisors(world) if ask.auto else [1])
     pps = [ask.pp] if ask.pp else (_divisors(world) if ask.auto else [1])
@@ -124,9 +127,11 @@ def candidate_layouts(profile: Profile, world: int, ask: LayoutRequest) -> list[
                 sp = ask.sequence_parallel
                 if sp is None:
                     sp = ask.auto and tp > 1
+                replicas = strategy == "ddp"
                 out.append(
                     Parallel(
-                        dp_shard=world // (tp * pp * cp),
+                        dp_replicate=dp if replicas else 1,
+                        dp_shard=1 if replicas else dp,
                         tp=tp,
                         pp=pp,
                         cp=cp,
@@ -182,9 +187,10 @@ def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> P
 
 
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
+    """The data-parallel engine: as asked; ``auto`` shards (FSDP2, as torchtitan does)."""
     if request.strategy != "auto":
         return request.strategy
-    return "fsdp" if parallel.dp > 1 else "ddp"
+    return "fsdp" if parallel.dp_shard > 1 else "ddp"
 
 
 def evaluate_layout(
@@ -229,7 +235,8 @@ def evaluate_layout(
 
 def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> list[LayoutOption]:
     world = request.world_size
-    layouts = candidate_layouts(profile, world, ask)
+    strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    layouts = candidate_layouts(profile, world, ask, strategy)
     if not layouts:
         raise BadInputError(
             f"no layout of {world} ranks fits the asked degrees (tp {ask.tp or 'auto'}, pp "
@@ -267,6 +274,11 @@ def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
         f"rank (stage {best.worst_stage}) {format_bytes(best.peak_bytes)}; step "
         f"{best.step_seconds * 1e3:.1f} ms" + (f", bubble {best.bubble:.0%}" if p.pp > 1 else "")
     ]
+    if p.pp > 1:
+        peaks = ", ".join(
+            f"{s}: {format_bytes(r.plan.predicted.peak_bytes)}" for s, r in enumerate(best.stages)
+        )
+        out.append(f"every stage's peak per rank ({p.schedule}): {peaks}")
     for dim in ("tp", "pp"):
         others = [o for o in options if getattr(o.parallel, dim) != getattr(p, dim)]
         if not others:
