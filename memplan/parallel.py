@@ -60,3 +60,19 @@ class Parallel:
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+
+def stage_layers(n_layers: int, stages: int) -> tuple[range, ...]:
+    """The contiguous layers of each pipeline stage: ``n_layers // stages`` each, and the
+    remainder one more on each of the *last* stages, because under 1F1B the first stage
+    holds the most micro-batches in flight (pp of them) and the last only one. E.g. 5 layers
+    on 2 stages: layers 0-1, then 2-4."""
+    if stages < 1 or n_layers < stages:
+        raise ValueError(f"{n_layers} layers cannot fill {stages} pipeline stages")
+    base, extra = divmod(n_layers, stages)
+    out, start = [], 0
+    for stage in range(stages):
+        size = base + (1 if stage >= stages - extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return tuple(out)
