@@ -21,7 +21,8 @@ the emitted training scripts import.
    schedule (GPipe, 1F1B, interleaved 1F1B) over ``accumulation_steps`` micro-batches;
 4. data parallelism over what is left: DDP on the ``dp_replicate`` mesh
    (``DistributedDataParallel(device_mesh=...)``, which composes with TP by localising
-   DTensor parameters), or FSDP2 ``fully_shard`` on the ``dp_shard`` mesh (HSDP on both),
+   DTensor parameters; under PP each gradient is all-reduced in place after the
+   pipeline's backward instead), or FSDP2 ``fully_shard`` on the ``dp_shard`` mesh (HSDP on both),
    one unit per plan shard unit, then the root: with TP a 2-D (dp_shard, tp) layout;
 5. the model file's optimizer over this rank's parameters.
 
@@ -72,6 +73,15 @@ def data_rank(parallel: Parallel, rank: int) -> int:
     return where["dp_replicate"] * parallel.dp_shard + where["dp_shard"]
 
 
+def layout_to_run(plan: Any) -> Parallel | None:
+    """The plan's layout when it needs this module (tensor, pipeline or context parallel
+    degrees); None for plain data parallelism, which memplan.run.wrap runs."""
+    parallel = getattr(plan, "parallel", None)
+    if parallel is None or (parallel.tp == 1 and parallel.pp == 1 and parallel.cp == 1):
+        return None
+    return parallel
+
+
 # --------------------------------------------------------------------------- tensor parallel
 def parallel_style(style: str) -> Any:
     """The torch ParallelStyle for a transformers TP style name."""
@@ -103,7 +113,8 @@ def parallel_style(style: str) -> Any:
     return styles[style]()
 
 
-def _check_divisible(net: torch.nn.Module, modules: dict[str, str], tp: int) -> None:
+def check_tp_divisible(net: torch.nn.Module, modules: dict[str, str], tp: int) -> None:
+    """Refuse a TP degree that splits an attention head or a linear's split dimension."""
     config = getattr(net, "config", None)
     for attr in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, attr, None)
@@ -137,7 +148,7 @@ def apply_tp(net: torch.nn.Module, tp_mesh: Any, declared: Any = None) -> dict[s
             f"The TP plan of {type(net).__name__} matches none of its modules.",
             hint="Check the module-name patterns of TP_PLAN against model.named_modules().",
         )
-    _check_divisible(net, modules, tp_mesh.size())
+    check_tp_divisible(net, modules, tp_mesh.size())
     parallelize_module(net, tp_mesh, {name: parallel_style(s) for name, s in modules.items()})
     return modules
 
@@ -168,10 +179,19 @@ def pipeline_parts(net: torch.nn.Module) -> PipelineParts:
     embeddings, layers, norm; ``_pp_plan``: the head). Other models are refused."""
     config = getattr(net, "config", None)
     base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    own = dict(getattr(net, "_pp_plan", None) or {})
     prefix = getattr(net, "base_model_prefix", "") or ""
+    # an instance's _pp_plan also holds the base plan under the prefix: the rest is the head
+    own = {
+        name: value
+        for name, value in dict(getattr(net, "_pp_plan", None) or {}).items()
+        if not name.startswith(f"{prefix}.")
+    }
     names = list(base_plan)
-    if len(names) != 3 or len(own) != 1 or not isinstance(getattr(net, prefix, None), torch.nn.Module):
+    if (
+        len(names) != 3
+        or len(own) != 1
+        or not isinstance(getattr(net, prefix, None), torch.nn.Module)
+    ):
         raise BadInputError(
             f"memplan splits pipeline stages of Hugging Face decoder models (embeddings, "
             f"layers, norm, head in their pipeline plan); {type(net).__name__} declares none.",
@@ -261,7 +281,7 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
         if parallel.pp == 1 and plan.grad_sync == "last_micro_step":
             fsdp_no_sync(module)
         return module
-    if parallel.dp_replicate > 1:
+    if parallel.dp_replicate > 1 and parallel.pp == 1:
         return torch.nn.parallel.DistributedDataParallel(
             module, device_mesh=mesh["dp_replicate"], gradient_as_bucket_view=True
         )
@@ -310,11 +330,24 @@ class Layout:
         args = (whole["input_ids"],) if self.is_first else ()
         target = whole["labels"] if self.is_last else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if self.parallel.dp_replicate > 1 and self.parallel.dp_shard == 1:
+            self._average_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if not losses:
             return float("nan")
         return float(torch.stack([loss.detach() for loss in losses]).mean())
+
+    def _average_gradients(self) -> None:
+        """Pipeline stages' data-parallel replicas: each gradient all-reduced in place
+        over dp_replicate and divided by it. (DDP cannot wrap a stage: its bucket rebuild
+        counts every pipeline micro-batch's backward, torch 2.13 reducer.cpp:2003.)"""
+        group = self.mesh["dp_replicate"].get_group()
+        for p in self.net.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                torch.distributed.all_reduce(grad, group=group)
+                grad.div_(self.parallel.dp_replicate)
 
 
 def _placements(net: torch.nn.Module) -> dict[str, tuple[Any, Any]]:
@@ -335,9 +368,12 @@ def build_layout(
     device: torch.device,
     *,
     declared_tp_plan: Any = None,
+    max_grad_norm: float | None = None,
 ) -> Layout:
     """``net`` (built identically on every rank, checkpointing already applied) parallelised
-    by ``parallel`` on this rank; see the module doc."""
+    by ``parallel`` on this rank; see the module doc. ``max_grad_norm`` clips the gradient
+    norm once per step without pipeline parallelism (DTensor gradients included); a
+    pipeline's norm spans stages, which torch's clip does not see, so it is not clipped."""
     from memplan import run
 
     if parallel.cp > 1:
@@ -355,7 +391,7 @@ def build_layout(
     if parallel.pp == 1:
         model = _wrap_data_parallel(net, plan, parallel, mesh)
         optimizer = make_optimizer(net)
-        acc = run.Accumulator(model, optimizer, plan, device=device)
+        acc = run.Accumulator(model, optimizer, plan, device=device, max_grad_norm=max_grad_norm)
         return Layout(
             parallel=parallel,
             mesh=mesh,
@@ -382,9 +418,7 @@ def build_layout(
     first, last = stage == 0, stage == parallel.pp - 1
     make_stage_module(net, parts, ranges[stage], first=first, last=last)
     model = _wrap_data_parallel(net, plan, parallel, mesh)
-    pipeline_stage = PipelineStage(
-        model, stage, parallel.pp, device, group=mesh["pp"].get_group()
-    )
+    pipeline_stage = PipelineStage(model, stage, parallel.pp, device, group=mesh["pp"].get_group())
     schedule = _schedule_class(parallel)(
         pipeline_stage, n_microbatches=plan.accumulation_steps, loss_fn=loss
     )

@@ -134,16 +134,25 @@ def layout_gradient_error(
         declared_tp_plan=getattr(mf.module, "TP_PLAN", None),
     )
     first = data_rank(parallel, rank) * k
-    mine = [map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(first, first + k)]
+    mine = [
+        map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro])
+        for i in range(first, first + k)
+    ]
     captured: dict[str, torch.Tensor] = {}
+    shards = dict(layout.dtensor_placements)
     original_step = layout.optimizer.step
 
     def step_and_capture(*args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
         for name, p in net.named_parameters():
-            if p.grad is not None:
-                grad = p.grad
-                full_tensor = getattr(grad, "full_tensor", None)
-                captured[name] = (full_tensor() if callable(full_tensor) else grad).detach().float()
+            grad = p.grad
+            if grad is None:
+                continue
+            if isinstance(grad, DTensor):  # compare this rank's shard: no collective
+                shards[name] = (grad.device_mesh, tuple(grad.placements))
+                grad = grad.to_local()
+            captured[name] = grad.detach().float()
         return original_step(*args, **kwargs)
 
     layout.optimizer.step = step_and_capture  # type: ignore[method-assign]
@@ -154,8 +163,8 @@ def layout_gradient_error(
         ref = reference.get(name)
         if ref is None:
             return math.inf
-        if got.shape != ref.shape and name in layout.dtensor_placements:
-            ref = _local_slice(ref, *layout.dtensor_placements[name])
+        if name in shards:
+            ref = _local_slice(ref, *shards[name])
         if got.shape != ref.shape:
             return f"{name}: gradient of shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
         if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
