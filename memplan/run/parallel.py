@@ -413,6 +413,11 @@ def build_layout(
     parts = pipeline_parts(net)
     loss = hf_causal_loss(net)
     n_layers = len(net.get_submodule(parts.layers))
+    if n_layers < parallel.pp:
+        raise BadInputError(
+            f"{n_layers} layers cannot fill {parallel.pp} pipeline stages.",
+            hint=f"Plan with --pp {n_layers} or less.",
+        )
     stage = mesh_coordinates(parallel, rank)["pp"]
     ranges = stage_layers(n_layers, parallel.pp)
     first, last = stage == 0, stage == parallel.pp - 1

@@ -124,10 +124,23 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
     NoPlanFitsError (with the least peak any plan needs and the closest plan) when no
     plan fits the budget."""
     setup = _setup(profile, request)
+    result = _result(setup)
+    if result is None:
+        raise no_plan_fits_error(setup.ctx, setup.options, setup.bn_floor)
+    return result
+
+
+def solve_if_fits(profile: Profile, request: SolveRequest) -> SolveResult | None:
+    """``solve``'s answer, or None when no plan fits (what the layout search asks of each
+    pipeline stage: no error to build when a layout does not fit)."""
+    return _result(_setup(profile, request))
+
+
+def _result(setup: _Setup) -> SolveResult | None:
     ctx, options, bn_floor = setup.ctx, setup.options, setup.bn_floor
     fitting = [o for o in options if o.allowed and o.fits]
     if not fitting:
-        raise no_plan_fits_error(ctx, options, bn_floor)
+        return None
     least_sharded = min(STRATEGIES.index(o.strategy) for o in fitting)
     best = min(
         (o for o in fitting if STRATEGIES.index(o.strategy) == least_sharded),
