@@ -52,6 +52,7 @@ from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
 from memplan.schema import to_data
 from memplan.verify.distributed_grads import gradient_check, gradient_error
+from memplan.verify.layout import parallel_of, run_layout_rank
 from memplan.verify.rank_lifetime import RunFolder, die_with_parent
 from memplan.verify.single import (
     GradientCheck,
@@ -274,6 +275,9 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         timeout=timedelta(seconds=float(config["timeout_s"])),
     )
     plan = plan_from_data(config["plan"], source="plan")
+    parallel = parallel_of(plan, config)
+    if parallel is not None and (parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1):
+        return run_layout_rank(rank, config, plan, parallel)
     mf = load_model_file(config["model"]).at_seq_len(plan.seq_len)
     micro, k, seed = plan.micro_batch_size, plan.accumulation_steps, int(config["seed"])
 
@@ -395,6 +399,7 @@ def verify_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_progress: Callable[[int, int, str], None] | None = None,
     record_timeline: bool = False,
+    parallel: Any = None,
 ) -> DistributedVerifyResult:
     """Run ``plan`` on ``world_size`` processes (default: the plan's) and measure each rank;
     see the module doc. Raises ``BadInputError`` for a plan it cannot run here and
@@ -440,6 +445,7 @@ def verify_distributed(
             "steps": steps,
             "check_gradients": check_gradients,
             "record_timeline": record_timeline,
+            "parallel": to_data(parallel) if parallel is not None else None,
         }
         env = {"MASTER_ADDR": "127.0.0.1"}
         interface = _loopback_interface()
