@@ -330,7 +330,13 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
         checkpoint_layers=None,
         shard_units=profile.layer_names if worst.strategy == "fsdp" else (),
         model_fingerprint=fingerprint,
-        predicted=dataclasses.replace(worst.predicted, step_seconds=option.step_seconds),
+        predicted=dataclasses.replace(
+            worst.predicted,
+            step_seconds=option.step_seconds,
+            stage_peak_bytes=tuple(s.plan.predicted.peak_bytes for s in option.stages)
+            if p.pp > 1
+            else (),
+        ),
         reasons=(*reasons, *worst.reasons),
     )
 
