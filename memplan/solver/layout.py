@@ -32,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory.layout import check_layout, rank_profile, tp_measured
+from memplan.memory.layout import check_layout, layout_sharding, rank_profile, tp_measured
 from memplan.parallel import Parallel, Schedule, in_flight
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -178,7 +178,8 @@ _RANKS: dict[tuple, Profile] = {}
 def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> Profile:
     """``rank_profile``, which depends on the micro-batches only through the stage's
     in-flight count: kept for the search of one profile (the last one asked)."""
-    key = (id(profile), parallel, stage, in_flight(parallel, stage, m))
+    k = in_flight(parallel, stage, m)
+    key = (id(profile), parallel, stage, k, min(k, m - 1))  # memory.layout's two phases
     if key not in _RANKS:
         if _RANKS and next(iter(_RANKS))[0] != id(profile):
             _RANKS.clear()
@@ -199,7 +200,10 @@ def evaluate_layout(
     """Solve every stage of ``parallel`` at micro-batch ``b`` with ``m`` micro-batches; None
     when a stage does not fit."""
     strategy = _strategy(request, parallel)
-    world = parallel.dp if strategy == "ddp" else parallel.dp_shard
+    # The data-parallel dimension exactly as the memory model takes it (a pipeline's DDP
+    # replicas are all-reduced after the schedule: no buckets, world 1 to the stage solve;
+    # their all-reduce is timed below with the layout's own collectives).
+    world = layout_sharding(strategy, parallel).world_size
     stage_request = dataclasses.replace(
         request,
         target_batch=b * m * world,
@@ -220,6 +224,9 @@ def evaluate_layout(
         results.append(result)
     slowest = max(r.plan.predicted.step_seconds for r in results)
     comm = layout_comm_seconds(profile, parallel, b, m, most_layers)
+    if world == 1 and parallel.dp > 1:  # the pipeline's replicas, all-reduced after the step
+        grads = profile.totals.grad_bytes / (parallel.pp * parallel.tp)
+        comm["dp"] = _ring(grads, parallel.dp) / INTER_NODE_BYTES_PER_SECOND
     bubble = bubble_fraction(parallel, m)
     step = slowest / (1.0 - bubble) + sum(comm.values())
     return LayoutOption(
