@@ -167,6 +167,22 @@ class _Frame:
         )
 
 
+LOSS_PART = "(loss)"
+"""The probe's name for the loss computed outside the model's modules (memplan.probe.assemble)."""
+
+
+def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
+    """What the last stage's output holds per micro-batch in flight: torch.distributed.
+    pipelining keeps a stage's forward output until that micro-batch's backward (its
+    ``fwd_cache``), where a plain step lets the loss free it. Measured: the bytes the loss
+    frees (the negative ``saved_bytes`` of the probe's ``(loss)`` part, the logits)."""
+    freed = Affine.zero()
+    for part in profile.fixed:
+        if part.name == LOSS_PART and part.saved_bytes.slope < 0:
+            freed = _scale(part.saved_bytes, -1.0 / parallel.cp)
+    return freed
+
+
 def cp_exchange_bytes(layer: Layer, parallel: Parallel) -> Affine:
     """Context parallel's K/V exchange, per sample: ring attention holds the K/V chunk it
     computes with and the one it receives, each at most the block input's size over ``cp``
@@ -265,10 +281,14 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
     received = profile.layers[stage_range.start].input_bytes if not first else Affine.zero()
     input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
+    kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
     offsets = {
         phase: (
-            (n - 1) * stage_saved.intercept + n * input_factor * received.intercept,
-            (n - 1) * stage_saved.slope + n * input_factor * received.slope + exchange.slope,
+            (n - 1) * stage_saved.intercept
+            + n * (input_factor * received.intercept + kept.intercept),
+            (n - 1) * stage_saved.slope
+            + n * (input_factor * received.slope + kept.slope)
+            + exchange.slope,
         )
         for phase, n in ks.items()
     }
