@@ -42,6 +42,10 @@ class Shape:
 LLAMA2_7B = Shape(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32)
 LLAMA2_13B = Shape(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40)
 LLAMA2_70B = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8)
+# Llama 3.1 405B's config.json (its 128256-token vocabulary; batches keep ids below 32000).
+LLAMA31_405B = Shape(
+    layers=126, hidden=16384, intermediate=53248, heads=128, kv_heads=8, vocab=128256
+)
 SEQ_LEN, VOCAB = 4096, 32000  # the same for all three: make_batch serves every factory
 
 # Which modules tensor parallelism splits (memplan.run.tp_plan): torchtitan's Llama plan
@@ -162,6 +166,10 @@ def build_llama2_13b() -> nn.Module:
 
 def build_llama2_7b() -> nn.Module:
     return Llama(LLAMA2_7B)
+
+
+def build_llama31_405b() -> nn.Module:
+    return Llama(LLAMA31_405B)
 
 
 def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

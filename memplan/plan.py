@@ -63,6 +63,14 @@ class Prediction:
     breakdown: Breakdown
     peak_phase: str = ""
     """Where the peak happens: e.g. 'backward of transformer.h.0', 'optimizer step'."""
+    stage_peak_bytes: tuple[int, ...] = ()
+    """With a pipeline layout: every stage's predicted peak per rank, stage 0 first (the
+    ranks of a stage are alike; ``memplan.memory.layout.stage_of_rank`` maps a rank to its
+    stage). ``peak_bytes`` is their maximum. Empty without pipelining."""
+
+    def rank_peak_bytes(self, stage: int) -> int:
+        """The predicted peak of a rank of pipeline stage ``stage``."""
+        return self.stage_peak_bytes[stage] if self.stage_peak_bytes else self.peak_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,6 +237,8 @@ def plan_to_yaml(plan: Plan) -> str:
         data.pop("seq_len", None)
     if data.get("parallel") is None:
         data.pop("parallel", None)
+    if not data["predicted"].get("stage_peak_bytes"):
+        data["predicted"].pop("stage_peak_bytes", None)
     data["checkpoint"] = _BlockMap(data["checkpoint"] or {})
     return yaml.dump(data, Dumper=_PlanDumper, sort_keys=False, default_flow_style=None, width=100)
 

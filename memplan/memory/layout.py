@@ -241,7 +241,13 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
     first, last = stage == 0, stage == parallel.pp - 1
     forwards = in_flight(parallel, stage, micro_batches)
     k = max(1, math.ceil(forwards / parallel.virtual_stages))
-    layers = [_rank_layer(profile.layers[j], parallel, k) for j in stage_range]
+    # Later micro-batches' backwards (gradients resident) start with one fewer in flight
+    # each time the pipeline drains: at most min(k, m − 1) (1F1B's B_1 with m = pp).
+    k_resident = max(1, min(k, micro_batches - 1))
+    ks = {"no_grads": k, "grads_resident": k_resident}
+    # A checkpointed block frees its savings in each held micro-batch; the fewer of the two
+    # phases' counts is taken (never more saved than there is).
+    layers = [_rank_layer(profile.layers[j], parallel, min(ks.values())) for j in stage_range]
     fixed = [
         _rank_fixed(part, parallel)
         for part in profile.fixed
@@ -259,10 +265,13 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
     received = profile.layers[stage_range.start].input_bytes if not first else Affine.zero()
     input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
-    offset = (
-        (k - 1) * stage_saved.intercept + k * input_factor * received.intercept,
-        (k - 1) * stage_saved.slope + k * input_factor * received.slope + exchange.slope,
-    )
+    offsets = {
+        phase: (
+            (n - 1) * stage_saved.intercept + n * input_factor * received.intercept,
+            (n - 1) * stage_saved.slope + n * input_factor * received.slope + exchange.slope,
+        )
+        for phase, n in ks.items()
+    }
     # Prefix sums of the plain saved bytes (whole model) and of the rank's (this stage).
     full_prefix = [(0.0, 0.0)]
     rank_prefix = [(0.0, 0.0)]
@@ -305,7 +314,14 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
             base_rank = state_rank + grads_at_bytes(draft, phase, new_index)
             h = seg.held
             cur = f[h] if seg.active != "none" else 1.0 / parallel.cp
-            frame = _Frame(base_full, base_rank, cur, full_prefix[h], rank_prefix[h], offset)
+            frame = _Frame(
+                base_full,
+                base_rank,
+                cur,
+                full_prefix[h],
+                rank_prefix[h],
+                offsets.get(phase, offsets["no_grads"]),
+            )
             out.append(
                 dataclasses.replace(
                     moved[phase][new_index],
@@ -329,8 +345,12 @@ def layout_sharding(
 ) -> Sharding:
     """The data-parallel dimension of a layout as the per-rank model sees it: DDP over all
     ``dp`` ranks; a sharded strategy (ZeRO, FSDP) over ``dp_shard`` (HSDP replicates the
-    shards ``dp_replicate`` times, which adds no memory)."""
+    shards ``dp_replicate`` times, which adds no memory). A pipeline's replicas are not
+    wrapped in DDP (its bucket rebuild cannot wrap a stage): memplan's runtime all-reduces
+    each gradient in place after the schedule, so no buckets (world 1 here)."""
     world = parallel.dp if strategy == "ddp" else parallel.dp_shard
+    if strategy == "ddp" and parallel.pp > 1:
+        world = 1
     return Sharding(strategy=strategy, world_size=world, grad_sync=grad_sync)
 
 

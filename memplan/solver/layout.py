@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory.layout import check_layout, rank_profile, tp_measured
-from memplan.parallel import Parallel, Schedule
+from memplan.parallel import Parallel, Schedule, in_flight
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.request import SolveRequest, SolveResult
@@ -100,8 +100,11 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(profile: Profile, world: int, ask: LayoutRequest) -> list[Parallel]:
-    """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1."""
+def candidate_layouts(
+    profile: Profile, world: int, ask: LayoutRequest, strategy: str = "fsdp"
+) -> list[Parallel]:
+    """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1.
+    The data-parallel ranks are DDP replicas for ``ddp``, shards otherwise."""
     n = len(profile.layers)
     tps = [ask.tp] if ask.tp else (_divisors(world) if ask.auto else [1])
     pps = [ask.pp] if ask.pp else (_divisors(world) if ask.auto else [1])
@@ -118,12 +121,17 @@ def candidate_layouts(profile: Profile, world: int, ask: LayoutRequest) -> list[
                     continue
                 if tp > 1 and not tp_measured(profile):
                     continue
+                dp = world // (tp * pp * cp)
+                if profile.environment.mixed_precision == "params" and dp < 2:
+                    continue  # FSDP's mixed-precision policy, as probed, needs shards
                 sp = ask.sequence_parallel
                 if sp is None:
                     sp = ask.auto and tp > 1
+                replicas = strategy == "ddp"
                 out.append(
                     Parallel(
-                        dp_shard=world // (tp * pp * cp),
+                        dp_replicate=dp if replicas else 1,
+                        dp_shard=1 if replicas else dp,
                         tp=tp,
                         pp=pp,
                         cp=cp,
@@ -164,10 +172,25 @@ def bubble_fraction(parallel: Parallel, m: int) -> float:
     return idle / (m + idle)
 
 
+_RANKS: dict[tuple, Profile] = {}
+
+
+def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> Profile:
+    """``rank_profile``, which depends on the micro-batches only through the stage's
+    in-flight count: kept for the search of one profile (the last one asked)."""
+    key = (id(profile), parallel, stage, in_flight(parallel, stage, m))
+    if key not in _RANKS:
+        if _RANKS and next(iter(_RANKS))[0] != id(profile):
+            _RANKS.clear()
+        _RANKS[key] = rank_profile(profile, parallel, stage, m)
+    return _RANKS[key]
+
+
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
+    """The data-parallel engine: as asked; ``auto`` shards (FSDP2, as torchtitan does)."""
     if request.strategy != "auto":
         return request.strategy
-    return "fsdp" if parallel.dp > 1 else "ddp"
+    return "fsdp" if parallel.dp_shard > 1 else "ddp"
 
 
 def evaluate_layout(
@@ -189,9 +212,9 @@ def evaluate_layout(
     most_layers = 0
     # Stage 0 holds the most micro-batches in flight: the likeliest not to fit, tried first.
     for stage in range(parallel.pp):
-        rank = rank_profile(profile, parallel, stage, m)
+        rank = _rank_profile(profile, parallel, stage, m)
         most_layers = max(most_layers, len(rank.layers))
-        result = solve_if_fits(rank, stage_request)
+        result = solve_if_fits(rank, stage_request, explain=False)
         if result is None:
             return None
         results.append(result)
@@ -212,7 +235,8 @@ def evaluate_layout(
 
 def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> list[LayoutOption]:
     world = request.world_size
-    layouts = candidate_layouts(profile, world, ask)
+    strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    layouts = candidate_layouts(profile, world, ask, strategy)
     if not layouts:
         raise BadInputError(
             f"no layout of {world} ranks fits the asked degrees (tp {ask.tp or 'auto'}, pp "
@@ -250,6 +274,11 @@ def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
         f"rank (stage {best.worst_stage}) {format_bytes(best.peak_bytes)}; step "
         f"{best.step_seconds * 1e3:.1f} ms" + (f", bubble {best.bubble:.0%}" if p.pp > 1 else "")
     ]
+    if p.pp > 1:
+        peaks = ", ".join(
+            f"{s}: {format_bytes(r.plan.predicted.peak_bytes)}" for s, r in enumerate(best.stages)
+        )
+        out.append(f"every stage's peak per rank ({p.schedule}): {peaks}")
     for dim in ("tp", "pp"):
         others = [o for o in options if getattr(o.parallel, dim) != getattr(p, dim)]
         if not others:
@@ -301,7 +330,13 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
         checkpoint_layers=None,
         shard_units=profile.layer_names if worst.strategy == "fsdp" else (),
         model_fingerprint=fingerprint,
-        predicted=dataclasses.replace(worst.predicted, step_seconds=option.step_seconds),
+        predicted=dataclasses.replace(
+            worst.predicted,
+            step_seconds=option.step_seconds,
+            stage_peak_bytes=tuple(s.plan.predicted.peak_bytes for s in option.stages)
+            if p.pp > 1
+            else (),
+        ),
         reasons=(*reasons, *worst.reasons),
     )
 

@@ -130,13 +130,16 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
     return result
 
 
-def solve_if_fits(profile: Profile, request: SolveRequest) -> SolveResult | None:
+def solve_if_fits(
+    profile: Profile, request: SolveRequest, *, explain: bool = True
+) -> SolveResult | None:
     """``solve``'s answer, or None when no plan fits (what the layout search asks of each
-    pipeline stage: no error to build when a layout does not fit)."""
-    return _result(_setup(profile, request))
+    pipeline stage: no error to build when a layout does not fit). ``explain=False``: no
+    reasons or warnings (the search explains the layout it picks)."""
+    return _result(_setup(profile, request), explain=explain)
 
 
-def _result(setup: _Setup) -> SolveResult | None:
+def _result(setup: _Setup, *, explain: bool = True) -> SolveResult | None:
     ctx, options, bn_floor = setup.ctx, setup.options, setup.bn_floor
     fitting = [o for o in options if o.allowed and o.fits]
     if not fitting:
@@ -146,12 +149,15 @@ def _result(setup: _Setup) -> SolveResult | None:
         (o for o in fitting if STRATEGIES.index(o.strategy) == least_sharded),
         key=lambda o: o.rank,
     )
-    reasons = plan_reasons(ctx, best, options, bn_floor, setup.source_reason)
-    warnings = plan_warnings(ctx, best)
+    if explain:
+        reasons = plan_reasons(ctx, best, options, bn_floor, setup.source_reason)
+        warnings = plan_warnings(ctx, best)
+    else:
+        reasons, warnings = [], []
     plan = build_plan(ctx, best, reasons, warnings)
     return SolveResult(
         plan=plan,
-        candidates=tuple(candidate_of(ctx, o, best, bn_floor) for o in options),
+        candidates=tuple(candidate_of(ctx, o, best, bn_floor) for o in options) if explain else (),
         usable_budget_bytes=ctx.usable_bytes,
         reserve=ctx.reserve,
         timing_source=setup.source_reason,
