@@ -423,6 +423,11 @@ def build_layout(
             "ring-attention kernels for it).",
             hint="Verify a layout with cp 1, or run the emitted torchtitan config on GPUs.",
         )
+    if parallel.sequence_parallel:
+        raise BadInputError(
+            "Sequence parallelism is modelled but not run by memplan yet.",
+            hint="Verify the layout without sequence_parallel (the TP degrees alone).",
+        )
     rank = torch.distributed.get_rank()
     mesh = build_mesh(parallel, device.type)
     styles: dict[str, str] = {}
