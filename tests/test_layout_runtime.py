@@ -134,3 +134,51 @@ def test_tp_degree_must_divide_the_heads(tmp_path):
     check_tp_divisible(net, modules, 2)
     with pytest.raises(BadInputError, match="num_key_value_heads"):
         check_tp_divisible(net, modules, 4)  # 2 kv heads
+
+
+def _layout_plan(model, parallel, strategy="ddp", units=()):
+    from memplan.plan import Breakdown, Plan, Prediction
+
+    micro, k = 2, 2
+    zero = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
+    return Plan(
+        target_batch=micro * k * parallel.dp,
+        micro_batch_size=micro,
+        accumulation_steps=k,
+        world_size=parallel.world_size,
+        strategy=strategy,
+        shard_units=units,
+        budget_bytes=1 << 40,
+        predicted=Prediction(peak_bytes=1 << 20, step_seconds=1.0, breakdown=zero),
+        model=model,
+        parallel=parallel,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("parallel", "strategy"),
+    [
+        (Parallel(tp=2, dp_replicate=2), "ddp"),
+        (Parallel(pp=2, dp_replicate=2), "ddp"),
+        (Parallel(tp=2, dp_shard=2), "fsdp"),
+    ],
+    ids=["tp2-ddp2", "pp2-ddp2", "tp2-fsdp2"],
+)
+def test_four_gloo_ranks_run_the_layout_and_match_one_process_gradient(
+    parallel, strategy, tmp_path
+):
+    from memplan.verify.distributed import verify_distributed
+
+    model = _llama_ref(tmp_path, num_hidden_layers=4)
+    units = tuple(f"model.layers.{i}" for i in range(4)) if strategy == "fsdp" else ()
+    result = verify_distributed(
+        model, _layout_plan(model, parallel, strategy, units), steps=1, timeout_s=900
+    )
+    assert result.gradient_check.status == "pass", result.gradient_check
+    peaks = [r.peak_bytes for r in result.ranks]
+    if parallel.pp == 1:  # every rank holds the same share
+        assert len(set(peaks)) == 1
+    else:  # ranks 0, 1 are stage 0 (embeddings), ranks 2, 3 stage 1 (head and loss)
+        assert peaks[0] == peaks[1] and peaks[2] == peaks[3] and peaks[0] != peaks[2]
+    assert all(r.effective_batch == 2 * 2 * parallel.dp for r in result.ranks)

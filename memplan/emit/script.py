@@ -148,14 +148,13 @@ def main(argv=None):
         torch.cuda.reset_peak_memory_stats(device)
     for done in range(args.steps):
         start = time.perf_counter()
-        batches = [model_file.make_batch(plan.micro_batch_size) for _ in range(plan.accumulation_steps)]
-        if layout is not None:
-            loss = trainer.train_step(batches, model_file.loss)
-            effective = plan.micro_batch_size * plan.accumulation_steps * layout.dp
-            metrics = {"optimizer_steps": done + 1, "loss": loss, "effective_batch": effective}
+        if layout is not None:  # one step: the micro-batches (a pipeline's, under PP)
+            micro, k = plan.micro_batch_size, plan.accumulation_steps
+            loss = trainer.train_step([model_file.make_batch(micro) for _ in range(k)], model_file.loss)
+            metrics = {"optimizer_steps": done + 1, "loss": loss, "effective_batch": micro * k * layout.dp}
         else:
-            for batch in batches:
-                metrics = step(batch, model_file.loss)
+            for _ in range(plan.accumulation_steps):
+                metrics = step(model_file.make_batch(plan.micro_batch_size), model_file.loss)
         seconds = time.perf_counter() - start
         if rank == reporting_rank:
             print(

@@ -308,6 +308,7 @@ class Layout:
     is_first: bool = True
     is_last: bool = True
     accumulator: Any = None
+    max_grad_norm: float | None = None
     dtensor_placements: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     """Parameter name -> (mesh, placements) of each TP-split parameter (before DDP
     localises them), for slicing a full gradient to this rank's shard."""
@@ -332,11 +333,51 @@ class Layout:
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if self.parallel.dp_replicate > 1 and self.parallel.dp_shard == 1:
             self._average_gradients()
+        if self.max_grad_norm is not None:
+            self.clip_grad_norm(self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if not losses:
             return float("nan")
         return float(torch.stack([loss.detach() for loss in losses]).mean())
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradient norm of the whole model (every TP shard and pipeline stage)
+        to ``max_norm``; returns the norm before clipping. torch's ``clip_grad_norm_`` mixes
+        plain and DTensor gradients only under FSDP (which makes every gradient a DTensor), so
+        without it: each rank sums the squares of its local gradients, TP-split ones
+        all-reduced over tp, replicated ones counted once, then over the pipeline's stages."""
+        from torch.distributed.tensor import DTensor
+
+        if self.parallel.dp_shard > 1 and self.parallel.pp == 1:
+            params = [p for p in self.net.parameters() if p.grad is not None]
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        split = torch.zeros((), dtype=torch.float64)
+        whole = torch.zeros((), dtype=torch.float64)
+        grads = []
+        for name, p in self.net.named_parameters():
+            if p.grad is None:
+                continue
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grads.append(grad)
+            square = grad.detach().double().pow(2).sum()
+            placements = self.dtensor_placements.get(name, (None, ()))[1]
+            if any(placement.is_shard() for placement in placements):
+                split += square
+            else:
+                whole += square
+        dist = torch.distributed
+        if self.parallel.tp > 1:
+            dist.all_reduce(split, group=self.mesh["tp"].get_group())
+        total = split + whole
+        if self.parallel.pp > 1:
+            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        norm = float(total.sqrt())
+        scale = max_norm / (norm + 1e-6)
+        if scale < 1:
+            for grad in grads:
+                grad.mul_(scale)
+        return norm
 
     def _average_gradients(self) -> None:
         """Pipeline stages' data-parallel replicas: each gradient all-reduced in place
@@ -382,6 +423,11 @@ def build_layout(
             "ring-attention kernels for it).",
             hint="Verify a layout with cp 1, or run the emitted torchtitan config on GPUs.",
         )
+    if parallel.sequence_parallel:
+        raise BadInputError(
+            "Sequence parallelism is modelled but not run by memplan yet.",
+            hint="Verify the layout without sequence_parallel (the TP degrees alone).",
+        )
     rank = torch.distributed.get_rank()
     mesh = build_mesh(parallel, device.type)
     styles: dict[str, str] = {}
@@ -391,8 +437,10 @@ def build_layout(
     if parallel.pp == 1:
         model = _wrap_data_parallel(net, plan, parallel, mesh)
         optimizer = make_optimizer(net)
-        acc = run.Accumulator(model, optimizer, plan, device=device, max_grad_norm=max_grad_norm)
-        return Layout(
+        fsdp = parallel.dp_shard > 1  # every gradient a DTensor: torch's clip works
+        clip = max_grad_norm if fsdp else None
+        acc = run.Accumulator(model, optimizer, plan, device=device, max_grad_norm=clip)
+        layout = Layout(
             parallel=parallel,
             mesh=mesh,
             model=model,
@@ -403,6 +451,13 @@ def build_layout(
             accumulator=acc,
             dtensor_placements=placements,
         )
+        if max_grad_norm is not None and not fsdp:  # clip before each optimizer step
+
+            def clip(*_: Any) -> None:
+                layout.clip_grad_norm(max_grad_norm)  # type: ignore[arg-type]
+
+            optimizer.register_step_pre_hook(clip)
+        return layout
     if parallel.virtual_stages > 1:
         raise BadInputError(
             "Interleaved 1F1B with virtual stages is modelled but not run by memplan verify.",
@@ -440,5 +495,6 @@ def build_layout(
         schedule=schedule,
         is_first=first,
         is_last=last,
+        max_grad_norm=max_grad_norm,
         dtensor_placements=placements,
     )

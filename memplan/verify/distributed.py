@@ -52,7 +52,7 @@ from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
 from memplan.schema import to_data
 from memplan.verify.distributed_grads import gradient_check, gradient_error
-from memplan.verify.layout import parallel_of, run_layout_rank
+from memplan.verify.layout import parallel_of, rank_predictions, run_layout_rank
 from memplan.verify.rank_lifetime import RunFolder, die_with_parent
 from memplan.verify.single import (
     GradientCheck,
@@ -173,11 +173,19 @@ class DistributedVerifyResult(Verdict):
     world_size: int
     steps: int
     predicted_peak_bytes: int
-    """Per rank, from the plan."""
+    """Per rank, from the plan (with a pipeline layout: its worst stage's)."""
     ranks: tuple[RankResult, ...]
     tolerance: float
     gradient_check: GradientCheck
     predicted_step_seconds: float
+    predicted_rank_peaks: tuple[int, ...] = ()
+    """With a pipeline layout: each rank's predicted peak (its stage's); else empty and
+    every rank is compared with ``predicted_peak_bytes``."""
+
+    def predicted_for_rank(self, rank: int) -> int:
+        if self.predicted_rank_peaks:
+            return self.predicted_rank_peaks[rank]
+        return self.predicted_peak_bytes
 
     @property
     def measured_peak_bytes(self) -> int:
@@ -187,7 +195,7 @@ class DistributedVerifyResult(Verdict):
     def rank_error(self, rank: int) -> float:
         """(predicted − measured) / measured for one rank."""
         measured = self.ranks[rank].peak_bytes
-        return (self.predicted_peak_bytes - measured) / max(measured, 1)
+        return (self.predicted_for_rank(rank) - measured) / max(measured, 1)
 
     @property
     def peak_error(self) -> float:
@@ -277,7 +285,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     plan = plan_from_data(config["plan"], source="plan")
     parallel = parallel_of(plan, config)
     if parallel is not None and (parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1):
-        return run_layout_rank(rank, config, plan, parallel)
+        return run_layout_rank(rank, config, plan, parallel, DistributedTracker(record=False))
     mf = load_model_file(config["model"]).at_seq_len(plan.seq_len)
     micro, k, seed = plan.micro_batch_size, plan.accumulation_steps, int(config["seed"])
 
@@ -521,4 +529,5 @@ def verify_distributed(
         tolerance=tolerance,
         gradient_check=gradient_check(plan, errors, check_gradients, world),
         predicted_step_seconds=plan.predicted.step_seconds,
+        predicted_rank_peaks=rank_predictions(plan, chosen, world, parallel),
     )

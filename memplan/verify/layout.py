@@ -30,16 +30,53 @@ def parallel_of(plan: Plan, config: dict[str, Any]) -> Parallel | None:
     return getattr(plan, "parallel", None)
 
 
+def rank_predictions(
+    plan: Plan, device: str, world: int, parallel: Parallel | None = None
+) -> tuple[int, ...]:
+    """Each rank's predicted peak under a pipeline layout (a rank's stage's peak, from the
+    plan's ``predicted.stage_peak_bytes`` or, without it, from the profile the plan was
+    solved from), as ``predicted_for_device`` adjusts it for ``device``; empty when every
+    rank has the plan's prediction (no pipeline, or no per-stage figures to be had)."""
+    from memplan.memory.layout import stage_of_rank
+
+    layout = parallel or plan.parallel
+    if layout is None or layout.pp == 1:
+        return ()
+    reserve = 0 if device == "cuda" else plan.predicted.breakdown.reserve
+    stages = tuple(getattr(plan.predicted, "stage_peak_bytes", ()) or ())
+    if len(stages) == layout.pp:
+        return tuple(stages[stage_of_rank(layout, r)] - reserve for r in range(world))
+    from dataclasses import replace
+    from pathlib import Path
+
+    from memplan.errors import MemplanError
+    from memplan.memory.layout import layout_peaks
+    from memplan.profile import load_profile
+
+    if not plan.profile or not Path(plan.profile).is_file():
+        return ()  # no profile to hand: every rank is compared with the worst stage's
+    try:
+        peaks = layout_peaks(load_profile(plan.profile), replace(plan, parallel=layout))
+    except (MemplanError, ValueError):
+        return ()
+    return tuple(
+        peaks.rank_peak(r).allocated_bytes if device != "cuda" else peaks.rank_peak(r).peak_bytes
+        for r in range(world)
+    )
+
+
 def _batches(mf: Any, micro: int, k: int) -> list[Any]:
     return [mf.make_batch(micro) for _ in range(k)]
 
 
-def run_layout_rank(rank: int, config: dict[str, Any], plan: Plan, parallel: Parallel) -> dict:
-    """Measure this rank's peak under ``parallel``; the dict ``_run_rank`` returns."""
+def run_layout_rank(
+    rank: int, config: dict[str, Any], plan: Plan, parallel: Parallel, tracker: Any
+) -> dict:
+    """Measure this rank's peak under ``parallel`` with ``tracker`` (a fresh
+    memplan.verify.distributed.DistributedTracker); the dict ``_run_rank`` returns."""
     from memplan import run
     from memplan.loader import load_model_file
     from memplan.run.parallel import build_layout, data_rank
-    from memplan.verify.distributed import DistributedTracker
     from memplan.verify.single import fingerprint_note
 
     device = torch.device("cpu")
@@ -49,7 +86,6 @@ def run_layout_rank(rank: int, config: dict[str, Any], plan: Plan, parallel: Par
     net = mf.build_model().to(device).train()
     fingerprint_note(plan, net, str(config["model"]))
     run.apply(net, plan)
-    tracker = DistributedTracker(record=False)
     tracker.track(resident_tensors(net, None, None))
     declared = getattr(mf.module, "TP_PLAN", None)
     with tracker:
