@@ -115,7 +115,7 @@ FORMATS: dict[str, Format] = {
             filename="torchtitan.toml",
             description="torchtitan job config (TOML): parallelism degrees, batch sizes, AC",
             emitter=emit_torchtitan,
-            strategies=layouts.STRATEGIES,
+            strategies=layouts.TORCHTITAN_STRATEGIES,
             layouts=True,
         ),
         Format(
@@ -123,7 +123,7 @@ FORMATS: dict[str, Format] = {
             filename="megatron_args.sh",
             description="Megatron-LM pretrain_gpt.py arguments (TP, PP, CP, SP, recompute)",
             emitter=emit_megatron,
-            strategies=layouts.STRATEGIES,
+            strategies=layouts.MEGATRON_STRATEGIES,
             layouts=True,
         ),
     )

@@ -32,8 +32,10 @@ from memplan.modes import FULL, SELECTIVE
 from memplan.parallel import Parallel, stage_layers
 from memplan.plan import Plan
 
-STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
-"""Strategies these engines run: DDP, the distributed optimizer (ZeRO-1), FSDP2."""
+TORCHTITAN_STRATEGIES = frozenset({"ddp", "fsdp"})
+"""torchtitan replicates (DDP) or shards with FSDP2; it has no optimizer-only sharding."""
+MEGATRON_STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
+"""Megatron-LM: DDP, its distributed optimizer (ZeRO-1), FSDP2."""
 
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 """memplan's schedule -> torch.distributed.pipelining's class name less ``Schedule``
