@@ -1,7 +1,8 @@
 """memplan: a memory planner and auto-tuner for PyTorch training.
 
 The core (profile, memory, timing, solver, plan, emit) imports neither torch nor rich. The
-runtime helpers that do (``apply``, ``remove``, ``Accumulator``) are loaded on first use."""
+run-time helpers that do (``apply``, ``remove``, ``Accumulator``: memplan.run) are loaded
+on first use."""
 
 from __future__ import annotations
 

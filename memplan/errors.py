@@ -31,6 +31,20 @@ class MemplanError(Exception):
         return f"{self.message}{stop} {self.hint}"
 
 
+KNOWN_EXIT_CODES = (EXIT_OVER_BUDGET, EXIT_BAD_INPUT, EXIT_CANNOT_MEASURE)
+"""The codes a MemplanError may end a command with (0 is success, never an error's)."""
+
+
+def exit_code_of(exc: MemplanError) -> int:
+    """The exit code ``exc`` ends a command with: its own when memplan defines its class and
+    the code is one of ``KNOWN_EXIT_CODES``; else 2, bad input: a ``MemplanError`` subclass
+    from a model file (or a code that is not memplan's) is the model file's error, so no
+    model file chooses memplan's exit code."""
+    code = getattr(exc, "exit_code", EXIT_BAD_INPUT)
+    ours = type(exc).__module__.startswith("memplan.")
+    return code if ours and type(code) is int and code in KNOWN_EXIT_CODES else EXIT_BAD_INPUT
+
+
 class BadInputError(MemplanError):
     """The user gave something memplan cannot use (a size string, a flag combination)."""
 
@@ -74,6 +88,30 @@ class CannotMeasureError(MemplanError):
     data-dependent shape on meta, out of memory at the smallest size, no GPU for cuda."""
 
     exit_code = EXIT_CANNOT_MEASURE
+
+
+class InternalError(CannotMeasureError):
+    """memplan's own machinery failed while the user's code ran: a CPU twin, the live
+    tracker, the meta op cache, meta attention or autocast. It is raised (by
+    ``internal_failure``) at the point where memplan's code calls its own helpers, so it is
+    never a user's error: the loader lets it pass through the user's functions unchanged
+    (never a ``ModelFileError`` at the user's line), and it names memplan's op."""
+
+    exit_code = EXIT_CANNOT_MEASURE
+
+
+def internal_failure(part: str, op: object, exc: BaseException) -> InternalError:
+    """``exc``, raised inside memplan's ``part`` while handling ``op`` (an aten op, or
+    what a hook was doing), as memplan's own failure (exit 3) naming both."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    what = op if isinstance(op, str) else f"op {op}"
+    known = InternalError(
+        f"memplan's {part} failed on {what}: {type(exc).__name__}: {first[:300]}. This is "
+        "memplan's failure, not the model file's",
+        hint="Probe with --device cpu (or cuda) meanwhile, and report this message.",
+    )
+    known.__cause__ = exc
+    return known
 
 
 class Interrupted(BaseException):

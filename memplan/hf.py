@@ -196,15 +196,48 @@ def _load_config(ref: HfReference) -> Any:
                 f"{ref}: {local} holds no config.json.",
                 hint="Point at the folder of a Hugging Face model (its config.json is enough).",
             )
+        _refuse_remote_code(ref, local / "config.json" if local.is_dir() else local)
     try:
-        return AutoConfig.from_pretrained(str(local) if local is not None else ref.source)
+        # trust_remote_code=False: never run a model's own code, never ask on stdin;
+        # local_files_only: a local config never goes to the Hub.
+        return AutoConfig.from_pretrained(
+            str(local) if local is not None else ref.source,
+            trust_remote_code=False,
+            local_files_only=local is not None,
+        )
     except (OSError, ValueError, KeyError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if "trust_remote_code" in str(exc) or "auto_map" in str(exc):
+            raise _remote_code_error(ref, ref.source) from exc
         raise ModelFileError(
             f"{ref}: transformers cannot read the config: {first[:300]}",
             hint="Check the path or hub id, and that config.json names a model_type this "
             "transformers knows (memplan reads the config only, never weights).",
         ) from exc
+
+
+def _remote_code_error(ref: HfReference, where: object, names: str = "") -> ModelFileError:
+    return ModelFileError(
+        f"{ref}: the config at {where} has `auto_map`{names}: the model is custom code that "
+        "ships with it. memplan never runs a model's own code (trust_remote_code=False).",
+        hint="Use a config whose model_type this transformers knows, or write a model file "
+        "(model.py) that builds the model from code you have read.",
+    )
+
+
+def _refuse_remote_code(ref: HfReference, config_file: Path) -> None:
+    """ModelFileError (exit 2) naming ``auto_map`` when ``config_file`` names custom code
+    (``configuration_*.py`` / ``modeling_*.py`` beside it, or a Hub repository's)."""
+    import json
+
+    try:
+        data = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # transformers says what is wrong with it
+    if isinstance(data, dict) and "auto_map" in data:
+        auto_map = data["auto_map"]
+        names = ", ".join(map(str, auto_map)) if isinstance(auto_map, dict) else ""
+        raise _remote_code_error(ref, config_file, f" ({names[:200]})" if names else "")
 
 
 def _max_positions(config: Any) -> int | None:
@@ -236,7 +269,7 @@ def build_module(ref: HfReference) -> types.ModuleType:
     def build_model() -> Any:
         torch.manual_seed(0)
         try:
-            model = auto.from_config(config)
+            model = auto.from_config(config, trust_remote_code=False)
         except ValueError as exc:
             first = (str(exc).strip().splitlines() or [""])[0]
             raise ModelFileError(
@@ -281,4 +314,5 @@ def build_module(ref: HfReference) -> types.ModuleType:
     module = types.ModuleType(f"memplan_hf_{abs(hash(str(ref))):x}")
     module.build_model = build_model  # type: ignore[attr-defined]
     module.make_batch = make_batch  # type: ignore[attr-defined]
+    module.max_seq_len = limit  # type: ignore[attr-defined]
     return module

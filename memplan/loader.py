@@ -54,8 +54,15 @@ def _user_location(exc: BaseException, path: Path) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    """``Type: first line`` of ``exc``, cut to 300 characters; an exception whose ``str``
+    itself fails is named by its type alone."""
+    try:
+        text = str(exc).strip().splitlines()
+    except Exception:
+        text = []
+    first = text[0] if text else ""
+    first = first if len(first) <= 300 else first[:297] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _out_of_host_memory(exc: BaseException) -> bool:
@@ -71,10 +78,52 @@ def _args_text(args: tuple[Any, ...]) -> str:
     return f"({', '.join(ints)})" if args and len(ints) == len(args) else "()"
 
 
+_MEMPLAN_DIR = Path(__file__).resolve().parent
+
+_call_observers: list[Callable[[str], None]] = []
+
+
+@contextlib.contextmanager
+def observe_calls(observer: Callable[[str], None]) -> Iterator[None]:
+    """Call ``observer(what)`` as memplan enters the user's code (``importing model.py``,
+    ``build_model()``, ``make_batch(4)``, ``the model's forward``), so that a caller can say
+    where a run that hangs was (``memplan check --timeout``)."""
+    _call_observers.append(observer)
+    try:
+        yield
+    finally:
+        _call_observers.remove(observer)
+
+
+def _entering(what: str) -> None:
+    for observer in _call_observers:
+        observer(what)
+
+
+def raised_by_memplan(exc: BaseException) -> bool:
+    """Whether ``exc`` is one of memplan's own errors, raised by memplan's own code (the
+    probe's hooks inside a forward, ``load_profile`` called by a model file): its class is
+    defined in memplan and the frame that raised it is a memplan module. A ``MemplanError``
+    a model file raises (or subclasses, with an ``exit_code`` of its own) is not."""
+    ours = isinstance(exc, MemplanError | Interrupted)
+    if not ours or not type(exc).__module__.startswith("memplan."):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return False
+    return Path(frames[-1].filename).resolve().is_relative_to(_MEMPLAN_DIR)
+
+
 def _is_passthrough(exc: BaseException) -> bool:
-    """Errors that are not the user's fault or that callers handle themselves."""
-    if isinstance(exc, MemplanError | KeyboardInterrupt | SystemExit | Interrupted):
+    """Errors that are not the user's fault or that callers handle themselves. A
+    ``MemplanError`` passes only when memplan raised it (``raised_by_memplan``): one that
+    surfaces from the user's code is the model file's error (exit 2), whatever its class,
+    so a model file never chooses memplan's exit code. memplan's machinery failing inside
+    the user's code raises ``InternalError`` from memplan's frames: it passes (exit 3)."""
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
         return True
+    if isinstance(exc, MemplanError | Interrupted):  # Interrupted: memplan's signal handler
+        return raised_by_memplan(exc)
     return type(exc).__name__ == "OutOfMemoryError"  # torch.cuda.OutOfMemoryError, no import
 
 
@@ -181,6 +230,8 @@ class ModelFile:
     """Whether ``make_batch`` takes a second parameter, the sequence length (issue 13)."""
     seq_len: int | None = None
     """The length ``make_batch`` is called with (``at_seq_len``); None: the file's own."""
+    max_seq_len: int | None = None
+    """The longest sequence the model takes, where known (``hf:`` configs); else None."""
 
     def at_seq_len(self, seq_len: int | None) -> ModelFile:
         """This model file with batches of ``seq_len`` tokens per sample; None: unchanged.
@@ -205,6 +256,7 @@ class ModelFile:
 
     def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self.module, name)
+        _entering(f"{name}{_args_text(args)}")
         try:
             return fn(*args)
         except BaseException as exc:
@@ -264,6 +316,7 @@ class ModelFile:
             out = self._call("training_loss", model, batch)
             where = "training_loss(model, batch)"
         else:
+            _entering("the model's forward")
             try:
                 if isinstance(batch, dict):
                     out = model(**batch)
@@ -349,6 +402,7 @@ def load_model_file(
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)  # sibling imports work as they do for `python model.py`
     sys.modules[module_name] = module
+    _entering(f"importing {path}")
     try:
         _retrying_torchvision(lambda: loader_spec.loader.exec_module(module))
     except SyntaxError as exc:
@@ -359,7 +413,9 @@ def load_model_file(
         ) from exc
     except BaseException as exc:
         sys.modules.pop(module_name, None)
-        if isinstance(exc, KeyboardInterrupt | SystemExit | Interrupted):
+        if isinstance(exc, KeyboardInterrupt | SystemExit) or (
+            isinstance(exc, Interrupted) and raised_by_memplan(exc)
+        ):
             raise
         raise ModelFileError(
             f"{_user_location(exc, path)}: importing the model file raised {_describe(exc)}",
@@ -455,6 +511,7 @@ def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
         sha256=digest.hexdigest(),
         reference=str(ref),
         takes_seq_len=True,
+        max_seq_len=getattr(module, "max_seq_len", None),
     )
 
 

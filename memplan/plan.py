@@ -217,7 +217,8 @@ class _BlockMap(dict):
 
 
 class _PlanDumper(yaml.SafeDumper):
-    pass
+    def ignore_aliases(self, data: object) -> bool:
+        return True  # memplan's loader refuses anchors and aliases
 
 
 _PlanDumper.add_representer(
@@ -315,6 +316,30 @@ def plan_problem(plan: Plan) -> tuple[str, str] | None:
         return "plan.seq_len", f"is {plan.seq_len}, not a length from 1 to {2**24} tokens"
     if plan.model_fingerprint is not None and plan.model_fingerprint.parameter_bytes < 0:
         return "plan.model_fingerprint.parameter_bytes", "is negative"
+    return _checkpoint_problem(plan)
+
+
+def _checkpoint_problem(plan: Plan) -> tuple[str, str] | None:
+    """A checkpointed layer ``solve`` never chooses: the root module (``''``: the whole
+    model recomputed in the backward, which no plan's prediction describes), or a module
+    that is not one of the profile's candidates (a container such as ``blocks``, whose
+    candidates are its children, or a non-candidate such as ``head``): the prediction
+    has no numbers for it, so ``verify`` and the emitted configs would run a plan nobody
+    predicted."""
+    candidates = plan.model_fingerprint.candidate_layers if plan.model_fingerprint else ()
+    for name in plan.checkpoint:
+        where = f"plan.checkpoint.{name}"
+        if name == "":
+            return where, "names the root module (''), which memplan never checkpoints"
+        if candidates and name not in candidates:
+            shown = ", ".join(candidates[:6]) + (", ..." if len(candidates) > 6 else "")
+            inside = [c for c in candidates if c.startswith(name + ".")]
+            what = (
+                f"a container of {len(inside)} candidate layers, not a candidate itself"
+                if inside
+                else "not one of the profile's checkpoint candidates"
+            )
+            return where, f"is {what} (candidates: {shown})"
     return None
 
 

@@ -286,6 +286,10 @@ class Profile:
     (``memplan.seqlen.profile_at``). None: the model file's own batches."""
     seq: SeqGrid | None = None
     """The probe at several sequence lengths (``memplan probe --seq-lens``); None: one."""
+    max_seq_len: int | None = None
+    """The longest sequence the model takes (its position embeddings: ``hf:`` configs'
+    ``max_position_embeddings``), where known; ``solve`` plans no longer length. None:
+    not known (a model file)."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:
@@ -397,15 +401,94 @@ _COUNT_FIELDS = (
 )
 
 
+_SIZE_AFFINE_BYTES = ("input_bytes", "output_bytes", "saved_bytes")
+"""A layer's byte quantities that are tensor sizes, proportional to the micro-batch: the
+solver evaluates them at every micro-batch from 1 up (extrapolating past the probed sizes),
+so each fit must be non-negative there: a slope >= 0 and a value >= 0 at 1 sample. (The
+transients are peaks of an allocator's workspace and are measured with small negative
+slopes, e.g. -32 B per sample on CPU: they are held to >= 0 at the probed sizes.)"""
+
+
+def _affine_problem(profile: Profile) -> tuple[str, str] | None:
+    """A byte fit that goes negative over the sizes the solver uses (b >= 1), or savings
+    that grow faster than what the layer keeps (checkpointing cannot free, per sample,
+    more than the layer's forward leaves alive) or shrink faster than what a checkpoint
+    keeps (its inputs)."""
+    for i, layer in enumerate(profile.layers):
+        path = f"profile.layers[{i}]"
+        for name in _SIZE_AFFINE_BYTES:
+            fit: Affine = getattr(layer, name)
+            if fit.slope < 0:
+                return f"{path}.{name}.slope", f"is {fit.slope:.4g}, negative bytes per sample"
+            if fit.at(1) < 0:
+                return f"{path}.{name}", f"is negative at micro-batch 1 ({fit.at(1):.4g})"
+        for name in ("savings_bytes", "selective_savings_bytes"):
+            fit_or_none: Affine | None = getattr(layer, name)
+            if fit_or_none is None:
+                continue
+            if fit_or_none.slope > layer.saved_bytes.slope:
+                return (
+                    f"{path}.{name}.slope",
+                    f"is {fit_or_none.slope:.4g} bytes per sample, more than the "
+                    f"{layer.saved_bytes.slope:.4g} its saved_bytes grow by",
+                )
+            if fit_or_none.slope < -layer.input_bytes.slope:
+                return (
+                    f"{path}.{name}.slope",
+                    f"is {fit_or_none.slope:.4g} bytes per sample: checkpointing would keep "
+                    f"more per sample than the layer's inputs ({layer.input_bytes.slope:.4g})",
+                )
+    return None
+
+
+def _grid_problem(profile: Profile) -> tuple[str, str] | None:
+    """A seq grid whose sub-profiles do not describe one model at its lengths, in order."""
+    grid = profile.seq
+    if grid is None:
+        return None
+    if profile.seq_len is not None and profile.seq_len not in grid.seq_lens:
+        return "profile.seq_len", f"is {profile.seq_len}, not one of seq.seq_lens {grid.seq_lens}"
+    for i, (length, inner) in enumerate(zip(grid.seq_lens, grid.profiles, strict=True)):
+        path = f"profile.seq.profiles[{i}]"
+        if inner.seq_len is not None and inner.seq_len != length:
+            return f"{path}.seq_len", f"is {inner.seq_len}, but seq.seq_lens[{i}] is {length}"
+        if (inner.model.path, inner.model.factory) != (profile.model.path, profile.model.factory):
+            return f"{path}.model", f"names {inner.model.spec}, not {profile.model.spec}"
+        if inner.layer_names != profile.layer_names:
+            return f"{path}.layers", "name other layers than the profile's"
+        if inner.max_seq_len != profile.max_seq_len:
+            return f"{path}.max_seq_len", f"is {inner.max_seq_len}, not {profile.max_seq_len}"
+    # Memory grows with the length: a longer sequence never keeps fewer bytes per sample.
+    for i in range(1, len(grid.profiles)):
+        shorter, longer = grid.profiles[i - 1], grid.profiles[i]
+        for j, (a, b) in enumerate(zip(shorter.layers, longer.layers, strict=True)):
+            if b.saved_bytes.slope < a.saved_bytes.slope:
+                return (
+                    f"profile.seq.profiles[{i}].layers[{j}].saved_bytes.slope",
+                    f"is {b.saved_bytes.slope:.4g} at {grid.seq_lens[i]} tokens, less than "
+                    f"{a.saved_bytes.slope:.4g} at {grid.seq_lens[i - 1]} tokens",
+                )
+    return None
+
+
 def profile_problem(profile: Profile) -> tuple[str, str] | None:
     """``(field path, what is wrong)`` for the first value no measurement can produce —
-    negative bytes or times, an empty timeline — else None. The schema has already
-    refused NaN, infinity and absurd magnitudes."""
+    negative bytes or times, an empty timeline, a byte fit negative at sizes the solver
+    uses, a seq grid out of order or of another model — else None. The schema has
+    already refused NaN, infinity and absurd magnitudes."""
     if profile.seq is not None:
         for i, inner in enumerate(profile.seq.profiles):
             problem = profile_problem(inner)
             if problem is not None:
                 return problem[0].replace("profile.", f"profile.seq.profiles[{i}].", 1), problem[1]
+    if profile.max_seq_len is not None:
+        if profile.max_seq_len < 1:
+            return "profile.max_seq_len", f"is {profile.max_seq_len}, not a length"
+        if profile.seq_len is not None and profile.seq_len > profile.max_seq_len:
+            return "profile.seq_len", f"is {profile.seq_len}, past max_seq_len"
+    problem = _grid_problem(profile) or _affine_problem(profile)
+    if problem is not None:
+        return problem
     sizes = profile.micro_batches
     largest = max(sizes)
     parts = [("profile.totals", profile.totals)]

@@ -40,24 +40,88 @@ def to_data(obj: Any) -> Any:
 SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 SAFE_DUMPER: Any = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
+
+class NoAliasDumper(SAFE_DUMPER):  # type: ignore[misc,valid-type]
+    """The safe dumper writing a value that occurs twice out twice: memplan's loader
+    refuses anchors and aliases (``safe_load``)."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+class _PyNoAliasDumper(yaml.SafeDumper):
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 LARGEST_INT = 2**62
 """Larger integers are not bytes, counts or sizes of anything real (4.6 EB)."""
 LARGEST_FLOAT = 1e30
 """Larger numbers are not seconds, FLOPs or bytes of anything real."""
 
 
+class RefusedYAML(yaml.YAMLError):
+    """YAML that parses but that memplan refuses: an anchor or alias, a duplicate key, a
+    key that is not a plain value. ``str()`` says what and on which line."""
+
+
+class _StrictLoader(SAFE_LOADER):  # type: ignore[misc,valid-type]
+    """The safe loader, refusing duplicate keys and keys that are not scalars (the YAML
+    spec says keys are unique; PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        self.flatten_mapping(node)
+        seen: set[tuple[str, str]] = set()
+        for key_node, _ in node.value:
+            line = key_node.start_mark.line + 1
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise RefusedYAML(f"line {line}: a key that is a list or mapping")
+            key = (key_node.tag, key_node.value)
+            if key in seen:
+                raise RefusedYAML(f"line {line}: duplicate key {_short(key_node.value)}")
+            seen.add(key)
+        mapping = super().construct_mapping(node, deep=deep)
+        if len(mapping) != len(node.value):  # e.g. `yes` and `true`: one bool, twice
+            raise RefusedYAML(f"line {node.start_mark.line + 1}: duplicate keys in one mapping")
+        return mapping
+
+
+def _refuse_anchors(text: str) -> None:
+    """Raise RefusedYAML at the first anchor (``&a``) or alias (``*a``) in ``text``. memplan's
+    files never need them, and aliases nest into exponentially large values (an "alias
+    bomb": 1 KB of YAML, gigabytes of lists). Only the parser's events are read, so this
+    is linear in the text however the aliases nest."""
+    if "&" not in text and "*" not in text:  # neither can occur without its character
+        return
+    for event in yaml.parse(text, Loader=SAFE_LOADER):
+        what = (
+            "an alias"
+            if isinstance(event, yaml.AliasEvent)
+            else "an anchor"
+            if getattr(event, "anchor", None) is not None
+            else None
+        )
+        if what is not None:
+            raise RefusedYAML(
+                f"line {event.start_mark.line + 1}: {what} "
+                f"({'*' if what == 'an alias' else '&'}{_short(event.anchor)[1:-1]})"
+            )
+
+
 def safe_load(text: str) -> Any:
-    """``yaml.safe_load`` with the C loader when present."""
-    return yaml.load(text, Loader=SAFE_LOADER)  # a SafeLoader: no arbitrary objects
+    """``yaml.safe_load`` (the C loader when present), strictly: anchors, aliases, duplicate
+    keys and non-scalar keys raise ``RefusedYAML`` (a ``yaml.YAMLError``)."""
+    _refuse_anchors(text)
+    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no arbitrary objects
 
 
 def dump_yaml(obj: Any) -> str:
     data = to_data(obj)
     options = {"sort_keys": False, "default_flow_style": None, "width": 100}
     try:
-        return yaml.dump(data, Dumper=SAFE_DUMPER, **options)
+        return yaml.dump(data, Dumper=NoAliasDumper, **options)
     except UnicodeEncodeError:  # libyaml cannot take a lone surrogate; PyYAML escapes it
-        return yaml.dump(data, Dumper=yaml.SafeDumper, **options)
+        return yaml.dump(data, Dumper=_PyNoAliasDumper, **options)
 
 
 TOP_LEVEL = "(top level)"
@@ -72,10 +136,13 @@ def from_data(cls: type[T], data: Any, *, source: str, path: str = "") -> T:
 
 
 def _short(value: Any) -> str:
-    """``repr(value)`` cut to 40 characters (a 400-digit number is not worth printing)."""
+    """``repr(value)`` cut to 40 characters (a 400-digit number is not worth printing, and
+    a list is named by its length, never formatted whole)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**30:
-        return f"an integer of {len(str(abs(value)))} digits"
-    text = repr(value)
+        return f"an integer of {value.bit_length() * 30103 // 100000 + 1} digits or so"
+    if isinstance(value, list | tuple | dict | set):
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value[:80] if isinstance(value, str) else value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -108,7 +175,7 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
         allowed = typing.get_args(tp)
         if data not in allowed:
             raise _fail(
-                source, path, f"is {data!r}, expected one of {', '.join(map(repr, allowed))}"
+                source, path, f"is {_short(data)}, expected one of {', '.join(map(repr, allowed))}"
             )
         return data
     if origin is tuple:
@@ -157,11 +224,11 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
         return data
     if tp is bool:
         if not isinstance(data, bool):
-            raise _fail(source, path, f"must be true or false, got {data!r}")
+            raise _fail(source, path, f"must be true or false, got {_short(data)}")
         return data
     if tp is str:
         if not isinstance(data, str):
-            raise _fail(source, path, f"must be a string, got {data!r}")
+            raise _fail(source, path, f"must be a string, got {_short(data)}")
         return data
     raise TypeError(f"schema: unsupported field type {tp!r} at {path}")  # a bug in memplan
 
@@ -217,8 +284,13 @@ def load_yaml_file(path: str | Path, *, what: str) -> dict[str, Any]:
         if text is None:
             raise ValueError("not UTF-8 text")
         data = safe_load(text)
+    except RefusedYAML as exc:
+        raise ProfileError(
+            f"{file}: {exc}; memplan refuses YAML anchors, aliases and duplicate keys.",
+            hint=f"Write each value out once, under one key; memplan's {what} files need neither.",
+        ) from None
     except (yaml.YAMLError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        first = (str(exc).splitlines() or [type(exc).__name__])[0][:300]
         raise ProfileError(
             f"{file} is not valid YAML ({first}).",
             hint=f"The file may be corrupted; write the {what} again.",

@@ -68,6 +68,13 @@ def solve_seq(
     multiple = check_seq_len(multiple, flag="--seq-multiple")
     if seq_len is not None:
         check_seq_len(seq_len)
+        limit = profile.max_seq_len
+        if limit is not None and seq_len > limit:
+            raise SeqLenError(
+                f"--seq-len {seq_len} is longer than the model takes: its config has "
+                f"{limit} positions ({profile.model.spec}).",
+                hint=f"Plan {limit} tokens or fewer (--seq-len max stops there too).",
+            )
     if tokens_per_batch is not None and (
         isinstance(tokens_per_batch, bool)
         or not isinstance(tokens_per_batch, int)
@@ -79,7 +86,7 @@ def solve_seq(
     if profile.seq is None and not (seq_len is not None and seq_len == profile.seq_len):
         require_grid(profile, flag="--seq-len" if seq_len is not None else "--seq-len max")
     evaluate = (lambda s: profile) if profile.seq is None else SeqModel(profile).at
-    steps = _Steps(multiple, tokens_per_batch)
+    steps = _Steps(multiple, tokens_per_batch, profile.max_seq_len)
 
     def fits(i: int) -> bool:
         s = steps[i]
@@ -138,17 +145,19 @@ def solve_seq(
 
 class _Steps:
     """The lengths ``--seq-len max`` may answer: multiples of ``multiple`` up to
-    ``MAX_SEQ_LEN``, and with ``tokens`` only those that divide it. Indexed, not listed."""
+    ``MAX_SEQ_LEN`` (or the model's own ``max_seq_len``), and with ``tokens`` only those that divide it. Indexed, not listed."""
 
-    def __init__(self, multiple: int, tokens: int | None) -> None:
+    def __init__(self, multiple: int, tokens: int | None, longest: int | None = None) -> None:
         self.multiple = multiple
+        self.top = min(MAX_SEQ_LEN, longest) if longest is not None else MAX_SEQ_LEN
+        """The model's own limit (``Profile.max_seq_len``) where known."""
         self.listed: list[int] | None = None
         if tokens is not None:
-            top = min(tokens, MAX_SEQ_LEN)
+            top = min(tokens, self.top)
             self.listed = [s for s in range(multiple, top + 1, multiple) if tokens % s == 0]
 
     def __len__(self) -> int:
-        return len(self.listed) if self.listed is not None else MAX_SEQ_LEN // self.multiple
+        return len(self.listed) if self.listed is not None else self.top // self.multiple
 
     def __getitem__(self, i: int) -> int:
         return self.listed[i] if self.listed is not None else (i + 1) * self.multiple

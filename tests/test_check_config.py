@@ -109,7 +109,8 @@ def test_duplicate_names_and_unknown_only(app, tmp_path):
         "target_batch": 8,
         "budget": "1GiB",
     }
-    path.write_text(yaml.safe_dump({"checks": [entry, entry]}), encoding="utf-8")
+    # two copies: the same dict twice would be dumped as an anchor and an alias (refused)
+    path.write_text(yaml.safe_dump({"checks": [entry, dict(entry)]}), encoding="utf-8")
     with pytest.raises(BadInputError, match=r"checks\[1\]\.name"):
         load_config(path)
     path.write_text(yaml.safe_dump({"checks": [entry]}), encoding="utf-8")

@@ -330,3 +330,93 @@ def test_probe_and_verify_of_misbehaving_model_files(tmp_path, mode):
     assert verified.exit_code in MODES[mode] | {1}, verified.output
     if verified.exit_code in (0, 1):
         strict_json(verified.stdout)
+
+
+# ------------------------------------------------------------------ YAML attacks (issue 23)
+CHECK_DATA = {
+    "checks": [
+        {
+            "name": "a",
+            "model": str(Path(__file__).parent / "models" / "check_small.py"),
+            "target_batch": 8,
+            "budget": "1GiB",
+        }
+    ]
+}
+DEVICE_DATA = yaml.safe_load((ROOT / "profiles" / "devices" / "rtx4090.yaml").read_text())
+FILES = {
+    "profile": (PROFILE_DATA, ("show",)),
+    "plan": (PLAN_DATA, ("show",)),
+    "config": (CHECK_DATA, ("check", "--config")),
+    "device": (DEVICE_DATA, None),
+}
+
+
+def _attack(text: str, kind: str, data) -> str:
+    """``text`` (a dumped file) with an anchor and alias, or a repeated key, added."""
+    first_key = next(iter(data))
+    if kind == "alias":
+        return text + "x_anchor: &a [1, 2]\nx_alias: *a\n"
+    if kind == "anchor":
+        return text.replace(f"{first_key}:", f"{first_key}: &a", 1)
+    return text + f"{first_key}: {json.dumps(data[first_key])}\n"  # a duplicate key
+
+
+@FAST
+@given(
+    which=st.sampled_from(sorted(FILES)),
+    kind=st.sampled_from(["alias", "anchor", "duplicate"]),
+    number=st.sampled_from([10**400, -(10**18), 2**63, 1e308, -1]),
+)
+def test_every_file_refuses_anchors_aliases_and_duplicate_keys(tmp_path, which, kind, number):
+    data, command = FILES[which]
+    text = yaml.safe_dump(data, sort_keys=False)
+    path = tmp_path / f"{which}.yaml"
+    path.write_text(_attack(text, kind, data))
+    if command is None:
+        from memplan.devices import load_device
+
+        with pytest.raises(ProfileError):
+            load_device(str(path))
+    else:
+        result = run(*command, path)
+        assert result.exit_code == 2, result.output
+        assert "anchor" in result.output or "alias" in result.output or "duplicate" in result.output
+    # an out-of-range number in the first numeric leaf: exit 2, never a traceback or a hang
+    leaves = [p for p in _leaves(data) if p and isinstance(_get(data, p), int | float)]
+    if leaves and command is not None:
+        changed = _set(yaml.safe_load(text), leaves[0], number)
+        path.write_text(yaml.safe_dump(changed, sort_keys=False))
+        result = run(*command, path)
+        assert result.exit_code in (0, 1, 2), result.output
+
+
+def _get(data, path):
+    for key in path:
+        data = data[key]
+    return data
+
+
+# ------------------------------------------------------------------ every memplan error raised
+def _memplan_error_classes() -> list[str]:
+    from memplan import errors
+
+    names = sorted(
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type)
+        and issubclass(value, BaseException)
+        and value.__module__ == "memplan.errors"
+    )
+    return [*names, "Forged"]
+
+
+@pytest.mark.parametrize("cls", _memplan_error_classes())
+@pytest.mark.parametrize("where", ["build", "forward"])
+def test_a_model_raising_any_memplan_error_is_exit_2(cls, where):
+    result = run(
+        "probe", MISBEHAVE, "--device", "cpu", "--micro-batches", "1,2", "--json",
+        env={"MEMPLAN_TEST_MISBEHAVE": f"raise:{cls}:{where}"},
+    )  # fmt: skip
+    assert result.exit_code == 2, (cls, result.output)
+    assert result.stdout.strip() == ""

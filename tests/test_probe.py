@@ -215,7 +215,8 @@ def test_meta_op_without_meta_kernel_is_cannot_measure(tmp_path: Path) -> None:
         "        super().__init__()\n"
         "        self.fc = nn.Linear(4, 4)\n"
         "    def forward(self, x):\n"
-        "        return self.fc(x[x.sum(-1) > 0]).sum()\n"
+        "        h = self.fc(x)  # routed by values computed from weights: no twin\n"
+        "        return h[h.sum(-1) > 0].sum()\n"
         "def build_model():\n    return M()\n"
         "def make_batch(n):\n    return torch.randn(n, 4)\n"
     )

@@ -79,7 +79,7 @@ def test_nan_in_losses_or_gradients_fails_the_gradient_check(monkeypatch, mode, 
     # while the full batch's are not; max() used to drop the NaN and report 0.00e+00.
     from memplan.loader import load_model_file
     from memplan.probe.backends import make_backend
-    from memplan.verify import _gradient_check
+    from memplan.verify.single import _gradient_check
 
     backend = make_backend("cpu", "fp32", None)
     direct = _gradient_check(load_model_file(MISBEHAVE), hand_plan(MISBEHAVE), backend, 0)

@@ -17,6 +17,7 @@
         margin: 0.03                # fraction of the budget kept free
         baseline: memplan/baseline/gpt.profile.yaml   # optional committed profile
         layers: "transformer.h.*"   # optional checkpoint-candidate glob for the probe
+        timeout: 600                # optional: seconds the probe may take (--timeout)
 
 The whole file goes through ``memplan.schema`` (unknown keys at any level are rejected with
 the dotted path and a did-you-mean); what the schema cannot say (a model file that does not
@@ -38,6 +39,10 @@ from memplan.units import parse_budget
 
 CONFIG_VERSION = 1
 DEFAULT_CONFIG = "memplan.yaml"
+DEFAULT_TIMEOUT_S = 900.0
+"""Seconds a check's probe may take unless ``--timeout`` or its ``timeout:`` says otherwise:
+a meta probe of a large model takes seconds, a CPU probe minutes; a hang takes forever."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -69,6 +74,9 @@ class CheckSpec:
     seq_len: int | None = None
     """Tokens per sample: the probe calls ``make_batch(batch_size, seq_len)`` and the plan
     is for that length (issue 13); omitted: the model file's own batches."""
+    timeout: float | None = None
+    """Seconds this check's probe may take (then the check is an ``error`` naming the phase
+    it was in); omitted: ``memplan check --timeout`` (default ``DEFAULT_TIMEOUT_S``)."""
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -85,6 +93,10 @@ class CheckSpec:
             raise ValueError("baseline must be a path, not empty")
         if problem := margin_problem(self.margin):
             raise ValueError(problem)
+        if self.timeout is not None and not 0 < self.timeout <= MAX_TIMEOUT_S:
+            raise ValueError(
+                f"timeout must be seconds above 0 and at most {MAX_TIMEOUT_S}, got {self.timeout}"
+            )
         if self.seq_len is not None and not 1 <= self.seq_len <= 2**24:
             raise ValueError(
                 f"seq_len must be a length from 1 to {2**24} tokens, got {self.seq_len}"

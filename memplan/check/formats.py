@@ -191,8 +191,25 @@ def to_junit_xml(report: CheckReport) -> str:
 
 
 # ----------------------------------------------------------------------------- markdown
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+_MD_PUNCTUATION = re.compile(r"([!-/:-@\[-`{-~])")  # every ASCII punctuation character
+_LINE_BREAKS = re.compile(r"[\r\n\x0b\x0c\x85\u2028\u2029]+")
+
+
+def markdown_text(text: str) -> str:
+    """``text`` (a check name, a layer name: anything a user wrote) as literal Markdown text
+    on one line: line breaks become spaces and every ASCII punctuation character is
+    backslash-escaped (CommonMark lets any of them be), so no heading, link, image, HTML
+    tag, emphasis or table cell can come out of it."""
+    return _MD_PUNCTUATION.sub(r"\\\1", _LINE_BREAKS.sub(" ", text))
+
+
+def markdown_code_block(text: str) -> list[str]:
+    """``text`` as the lines of a fenced code block that it cannot close: the fence is a
+    run of backticks longer than any in ``text`` (a closing fence must be at least as long
+    as the opening one)."""
+    longest = max((len(run) for run in re.findall("`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [fence, *_LINE_BREAKS.sub("\n", text).split("\n"), fence]
 
 
 def to_markdown(report: CheckReport) -> str:
@@ -209,8 +226,8 @@ def to_markdown(report: CheckReport) -> str:
         peak = format_bytes(r.min_peak_bytes) if r.min_peak_bytes is not None else "-"
         headroom = format_bytes(r.headroom_bytes) if r.headroom_bytes is not None else "-"
         lines.append(
-            f"| {_md(r.name)} | {icon[r.status]} | {peak} | "
-            f"{format_bytes(r.budget_bytes)} | {headroom} | {plan_text(r.plan)} | "
+            f"| {markdown_text(r.name)} | {icon[r.status]} | {peak} | "
+            f"{format_bytes(r.budget_bytes)} | {headroom} | {markdown_text(plan_text(r.plan))} | "
             f"{r.seconds:.1f} s |"
         )
     for r in report.results:
@@ -218,11 +235,9 @@ def to_markdown(report: CheckReport) -> str:
             continue
         lines += [
             "",
-            f"#### {_md(r.name)}",
+            f"#### {markdown_text(r.name)}",
             "",
-            "```",
-            failure_text(r) if r.status == "fail" else r.message,
-            "```",
+            *markdown_code_block(failure_text(r) if r.status == "fail" else r.message),
         ]
     return "\n".join(lines) + "\n"
 

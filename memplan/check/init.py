@@ -35,6 +35,7 @@ def starter_config(
     device_profile: str | None = None,
     precision: str = "fp32",
     baseline: str | None = None,
+    layers: str | None = None,
 ) -> str:
     """A commented starter memplan.yaml with one check."""
     lines = [
@@ -59,6 +60,10 @@ def starter_config(
         "    world_size: 1",
         f"    margin: {DEFAULT_MARGIN}              # fraction of the budget kept free",
     ]
+    if layers:
+        lines.append(
+            f"    layers: {json.dumps(layers)}   # checkpoint-candidate glob for the probe"
+        )
     if baseline:
         lines.append(
             f"    baseline: {json.dumps(baseline)}   # write/refresh: memplan check --update-baseline"
@@ -77,12 +82,17 @@ def probe_least_peak(
     device: str = "meta",
     precision: str = "fp32",
     device_profile: str | None = None,
+    layers: str | None = None,
 ) -> int:
     """Probe ``model`` (in a child process) and return the least peak any plan for
     ``target_batch`` on one rank needs."""
     profile = probe_isolated(
         ProbeRequest(
-            model_arg=model, device=device, precision=precision, device_profile=device_profile
+            model_arg=model,
+            device=device,
+            precision=precision,
+            device_profile=device_profile,
+            layers=layers,
         )
     )
     spec = load_device(device_profile) if device_profile else None
@@ -114,6 +124,7 @@ def make_starter(
     precision: str = "fp32",
     name: str | None = None,
     baseline: str | None = None,
+    layers: str | None = None,
 ) -> Starter:
     """Validate the options, find a budget when none is given, and return the config text.
     Bad options are BadInputError naming the option; nothing is written here."""
@@ -139,6 +150,7 @@ def make_starter(
             device=device,
             precision=precision,
             device_profile=device_profile,
+            layers=layers,
         )
         budget = suggested_budget(int(min_peak * (1 + STARTER_HEADROOM)), DEFAULT_MARGIN)
     else:
@@ -153,6 +165,7 @@ def make_starter(
         device_profile=device_profile,
         precision=precision,
         baseline=baseline,
+        layers=layers,
     )
     then = f"memplan check --config {output}" + (" --update-baseline" if baseline else "")
     return Starter(output=output, text=text, budget=budget, min_peak_bytes=min_peak, then=then)

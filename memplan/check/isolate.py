@@ -16,16 +16,20 @@ once per check. In the child, stdout is pointed at stderr: a model that prints c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import os
+import signal
 import sys
+import time
 import traceback
 import types
-from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 
-from memplan.errors import EXIT_BAD_INPUT, MemplanError
+from memplan.errors import EXIT_BAD_INPUT, EXIT_CANNOT_MEASURE, MemplanError, exit_code_of
 from memplan.profile import Profile
 
 # Imported once by the fork server, so every child starts with them: torch and the probe,
@@ -54,6 +58,16 @@ class ProbeRequest:
     micro_batches: tuple[int, ...] | None = None
     seq_len: int | None = None
     """Tokens per sample (``make_batch(batch_size, seq_len)``); None: the file's own."""
+    timeout_s: float | None = field(default=None, compare=False)
+    """Seconds the probe may take before its process is killed and the check is an error
+    naming the phase it was in; None: no limit. Not part of what makes two probes the same."""
+
+
+@dataclass(frozen=True, slots=True)
+class Phase:
+    """Sent by the child as it enters the user's code or finishes a probe step."""
+
+    text: str
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,46 +81,66 @@ class ChildError:
 class IsolatedProbeError(MemplanError):
     """The model's child process failed or ended without a result (exit code as reported)."""
 
-    def __init__(self, message: str, *, exit_code: int = EXIT_BAD_INPUT) -> None:
-        super().__init__(message)
+    def __init__(
+        self, message: str, *, exit_code: int = EXIT_BAD_INPUT, hint: str | None = None
+    ) -> None:
+        super().__init__(message, hint=hint)
         self.exit_code = exit_code
 
 
-def _probe(request: ProbeRequest) -> Profile:
+def _probe(request: ProbeRequest, on_progress: Callable[[int, int, str], None]) -> Profile:
     from memplan.probe import probe_model
 
     if request.seq_len is not None:
         from memplan.probe.seqgrid import probe_seq_grid
 
         probe_model = functools.partial(probe_seq_grid, seq_lens=(request.seq_len,))
-    if request.micro_batches is None:
-        return probe_model(
-            request.model_arg,
-            device=request.device,
-            precision=request.precision,
-            layers=request.layers,
-            device_profile=request.device_profile,
-        )
+    sizes = {} if request.micro_batches is None else {"micro_batches": request.micro_batches}
     return probe_model(
         request.model_arg,
         device=request.device,
         precision=request.precision,
         layers=request.layers,
         device_profile=request.device_profile,
-        micro_batches=request.micro_batches,
+        on_progress=on_progress,
+        **sizes,
     )
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return type(exc).__name__
 
 
 def _child_main(conn: Connection, request: ProbeRequest) -> None:
     """In the child: probe, send ``Profile`` or ``ChildError`` back, and return."""
+    from memplan.loader import observe_calls
+
     sys.stdout.flush()
     os.dup2(2, 1)  # the model's prints go to stderr; stdout may be --json
     sys.stdout = sys.stderr
+    with contextlib.suppress(OSError):
+        os.setsid()  # its own process group: a timeout kills the model's children with it
+    if request.timeout_s is not None:  # should the parent die without killing it
+        signal.alarm(int(request.timeout_s) + 60)
+    step = ""
+
+    def entering(what: str) -> None:
+        conn.send(Phase(f"{what}{step}"))
+
+    def progress(done: int, total: int, what: str) -> None:
+        nonlocal step
+        step = f" (probe step {done} of {total} done: {what})"
+        conn.send(Phase(f"measuring{step}"))
+
     reply: Profile | ChildError
     try:
-        reply = _probe(request)
+        with observe_calls(entering):
+            reply = _probe(request, progress)
     except MemplanError as exc:
-        reply = ChildError(message=str(exc), exit_code=exc.exit_code)
+        reply = ChildError(message=_text(exc), exit_code=exit_code_of(exc))
     except SystemExit as exc:
         code = exc.code if exc.code is not None else 0
         reply = ChildError(
@@ -154,27 +188,78 @@ def start_fork_server() -> None:
 
 def probe_isolated(request: ProbeRequest) -> Profile:
     """Probe in a child process and return the profile; else IsolatedProbeError with the
-    child's memplan error (and its exit code), or naming how the child ended (exit 2)."""
+    child's memplan error (and its exit code), naming how the child ended (exit 2), or
+    naming the phase it was in when ``request.timeout_s`` ran out (exit 3).
+
+    The parent waits on the pipe *and* the child's end, never on the pipe alone: a process
+    the model forked keeps the pipe open after the child is gone, and must not hold up the
+    run."""
     context = _context()
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_child_main, args=(send, request), daemon=True)
     _start(process)
     send.close()
-    reply: Profile | ChildError | None
+    timeout = request.timeout_s
+    deadline = None if timeout is None else time.monotonic() + timeout
+    phase = Phase(f"importing {request.model_arg}")
+    reply: object = None
+    timed_out = False
     try:
-        reply = receive.recv()
-    except EOFError:  # the child ended without a word
-        reply = None
+        while reply is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                timed_out = True
+                break
+            ready = wait([receive, process.sentinel], timeout=left)
+            if receive in ready:
+                message = _receive(receive)
+                if isinstance(message, Phase):
+                    phase = message
+                elif message is not None:
+                    reply = message
+                else:
+                    break  # the pipe closed: the child (and all it forked) ended
+            elif process.sentinel in ready:
+                for _ in range(10_000):  # what it sent before it ended, if anything
+                    if reply is not None or not receive.poll(0):
+                        break
+                    message = _receive(receive)
+                    reply = None if isinstance(message, Phase) else message
+                    if message is None:
+                        break
+                break
     except BaseException:  # Ctrl-C or SIGTERM in the parent: the child goes with it
-        process.kill()
+        _kill(process)
         raise
     finally:
         receive.close()
-        process.join()
+        if timed_out:
+            _kill(process)
+        process.join(timeout=10)
+        if process.is_alive():  # sent its result, then would not end (a thread it started)
+            _kill(process)
+    if timed_out:
+        raise IsolatedProbeError(
+            f"{request.model_arg}: the probe did not finish within the check's timeout of "
+            f"{timeout:g} s; it was in {phase.text[:300]}. memplan stopped it.",
+            exit_code=EXIT_CANNOT_MEASURE,
+            hint="If the model is just slow here, raise the limit (timeout: SECONDS in the "
+            "check's memplan.yaml entry, or memplan check --timeout SECONDS); if it hangs, "
+            "run it with `memplan probe` to see where.",
+        )
     if isinstance(reply, Profile):
         return reply
     if isinstance(reply, ChildError):
-        raise IsolatedProbeError(reply.message, exit_code=reply.exit_code)
+        # An error result is exit 2 or 3, whatever the child said (a check in error never
+        # rolls up to 0, and "over budget" is the solver's verdict, made in this process).
+        code = reply.exit_code if reply.exit_code == EXIT_CANNOT_MEASURE else EXIT_BAD_INPUT
+        raise IsolatedProbeError(str(reply.message)[:4000], exit_code=code)
+    if reply is not None:
+        raise IsolatedProbeError(
+            f"{request.model_arg}: the process probing this model sent "
+            f"{type(reply).__name__}, not a result; something in the model wrote to "
+            "memplan's result pipe."
+        )
     code = process.exitcode
     how = (
         f"was killed by signal {-code}"
@@ -186,3 +271,25 @@ def probe_isolated(request: ProbeRequest) -> Profile:
         "result (os._exit, a crash in native code, or the kernel's out-of-memory killer). "
         "The model file must not end the process; run it with `memplan probe` to see where."
     )
+
+
+def _receive(receive: Connection) -> object:
+    """The next message from the child; None when the pipe is closed or what came is not
+    a message (bytes the model wrote to the pipe itself)."""
+    try:
+        return receive.recv()
+    except EOFError:
+        return None
+    except Exception:
+        return b""
+
+
+def _kill(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL the child and its process group (what the model started, unless it left the
+    group on purpose)."""
+    pid = process.pid
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        process.kill()

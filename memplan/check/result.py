@@ -9,8 +9,10 @@ The exit code of a run (``CheckReport.exit_code``), the rule docs/ci.md document
   baseline that memplan will not write;
 * else 3 when any check could not be measured here (the probe's ``CannotMeasureError``:
   no GPU for ``device: cuda``, an op without a meta kernel);
-* else 0.
+* else 0;
+* 128 + N when signal N (SIGINT, SIGTERM) ended the run, after every report is written.
 
+A check in ``error`` is 2 or 3 whatever code its error carried, so it never rolls up to 0.
 Every check is always run and reported, whatever another check did.
 """
 
@@ -19,9 +21,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from memplan.errors import EXIT_BAD_INPUT, EXIT_CANNOT_MEASURE, EXIT_OK, EXIT_OVER_BUDGET
+from memplan.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CANNOT_MEASURE,
+    EXIT_OK,
+    EXIT_OVER_BUDGET,
+    MemplanError,
+    exit_code_of,
+)
 
 Status = Literal["pass", "fail", "error"]
+
+
+def _error_code(code: int) -> int:
+    """A check in ``error`` is exit 3 (cannot measure) or 2 (anything else): never 0 or 1,
+    whatever code the error carried."""
+    return code if code == EXIT_CANNOT_MEASURE else EXIT_BAD_INPUT
+
+
+def error_exit_code(exc: MemplanError) -> int:
+    """The exit code of a check that ``exc`` put in ``error`` (``_error_code``)."""
+    return _error_code(exit_code_of(exc))
+
+
 GrowthKind = Literal["layer", "fixed", "total"]
 Quantity = Literal[
     "params_bytes", "activation_bytes_per_sample", "grad_bytes", "optimizer_state_bytes"
@@ -131,6 +153,9 @@ class CheckResult:
 class CheckReport:
     config: str
     results: tuple[CheckResult, ...]
+    interrupted: int | None = None
+    """The signal (SIGINT 2, SIGTERM 15) that ended the run early, else None: the results
+    of the checks that finished are kept, and the others are errors saying so."""
 
     @property
     def passed(self) -> bool:
@@ -139,8 +164,12 @@ class CheckReport:
     @property
     def exit_code(self) -> int:
         """1 over budget, else 2 a check could not run, else 3 could not measure, else 0
-        (the module docstring says why)."""
-        codes = {r.exit_code for r in self.results}
+        (the module docstring says why); 128 + N when signal N ended the run."""
+        if self.interrupted is not None:
+            return 128 + self.interrupted
+        codes = {
+            r.exit_code if r.status != "error" else _error_code(r.exit_code) for r in self.results
+        }
         for code in (EXIT_OVER_BUDGET, EXIT_BAD_INPUT, EXIT_CANNOT_MEASURE):
             if code in codes:
                 return code

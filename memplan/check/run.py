@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from memplan.check.advice import advise
 from memplan.check.baseline import check_baseline_target, compare_with_baseline, write_baseline
 from memplan.check.config import (
     DEFAULT_CONFIG,
+    DEFAULT_TIMEOUT_S,
     CheckConfig,
     CheckSpec,
     ResolvedCheck,
@@ -30,8 +32,17 @@ from memplan.check.config import (
     resolve_check,
 )
 from memplan.check.isolate import ProbeRequest, probe_isolated
-from memplan.check.result import CheckReport, CheckResult, Growth, PlanSummary
-from memplan.errors import EXIT_OK, EXIT_OVER_BUDGET, BadInputError, MemplanError, NoPlanFitsError
+from memplan.check.result import CheckReport, CheckResult, Growth, PlanSummary, error_exit_code
+from memplan.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CANNOT_MEASURE,
+    EXIT_OK,
+    EXIT_OVER_BUDGET,
+    BadInputError,
+    Interrupted,
+    MemplanError,
+    NoPlanFitsError,
+)
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.schema import from_data
@@ -54,8 +65,17 @@ def run_checks(
     probe_fn: ProbeFn = probe_isolated,
     solve_fn: SolveFn = solve,
     least_peak_fn: LeastPeakFn = least_peak,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
 ) -> CheckReport:
     """Run the checks of ``config`` (a path or a loaded CheckConfig) and return the report.
+
+    ``timeout_s`` limits each probe whose check gives no ``timeout:`` of its own (None: no
+    limit); a probe over its limit is an ``error`` naming the phase it was in. A SIGINT or
+    SIGTERM (``Interrupted``, ``KeyboardInterrupt``) ends the run early but still returns:
+    the finished checks' results, an ``error`` for each unfinished one, and
+    ``CheckReport.interrupted`` set to the signal, so that every report is written before
+    the caller exits 128 + N. A failure of memplan's own in one check (not a
+    ``MemplanError``) is an ``error`` for that check (exit 3), not the end of the run.
 
     ``only`` selects checks by name (an unknown name is a BadInputError). With
     ``update_baseline`` each check's new profile replaces its baseline file (atomically),
@@ -95,49 +115,44 @@ def run_checks(
             raise outcome
         return outcome
 
-    results = [
-        run_check(
-            c,
-            update_baseline=update_baseline,
-            on_check=on_check,
-            probe_fn=shared_probe,
-            solve_fn=solve_fn,
-            least_peak_fn=least_peak_fn,
-            source=source,
-        )
-        for c in checks
-    ]
-    return CheckReport(config=source, results=tuple(results))
+    results: list[CheckResult] = []
+    interrupted = None
+    for c in checks:
+        if interrupted is not None:
+            results.append(_not_run(c, f"not run: the run was interrupted by signal {interrupted}"))
+            continue
+        try:
+            results.append(
+                run_check(
+                    c,
+                    update_baseline=update_baseline,
+                    on_check=on_check,
+                    probe_fn=shared_probe,
+                    solve_fn=solve_fn,
+                    least_peak_fn=least_peak_fn,
+                    source=source,
+                    timeout_s=timeout_s,
+                )
+            )
+        except (Interrupted, KeyboardInterrupt) as exc:
+            interrupted = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
+            results.append(_not_run(c, f"interrupted by signal {interrupted} while this check ran"))
+        except Exception as exc:  # memplan's own failure: this check's error, not the run's
+            text = (str(exc).strip().splitlines() or [""])[0][:300]
+            results.append(
+                _not_run(
+                    c,
+                    f"memplan failed while running this check: {type(exc).__name__}: {text}",
+                    exit_code=EXIT_CANNOT_MEASURE,
+                )
+            )
+    return CheckReport(config=source, results=tuple(results), interrupted=interrupted)
 
 
-def probe_request(check: ResolvedCheck) -> ProbeRequest:
-    """How ``check`` probes its model: the key under which identical probes are shared."""
+def _base_result(check: ResolvedCheck) -> CheckResult:
+    """``check``'s result before it has run: an ``error`` with no message yet."""
     spec = check.spec
-    sizes = None if spec.micro_batches is None else tuple(sorted(set(spec.micro_batches)))
-    return ProbeRequest(
-        model_arg=check.model_arg,
-        device=spec.device,
-        precision=spec.precision,
-        layers=spec.layers,
-        device_profile=spec.device_profile,
-        micro_batches=sizes,
-        seq_len=spec.seq_len,
-    )
-
-
-def run_check(
-    check: ResolvedCheck,
-    *,
-    update_baseline: bool = False,
-    on_check: ProgressFn | None = None,
-    probe_fn: ProbeFn = probe_isolated,
-    solve_fn: SolveFn = solve,
-    least_peak_fn: LeastPeakFn = least_peak,
-    source: str = DEFAULT_CONFIG,
-) -> CheckResult:
-    """Probe, solve and compare one check. Domain errors become an ``error`` result."""
-    spec = check.spec
-    base = CheckResult(
+    return CheckResult(
         name=spec.name,
         status="error",
         model=spec.model,
@@ -150,16 +165,53 @@ def run_check(
         margin=spec.margin,
         baseline=spec.baseline,
     )
+
+
+def _not_run(check: ResolvedCheck, message: str, *, exit_code: int = EXIT_BAD_INPUT) -> CheckResult:
+    return dataclasses.replace(_base_result(check), message=message, exit_code=exit_code)
+
+
+def probe_request(check: ResolvedCheck, timeout_s: float | None = None) -> ProbeRequest:
+    """How ``check`` probes its model: the key under which identical probes are shared
+    (its ``timeout:``, else ``timeout_s``, goes along but is not part of the key)."""
+    spec = check.spec
+    sizes = None if spec.micro_batches is None else tuple(sorted(set(spec.micro_batches)))
+    return ProbeRequest(
+        model_arg=check.model_arg,
+        device=spec.device,
+        precision=spec.precision,
+        layers=spec.layers,
+        device_profile=spec.device_profile,
+        micro_batches=sizes,
+        seq_len=spec.seq_len,
+        timeout_s=spec.timeout if spec.timeout is not None else timeout_s,
+    )
+
+
+def run_check(
+    check: ResolvedCheck,
+    *,
+    update_baseline: bool = False,
+    on_check: ProgressFn | None = None,
+    probe_fn: ProbeFn = probe_isolated,
+    solve_fn: SolveFn = solve,
+    least_peak_fn: LeastPeakFn = least_peak,
+    source: str = DEFAULT_CONFIG,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+) -> CheckResult:
+    """Probe, solve and compare one check. Domain errors become an ``error`` result."""
+    spec = check.spec
+    base = _base_result(check)
     if on_check:
         on_check(spec.name, f"probing on {spec.device}")
     started = time.perf_counter()
     try:
-        profile = probe_fn(probe_request(check))
+        profile = probe_fn(probe_request(check, timeout_s))
     except MemplanError as exc:
         return dataclasses.replace(
             base,
             message=str(exc),
-            exit_code=exc.exit_code,
+            exit_code=error_exit_code(exc),
             probe_seconds=time.perf_counter() - started,
         )
     probe_seconds = time.perf_counter() - started
@@ -178,7 +230,7 @@ def run_check(
         return dataclasses.replace(
             base,
             message=str(exc),
-            exit_code=exc.exit_code,
+            exit_code=error_exit_code(exc),
             probe_seconds=probe_seconds,
             solve_seconds=time.perf_counter() - started,
         )
@@ -196,7 +248,7 @@ def run_check(
             return dataclasses.replace(
                 base,
                 message=str(exc),
-                exit_code=exc.exit_code,
+                exit_code=error_exit_code(exc),
                 probe_seconds=probe_seconds,
                 solve_seconds=solve_seconds,
             )

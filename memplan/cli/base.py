@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import typer
 
-from memplan.errors import MemplanError, checkpointing_failure
+from memplan.errors import MemplanError, ModelFileError, checkpointing_failure, exit_code_of
 
 state = {"debug": False}
 """Set by the app callback from ``--debug``."""
@@ -30,8 +30,11 @@ def run_command(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except MemplanError as exc:
+            code = exit_code_of(exc)
+            if not type(exc).__module__.startswith("memplan."):
+                exc = _foreign(exc)  # a model file's own MemplanError subclass: exit 2
             render.error(exc, debug=state["debug"])
-            raise typer.Exit(exc.exit_code) from None
+            raise typer.Exit(code) from None
         except Exception as exc:
             # Checkpointing's recompute runs inside the backward, outside every call into
             # the user's code that the loader wraps: it is named here as a last resort.
@@ -42,3 +45,18 @@ def run_command(func: F) -> F:
             raise typer.Exit(known.exit_code) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _foreign(exc: MemplanError) -> ModelFileError:
+    """A ``MemplanError`` subclass that is not memplan's (a model file defined it and it
+    escaped where no loader call wraps the user's code, e.g. a custom autograd backward) as
+    the model file's error, its text cut short and read without trusting its ``__str__``."""
+    try:
+        text = (str(exc).strip().splitlines() or [""])[0]
+    except Exception:
+        text = ""
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return ModelFileError(
+        f"the model's code raised {type(exc).__name__}" + (f": {text}" if text else ""),
+        hint="An error raised by the model file is the model file's (exit 2), whatever its class.",
+    )

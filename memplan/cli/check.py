@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from memplan.check.config import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from memplan.cli.base import run_command
 
 if TYPE_CHECKING:
@@ -42,16 +43,30 @@ def check(
         typer.Option("--only", help="Run only the check with this name (repeatable)."),
     ] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing --junit file.")] = False,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            help="Seconds each check's probe may take (a check's own timeout: wins); "
+            "over it, the check is an error naming where it was. 0: no limit.",
+        ),
+    ] = DEFAULT_TIMEOUT_S,
 ) -> None:
     """CI gate: probe and solve every check in memplan.yaml; exit 1 if any is over budget.
 
     Exit codes: 0 all pass, 1 a check is over budget (whatever else happened), else 2 a bad
-    config or a model that cannot be loaded or run, else 3 cannot measure (docs/ci.md)."""
+    config or a model that cannot be loaded or run, else 3 cannot measure (docs/ci.md).
+    On SIGINT/SIGTERM the finished checks' results are still written; exit 128 + N."""
     from memplan import render
     from memplan.check import append_step_summary, load_config, run_checks, to_json, to_junit_xml
+    from memplan.errors import BadInputError, Interrupted
     from memplan.fileio import check_output, write_text_atomic
     from memplan.render.check import check_progress, show_report
 
+    if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        raise BadInputError(
+            f"--timeout {timeout}: give seconds from 0 (no limit) to {MAX_TIMEOUT_S:g}."
+        )
     loaded = load_config(config)
     if junit is not None:
         check_output(junit, force=force)  # now, not after minutes of probing
@@ -59,20 +74,27 @@ def check(
     hooks = {"solve_fn": plots.solve} if plots is not None else {}
     with check_progress(loaded, only, also=plots.on_check if plots else None) as on_check:
         report = run_checks(
-            loaded, only=only, update_baseline=update_baseline, on_check=on_check, **hooks
+            loaded,
+            only=only,
+            update_baseline=update_baseline,
+            on_check=on_check,
+            timeout_s=timeout or None,
+            **hooks,
         )
     if as_json:
         render.stdout.out(to_json(report), highlight=False)
     else:
         show_report(report)
-    if junit is not None:
-        write_text_atomic(junit, to_junit_xml(report), force=True)
-        render.info(f"wrote {junit}")
-    summary = append_step_summary(report)
-    if summary is not None and plots is not None:
+    summary = append_step_summary(report)  # first: it never refuses to write
+    if summary is not None and plots is not None and report.interrupted is None:
         plots.append_to(summary)  # the report's PNG of each check, under its text
     if summary is not None and not as_json:
         render.info(f"appended a summary to {summary}")
+    if junit is not None:  # no clobber: a file that appeared while the checks ran is kept
+        write_text_atomic(junit, to_junit_xml(report), force=force)
+        render.info(f"wrote {junit}")
+    if report.interrupted is not None:
+        raise Interrupted(report.interrupted)  # the console script exits 128 + N
     raise typer.Exit(report.exit_code)
 
 
@@ -110,6 +132,10 @@ def init_check(
     baseline: Annotated[
         str | None, typer.Option(help="Baseline profile path to record (relative to the output).")
     ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(help="Checkpoint candidates: comma-separated globs of module names."),
+    ] = None,
     force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
 ) -> None:
     """Write a starter memplan.yaml for `memplan check`."""
@@ -130,6 +156,7 @@ def init_check(
             precision=precision,
             name=name,
             baseline=baseline,
+            layers=layers,
         )
     if starter.min_peak_bytes is not None:
         render.info(

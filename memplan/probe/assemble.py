@@ -113,6 +113,7 @@ def assemble(
         has_batchnorm=bn,
         op_sequence_stable=stable,
         warnings=tuple(dict.fromkeys(warnings)),
+        max_seq_len=session.model_file.max_seq_len,
     )
 
 
@@ -350,7 +351,7 @@ def _environment(session: Session) -> Environment:
         device=backend.device,  # type: ignore[arg-type]
         device_name=backend.device_name(),
         device_capacity_bytes=backend.capacity_bytes(),
-        device_profile=backend.spec.name if backend.spec else None,
+        device_profile=backend.target_profile(),
         precision=backend.precision,  # type: ignore[arg-type]
         optimizer_class=type(session.optimizer).__name__,
         param_dtype=str(first_param.dtype).removeprefix("torch."),

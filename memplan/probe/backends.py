@@ -80,6 +80,10 @@ class Backend:
         meta_attention): a named GPU spec's, else the CPU's, which ``--device cpu`` checks."""
         self.attention_notes: list[str] = []
         """Meta only: what the spec could not decide about attention kernels (warnings)."""
+        self.spec_given = self.spec is not None
+        """Whether the user named the device spec. A meta probe without one is timed
+        against ``DEFAULT_META_SPEC`` but plans for no device: its profile names none, so
+        a plan adds no CUDA reserve unless solve is given ``--device-profile``."""
         if self.device == "meta":
             spec = self.spec or load_device(DEFAULT_META_SPEC)
             self.spec = spec
@@ -107,9 +111,10 @@ class Backend:
 
     def batch(self, model_file: ModelFile, size: int) -> Any:
         cpu = model_file.make_batch(size)
-        batch = move_batch(cpu, self.torch_device)
-        if self.device == "meta":
-            shadow.shadow_batch(cpu, batch)  # ids and masks keep their values
+        if self.device == "meta":  # laid out as on cpu, values kept (probe/shadow.py)
+            batch = shadow.mirror_batch(cpu)
+        else:
+            batch = move_batch(cpu, self.torch_device)
         if self.cast_params:  # FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True)
             batch = map_batch(batch, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
         return batch
@@ -184,7 +189,11 @@ class Backend:
         if self.device == "cuda":
             info = local_gpu(self.torch_device.index or 0)
             return info.total_bytes if info else None
-        return self.spec.memory_bytes if self.spec else None
+        return self.spec.memory_bytes if self.spec and self.spec_given else None
+
+    def target_profile(self) -> str | None:
+        """The device spec the profile is for: the one the user named, else none."""
+        return self.spec.name if self.spec and self.spec_given else None
 
 
 def make_backend(

@@ -30,8 +30,72 @@ def default_layers(model: nn.Module) -> list[str]:
     of every stage: the children of each innermost ``nn.ModuleList``/``nn.Sequential`` whose
     children are two or more modules of one type that have submodules of their own
     (ResNet's ``layer1``–``layer4`` blocks, ConvNeXt's blocks in every stage). Failing both,
-    the children of the largest container of same-type children (a stack of plain layers)."""
-    return _declared_blocks(model) or _stage_blocks(model) or _largest_repeat(model)
+    the children of the largest container of same-type children (a stack of plain layers).
+
+    When those hold less than ``MIN_COVERAGE`` of the model's layers (modules with
+    parameters of their own: MobileNetV3-small's 6 repeated blocks hold 12 of its 88), every block of
+    every stage is a candidate instead (``default_candidates`` says so)."""
+    return default_candidates(model)[0]
+
+
+MIN_COVERAGE = 0.5
+"""Least share of the model's layers (modules with parameters of their own) that the
+default candidates hold before memplan looks a level deeper (``default_candidates``)."""
+
+
+def default_candidates(model: nn.Module) -> tuple[list[str], str | None]:
+    """The default candidates (``default_layers``) and, when the repeated blocks covered
+    too little of the model and every block is taken instead, a note that says so."""
+    names = _declared_blocks(model) or _stage_blocks(model) or _largest_repeat(model)
+    covered = coverage(model, names)
+    if covered >= MIN_COVERAGE:
+        return names, None
+    deeper = _every_block(model)
+    if coverage(model, deeper) <= covered:
+        return names, None
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "") if names else "none"
+    return deeper, (
+        f"the repeated blocks ({shown}) hold {covered:.0%} of the model's layers, so every "
+        f"block is a candidate instead: {len(deeper)} blocks, {deeper[0]} to {deeper[-1]} "
+        "(choose others with --layers GLOB)"
+    )
+
+
+def coverage(model: nn.Module, names: list[str]) -> float:
+    """Share of the model's modules with parameters of their own that lie in ``names``."""
+    own = [n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))]
+    if not own:
+        return 0.0
+    inside = [n for n in own if any(n == c or n.startswith(c + ".") for c in names)]
+    return len(inside) / len(own)
+
+
+def _every_block(model: nn.Module) -> list[str]:
+    """Every block of every stage: the children (with submodules) of the container that
+    holds the most of the model's layers, a child that is itself a stage (a container of
+    blocks) giving way to its blocks."""
+    best: tuple[float, list[str]] = (0.0, [])
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList | nn.Sequential):
+            continue
+        prefix = f"{name}." if name else ""
+        blocks: list[str] = []
+        for child_name, child in module.named_children():
+            inner = list(child.named_children())
+            if not inner:
+                continue
+            stage = isinstance(child, nn.ModuleList | nn.Sequential) and all(
+                any(True for _ in c.children()) for _, c in inner
+            )
+            if stage:
+                blocks.extend(f"{prefix}{child_name}.{n}" for n, _ in inner)
+            else:
+                blocks.append(prefix + child_name)
+        if len(blocks) >= 2:
+            share = coverage(model, blocks)
+            if share > best[0]:
+                best = (share, blocks)
+    return best[1]
 
 
 def _declared_blocks(model: nn.Module) -> list[str]:

@@ -35,6 +35,7 @@ path, and non-meta calls, go to PyTorch unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
+
+from memplan.errors import MemplanError, internal_failure
 
 SDPA = F.scaled_dot_product_attention
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -343,21 +346,32 @@ class MetaAttention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not SDPA:
             return func(*args, **kwargs)
+        try:  # memplan's routing and kernel emulation: a failure is memplan's own
+            route = self._route(args, kwargs)
+            if route is not None:
+                return route()
+        except MemplanError:
+            raise
+        except Exception as exc:
+            raise internal_failure("meta attention (probe/meta_attention.py)", func, exc) from exc
+        return func(*args, **kwargs)  # the user's call, as PyTorch runs it
+
+    def _route(self, args: tuple, kwargs: dict) -> Callable[[], torch.Tensor] | None:
+        """The fused kernel this call runs on the target (a thunk running its meta
+        emulation), or None: PyTorch's own SDPA (math, or a call PyTorch refuses)."""
         call = SdpaCall.bind(args, kwargs)
         if call is None or not all(t.device.type == "meta" for t in call.tensors):
-            return func(*args, **kwargs)
+            return None
         mask = call.attn_mask
         if mask is not None and mask.dtype not in (torch.bool, call.query.dtype):
-            return func(*args, **kwargs)  # PyTorch refuses it; let it say so
+            return None  # PyTorch refuses it; let it say so
         if self.target == CPU:
-            if cpu_kernel(call) == FLASH:
-                return run_cpu_flash(call)
-            return func(*args, **kwargs)
+            return (lambda: run_cpu_flash(call)) if cpu_kernel(call) == FLASH else None
         choice = cuda_kernel(call, self.capability)
         if choice.note and choice.note not in self.notes:
             self.notes.append(choice.note)
         if choice.kernel == FLASH:
-            return run_cuda_flash(call)
+            return lambda: run_cuda_flash(call)
         if choice.kernel == EFFICIENT:
-            return run_cuda_efficient(call)
-        return func(*args, **kwargs)
+            return lambda: run_cuda_efficient(call)
+        return None

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from memplan.errors import MemplanError, internal_failure
+
 _T = torch.Tensor
 
 LOWER_PRECISION = {
@@ -79,15 +81,21 @@ class MetaAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func in LOWER_PRECISION:
-            args, kwargs = tree_map(lambda v: self._cast(v, self.dtype), (args, kwargs))
-        elif func in FLOAT32:
-            args, kwargs = tree_map(
-                lambda v: (
-                    self._cast(v, torch.float32)
-                    if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16)
-                    else v
-                ),
-                (args, kwargs),
-            )
+        try:  # memplan's casts: a failure in them is memplan's own (InternalError)
+            if func in LOWER_PRECISION:
+                args, kwargs = tree_map(lambda v: self._cast(v, self.dtype), (args, kwargs))
+            elif func in FLOAT32:
+                args, kwargs = tree_map(self._to_float32, (args, kwargs))
+        except MemplanError:
+            raise
+        except Exception as exc:
+            name = getattr(func, "__name__", func)
+            raise internal_failure(
+                "meta autocast (probe/meta_autocast.py)", f"the casts before {name}", exc
+            ) from exc
         return func(*args, **kwargs)
+
+    def _to_float32(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16):
+            return self._cast(value, torch.float32)
+        return value

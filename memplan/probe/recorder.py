@@ -23,7 +23,23 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from memplan.errors import MemplanError, internal_failure
 from memplan.probe.tracker import LiveTracker, storages_bytes
+
+
+def _owned(what: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, whose failures are memplan's own (InternalError naming ``what``), never
+    an error of the model whose forward or backward ran it."""
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return hook(*args, **kwargs)
+        except MemplanError:
+            raise
+        except Exception as exc:
+            raise internal_failure("layer recorder (probe/recorder.py)", what, exc) from exc
+
+    return guarded
 
 
 @dataclass(slots=True)
@@ -150,7 +166,9 @@ class Recorder:
             self._handles.append(
                 part.register_forward_hook(self._part_post(name), with_kwargs=True)
             )
-        self._handles.append(self.root.register_forward_hook(self._root_hook))
+        self._handles.append(
+            self.root.register_forward_hook(_owned("the model's forward hook", self._root_hook))
+        )
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -228,7 +246,7 @@ class Recorder:
                     tensor.register_hook(self._bwd_end(index))
             rec.fwd_t0 = self.clock()
 
-        return hook
+        return _owned(f"the forward pre-hook of layer {index}", hook)
 
     def _layer_post(self, index: int) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
@@ -246,7 +264,7 @@ class Recorder:
                     tensor.register_hook(self._bwd_begin(index))
             self._set_state(index + 1, "none")
 
-        return hook
+        return _owned(f"the forward hook of layer {index}", hook)
 
     def _bwd_begin(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -257,14 +275,14 @@ class Recorder:
             rec.bwd_t0 = self.clock()
             rec.bwd_pos0, rec.bwd_live0 = self._pos(), self._live()
 
-        return hook
+        return _owned(f"the backward hook of layer {index}", hook)
 
     def _bwd_end(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if (self.held, self.active) == (index, "bwd"):
                 self._set_state(index, "none")
 
-        return hook
+        return _owned(f"the backward hook of layer {index}", hook)
 
     def _part_pre(self, name: str) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any) -> None:
@@ -276,7 +294,7 @@ class Recorder:
                 if tensor.requires_grad:
                     tensor.register_hook(self._part_bwd(name, end=True))
 
-        return hook
+        return _owned(f"the forward pre-hook of {name}", hook)
 
     def _part_post(self, name: str) -> Callable[..., None]:
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
@@ -289,7 +307,7 @@ class Recorder:
                 if tensor.requires_grad:
                     tensor.register_hook(self._part_bwd(name, end=False))
 
-        return hook
+        return _owned(f"the forward hook of {name}", hook)
 
     def _part_bwd(self, name: str, *, end: bool) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -300,7 +318,7 @@ class Recorder:
             elif part.bwd_t0 is None:
                 part.bwd_t0 = now
 
-        return hook
+        return _owned(f"the backward hook of {name}", hook)
 
     def _root_hook(self, module: Any, args: Any, output: Any) -> None:
         self._root_post = (self._live(), self._flops(), self.clock())

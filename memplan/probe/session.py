@@ -15,7 +15,7 @@ import memplan.run
 from memplan.errors import CannotMeasureError
 from memplan.loader import ModelFile, batch_tensors
 from memplan.probe.backends import Backend
-from memplan.probe.layers import default_layers, fixed_parts, glob_layers
+from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
 from memplan.probe.tracker import LiveTracker, resident_tensors
@@ -169,8 +169,9 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _resolve_layers(model: torch.nn.Module, layers: str | None) -> list[str]:
-    return glob_layers(model, layers) if layers else default_layers(model)
+def _resolve_layers(model: torch.nn.Module, layers: str | None) -> tuple[list[str], str | None]:
+    """The candidates, and a note when the defaults went a level deeper."""
+    return (glob_layers(model, layers), None) if layers else default_candidates(model)
 
 
 def open_session(model_file: ModelFile, backend: Backend, layers: str | None) -> Session:
@@ -178,7 +179,7 @@ def open_session(model_file: ModelFile, backend: Backend, layers: str | None) ->
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
     cache_note = memplan.run.kv_cache_note(memplan.run.disable_kv_cache(model))
     optimizer = model_file.make_optimizer(model)
-    names = _resolve_layers(model, layers)
+    names, deeper_note = _resolve_layers(model, layers)
     modules = dict(model.named_modules())
     parts = fixed_parts(model, names)
     recorder = Recorder(
@@ -194,7 +195,7 @@ def open_session(model_file: ModelFile, backend: Backend, layers: str | None) ->
         layers=[modules[n] for n in names],
         part_names=parts,
         recorder=recorder,
-        warnings=[cache_note] if cache_note else [],
+        warnings=[note for note in (cache_note, deeper_note) if note],
     )
 
 
@@ -207,10 +208,19 @@ def warm_up(session: Session, size: int) -> None:
         record = session.micro_step(batch, None)
         session.optimizer.step()
     session.zero_grad()
-    order = record.layer_order
+    shared = [i for i, layer in enumerate(record.layers) if layer.calls > 1]
+    for i in shared:  # a block the model calls twice (ALBERT's shared layer): no candidate
+        session.warnings.append(
+            f"candidate layer {session.layer_names[i]} ran its forward "
+            f"{record.layers[i].calls} times per micro-step (a shared block), and a candidate "
+            "must run once: it is left out of the candidates and counted as a fixed part"
+        )
+    order = [i for i in record.layer_order if i not in shared]
     if len(order) != len(session.layer_names) or order != sorted(order):
         missing = [
-            session.layer_names[i] for i in range(len(session.layer_names)) if i not in order
+            session.layer_names[i]
+            for i in range(len(session.layer_names))
+            if i not in order and i not in shared
         ]
         if missing:
             session.warnings.append(
@@ -222,6 +232,7 @@ def warm_up(session: Session, size: int) -> None:
         session.recorder.remove()
         session.layer_names = names
         session.layers = [modules[n] for n in names]
+        session.part_names = fixed_parts(session.model, names)  # a dropped block is fixed
         session.recorder = Recorder(
             session.model,
             session.layers,
@@ -229,9 +240,10 @@ def warm_up(session: Session, size: int) -> None:
             clock=session.backend.clock,
         )
         session.recorder.install()
-    if record.problems:
+    problems = [p for p in record.problems if "more than once" not in p]
+    if problems:
         raise CannotMeasureError(
-            f"{session.model_file.path}: {record.problems[0]}; a checkpoint candidate must run "
+            f"{session.model_file.path}: {problems[0]}; a checkpoint candidate must run "
             "once per micro-step.",
             hint="Choose other layers with --layers GLOB.",
         )

@@ -5,15 +5,24 @@ on it. Models read values of small integer tensors all the time: Hugging Face's
 ``masking_utils`` asks whether an attention mask is all ones (``_ignore_causal_mask_sdpa``)
 and whether position ids are packed (``find_packed_sequence_indices``), both ending in
 ``.all()`` and a Python ``bool``. Those values come from the batch (ids, masks, labels) and
-from ``arange``, never from weights.
+from factories (``arange``, a decoder's ``torch.ones`` mask), never from weights.
 
-So the meta backend keeps a CPU *shadow* of the batch's integer and boolean tensors, and of
-small integer/boolean results of factory ops. An op whose tensor arguments all have shadows
+So the meta backend keeps a CPU *shadow* (twin) of every tensor of the batch, and of small
+results of factory ops. An op whose tensor arguments all have shadows
 runs on the shadows for real (CPU, tiny), and its meta result is made from the real one
 (same shape, dtype) and shadowed in turn; a value read is then answered from the shadow.
 An op that touches one meta tensor without a shadow (anything computed from weights: a
 router's top-k, a float comparison) runs on meta as before, and a value read of it is
 still the probe's "cannot measure" (exit 3).
+
+A twin can never diverge from its meta tensor: both have the same shape, strides, storage
+offset and dtype, and twins share storages exactly where their meta tensors do. The batch
+is mirrored onto meta storage by storage (``mirror_batch``: ``t[:, :-1]`` and ``t[:, 1:]``
+stay two views of one storage, as on cpu, instead of two contiguous copies), and a result
+whose CPU layout differs from the meta kernel's is re-laid out to the meta one
+(``_matching``), so a view that runs on meta runs on the twin. An op that fails on the
+twins runs on meta alone (its results have no twin), so a twin never fails a model that
+meta runs.
 """
 
 from __future__ import annotations
@@ -63,13 +72,65 @@ class _Shadows:
 _shadows = _Shadows()
 
 
-def shadow_batch(cpu_batch: Any, meta_batch: Any) -> None:
-    """Give the integer and boolean tensors of a batch moved to meta their CPU originals."""
-    cpu_leaves, _ = tree_flatten(cpu_batch)
-    meta_leaves, _ = tree_flatten(meta_batch)
-    for cpu, meta in zip(cpu_leaves, meta_leaves, strict=False):
-        if isinstance(meta, torch.Tensor) and meta.is_meta and not cpu.is_floating_point():
-            _shadows[meta] = cpu
+def _geometry(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _meta_like(cpu: torch.Tensor, base: torch.Tensor | None = None) -> torch.Tensor:
+    """A meta tensor laid out as ``cpu`` (shape, strides, offset, storage bytes), a view of
+    the uint8 meta storage ``base`` when given (else a new one of ``cpu``'s storage size)."""
+    nbytes = cpu.untyped_storage().nbytes()
+    if nbytes % cpu.element_size():
+        return cpu.to(_META)
+    if base is None:
+        base = torch.empty(nbytes, dtype=torch.uint8, device=_META)
+    typed = base if cpu.dtype == torch.uint8 else base.view(cpu.dtype)
+    meta = typed.as_strided(cpu.shape, cpu.stride(), cpu.storage_offset())
+    if cpu.requires_grad:
+        meta.requires_grad_(True)
+    return meta
+
+
+def mirror_batch(cpu_batch: Any) -> Any:
+    """The batch on meta, storage by storage as on cpu, every tensor with its CPU original
+    as twin. Tensors sharing a CPU storage share one meta storage of the same bytes, at the
+    same strides and offsets: the meta probe counts what the cpu probe counts, and a view
+    of the twin runs wherever the meta view does."""
+    from memplan.loader import map_batch
+
+    bases: dict[tuple[int, int], torch.Tensor] = {}
+
+    def mirror(cpu: torch.Tensor) -> torch.Tensor:
+        if cpu.is_meta or cpu.layout != torch.strided:
+            return cpu.to(_META)
+        storage = cpu.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[0] == 0:  # an empty storage: nothing to share
+            key = (id(cpu), 0)
+        if key not in bases:
+            bases[key] = torch.empty(storage.nbytes(), dtype=torch.uint8, device=_META)
+        meta = _meta_like(cpu, bases[key])
+        _shadows[meta] = cpu
+        return meta
+
+    return map_batch(cpu_batch, mirror)
+
+
+def _matching(meta: torch.Tensor, cpu: torch.Tensor, twins_in: list[torch.Tensor]) -> torch.Tensor:
+    """``cpu`` (an op's CPU result) laid out as ``meta`` (its meta result): itself when the
+    layouts agree; else, for a view of an input, the same view of that input's twin;
+    else a copy at the meta layout."""
+    if _geometry(meta) == _geometry(cpu):
+        return cpu
+    storage = meta.untyped_storage()
+    for twin in twins_in:
+        if twin.untyped_storage().data_ptr() == cpu.untyped_storage().data_ptr():
+            typed = twin if twin.dtype == meta.dtype else twin.view(meta.dtype)
+            return typed.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    base = torch.empty(storage.nbytes(), dtype=torch.uint8)
+    typed = base if meta.dtype == torch.uint8 else base.view(meta.dtype)
+    fixed = typed.as_strided(meta.shape, meta.stride(), meta.storage_offset())
+    return fixed.copy_(cpu)
 
 
 def _small(value: Any) -> bool:
@@ -87,7 +148,7 @@ def _to_cpu(value: Any) -> Any:
 
 def _to_meta(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and not value.is_meta:
-        meta = value.to(_META)
+        meta = _meta_like(value) if value.layout == torch.strided else value.to(_META)
         _shadows[meta] = value
         return meta
     return value
@@ -113,35 +174,43 @@ def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     if not metas:
         return False, None
     written = _written(func, args, kwargs)
-    if all(t in _shadows for t in metas):
-        if written:
-            func(*tree_map(_to_cpu, args), **tree_map(_to_cpu, kwargs))  # the shadows too
-            return False, None
+    if not all(t in _shadows for t in metas):
+        for t in written:  # written from something without values: its shadow is stale
+            _shadows.pop(t)
+        return False, None
+    try:
         real = func(*tree_map(_to_cpu, args), **tree_map(_to_cpu, kwargs))
-        if not _small(real):
-            return False, None
-        try:  # the meta kernel's own result keeps its strides (views depend on them)
-            out = func(*args, **kwargs)
-        except (NotImplementedError, RuntimeError):  # a value read, a data-dependent shape
-            return True, tree_map(_to_meta, real)
-        out_leaves, _ = tree_flatten(out)
-        real_leaves, _ = tree_flatten(real)
-        for meta, cpu in zip(out_leaves, real_leaves, strict=False):
-            if isinstance(meta, torch.Tensor) and meta.is_meta and isinstance(cpu, torch.Tensor):
-                _shadows[meta] = cpu
-        return True, out
-    for t in written:  # written from something without values: its shadow is stale
-        _shadows.pop(t)
-    return False, None
+    except Exception:  # the twins cannot run it: meta alone does, its results without twins
+        for t in written:
+            _shadows.pop(t)
+        return False, None
+    if written:  # the shadows were written too; meta runs the op itself
+        return False, None
+    if not _small(real):
+        return False, None
+    try:  # the meta kernel's own result keeps its strides (views depend on them)
+        out = func(*args, **kwargs)
+    except (NotImplementedError, RuntimeError):  # a value read, a data-dependent shape
+        return True, tree_map(_to_meta, real)
+    twins_in = [_shadows[t] for t in metas]
+    out_leaves, _ = tree_flatten(out)
+    real_leaves, _ = tree_flatten(real)
+    for meta, cpu in zip(out_leaves, real_leaves, strict=False):
+        if isinstance(meta, torch.Tensor) and meta.is_meta and isinstance(cpu, torch.Tensor):
+            if meta.layout == torch.strided and cpu.layout == torch.strided:
+                cpu = _matching(meta, cpu, twins_in)
+            _shadows[meta] = cpu
+    return True, out
 
 
 def shadow_factory(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """After a factory op (no tensor arguments) made a small integer/boolean meta tensor
-    (``arange``, ``ones``, ``full``), make its CPU twin."""
+    """After a factory op (no tensor arguments) made a small meta tensor (``arange``,
+    ``ones``, ``full``), make its CPU twin. Floating ones too: a decoder's
+    ``torch.ones(batch, seq, device=...)`` mask is float (BART's), and masking_utils reads
+    whether it is all ones."""
     if not (
         isinstance(out, torch.Tensor)
         and out.is_meta
-        and not out.is_floating_point()
         and not out.is_complex()
         and out.numel() <= MAX_SHADOW_ELEMENTS
     ):
@@ -152,4 +221,4 @@ def shadow_factory(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     cpu_kwargs = {**kwargs, "device": _CPU} if "device" in kwargs else kwargs
     if "device" not in kwargs:
         return  # made on meta only by a default device we cannot redirect
-    _shadows[out] = func(*args, **cpu_kwargs)
+    _shadows[out] = _matching(out, func(*args, **cpu_kwargs), [])

@@ -25,15 +25,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memplan.errors import CannotMeasureError
+from memplan.errors import CannotMeasureError, MemplanError, internal_failure
 from memplan.probe import shadow
+from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
 
 _EMPTY: dict[str, Any] = {}
 
 
 def _flop_formulas() -> dict[Any, Any]:
-    """torch.utils.flop_counter's formulas, plus the CPU flash attention kernel and its
-    backward, which it lacks: the same FLOPs as the CUDA flash kernel's formulas (both
+    """torch.utils.flop_counter's formulas, plus ``_grouped_mm``'s and the CPU flash
+    attention kernel and its backward, which it lacks: the same FLOPs as the CUDA flash kernel's formulas (both
     compute softmax(QKᵀ)V and its gradients; torch/utils/flop_counter.py sdpa_flop)."""
     aten = torch.ops.aten
     formulas = dict(flop_registry)
@@ -46,6 +47,8 @@ def _flop_formulas() -> dict[Any, Any]:
     for name, like in aliases.items():
         if hasattr(aten, name) and getattr(aten, like, None) in formulas:
             formulas.setdefault(getattr(aten, name), formulas[getattr(aten, like)])
+    for packet, formula in FLOP_FORMULAS.items():  # probe/meta_kernels.py: MoE matmuls
+        formulas.setdefault(packet, formula)
     return formulas
 
 
@@ -158,32 +161,55 @@ class LiveTracker(TorchDispatchMode):
     # ------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or _EMPTY
-        handled = False
-        if self.meta:  # small integer tensors with real values behind them (shadow.py)
-            handled, out = shadow.run(func, args, kwargs)
+        handled, out, key = False, None, None
         cache = self.op_cache
-        if cache is not None and not handled:
-            key = cache.key(func, args, kwargs)
-            entry = cache.lookup(key)
-            if entry is not None:
-                out = self._cached(func, entry)
-                if self.meta:  # a factory's rebuilt result needs its real twin too
-                    shadow.shadow_factory(func, args, kwargs, out)
-                return out
-        try:
-            if not handled:
-                out = func(*args, **kwargs)
-                if self.meta:
-                    shadow.shadow_factory(func, args, kwargs, out)
-        except (NotImplementedError, RuntimeError) as exc:
-            if self.meta:
-                first = (str(exc).strip().splitlines() or [""])[0]
-                raise CannotMeasureError(
-                    f"The meta probe cannot run op {func} ({first[:200]}); it has no meta kernel "
-                    "or its output shape depends on tensor values.",
-                    hint="Probe with --device cpu (or cuda) instead.",
-                ) from exc
+        try:  # memplan's own machinery: a failure here is memplan's (InternalError)
+            part = "CPU twins (probe/shadow.py)"
+            if self.meta:  # small integer tensors with real values behind them (shadow.py)
+                handled, out = shadow.run(func, args, kwargs)
+            if cache is not None and not handled:
+                part = "meta op cache (probe/dedup.py)"
+                key = cache.key(func, args, kwargs)
+                entry = cache.lookup(key)
+                if entry is not None:
+                    out = self._cached(func, entry)
+                    if self.meta:  # a factory's rebuilt result needs its real twin too
+                        shadow.shadow_factory(func, args, kwargs, out)
+                    return out
+        except MemplanError:
             raise
+        except Exception as exc:
+            raise internal_failure(part, func, exc) from exc
+        if not handled:
+            try:  # the user's op itself: its errors are the user's (or meta's limits)
+                kernel = META_KERNELS.get(func) if self.meta else None
+                out = func(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
+            except (NotImplementedError, RuntimeError) as exc:
+                if self.meta:
+                    first = (str(exc).strip().splitlines() or [""])[0]
+                    raise CannotMeasureError(
+                        f"The meta probe cannot run op {func} ({first[:200]}); it has no meta "
+                        "kernel or its output shape depends on tensor values.",
+                        hint="Probe with --device cpu (or cuda) instead.",
+                    ) from exc
+                raise
+        try:
+            if self.meta and not handled:
+                part = "CPU twins (probe/shadow.py)"
+                shadow.shadow_factory(func, args, kwargs, out)
+            part = "live tracker (probe/tracker.py)"
+            self._account(func, args, kwargs, out, cache if not handled else None, key)
+        except MemplanError:
+            raise
+        except Exception as exc:
+            raise internal_failure(part, func, exc) from exc
+        return out
+
+    def _account(
+        self, func: Any, args: tuple, kwargs: dict, out: Any, cache: Any, key: Any
+    ) -> None:
+        """An op's bookkeeping: its new storages, the peak, its FLOPs and roofline time,
+        and (on meta) its result into the op cache."""
         outputs = _tensors_in(out, [])
         for tensor in outputs:
             self._add_tensor(tensor)
@@ -208,9 +234,8 @@ class LiveTracker(TorchDispatchMode):
         if self.roofline is not None:
             dtype = outputs[0].dtype if outputs else None
             self.virtual_seconds += self.roofline.seconds(op_flops, moved, dtype)
-        if cache is not None and not handled:
+        if cache is not None:
             cache.store(key, args, kwargs, out, op_flops, moved)
-        return out
 
     def _cached(self, func: Any, entry: Any) -> Any:
         """The bookkeeping of ``__torch_dispatch__`` for a result rebuilt from the cache."""

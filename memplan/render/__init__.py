@@ -363,7 +363,8 @@ def show_plan(plan: Plan) -> None:
         f" · strategy {plan.strategy}" if plan.world_size > 1 or plan.strategy != "ddp" else ""
     )
     per_rank = " per rank" if plan.world_size > 1 else ""
-    lines.append(f"precision {plan.precision} · device {plan.device}{sharding}\n")
+    device = plan.device + (" (no named device: no CUDA reserve)" if plan.device == "meta" else "")
+    lines.append(f"precision {plan.precision} · device {device}{sharding}\n")
     lines.append(f"predicted peak{per_rank} ")
     lines.append(breakdown_bar(plan))
     lines.append(f"\npeak during: {predicted.peak_phase or 'n/a'}\n")

@@ -241,6 +241,7 @@ def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
     import base64
     import html
 
+    from memplan.check.formats import markdown_text
     from memplan.report import draw
 
     try:
@@ -252,8 +253,9 @@ def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
     encoded = base64.b64encode(png).decode("ascii")
     where = report.timeline.bars[report.timeline.peak_index].where
     alt = html.escape(f"{name}: predicted memory over one step, peak during {where}")
+    alt = alt.replace("\n", " ").replace("\r", " ")
     return (
-        f"\n#### {html.escape(name)}: where the peak is\n\n"
+        f"\n#### {markdown_text(name)}: where the peak is\n\n"
         f'<img alt="{alt}" src="data:image/png;base64,{encoded}">\n'
     )
 

@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 
 from memplan import memory, timing
+from memplan.devices import DeviceSpec
 from memplan.memory import Peak
 from memplan.modes import FULL, KEEP, MODES
 from memplan.plan import STRATEGIES
@@ -229,6 +230,9 @@ def plan_reasons(
             f"({ctx.reserve.source})"
         )
     reasons.append(budget_line)
+    target = target_reason(ctx.profile, request.device_spec)
+    if target:
+        reasons.append(target)
     throughput = request.target_batch / best.step_seconds if best.step_seconds > 0 else math.inf
     line = (
         f"micro-batch {best.micro_batch} is the fastest plan that fits: "
@@ -449,3 +453,17 @@ def _profile_warnings(profile: Profile, said: Sequence[str]) -> list[str]:
             continue
         kept.append(message)
     return kept
+
+
+def target_reason(profile: Profile, device_spec: DeviceSpec | None) -> str | None:
+    """What device the plan is for, when the profile and request name none: a meta profile
+    probed without ``--device-profile`` plans tensor bytes alone (no CUDA reserve)."""
+    if device_spec is not None or profile.environment.device != "meta":
+        return None
+    if profile.environment.device_profile:
+        return None
+    return (
+        "planned for no particular device: tensor bytes only, without a GPU's CUDA context "
+        "and allocator reserve (the meta profile names no device); pass --device-profile "
+        "NAME to plan for that GPU"
+    )

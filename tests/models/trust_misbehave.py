@@ -1,6 +1,8 @@
 """A tiny model file that misbehaves on request (tests/test_trust.py, tests/test_fuzz.py):
 MEMPLAN_TEST_MISBEHAVE names what it does — exit at import or in build_model, print,
-raise, return meta tensors or NaN losses. Unset, it is a well-behaved two-block MLP.
+raise, return meta tensors or NaN losses. ``raise:CLASS:WHERE`` raises memplan's error class
+CLASS (``Forged`` is a MemplanError subclass with ``exit_code = 0``) from WHERE: ``import``,
+``build``, ``batch``, ``loss`` or ``forward``. Unset, it is a well-behaved two-block MLP.
 MEMPLAN_TEST_STEP_MARKS names a folder where every process running a training loss leaves a
 file named by its pid (so a test knows the ranks are training)."""
 
@@ -13,6 +15,29 @@ from torch import nn
 MODE = os.environ.get("MEMPLAN_TEST_MISBEHAVE", "")
 D = 8
 
+if MODE.startswith("raise:"):
+    from memplan import errors
+
+    class Forged(errors.MemplanError):
+        exit_code = 0
+
+    _, RAISE_CLASS, RAISE_WHERE = MODE.split(":")
+else:
+    RAISE_CLASS = RAISE_WHERE = ""
+
+
+def maybe_raise(where: str) -> None:
+    if where != RAISE_WHERE:
+        return
+    if RAISE_CLASS == "Forged":
+        raise Forged("forged: exit 0")
+    cls = getattr(errors, RAISE_CLASS)
+    if cls is errors.Interrupted:
+        raise cls(15)
+    raise cls(f"{RAISE_CLASS} raised by the model file in {where}")
+
+
+maybe_raise("import")
 if MODE == "import_sys_exit_0":
     sys.exit(0)
 if MODE == "import_sys_exit_3":
@@ -34,6 +59,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if MODE == "print_everywhere":
             print("forward says hi")
+        maybe_raise("forward")
         h = torch.relu(self.lin(x))
         if MODE == "nan_in_block_1_at_1" and x.shape[0] == 1 and self is BLOCKS[1]:
             h = h / h.std(0)  # the unbiased std of one sample is NaN
@@ -45,6 +71,7 @@ def build_model() -> nn.Module:
         sys.exit(0)
     if MODE == "build_os_exit_0":
         os._exit(0)
+    maybe_raise("build")
     if MODE == "build_raise":
         raise RuntimeError("boom")
     torch.manual_seed(0)
@@ -53,6 +80,7 @@ def build_model() -> nn.Module:
 
 
 def make_batch(batch_size: int):
+    maybe_raise("batch")
     if MODE == "meta_batch":
         return torch.randn(batch_size, D, device="meta")
     if MODE == "print_everywhere":
@@ -64,6 +92,7 @@ def training_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     marks = os.environ.get("MEMPLAN_TEST_STEP_MARKS")
     if marks:
         open(os.path.join(marks, str(os.getpid())), "a").close()
+    maybe_raise("loss")
     out = model(batch)
     if MODE == "nan_loss_at_1" and batch.shape[0] == 1:
         # statistics over a batch of one: the unbiased std of one sample is NaN

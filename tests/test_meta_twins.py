@@ -1,0 +1,309 @@
+"""Keep issue 22 fixed: a meta probe's CPU twins (probe/shadow.py) cannot diverge from their
+meta tensors, whatever the batch's layout, and a failure of memplan's own machinery while
+the user's code runs is memplan's (exit 3 naming memplan's op), never the user's line."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from profile_bytes import assert_meta_equals_cpu
+from typer.testing import CliRunner
+
+from memplan.cli import app
+from memplan.errors import InternalError, ModelFileError
+from memplan.probe import shadow
+from memplan.probe.runner import probe_model
+from memplan.probe.tracker import LiveTracker
+
+SLICED_LM = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, D, T = 64, 32, 16
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, 4 * D)
+        self.proj = nn.Linear(4 * D, D)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.ln(x))))
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def build_model():
+    return LM()
+
+
+def make_batch(batch_size):
+    t = torch.randint(0, VOCAB, (batch_size, T + 1))
+    return t[:, :-1], t[:, 1:]  # nanoGPT's idiom: two views of one tensor, no clone
+
+
+def training_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+"""
+
+
+def _write(tmp: Path, name: str, text: str) -> str:
+    path = tmp / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_sliced_batch_lm_probes_on_meta_as_on_cpu(tmp_path: Path) -> None:
+    # the twin of t[:, :-1] kept the slice's strides while its meta tensor was contiguous:
+    # flatten(0, 1) was a view on meta and failed on the twin (exit 2 blaming the user)
+    path = _write(tmp_path, "sliced_lm.py", SLICED_LM)
+    meta = probe_model(path, device="meta", micro_batches=(2, 4))
+    cpu = probe_model(path, device="cpu", micro_batches=(2, 4))
+    assert_meta_equals_cpu(cpu, meta)
+
+
+def test_the_meta_batch_keeps_cpu_storages_and_layouts() -> None:
+    t = torch.arange(2 * 5).view(2, 5)
+    cl = torch.zeros(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    batch = {
+        "pair": (t[:, :-1], t[:, 1:]),
+        "tr": [t.t()],
+        "ex": torch.ones(1, 4, dtype=torch.bool).expand(3, 4),
+        "cl": cl,
+    }
+    meta = shadow.mirror_batch(batch)
+    x, y = meta["pair"]
+    assert x.untyped_storage().nbytes() == 2 * 5 * 8  # one storage of the whole tensor
+    assert x.untyped_storage()._cdata == y.untyped_storage()._cdata
+    assert meta["tr"][0].untyped_storage()._cdata == x.untyped_storage()._cdata
+    for m, c in [(x, t[:, :-1]), (y, t[:, 1:]), (meta["tr"][0], t.t()), (meta["ex"], batch["ex"])]:
+        assert (m.shape, m.stride(), m.storage_offset()) == (
+            c.shape,
+            c.stride(),
+            c.storage_offset(),
+        )
+    assert meta["cl"].stride() == cl.stride() and meta["cl"].untyped_storage().nbytes() == 384
+    with LiveTracker(meta=True):
+        assert x.flatten(0, 1).shape == (8,)  # a copy on both: the slice is not a view-able
+        assert int(y.sum().item()) == int(t[:, 1:].sum())  # the twin answers the value read
+
+
+def test_a_twin_that_cannot_run_an_op_leaves_it_to_meta() -> None:
+    # a diverged twin (contiguous meta, sliced twin) must not fail what meta runs
+    cpu = torch.arange(12).view(3, 4)[:, :3]
+    meta = torch.empty(3, 3, dtype=torch.int64, device="meta")
+    shadow._shadows[meta] = cpu
+    with LiveTracker(meta=True) as tracker:
+        flat = meta.view(9)
+    assert flat.shape == (9,) and flat not in shadow._shadows
+    assert tracker.ops == ["view"]
+
+
+def test_a_result_laid_out_otherwise_on_cpu_gets_a_twin_of_the_meta_layout() -> None:
+    meta = torch.empty_strided((2, 3), (1, 2), dtype=torch.int64, device="meta")
+    real = torch.arange(6).view(2, 3)
+    twin = shadow._matching(meta, real, [])
+    assert twin.stride() == (1, 2) and torch.equal(twin, real)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+LAYOUT_MODEL = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SPEC = {spec!r}
+CONTAINER = {container!r}
+T, W = 6, 8
+DTYPES = {{"int64": torch.int64, "int32": torch.int32, "bool": torch.bool, "float32": torch.float32}}
+
+
+def values(shape, dtype, g):
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 9, shape, generator=g).to(dtype)
+
+
+def leaves(kind, dtype, b, g):
+    if kind == "contiguous":
+        return [values((b, T), dtype, g)]
+    if kind == "slices":
+        t = values((b, T + 1), dtype, g)
+        return [t[:, :-1], t[:, 1:]]
+    if kind == "transpose":
+        return [values((T, b), dtype, g).t()]
+    if kind == "expand":
+        return [values((1, T), dtype, g).expand(b, T)]
+    if kind == "as_strided":
+        return [values((b + T,), dtype, g).as_strided((b, T), (1, 1))]
+    return [values((b, 2, 3, 3), dtype, g).contiguous(memory_format=torch.channels_last)]
+
+
+def make_batch(batch_size):
+    g = torch.Generator().manual_seed(batch_size)
+    flat = [t for kind, dtype, _ in SPEC for t in leaves(kind, DTYPES[dtype], batch_size, g)]
+    if CONTAINER == "tuple":
+        return tuple(flat)
+    if CONTAINER == "list":
+        return list(flat)
+    if CONTAINER == "dict":
+        return {{f"k{{i}}": t for i, t in enumerate(flat)}}
+    return ({{"a": flat[:1], "b": {{"c": tuple(flat[1:])}}}}, ) if len(flat) > 1 else {{"a": [flat]}}
+
+
+def flatten(batch):
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    items = batch.values() if isinstance(batch, dict) else batch
+    return [t for item in items for t in flatten(item)]
+
+
+def feature(leaf, op):
+    b, d = leaf.shape[0], leaf.device
+    flat = leaf.flatten(1)  # a view or a copy, as the layout allows
+    h = flat.float().sum(1, keepdim=True)
+    if op == "mask":
+        m = leaf != 0
+        if bool(m.all()):
+            h = h + 1
+        h = h + m.flatten(1).float().mean(1, keepdim=True)
+    elif op == "item":
+        n = int(leaf.float().abs().sum().item()) % 5 + 1
+        h = h + torch.ones(n, 64, device=d).sum()
+    elif op == "nonzero":
+        nz = torch.nonzero(flat != 0)
+        h = h + torch.ones(nz.shape[0] + 1, 16, device=d).sum()
+    elif op == "arange":
+        h = h + torch.arange(leaf.shape[-1], device=d).float().mean()
+    elif op == "view":
+        v = leaf.view(b, -1) if leaf.is_contiguous() else leaf.reshape(b, -1)
+        h = h + v.float().mean(1, keepdim=True)
+    return h
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return h.pow(2).mean()
+
+
+def build_model():
+    return Net()
+
+
+def training_loss(model, batch):
+    leaves_ = flatten(batch)
+    ops = [op for kind, _, op in SPEC for _ in range(2 if kind == "slices" else 1)]
+    h = torch.cat([feature(t, op) for t, op in zip(leaves_, ops)], 1)
+    return model(F.pad(h, (0, W - h.shape[1])))
+"""
+
+KINDS = ("contiguous", "slices", "transpose", "expand", "as_strided", "channels_last")
+DTYPES = ("int64", "int32", "bool", "float32")
+OPS = ("mask", "item", "nonzero", "arange", "view", "none")
+CONTAINERS = ("tuple", "list", "dict", "nested")
+
+
+def _meta_equals_cpu(spec: list[tuple[str, str, str]], container: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        text = LAYOUT_MODEL.format(spec=spec, container=container)
+        path = _write(Path(tmp), "layouts.py", text)
+        cpu = probe_model(path, device="cpu", micro_batches=(1, 2))
+        meta = probe_model(path, device="meta", micro_batches=(1, 2))
+        assert_meta_equals_cpu(cpu, meta)
+
+
+def test_every_layout_and_value_read_at_once_equals_cpu() -> None:
+    spec = [(kind, DTYPES[i % 4], OPS[i % 6]) for i, kind in enumerate(KINDS)]
+    spec += [("slices", "int64", "nonzero"), ("contiguous", "bool", "mask")]
+    _meta_equals_cpu(spec, "nested")
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    spec=st.lists(
+        st.tuples(st.sampled_from(KINDS), st.sampled_from(DTYPES), st.sampled_from(OPS)),
+        min_size=1,
+        max_size=3,
+    ),
+    container=st.sampled_from(CONTAINERS),
+)
+def test_any_batch_layout_gives_the_cpu_profile_on_meta(spec, container) -> None:
+    _meta_equals_cpu(spec, container)
+
+
+# ------------------------------------------------------------------- own failures are own
+
+
+def _broken(*_args, **_kwargs):
+    raise ValueError("simulated bug")
+
+
+@pytest.mark.parametrize(
+    ("target", "attribute", "part"),
+    [
+        ("memplan.probe.shadow", "run", "CPU twins"),
+        ("memplan.probe.dedup.MetaOpCache", "key", "meta op cache"),
+        ("memplan.probe.recorder", "storages_bytes", "layer recorder"),
+    ],
+)
+def test_a_failure_inside_memplan_is_exit_3_naming_memplans_part(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str, attribute: str, part: str
+) -> None:
+    import importlib
+
+    module_name, _, cls = target.rpartition(".")
+    try:
+        owner = getattr(importlib.import_module(module_name), cls)
+    except (ImportError, AttributeError):
+        owner = importlib.import_module(target)
+    monkeypatch.setattr(owner, attribute, _broken)
+    path = _write(tmp_path, "sliced_lm.py", SLICED_LM)
+    with pytest.raises(InternalError) as raised:
+        probe_model(path, device="meta", micro_batches=(1, 2))
+    assert not isinstance(raised.value, ModelFileError)
+    assert part in raised.value.message and "simulated bug" in raised.value.message
+    assert "sliced_lm.py:" not in raised.value.message  # never the user's line
+    result = CliRunner().invoke(
+        app, ["probe", path, "--device", "meta", "-o", str(tmp_path / "p.yaml")]
+    )
+    assert result.exit_code == 3, result.output
+    assert part in result.output
