@@ -6,10 +6,10 @@ over every format and strategy, so a new format or strategy cannot slip through.
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from profiles_factory import uniform_chain
 from typer.testing import CliRunner
