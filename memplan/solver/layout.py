@@ -358,6 +358,14 @@ class LayoutResult:
 def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> LayoutResult:
     """The fastest fitting layout plan for ``request`` (its ``world_size`` is all ranks).
     Raises NoPlanFitsError when no layout fits."""
+    notes = []
+    if request.strategy == "ddp" and profile.environment.mixed_precision == "params":
+        # The CLI's default; a profile probed under FSDP's mixed-precision policy plans FSDP.
+        request = dataclasses.replace(request, strategy="fsdp")
+        notes.append(
+            "strategy fsdp: the profile was probed under FSDP's mixed-precision policy "
+            "(--mixed-precision params), which DDP does not run"
+        )
     options = _options(profile, request, ask)
     if not options:
         raise NoPlanFitsError(
@@ -367,5 +375,5 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         )
     best = min(options, key=lambda o: (o.step_seconds, o.peak_bytes))
     return LayoutResult(
-        plan=layout_plan(profile, best, _reasons(best, options)), options=tuple(options)
+        plan=layout_plan(profile, best, [*_reasons(best, options), *notes]), options=tuple(options)
     )
