@@ -129,3 +129,33 @@ def test_plan_file_round_trips_its_layout_and_old_plans_load_without_one():
     assert plan_from_data(safe_load(text)) == plan
     old = plan_to_yaml(_plan())
     assert "parallel" not in old and plan_from_data(safe_load(old)).parallel is None
+
+
+def test_last_stage_keeps_its_output_until_backward():
+    # torch.distributed.pipelining keeps the last stage's output (the logits the loss would
+    # free: the (loss) part's negative saved bytes, 50 B per sample here) per micro-batch in
+    # flight; the last stage of 1F1B holds one: every micro-step point rises by 50 × b.
+    from memplan.profile import Affine, FixedPart
+
+    profile = uniform_chain(4).profile()
+    loss = FixedPart(
+        name="(loss)",
+        module_type="loss",
+        params_trainable_bytes=0,
+        params_frozen_bytes=0,
+        grad_bytes=0,
+        optimizer_state_bytes=0,
+        saved_bytes=Affine(intercept=0.0, slope=-50.0),
+        fwd_seconds=Affine.zero(),
+        bwd_seconds=Affine.zero(),
+        fwd_flops=Affine.zero(),
+    )
+    with_loss = dataclasses.replace(profile, fixed=(*profile.fixed, loss))
+    b = 2
+    sizes = {"world_size": 2, "target_batch": 4, "micro_batch_size": b, "accumulation_steps": 2}
+    plan = _plan(**sizes, parallel=Parallel(pp=2))
+    before = layout_peaks(profile, plan).stages[1].peak.allocated_bytes
+    after = layout_peaks(with_loss, plan).stages[1].peak.allocated_bytes
+    assert after - before == 50 * b
+    first = layout_peaks(profile, plan).stages[0].peak.allocated_bytes
+    assert layout_peaks(with_loss, plan).stages[0].peak.allocated_bytes == first
