@@ -159,3 +159,14 @@ def test_last_stage_keeps_its_output_until_backward():
     assert after - before == 50 * b
     first = layout_peaks(profile, plan).stages[0].peak.allocated_bytes
     assert layout_peaks(with_loss, plan).stages[0].peak.allocated_bytes == first
+
+
+def test_interleaved_ranks_hold_as_many_blocks_as_their_chunks():
+    # 8 blocks, pp 2 × 2 virtual stages: chunks of 2; rank 0 holds chunks 0 and 2 (4 blocks,
+    # modelled as blocks 0-3 with the embedding), rank 1 chunks 1 and 3 (blocks 4-7, head).
+    profile = uniform_chain(8).profile()
+    layout = Parallel(pp=2, schedule="interleaved_1f1b", virtual_stages=2)
+    zero, one = (rank_profile(profile, layout, s, 4) for s in (0, 1))
+    assert zero.layer_names == ("h.0", "h.1", "h.2", "h.3")
+    assert one.layer_names == ("h.4", "h.5", "h.6", "h.7")
+    assert [f.name for f in zero.fixed] == ["embed"] and [f.name for f in one.fixed] == ["head"]

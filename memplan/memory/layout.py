@@ -253,8 +253,15 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
     n = len(profile.layers)
     chunks = stage_layers(n, parallel.stages)
     mine = [chunks[stage + v * parallel.pp] for v in range(parallel.virtual_stages)]
-    stage_range = range(mine[0].start, mine[-1].stop)
     first, last = stage == 0, stage == parallel.pp - 1
+    # Interleaved: the rank's chunks are not contiguous; they are modelled as one run of as
+    # many blocks, ending the model on the last rank (exact for identical blocks, the case
+    # interleaving is for; the run's names stand in for the rank's own).
+    count = sum(len(chunk) for chunk in mine)
+    start = n - count if last else mine[0].start
+    if not first and not last:
+        start = min(start, n - count)
+    stage_range = range(start, start + count)
     forwards = in_flight(parallel, stage, micro_batches)
     k = max(1, math.ceil(forwards / parallel.virtual_stages))
     # Later micro-batches' backwards (gradients resident) start with one fewer in flight
