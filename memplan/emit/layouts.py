@@ -66,6 +66,12 @@ def _blocks(plan: Plan) -> int:
     return max(len(plan.checkpoint), 1)
 
 
+def _quoted(text: str) -> str:
+    """A string for a comment line: quoted and escaped, so no newline (or anything else in
+    a model path) ends the comment and writes a line of its own."""
+    return json.dumps(str(text))
+
+
 def _toml(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -79,7 +85,7 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
     p = _layout(plan)
     modes = set(plan.checkpoint.values())
     n_blocks = _blocks(plan)
-    notes = [f"memplan plan for {model_path}: {p.describe()}, strategy {plan.strategy}"]
+    notes = [f"memplan plan for {_quoted(model_path)}: {p.describe()}, strategy {plan.strategy}"]
     if not plan.checkpoint:
         ac = {"mode": "none"}
     elif modes == {FULL} and len(plan.checkpoint) == n_blocks:
@@ -176,7 +182,7 @@ def emit_megatron(plan: Plan, *, model_path: str) -> str:
     p = _layout(plan)
     body = " \\\n    ".join(megatron_args(plan))
     return (
-        f"# memplan plan for {model_path}: {p.describe()}, strategy {plan.strategy}\n"
+        f"# memplan plan for {_quoted(model_path)}: {p.describe()}, strategy {plan.strategy}\n"
         f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage)\n"
         f"# Launch with {p.world_size} ranks: torchrun ... pretrain_gpt.py $MEMPLAN_ARGS <model args>\n"
         f'MEMPLAN_ARGS="{body}"\n'
