@@ -38,6 +38,7 @@ SECTIONS = [
     "modes",
     "seqlen",
     "scale",
+    "layouts",
 ]
 
 

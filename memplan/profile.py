@@ -152,6 +152,17 @@ class Layer:
     selective_recompute_seconds: Affine | None = None
     """Measured extra time per micro-step under selective checkpointing; None: not
     measured."""
+    tp_sharded_bytes: int = 0
+    """Parameter bytes (whole, unsharded) that tensor parallelism splits over the TP ranks:
+    the parameters the model's TP plan shards (memplan.run.tp_plan), as ``parallelize_module``
+    left them on one rank of a TP-2 fake process group × 2. A rank of TP degree t holds
+    ``params − tp_sharded_bytes·(1 − 1/t)``; gradients and optimizer state alike."""
+    tp_saved_fraction: float | None = None
+    """Share of ``saved_bytes`` inside the TP region (divided by the TP degree): the probe
+    runs the block again under TP 2 on a fake process group and solves
+    ``saved(t) = outside + inside/t`` from the two runs. None: not measured (no TP plan,
+    or an older profile); the rest is the norm/residual region that only sequence parallel
+    divides."""
     affine: bool = True
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""
@@ -172,6 +183,9 @@ class FixedPart:
     fwd_seconds: Affine
     bwd_seconds: Affine
     fwd_flops: Affine
+    tp_sharded_bytes: int = 0
+    """Parameter bytes the TP plan splits (e.g. ``lm_head``, the embedding); see
+    ``Layer.tp_sharded_bytes``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -33,7 +33,7 @@ from memplan.probe.backends import make_backend
 from memplan.probe.dedup import ForwardMisses
 from memplan.probe.expand import NotLinear, expand, same_profile
 from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
-from memplan.probe.session import SizeRuns, open_session, resolve_layers, warm_up
+from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
 from memplan.probe.sizes import (
     TIMING_REPEATS,
     available_bytes,
@@ -263,4 +263,20 @@ def probe_sizes(
         )
     session.recorder.remove()
     tick("fitted the timeline")
-    return profile
+    return _with_tp(session, profile, sizes[0], tick)
+
+
+def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str], None]) -> Profile:
+    """The profile with what tensor parallelism divides (memplan.probe.tp_measure); a model
+    whose blocks cannot run under TP keeps its profile, with a warning saying why."""
+    from memplan.probe.tp_measure import declared_plan, measure_tp
+
+    try:
+        declared = declared_plan(session.model_file.module, session.model)
+        measured = measure_tp(session, profile, size, declared)
+    except Exception as exc:
+        note = f"Tensor parallelism was not measured ({type(exc).__name__}: {exc}); plans with --tp > 1 are refused."
+        return dataclasses.replace(profile, warnings=(*profile.warnings, note))
+    if measured is not profile:
+        tick("measured the blocks under TP 2 (fake process group)")
+    return measured

@@ -374,7 +374,12 @@ def show_plan(plan: Plan) -> None:
     lines = Text()
     lines.append(
         f"micro-batch {plan.micro_batch_size} × accumulation {plan.accumulation_steps}"
-        f" × world {plan.world_size} = effective batch {plan.target_batch}"
+        + (
+            f" × world {plan.world_size}"
+            if plan.parallel is None
+            else f" × dp {plan.parallel.dp} ({plan.parallel.describe()}, {plan.world_size} ranks)"
+        )
+        + f" = effective batch {plan.target_batch}"
         + (
             f" of {plan.seq_len} tokens ({plan.target_batch * plan.seq_len} tokens)"
             if plan.seq_len

@@ -147,7 +147,9 @@ def show_distributed_verify(result: Any) -> None:
     plan = result.plan
     table = Table(
         title=(
-            f"verify: {plan.strategy} on {result.world_size} ranks ({result.backend}, "
+            f"verify: {plan.strategy}"
+            + (f" · {plan.parallel.describe()}" if plan.parallel is not None else "")
+            + f" on {result.world_size} ranks ({result.backend}, "
             f"{result.device}) · micro-batch {plan.micro_batch_size} × "
             f"{plan.accumulation_steps} · {len(plan.checkpoint_layers)} checkpointed"
         ),
@@ -161,7 +163,7 @@ def show_distributed_verify(result: Any) -> None:
         colour = "green" if abs(error) <= result.tolerance else "red"
         table.add_row(
             str(rank.rank),
-            format_bytes(result.predicted_peak_bytes),
+            format_bytes(result.predicted_for_rank(rank.rank)),
             format_bytes(rank.peak_bytes),
             f"[{colour}]{error:+.2%}[/{colour}]",
             format_seconds(rank.step_seconds),

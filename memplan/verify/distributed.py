@@ -54,6 +54,7 @@ from memplan.run.wrap import wrap_for_plan
 from memplan.schema import to_data
 from memplan.verify.distributed_grads import gradient_check, gradient_error
 from memplan.verify.grad_check import BatchCoupling
+from memplan.verify.layout import parallel_of, rank_predictions, run_layout_rank
 from memplan.verify.rank_lifetime import RunFolder, die_with_parent
 from memplan.verify.single import (
     GradientCheck,
@@ -174,12 +175,20 @@ class DistributedVerifyResult(Verdict):
     world_size: int
     steps: int
     predicted_peak_bytes: int
-    """Per rank, from the plan."""
+    """Per rank, from the plan (with a pipeline layout: its worst stage's)."""
     ranks: tuple[RankResult, ...]
     tolerance: float
     gradient_check: GradientCheck
     batch_coupling: BatchCoupling
     predicted_step_seconds: float
+    predicted_rank_peaks: tuple[int, ...] = ()
+    """With a pipeline layout: each rank's predicted peak (its stage's); else empty and
+    every rank is compared with ``predicted_peak_bytes``."""
+
+    def predicted_for_rank(self, rank: int) -> int:
+        if self.predicted_rank_peaks:
+            return self.predicted_rank_peaks[rank]
+        return self.predicted_peak_bytes
 
     @property
     def measured_peak_bytes(self) -> int:
@@ -189,7 +198,7 @@ class DistributedVerifyResult(Verdict):
     def rank_error(self, rank: int) -> float:
         """(predicted − measured) / measured for one rank."""
         measured = self.ranks[rank].peak_bytes
-        return (self.predicted_peak_bytes - measured) / max(measured, 1)
+        return (self.predicted_for_rank(rank) - measured) / max(measured, 1)
 
     @property
     def peak_error(self) -> float:
@@ -277,6 +286,9 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         timeout=timedelta(seconds=float(config["timeout_s"])),
     )
     plan = plan_from_data(config["plan"], source="plan")
+    parallel = parallel_of(plan, config)
+    if parallel is not None and (parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1):
+        return run_layout_rank(rank, config, plan, parallel, DistributedTracker(record=False))
     mf = load_model_file(config["model"]).at_seq_len(plan.seq_len)
     micro, k, seed = plan.micro_batch_size, plan.accumulation_steps, int(config["seed"])
 
@@ -398,6 +410,7 @@ def verify_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_progress: Callable[[int, int, str], None] | None = None,
     record_timeline: bool = False,
+    parallel: Any = None,
 ) -> DistributedVerifyResult:
     """Run ``plan`` on ``world_size`` processes (default: the plan's) and measure each rank;
     see the module doc. Raises ``BadInputError`` for a plan it cannot run here and
@@ -443,6 +456,7 @@ def verify_distributed(
             "steps": steps,
             "check_gradients": check_gradients,
             "record_timeline": record_timeline,
+            "parallel": to_data(parallel) if parallel is not None else None,
         }
         env = {"MASTER_ADDR": "127.0.0.1"}
         interface = _loopback_interface()
@@ -521,4 +535,5 @@ def verify_distributed(
         gradient_check=grad,
         batch_coupling=couple,
         predicted_step_seconds=plan.predicted.step_seconds,
+        predicted_rank_peaks=rank_predictions(plan, chosen, world, parallel),
     )
