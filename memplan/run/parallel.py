@@ -138,8 +138,11 @@ def check_tp_divisible(net: torch.nn.Module, modules: dict[str, str], tp: int) -
             )
 
 
-def apply_tp(net: torch.nn.Module, tp_mesh: Any, declared: Any = None) -> dict[str, str]:
-    """Split ``net``'s TP-plan modules over ``tp_mesh``; returns name -> style applied."""
+def apply_tp(
+    net: torch.nn.Module, tp_mesh: Any, declared: Any = None, *, sequence_parallel: bool = False
+) -> dict[str, str]:
+    """Split ``net``'s TP-plan modules over ``tp_mesh`` (with ``sequence_parallel``, the
+    norms and the residual stream between the TP regions too); returns name -> style."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = tp_modules(net, tp_plan_for(net, declared))
@@ -149,8 +152,19 @@ def apply_tp(net: torch.nn.Module, tp_mesh: Any, declared: Any = None) -> dict[s
             hint="Check the module-name patterns of TP_PLAN against model.named_modules().",
         )
     check_tp_divisible(net, modules, tp_mesh.size())
-    parallelize_module(net, tp_mesh, {name: parallel_style(s) for name, s in modules.items()})
-    return modules
+    if not sequence_parallel:
+        plan = {name: parallel_style(s) for name, s in modules.items()}
+        parallelize_module(net, tp_mesh, plan)
+        return modules
+    from memplan.run.sequence_parallel import sequence_parallel_plan
+
+    plan, regions, norms = sequence_parallel_plan(net, modules)
+    parallelize_module(net, tp_mesh, plan)
+    from memplan.run.sequence_parallel import gather_sequence
+
+    for name in regions:
+        net.get_submodule(name).register_forward_pre_hook(gather_sequence, with_kwargs=True)
+    return {**modules, **dict.fromkeys(norms, "sequence_parallel")}
 
 
 # --------------------------------------------------------------------------- pipeline
@@ -423,16 +437,19 @@ def build_layout(
             "ring-attention kernels for it).",
             hint="Verify a layout with cp 1, or run the emitted torchtitan config on GPUs.",
         )
-    if parallel.sequence_parallel:
+    if parallel.sequence_parallel and parallel.pp > 1:
         raise BadInputError(
-            "Sequence parallelism is modelled but not run by memplan yet.",
-            hint="Verify the layout without sequence_parallel (the TP degrees alone).",
+            "Sequence parallelism with pipeline stages is modelled but not run by memplan "
+            "(a stage would send sequence-sharded hidden states).",
+            hint="Verify the layout with --pp 1, or without --sequence-parallel.",
         )
     rank = torch.distributed.get_rank()
     mesh = build_mesh(parallel, device.type)
     styles: dict[str, str] = {}
     if parallel.tp > 1:
-        styles = apply_tp(net, mesh["tp"], declared_tp_plan)
+        styles = apply_tp(
+            net, mesh["tp"], declared_tp_plan, sequence_parallel=parallel.sequence_parallel
+        )
     placements = _placements(net)
     if parallel.pp == 1:
         model = _wrap_data_parallel(net, plan, parallel, mesh)

@@ -11,6 +11,8 @@ of the whole dp × k × micro batch, sliced to the same shard."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import time
 from typing import Any
@@ -117,8 +119,34 @@ def run_layout_rank(
     }
     del layout, net
     if config["check_gradients"]:
-        out["gradient_error"] = layout_gradient_error(mf, plan, parallel, device, seed, rank)
+        error = layout_gradient_error(mf, plan, parallel, device, seed, rank)
+        out["gradient_error"] = layout_gradient_check(error, plan, parallel)
     return out
+
+
+def layout_gradient_check(error: float | str, plan: Plan, parallel: Parallel) -> dict[str, Any]:
+    """``error`` (from :func:`layout_gradient_error`) as the JSON-ready plan check the
+    distributed verify reads from every rank (memplan.verify.distributed_grads): no batch
+    coupling is measured for a layout."""
+    from memplan.verify.grad_check import TOLERANCE, GradientCheck, coupling_skipped
+
+    tol = TOLERANCE["fp32"]
+    what = (
+        f"{parallel.describe()}: each rank's gradient (its shard) vs one process's gradient "
+        f"of the whole {plan.micro_batch_size * plan.accumulation_steps * parallel.dp} "
+        "samples (dropout off)"
+    )
+    if isinstance(error, str):
+        check = GradientCheck(status="fail", relative_error=None, tolerance=tol, reason=error)
+    else:
+        status = "pass" if error <= tol else "fail"  # NaN fails
+        value = error if math.isfinite(error) else None
+        check = GradientCheck(
+            status=status, relative_error=value, tolerance=tol, reason=what, precision="fp32"
+        )
+    effective = plan.micro_batch_size * plan.accumulation_steps * parallel.dp
+    skipped = coupling_skipped(effective, "not measured for a parallel layout")
+    return {"check": dataclasses.asdict(check), "coupling": dataclasses.asdict(skipped)}
 
 
 def _stage_of(layout: Any) -> str:
@@ -176,22 +204,27 @@ def layout_gradient_error(
     ]
     captured: dict[str, torch.Tensor] = {}
     shards = dict(layout.dtensor_placements)
-    original_step = layout.optimizer.step
 
-    def step_and_capture(*args: Any, **kwargs: Any) -> Any:
+    # The optimizer's parameters by name, read now: DDP's TP composition
+    # (torch.distributed.tensor.parallel.ddp) swaps DTensor parameters for plain attributes
+    # in each forward, after which net.named_parameters() no longer lists them.
+    names = {id(p): name for name, p in net.named_parameters()}
+
+    def capture(*_: Any) -> None:  # before the optimizer step (lr 0), whoever calls it
         from torch.distributed.tensor import DTensor
 
-        for name, p in net.named_parameters():
+        params = [p for group in layout.optimizer.param_groups for p in group["params"]]
+        for p in params:
+            name = names.get(id(p))
             grad = p.grad
-            if grad is None:
+            if name is None or grad is None:
                 continue
             if isinstance(grad, DTensor):  # compare this rank's shard: no collective
                 shards[name] = (grad.device_mesh, tuple(grad.placements))
                 grad = grad.to_local()
             captured[name] = grad.detach().float()
-        return original_step(*args, **kwargs)
 
-    layout.optimizer.step = step_and_capture  # type: ignore[method-assign]
+    layout.optimizer.register_step_pre_hook(capture)
     with run.no_dropout():
         layout.train_step(mine, mf.loss)
     worst = 0.0
