@@ -7,8 +7,11 @@ stage, the final norm, head and loss on the last), each block's TP-split paramet
 by ``tp`` and its activations scaled by the block's measured factor::
 
     f_j = ((1 − r_j) + r_j / tp) / cp        r_j = Layer.tp_saved_fraction (measured, TP 2)
-    f_j = 1 / (tp · cp)                        with sequence parallel (Megatron's SP: the
-                                               norm/residual region is split by sequence too)
+    f_j = (1/tp + g_j·(1 − 1/tp)) / cp         with sequence parallel: the norm/residual
+                                               region is split by sequence too, but each of
+                                               the block's two TP regions (attention, MLP)
+                                               saves its all-gathered input whole,
+                                               g_j = 2·output_j / saved_j (per sample)
     params_j(rank) = params_j − tp_sharded_bytes_j · (1 − 1/tp)   (grads, optimizer alike)
 
 ``rank_profile`` rewrites the profile as that rank's own: its blocks and fixed parts, its
@@ -75,10 +78,31 @@ def tp_measured(profile: Profile) -> bool:
     )
 
 
+SP_GATHERED_INPUTS = 2
+"""TP regions per block whose input sequence parallel all-gathers: attention and MLP (the
+Llama shape of torchtitan's ``apply_tp`` and transformers' TP plans)."""
+
+
+def sp_gathered_share(layer: Layer) -> float:
+    """Share of the block's saved bytes (per sample) that sequence parallel keeps whole: the
+    all-gathered (``Replicate``) input of each TP region, one hidden-state tensor (the block's
+    output size) each, saved by the region's colwise projections. PyTorch's SP (DTensor, as
+    torchtitan runs it) saves that gathered tensor; Megatron's SP saves the sequence shard and
+    gathers again in the backward, which its formula (34·s·b·h/t) assumes. Measured with
+    ``memplan verify --world-size 4`` on a tiny HF Llama: without this term the prediction
+    was 4.2% under every rank (docs/design.md)."""
+    saved = layer.saved_bytes.slope
+    if saved <= 0:
+        return 0.0
+    return min(1.0, SP_GATHERED_INPUTS * max(layer.output_bytes.slope, 0.0) / saved)
+
+
 def activation_factor(layer: Layer, parallel: Parallel) -> float:
     """``f_j`` of the module docstring: what a rank keeps of the block's saved bytes."""
     if parallel.sequence_parallel:
-        return 1.0 / (parallel.tp * parallel.cp)
+        return (1.0 / parallel.tp + sp_gathered_share(layer) * (1.0 - 1.0 / parallel.tp)) / (
+            parallel.cp
+        )
     inside = (layer.tp_saved_fraction or 0.0) if parallel.tp > 1 else 0.0
     return ((1.0 - inside) + inside / parallel.tp) / parallel.cp
 
