@@ -106,8 +106,12 @@ def test_tensor_parallel_halves_sharded_state_and_the_inside_activations():
     rank = rank_profile(profile, Parallel(tp=2), 0, 1)
     assert [layer.params_trainable_bytes for layer in rank.layers] == [500] * 4
     assert rank.layers[0].saved_bytes.at(1) == pytest.approx(70.0)
+    # Sequence parallel splits the rest by sequence too, but keeps the two TP regions'
+    # all-gathered inputs whole: 2 × output (10 B/sample) = 20% of the 100 B saved, so
+    # 100·(1/2 + 0.2·(1 − 1/2)) = 60 B per sample (Megatron's everything/tp would say 50).
+    assert profile.layers[0].output_bytes.at(1) - profile.layers[0].output_bytes.at(0) == 10
     sp = rank_profile(profile, Parallel(tp=2, sequence_parallel=True), 0, 1)
-    assert sp.layers[0].saved_bytes.at(1) == pytest.approx(50.0)
+    assert sp.layers[0].saved_bytes.at(1) == pytest.approx(60.0)
 
 
 def test_tensor_parallel_without_a_measurement_is_refused_with_what_to_do():

@@ -136,6 +136,54 @@ def test_tp_degree_must_divide_the_heads(tmp_path):
         check_tp_divisible(net, modules, 4)  # 2 kv heads
 
 
+def test_sequence_parallel_plan_splits_norms_and_gathers_each_tp_region(tmp_path):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from memplan.loader import load_model_file
+    from memplan.run.sequence_parallel import gather_sequence, sequence_parallel_plan
+    from memplan.run.tp_plan import hf_tp_plan, tp_modules
+
+    net = load_model_file(_llama_ref(tmp_path)).build_model()
+    plan, regions, norms = sequence_parallel_plan(net, tp_modules(net, hf_tp_plan(net)))
+    blocks = [f"model.layers.{i}" for i in range(3)]
+    assert regions == [f"{b}.{r}" for b in blocks for r in ("mlp", "self_attn")]
+    assert norms == [
+        *(f"{b}.{n}" for b in blocks for n in ("input_layernorm", "post_attention_layernorm")),
+        "model.norm",
+    ]
+    assert all(isinstance(plan[n], SequenceParallel) for n in norms)
+    out = plan["model.layers.0.self_attn.o_proj"]
+    assert isinstance(out, RowwiseParallel) and out.output_layouts == (Shard(1),)
+    assert not out.use_local_output  # the residual stream stays a (global-shape) DTensor
+    head = plan["lm_head"]
+    assert isinstance(head, ColwiseParallel) and head.input_layouts == (Shard(1),)
+    assert head.output_layouts == (Replicate(),)
+    embed = plan["model.embed_tokens"]
+    assert embed.input_layouts == (Replicate(),) and embed.output_layouts == (Shard(1),)
+    # a plain tensor passes the gather hook untouched, by position or by keyword
+    x = torch.ones(2, 3)
+    assert gather_sequence(net, (x,), {})[0][0] is x
+    assert gather_sequence(net, (), {"hidden_states": x})[1]["hidden_states"] is x
+
+
+def test_sequence_parallel_refuses_pipeline_stages_and_odd_plans(tmp_path):
+    from memplan.loader import load_model_file
+    from memplan.run.parallel import build_layout
+    from memplan.run.sequence_parallel import sequence_parallel_plan
+
+    net = load_model_file(_llama_ref(tmp_path)).build_model()
+    layout = Parallel(tp=2, pp=2, sequence_parallel=True)
+    with pytest.raises(BadInputError, match="pipeline stages"):  # before any process group
+        build_layout(net, _layout_plan("m", layout), layout, None, torch.device("cpu"))
+    with pytest.raises(BadInputError, match="without --sequence-parallel"):
+        sequence_parallel_plan(net, {"model.layers.0.mlp.up_proj": "colwise"})  # no rowwise
+
+
 def _layout_plan(model, parallel, strategy="ddp", units=()):
     from memplan.plan import Breakdown, Plan, Prediction
 
@@ -162,8 +210,9 @@ def _layout_plan(model, parallel, strategy="ddp", units=()):
         (Parallel(tp=2, dp_replicate=2), "ddp"),
         (Parallel(pp=2, dp_replicate=2), "ddp"),
         (Parallel(tp=2, dp_shard=2), "fsdp"),
+        (Parallel(tp=2, dp_replicate=2, sequence_parallel=True), "ddp"),
     ],
-    ids=["tp2-ddp2", "pp2-ddp2", "tp2-fsdp2"],
+    ids=["tp2-ddp2", "pp2-ddp2", "tp2-fsdp2", "tp2sp-ddp2"],
 )
 def test_four_gloo_ranks_run_the_layout_and_match_one_process_gradient(
     parallel, strategy, tmp_path
@@ -182,3 +231,33 @@ def test_four_gloo_ranks_run_the_layout_and_match_one_process_gradient(
     else:  # ranks 0, 1 are stage 0 (embeddings), ranks 2, 3 stage 1 (head and loss)
         assert peaks[0] == peaks[1] and peaks[2] == peaks[3] and peaks[0] != peaks[2]
     assert all(r.effective_batch == 2 * 2 * parallel.dp for r in result.ranks)
+
+
+@pytest.mark.slow
+def test_sequence_parallel_plan_from_probe_to_four_ranks_within_five_percent(tmp_path):
+    # The whole path a user takes: probe (which measures the TP split), solve --tp 2
+    # --sequence-parallel, verify on 4 gloo ranks. Each rank's tracker peak within 5% of
+    # the plan's prediction, and each rank's gradient shard equal to one process's.
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    model = _llama_ref(tmp_path, num_hidden_layers=4)
+    profile, plan = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
+    runner = CliRunner()
+    steps = [
+        ["probe", model, "-o", str(profile)],
+        [
+            *("solve", str(profile), "--budget", "1GiB", "--target-batch", "8"),
+            *("--world-size", "4", "--tp", "2", "--sequence-parallel", "-o", str(plan)),
+        ],
+        ["verify", model, str(plan), "--world-size", "4", "--steps", "1", "--json"],
+    ]
+    for args in steps:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["passed"], data
+    assert abs(data["peak_error"]) < 0.05
+    assert data["gradient_check"]["status"] == "pass"
+    assert "sequence_parallel: true" in plan.read_text()

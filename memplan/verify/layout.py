@@ -12,7 +12,6 @@ of the whole dp × k × micro batch, sliced to the same shard."""
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import time
 from typing import Any
