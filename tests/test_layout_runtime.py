@@ -261,3 +261,20 @@ def test_sequence_parallel_plan_from_probe_to_four_ranks_within_five_percent(tmp
     assert abs(data["peak_error"]) < 0.05
     assert data["gradient_check"]["status"] == "pass"
     assert "sequence_parallel: true" in plan.read_text()
+
+
+def test_layout_gradient_check_reads_as_the_distributed_check():
+    # Each rank's layout gradient error becomes the plan check verify_distributed reads
+    # (a crash before: the layout path returned a bare float).
+    from memplan.verify.distributed_grads import gradient_check
+    from memplan.verify.layout import layout_gradient_check
+
+    layout = Parallel(tp=2, dp_replicate=2)
+    plan = _layout_plan("m", layout)
+    rows = [layout_gradient_check(e, plan, layout) for e in (1e-7, 3e-5, 2e-7, 1e-6)]
+    check, couple = gradient_check(plan, rows, True, 4)
+    assert (check.status, check.relative_error) == ("pass", 3e-5)
+    assert couple.status == "skipped" and "parallel layout" in couple.reason
+    bad = [layout_gradient_check(e, plan, layout) for e in (1e-7, float("nan"), 2e-4, "x")]
+    assert [r["check"]["status"] for r in bad] == ["pass", "fail", "fail", "fail"]
+    assert bad[1]["check"]["relative_error"] is None and bad[3]["check"]["reason"] == "x"
