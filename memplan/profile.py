@@ -291,6 +291,11 @@ class Profile:
     """The longest sequence the model takes (its position embeddings: ``hf:`` configs'
     ``max_position_embeddings``), where known; ``solve`` plans no longer length. None:
     not known (a model file)."""
+    tp_degree_divides: int | None = None
+    """Every tensor-parallel degree must divide this: the greatest common divisor of the
+    model's attention heads, key/value heads and the dimensions its TP plan splits (each TP
+    rank holds whole heads and equal slices; memplan.run.tp_plan.tp_degree_divides). None:
+    not known (no TP plan, or a profile written before memplan recorded it)."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:

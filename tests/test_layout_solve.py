@@ -69,6 +69,30 @@ def test_auto_keeps_tp_within_a_node():
     assert {o.parallel.tp for o in result.options} == {1, 2}
 
 
+def test_tp_degrees_that_split_heads_unevenly_are_never_planned():
+    # 2 key/value heads: tp 4 would split a head (the runtime refuses it), so auto never
+    # picks it, even where tp 4 would be the only way to fit, and a fixed --tp 4 is refused.
+    profile = dataclasses.replace(_tp_profile(), tp_degree_divides=2)
+    for budget in (1 << 30, least_peak(profile, _request(1 << 30)).peak_bytes - 1):
+        try:
+            plan = solve_layout(profile, _request(budget), LayoutRequest(auto=True)).plan
+        except NoPlanFitsError:
+            continue
+        assert plan.parallel.tp in (1, 2)
+    with pytest.raises(BadInputError, match="must divide 2"):
+        solve_layout(profile, _request(1 << 30), LayoutRequest(tp=4))
+    assert solve_layout(profile, _request(1 << 30), LayoutRequest(tp=2)).plan.parallel.tp == 2
+
+
+def test_auto_turns_sequence_parallel_on_only_without_pipeline_stages():
+    from memplan.solver.layout import candidate_layouts
+
+    layouts = candidate_layouts(_tp_profile(), 8, LayoutRequest(auto=True))
+    assert any(p.sequence_parallel for p in layouts)
+    assert all(not p.sequence_parallel for p in layouts if p.pp > 1)
+    assert all(p.sequence_parallel == (p.tp > 1) for p in layouts if p.pp == 1)
+
+
 def test_bubble_is_pp_minus_one_over_m_plus_pp_minus_one():
     assert bubble_fraction(Parallel(pp=4), 8) == pytest.approx(3 / 11)
     assert bubble_fraction(Parallel(pp=1), 8) == 0.0

@@ -59,6 +59,8 @@ def test_probe_measures_the_tp_split_of_a_llama(llama, tmp_path):
     assert fixed["model.embed_tokens"] == VOCAB * H * 4  # embedding_rowwise
     assert fixed["lm_head"] == VOCAB * H * 4  # colwise_gather_output
     assert fixed["model.norm"] == 0
+    # gcd of 4 heads, 2 KV heads and the split dims 32, 16, 64: tp 2 at most, not 4
+    assert profile.tp_degree_divides == 2
 
 
 def test_saved_bytes_leave_parameters_out():

@@ -24,7 +24,7 @@ import torch
 
 from memplan.errors import BadInputError
 from memplan.profile import Profile
-from memplan.run.tp_plan import tp_modules, tp_plan_for
+from memplan.run.tp_plan import tp_degree_divides, tp_modules, tp_plan_for
 
 TP_PROBE_DEGREE = 2
 
@@ -156,7 +156,8 @@ def measure_tp(session: Any, profile: Profile, size: int, declared: Any = None) 
     inputs = capture_inputs(session, size)
     started = _fake_world(TP_PROBE_DEGREE)
     try:
-        return _measured(session, profile, split, inputs)
+        measured = _measured(session, profile, split, inputs)
+        return dataclasses.replace(measured, tp_degree_divides=tp_degree_divides(model, split))
     finally:
         if started:
             dist.destroy_process_group()

@@ -9,6 +9,7 @@ declare ``TP_PLAN`` (a dict) or define ``tp_plan(model)``. Without one, TP is re
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,26 @@ def tp_plan_for(model: torch.nn.Module, declared: Any = None) -> dict[str, str]:
             "to colwise/rowwise), or plan without tensor parallelism (--tp 1).",
         )
     return plan
+
+
+def tp_degree_divides(model: torch.nn.Module, modules: Mapping[str, str]) -> int:
+    """The greatest common divisor of the model's attention and key/value head counts and of
+    every dimension ``modules`` (name -> style) splits: colwise linears' output features,
+    rowwise linears' input features. A TP degree splits the model evenly, whole heads per
+    rank, only when it divides this (memplan.run.parallel.check_tp_divisible refuses the
+    rest at run time)."""
+    out = 0
+    config = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads > 0:
+            out = math.gcd(out, heads)
+    named = dict(model.named_modules())
+    for name, style in modules.items():
+        module = named.get(name)
+        if isinstance(module, torch.nn.Linear) and style.startswith(("colwise", "rowwise")):
+            out = math.gcd(out, int(module.weight.shape[0 if style.startswith("colwise") else 1]))
+    return out or 1
 
 
 def tp_modules(model: torch.nn.Module, plan: Mapping[str, str]) -> dict[str, str]:

@@ -121,12 +121,15 @@ def candidate_layouts(
                     continue
                 if tp > 1 and not tp_measured(profile):
                     continue
+                if tp > 1 and profile.tp_degree_divides and profile.tp_degree_divides % tp:
+                    continue  # it would split a head or a projection unevenly
+
                 dp = world // (tp * pp * cp)
                 if profile.environment.mixed_precision == "params" and dp < 2:
                     continue  # FSDP's mixed-precision policy, as probed, needs shards
                 sp = ask.sequence_parallel
-                if sp is None:
-                    sp = ask.auto and tp > 1
+                if sp is None:  # the runtime runs SP without pipeline stages only
+                    sp = ask.auto and tp > 1 and pp == 1
                 replicas = strategy == "ddp"
                 out.append(
                     Parallel(
@@ -243,6 +246,14 @@ def evaluate_layout(
 def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> list[LayoutOption]:
     world = request.world_size
     strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    divides = profile.tp_degree_divides
+    if ask.tp and ask.tp > 1 and divides and divides % ask.tp:
+        raise BadInputError(
+            f"--tp {ask.tp} would split the model's attention heads or a projection unevenly: "
+            f"its TP degree must divide {divides} (the heads, key/value heads and split "
+            "dimensions have that greatest common divisor).",
+            hint=f"Choose --tp from {', '.join(map(str, _divisors(divides)))}.",
+        )
     layouts = candidate_layouts(profile, world, ask, strategy)
     if not layouts:
         raise BadInputError(
