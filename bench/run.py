@@ -35,6 +35,7 @@ SECTIONS = [
     "real_models",
     "modes",
     "seqlen",
+    "hf_sweep",
 ]
 
 

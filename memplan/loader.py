@@ -19,7 +19,7 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,16 +177,39 @@ def _tensor_type() -> type:
     return torch.Tensor
 
 
-def is_tensor_batch(batch: Any) -> bool:
-    """A tensor, a tuple/list of tensors or a dict of tensors (nesting allowed)."""
+PASSED_THROUGH = (bool, int, float, str, type(None))
+"""Plain values a batch dict may hold beside its tensors (``return_loss=True``): memplan
+passes them to the model unchanged, as keyword arguments."""
+
+
+def refused_batch_item(batch: Any, where: str = "batch") -> str | None:
+    """Where ``batch`` holds something memplan cannot pass on (``batch['ids'][1]``), or None
+    when it is a tensor, a tuple/list of tensors or a dict of tensors and plain values
+    (``PASSED_THROUGH``), nesting allowed, with at least one tensor."""
     tensor = _tensor_type()
     if isinstance(batch, tensor):
-        return True
-    if isinstance(batch, tuple | list):
-        return len(batch) > 0 and all(is_tensor_batch(item) for item in batch)
-    if isinstance(batch, dict):
-        return len(batch) > 0 and all(is_tensor_batch(item) for item in batch.values())
-    return False
+        return None
+    if isinstance(batch, tuple | list) and batch:
+        for i, item in enumerate(batch):
+            found = refused_batch_item(item, f"{where}[{i}]")
+            if found is not None:
+                return found
+        return None
+    if isinstance(batch, dict) and batch:
+        for key, value in batch.items():
+            if isinstance(value, PASSED_THROUGH):
+                continue
+            found = refused_batch_item(value, f"{where}[{key!r}]")
+            if found is not None:
+                return found
+        return None if batch_tensors(batch) else where
+    return where
+
+
+def is_tensor_batch(batch: Any) -> bool:
+    """A tensor, a tuple/list of tensors or a dict of tensors and plain values (nesting
+    allowed; ``refused_batch_item``)."""
+    return refused_batch_item(batch) is None
 
 
 def map_batch(batch: Any, fn: Callable[[Any], Any]) -> Any:
@@ -292,10 +315,17 @@ class ModelFile:
     def make_batch(self, batch_size: int) -> Any:
         args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
         batch = self._call("make_batch", *args)
-        if not is_tensor_batch(batch):
+        refused = refused_batch_item(batch)
+        if refused is not None:
+            returned = (
+                type(batch).__name__
+                if refused == "batch"
+                else f"a batch whose {refused} is not a tensor"
+            )
             raise ModelFileError(
-                f"{self.path}: make_batch{_args_text(args)} returned {type(batch).__name__}; "
-                "it must return a tensor, a tuple/list of tensors or a dict of tensors.",
+                f"{self.path}: make_batch{_args_text(args)} returned {returned}; it must return a tensor, a tuple/list of tensors or a dict of tensors (a "
+                "dict may also hold plain values such as return_loss=True, passed to the model "
+                "as keyword arguments).",
                 hint="Return tensors on CPU; memplan moves them to the device.",
             )
         if any(getattr(t, "is_meta", False) for t in batch_tensors(batch)):
@@ -516,15 +546,29 @@ def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
 
 
 def model_reference(
-    text: str, *, task: str | None = None, seq_len: int | None = None, lora: str | None = None
+    text: str,
+    *,
+    task: str | None = None,
+    seq_len: int | None = None,
+    lora: str | None = None,
+    seq_lens: Sequence[int] = (),
 ) -> str:
     """The model argument of a command, with ``--task`` / ``--seq-len`` / ``--lora`` folded
     into an ``hf:`` reference (one string that profiles, plans and scripts carry). Those
-    options are refused for a model file, which makes its own batches."""
+    options are refused for a model file, which makes its own batches. With ``seq_lens``
+    (``--seq-lens``) a reference needs no length of its own: the shortest stands in."""
     from memplan import hf
 
     if hf.is_hf_reference(text):
-        return str(hf.parse_reference(text, task=task, seq_len=seq_len, lora=lora))
+        return str(
+            hf.parse_reference(
+                text,
+                task=task,
+                seq_len=seq_len,
+                lora=lora,
+                default_seq_len=min(seq_lens) if seq_lens else None,
+            )
+        )
     given = [
         flag
         for flag, value in (("--task", task), ("--seq-len", seq_len), ("--lora", lora))

@@ -233,6 +233,9 @@ class Totals:
     buffer_bytes: int
     grad_bytes: int
     optimizer_state_bytes: int
+    cached_bytes: int = 0
+    """Tensors the model keeps from one step to the next outside its parameters and buffers
+    (a rotary table cached in a Python dict): resident all step, as buffers are."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -276,6 +279,10 @@ class Profile:
     """The longest sequence the model takes (its position embeddings: ``hf:`` configs'
     ``max_position_embeddings``), where known; ``solve`` plans no longer length. None:
     not known (a model file)."""
+    hf_blocks: tuple[str, ...] = ()
+    """The blocks Hugging Face's own ``gradient_checkpointing_enable()`` checkpoints (each
+    module of a ``_no_split_modules`` class that transformers checkpoints), by
+    fully-qualified name; empty for a model that is not a transformers model."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:
@@ -382,6 +389,7 @@ _COUNT_FIELDS = (
     "params_trainable_bytes",
     "params_frozen_bytes",
     "buffer_bytes",
+    "cached_bytes",
     "grad_bytes",
     "optimizer_state_bytes",
 )
