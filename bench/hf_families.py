@@ -135,6 +135,10 @@ def tiny_config(kind: str, family: str) -> Any:
 def build(kind: str, family: str) -> Any:
     """``family``'s tiny model of ``kind``, random weights (seeded), training mode."""
     import torch
+
+    from memplan.loader import settle_torchvision
+
+    settle_torchvision()  # before transformers imports it (memplan.loader says why)
     import transformers
 
     config = tiny_config(kind, family)
