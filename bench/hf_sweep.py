@@ -180,7 +180,11 @@ def run(device: str) -> str:
         return "## Meta equals cpu across transformers' families\n\nA CPU-only section.\n"
     started = time.perf_counter()
     rows = sweep(_selected())
-    seconds = time.perf_counter() - started
+    return report(rows, time.perf_counter() - started, device)
+
+
+def report(rows: list[dict[str, Any]], seconds: float, device: str = "cpu") -> str:
+    """The section's markdown from the sweep's ``rows`` (and its raw rows written as CSV)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     names = ["kind", "family", "status", "detail", "params", "cpu_seconds", "meta_seconds"]
     with open(RESULTS / f"{device}-hf-sweep.csv", "w", newline="", encoding="utf-8") as f:
