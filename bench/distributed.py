@@ -69,7 +69,7 @@ def run(device: str) -> str:
             measured = [r.peak_bytes for r in result.ranks]
             grad = result.gradient_check
             grad_text = grad.status + (
-                f" ({grad.max_relative_error:.0e})" if grad.max_relative_error is not None else ""
+                f" ({grad.relative_error:.0e})" if grad.relative_error is not None else ""
             )
             shape = f"{plan.micro_batch_size} × {plan.accumulation_steps} × {WORLD}"
             print(

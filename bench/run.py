@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from memplan import render
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 SECTIONS = [
@@ -35,6 +37,8 @@ SECTIONS = [
     "real_models",
     "modes",
     "seqlen",
+    "scale",
+    "layouts",
     "hf_sweep",
 ]
 
@@ -98,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}", flush=True)
         section_started = time.perf_counter()
         module = importlib.import_module(f"bench.{name}")
-        markdown = module.run(args.device)
+        with render.progress(f"bench {name}") as on_progress:
+            on_progress(0, 0, f"section {sections.index(name) + 1} of {len(sections)}")
+            markdown = module.run(args.device)
         seconds = time.perf_counter() - section_started
         stamp = (
             f"_Run {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC on {machine}; "

@@ -42,7 +42,25 @@ class Shape:
 LLAMA2_7B = Shape(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32)
 LLAMA2_13B = Shape(layers=40, hidden=5120, intermediate=13824, heads=40, kv_heads=40)
 LLAMA2_70B = Shape(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8)
+# Llama 3.1 405B's config.json (its 128256-token vocabulary; batches keep ids below 32000).
+LLAMA31_405B = Shape(
+    layers=126, hidden=16384, intermediate=53248, heads=128, kv_heads=8, vocab=128256
+)
 SEQ_LEN, VOCAB = 4096, 32000  # the same for all three: make_batch serves every factory
+
+# Which modules tensor parallelism splits (memplan.run.tp_plan): torchtitan's Llama plan
+# (torchtitan/models/llama3/infra/parallelize.py, apply_tp) in transformers' style names.
+TP_PLAN = {
+    "embed_tokens": "embedding_rowwise",
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
 
 
 class RMSNorm(nn.Module):
@@ -82,15 +100,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         s = self.s
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, s.heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism a rank holds heads / tp of them.
+        q = self.q_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, s.head_dim).transpose(1, 2)
         cos, sin = cos[:t].to(q.dtype), sin[:t].to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         gqa = s.kv_heads != s.heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, s.hidden))
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -147,6 +166,10 @@ def build_llama2_13b() -> nn.Module:
 
 def build_llama2_7b() -> nn.Module:
     return Llama(LLAMA2_7B)
+
+
+def build_llama31_405b() -> nn.Module:
+    return Llama(LLAMA31_405B)
 
 
 def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,3 +60,57 @@ class Parallel:
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: ``pp × virtual_stages``."""
+        return self.pp * self.virtual_stages
+
+    def describe(self) -> str:
+        """``dp 2 (shard 2) × tp 2 × pp 1 × cp 1``-style summary for reasons and tables."""
+        dp = f"dp {self.dp}"
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            dp += f" ({self.dp_replicate} replicas × {self.dp_shard} shards)"
+        parts = [dp, f"tp {self.tp}" + (" + SP" if self.sequence_parallel else "")]
+        parts.append(f"pp {self.pp}" + (f" ({self.schedule})" if self.pp > 1 else ""))
+        parts.append(f"cp {self.cp}")
+        return " × ".join(parts)
+
+
+def stage_layers(n_layers: int, stages: int) -> tuple[range, ...]:
+    """The repeated blocks of each pipeline stage, contiguous, in order: ``n_layers`` split
+    into ``stages`` runs whose lengths differ by at most one, the *later* stages taking the
+    extra layers (the first stage holds the most micro-batches in flight under 1F1B and the
+    embeddings; the last holds the head, which for a language model is smaller than the
+    first stage's in-flight activations). Stages may be empty only when there are fewer
+    layers than stages (refused by the solver)."""
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1, got {stages}")
+    base, extra = divmod(n_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s >= stages - extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return tuple(out)
+
+
+def in_flight(parallel: Parallel, stage: int, micro_batches: int) -> int:
+    """Micro-batches whose activations pipeline stage ``stage`` (0-based rank in the
+    pipeline) holds at its peak under the schedule, with ``micro_batches`` per step:
+    GPipe runs every forward before any backward (all ``m``); 1F1B warms up with
+    ``pp − stage`` forwards before its first backward (Narayanan et al. 2021, PipeDream-
+    Flush; torch.distributed.pipelining ``Schedule1F1B``); interleaved 1F1B with ``v``
+    virtual stages holds ``(pp − stage − 1)·2 + (v − 1)·pp + 1`` forwards of chunk size one
+    stage (torch's ``ScheduleInterleaved1F1B`` warm-up), each a ``1/v`` share of the rank's
+    layers. Capped by ``m``."""
+    if parallel.pp == 1:
+        return 1
+    m = micro_batches
+    if parallel.schedule == "gpipe":
+        return m
+    if parallel.schedule == "1f1b":
+        return min(m, parallel.pp - stage)
+    v = parallel.virtual_stages
+    warmup = (parallel.pp - stage - 1) * 2 + (v - 1) * parallel.pp + 1
+    return min(m * v, warmup)

@@ -11,6 +11,7 @@ import yaml
 
 from memplan.errors import ProfileError
 from memplan.modes import FULL, KEEP, MODES, Mode
+from memplan.parallel import Parallel
 from memplan.profile import MixedPrecision, Precision
 from memplan.schema import dump_yaml, from_data, load_yaml_file
 
@@ -62,6 +63,14 @@ class Prediction:
     breakdown: Breakdown
     peak_phase: str = ""
     """Where the peak happens: e.g. 'backward of transformer.h.0', 'optimizer step'."""
+    stage_peak_bytes: tuple[int, ...] = ()
+    """With a pipeline layout: every stage's predicted peak per rank, stage 0 first (the
+    ranks of a stage are alike; ``memplan.memory.layout.stage_of_rank`` maps a rank to its
+    stage). ``peak_bytes`` is their maximum. Empty without pipelining."""
+
+    def rank_peak_bytes(self, stage: int) -> int:
+        """The predicted peak of a rank of pipeline stage ``stage``."""
+        return self.stage_peak_bytes[stage] if self.stage_peak_bytes else self.peak_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,7 +97,8 @@ class _DerivedNames(tuple):
 class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
     target_batch: int
-    """Effective batch: micro_batch_size × accumulation_steps × world_size."""
+    """Effective batch: micro_batch_size × accumulation_steps × data-parallel ranks (the
+    world size, or ``parallel.dp`` with a layout)."""
     micro_batch_size: int
     accumulation_steps: int
     world_size: int = 1
@@ -131,6 +141,11 @@ class Plan:
     reasons: tuple[str, ...] = ()
     """One line per decision: why this micro-batch, this accumulation, these layers."""
     warnings: tuple[str, ...] = ()
+    parallel: Parallel | None = None
+    """The parallel layout (issue 25): data-parallel replicas and shards, tensor, pipeline
+    and context parallel degrees (their product is ``world_size``). With ``pp`` > 1 the
+    ``accumulation_steps`` are the pipeline's micro-batches per step. None: every rank holds
+    the model under ``strategy`` (data parallelism alone; plans written before layouts)."""
     seq_len: int | None = None
     """Tokens per sample the plan is for (``memplan solve --seq-len``; issue 13): verify and
     the emitted configs make batches of this length. None: the model file's own batches
@@ -140,12 +155,20 @@ class Plan:
         for name in ("target_batch", "micro_batch_size", "accumulation_steps", "world_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        product = self.micro_batch_size * self.accumulation_steps * self.world_size
+        layout = self.parallel
+        if layout is not None and layout.world_size != self.world_size:
+            raise ValueError(
+                f"parallel degrees multiply to {layout.world_size}, not world_size "
+                f"{self.world_size}"
+            )
+        dp = self.data_parallel_ranks
+        product = self.micro_batch_size * self.accumulation_steps * dp
         if product != self.target_batch:
+            what = "world_size" if layout is None else "parallel.dp"
             raise ValueError(
                 f"target_batch {self.target_batch} != micro_batch_size × accumulation_steps × "
-                f"world_size = {self.micro_batch_size} × {self.accumulation_steps} × "
-                f"{self.world_size} = {product}"
+                f"{what} = {self.micro_batch_size} × {self.accumulation_steps} × "
+                f"{dp} = {product}"
             )
         if self.strategy not in STRATEGIES:
             raise ValueError(
@@ -175,6 +198,12 @@ class Plan:
         object.__setattr__(self, "checkpoint_layers", _DerivedNames(modes))
         if self.budget_bytes < 1:
             raise ValueError("budget_bytes must be positive")
+
+    @property
+    def data_parallel_ranks(self) -> int:
+        """Ranks the samples of a step are split over: ``world_size`` without a layout,
+        ``parallel.dp`` with one (tensor, pipeline and context ranks share samples)."""
+        return self.world_size if self.parallel is None else self.parallel.dp
 
     @property
     def samples_per_second(self) -> float:
@@ -210,6 +239,10 @@ def plan_to_yaml(plan: Plan) -> str:
     del data["checkpoint_layers"]
     if data.get("seq_len") is None:
         data.pop("seq_len", None)
+    if data.get("parallel") is None:
+        data.pop("parallel", None)
+    if not data["predicted"].get("stage_peak_bytes"):
+        data["predicted"].pop("stage_peak_bytes", None)
     data["checkpoint"] = _BlockMap(data["checkpoint"] or {})
     return yaml.dump(data, Dumper=_PlanDumper, sort_keys=False, default_flow_style=None, width=100)
 

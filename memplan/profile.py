@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from memplan import fast_yaml
 from memplan.errors import ProfileError
-from memplan.schema import dump_yaml, from_data, load_yaml_file
+from memplan.schema import from_data, load_yaml_file, to_data
 
 PROFILE_SCHEMA_VERSION = 2
 """2: optional ``seq_len`` and ``seq`` (a probe over sequence lengths, memplan.seqlen).
@@ -151,6 +152,17 @@ class Layer:
     selective_recompute_seconds: Affine | None = None
     """Measured extra time per micro-step under selective checkpointing; None: not
     measured."""
+    tp_sharded_bytes: int = 0
+    """Parameter bytes (whole, unsharded) that tensor parallelism splits over the TP ranks:
+    the parameters the model's TP plan shards (memplan.run.tp_plan), as ``parallelize_module``
+    left them on one rank of a TP-2 fake process group × 2. A rank of TP degree t holds
+    ``params − tp_sharded_bytes·(1 − 1/t)``; gradients and optimizer state alike."""
+    tp_saved_fraction: float | None = None
+    """Share of ``saved_bytes`` inside the TP region (divided by the TP degree): the probe
+    runs the block again under TP 2 on a fake process group and solves
+    ``saved(t) = outside + inside/t`` from the two runs. None: not measured (no TP plan,
+    or an older profile); the rest is the norm/residual region that only sequence parallel
+    divides."""
     affine: bool = True
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""
@@ -171,6 +183,9 @@ class FixedPart:
     fwd_seconds: Affine
     bwd_seconds: Affine
     fwd_flops: Affine
+    tp_sharded_bytes: int = 0
+    """Parameter bytes the TP plan splits (e.g. ``lm_head``, the embedding); see
+    ``Layer.tp_sharded_bytes``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -538,7 +553,8 @@ def load_profile(path: str | Path) -> Profile:
 
 
 def profile_to_yaml(profile: Profile) -> str:
-    return dump_yaml(profile)
+    """The profile's YAML (memplan.fast_yaml: a 10,000-layer profile in seconds)."""
+    return fast_yaml.dump(to_data(profile))
 
 
 def is_finite_affine(value: Affine) -> bool:

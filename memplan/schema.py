@@ -16,6 +16,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
+from memplan import fast_yaml
 from memplan.errors import ProfileError
 from memplan.suggest import did_you_mean
 
@@ -110,7 +111,13 @@ def _refuse_anchors(text: str) -> None:
 
 def safe_load(text: str) -> Any:
     """``yaml.safe_load`` (the C loader when present), strictly: anchors, aliases, duplicate
-    keys and non-scalar keys raise ``RefusedYAML`` (a ``yaml.YAMLError``)."""
+    keys and non-scalar keys raise ``RefusedYAML`` (a ``yaml.YAMLError``). Text in
+    memplan.fast_yaml's layout (a profile memplan wrote) is read a line at a time with
+    ``json``, to the same data (it has no anchors, and a duplicate key sends it here)."""
+    try:
+        return fast_yaml.load(text)
+    except fast_yaml.NotFast:
+        pass
     _refuse_anchors(text)
     return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no arbitrary objects
 
@@ -154,12 +161,26 @@ def _fail(source: str, path: str, problem: str, hint: str | None = None) -> Prof
     return ProfileError(f"{source}: field '{path}' {problem}.", hint=hint)
 
 
+@functools.cache
+def _shape(tp: Any) -> tuple[Any, tuple]:
+    """``typing.get_origin`` and ``get_args`` of a field type, once per type."""
+    return typing.get_origin(tp), typing.get_args(tp)
+
+
 def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
-    origin = typing.get_origin(tp)
+    if tp is float and type(data) is float and math.isfinite(data) and abs(data) <= LARGEST_FLOAT:
+        return data  # the common case first: a profile holds millions
+    origin, args = _shape(tp)
+    if origin is tuple and args == (float, float) and type(data) is list and len(data) == 2:
+        a, b = data  # a timeline point
+        if type(a) is type(b) is float and all(
+            math.isfinite(x) and abs(x) <= LARGEST_FLOAT for x in (a, b)
+        ):
+            return (a, b)
     if tp is Any:
         return data
     if origin in (Union, types.UnionType):
-        options = typing.get_args(tp)
+        options = args
         if data is None and type(None) in options:
             return None
         errors = []
@@ -172,17 +193,18 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
                 errors.append(exc)
         raise errors[0] if errors else _fail(source, path, "must not be null")
     if origin is Literal:
-        allowed = typing.get_args(tp)
+        allowed = args
         if data not in allowed:
             raise _fail(
                 source, path, f"is {_short(data)}, expected one of {', '.join(map(repr, allowed))}"
             )
         return data
     if origin is tuple:
-        args = typing.get_args(tp)
         if not isinstance(data, (list, tuple)):
             raise _fail(source, path, f"must be a list, got {type(data).__name__}")
         if len(args) == 2 and args[1] is Ellipsis:
+            if _shape(args[0]) == (tuple, (float, float)) and (points := _points(data)):
+                return points
             return tuple(
                 _convert(args[0], item, source=source, path=f"{path}[{i}]")
                 for i, item in enumerate(data)
@@ -194,7 +216,7 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
             for i, (a, item) in enumerate(zip(args, data, strict=True))
         )
     if origin is dict:
-        key_tp, value_tp = typing.get_args(tp)
+        key_tp, value_tp = args
         if not isinstance(data, dict):
             raise _fail(source, path, f"must be a mapping, got {type(data).__name__}")
         return {
@@ -231,6 +253,19 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
             raise _fail(source, path, f"must be a string, got {_short(data)}")
         return data
     raise TypeError(f"schema: unsupported field type {tp!r} at {path}")  # a bug in memplan
+
+
+def _finite(x: Any) -> bool:
+    return type(x) is float and math.isfinite(x) and abs(x) <= LARGEST_FLOAT
+
+
+def _points(data: list | tuple) -> tuple[tuple[float, float], ...] | None:
+    """A list of timeline points in one pass when every one is a pair of finite floats (a
+    profile of 10,000 layers holds about a million); None sends anything else down the
+    item-by-item path, which names the bad one."""
+    if all(type(p) is list and len(p) == 2 and _finite(p[0]) and _finite(p[1]) for p in data):
+        return tuple((a, b) for a, b in data)
+    return None
 
 
 @functools.cache

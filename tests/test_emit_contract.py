@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from profiles_factory import uniform_chain
 from typer.testing import CliRunner
@@ -78,14 +79,27 @@ EXPECTED = {  # what each format must say for each strategy it claims
     "plan": {s: lambda d, s=s: d["strategy"] == s for s in STRATEGIES},
     "torch": {s: lambda text, s=s: f"strategy: {s}" in text for s in ("ddp", "zero1", "fsdp")},
     "torchrun": {s: lambda text, s=s: f"strategy: {s}" in text for s in ("ddp", "zero1", "fsdp")},
+    # A data-parallel plan (world 2): torchtitan replicates (DDP) or shards (FSDP2); it has
+    # no optimizer-only sharding, so it refuses ZeRO-1.
+    "torchtitan": {
+        "ddp": lambda d: d["parallelism"]["data_parallel_replicate_degree"] == 2,
+        "fsdp": lambda d: d["parallelism"]["data_parallel_shard_degree"] == 2,
+    },
+    "megatron": {
+        "ddp": lambda text: "--use-distributed-optimizer" not in text and "fsdp" not in text,
+        "zero1": lambda text: "--use-distributed-optimizer" in text,
+        "fsdp": lambda text: "--use-torch-fsdp2" in text,
+    },
 }
 
 
 def _parse(fmt: str, text: str):
     if fmt == "deepspeed":
         return json.loads(text)
-    if fmt in ("torch", "torchrun"):
+    if fmt in ("torch", "torchrun", "megatron"):
         return text
+    if fmt == "torchtitan":
+        return tomllib.loads(text)
     return yaml.safe_load(text)
 
 

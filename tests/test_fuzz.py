@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -78,6 +79,13 @@ def _plan(model: str, layers: list[str]) -> Plan:
 def _keys(fmt: str, text: str):
     if fmt == "deepspeed":
         return sorted(json.loads(text))
+    if fmt == "megatron":  # one assignment, then comments
+        lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+        return sorted(line.split()[0] for line in lines)
+    if fmt == "torchtitan":
+        return sorted(
+            f"{section}.{key}" for section, fields in tomllib.loads(text).items() for key in fields
+        )
     if fmt in ("torch", "torchrun"):
         tree = ast.parse(text)
         return sorted(

@@ -46,7 +46,9 @@ def test_piped_output_is_120_columns_unless_columns_says_otherwise(monkeypatch):
 
 def test_profile_table_keeps_names_and_numbers_whole_when_piped():
     for names in (VIT, LORA):
-        spec = uniform_chain(12, names=names, params=[123_456_789] * 12, saved=[3_000_000] * 12)
+        # saved bytes alternate, so no three neighbours are alike and grouped into one row
+        saved = [3_000_000 * (1 + i % 2) for i in range(12)]
+        spec = uniform_chain(12, names=names, params=[123_456_789] * 12, saved=saved)
         text = piped(render.profile_table(spec.profile(), width=render.PIPED_WIDTH))
         assert "…" not in text
         assert max(len(line) for line in text.splitlines()) <= render.PIPED_WIDTH
@@ -101,3 +103,10 @@ def test_batchnorm_is_warned_once_per_plan():
     ).plan
     assert sum("BatchNorm" in w for w in plan.warnings) == 1
     assert "profile: something else the probe noticed" in plan.warnings
+
+
+def test_alike_neighbours_share_one_row():
+    spec = uniform_chain(1000, params=[1000] * 1000, saved=[100] * 1000)
+    text = piped(render.profile_table(spec.profile(), width=render.PIPED_WIDTH))
+    names = row_names(text)
+    assert any("× " in n for n in names) and len(names) < 10

@@ -20,7 +20,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def run_command(func: F) -> F:
     """Map MemplanError (and a failure of checkpointing's recompute) to its exit code
-    with a clean message."""
+    with a clean message; Python warnings raised meanwhile (memplan's own and the libraries'
+    the model uses) print through memplan's renderer, once each."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -28,7 +29,8 @@ def run_command(func: F) -> F:
 
         render.reset_warnings()
         try:
-            return func(*args, **kwargs)
+            with render.warnings_rendered():
+                return func(*args, **kwargs)
         except MemplanError as exc:
             code = exit_code_of(exc)
             if not type(exc).__module__.startswith("memplan."):

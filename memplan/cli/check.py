@@ -72,7 +72,9 @@ def check(
         check_output(junit, force=force)  # now, not after minutes of probing
     plots = _step_summary_plots()
     hooks = {"solve_fn": plots.solve} if plots is not None else {}
-    with check_progress(loaded, only, also=plots.on_check if plots else None) as on_check:
+    with check_progress(
+        loaded, only, also=plots.on_check if plots else None, quiet=as_json
+    ) as on_check:
         report = run_checks(
             loaded,
             only=only,

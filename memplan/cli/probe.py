@@ -86,7 +86,10 @@ def probe(
             raise BadInputError("--seq-len and --seq-lens: give one (--seq-lens 128,256).")
         probe_model = functools.partial(probe_seq_grid, seq_lens=lens)
     model = model_reference(model, task=task, seq_len=seq_len, lora=lora, seq_lens=lens)
-    with running_user_code(model, as_json=as_json), render.progress("probing") as on_progress:
+    with (
+        running_user_code(model, as_json=as_json),
+        render.progress("probing", quiet=as_json) as on_progress,
+    ):
         profile = probe_model(
             model,
             device=device,

@@ -41,14 +41,17 @@ def report(
     check_output(output)
     refuse_existing(output, force=force)
     matplotlib_pyplot()  # a missing extra is an error before any work
-    result = build_report(
-        file,
-        profile_path=profile_path,
-        target_batch=target_batch,
-        budget=budget,
-        device_profile=device_profile,
-    )
-    size = write_report(result, output, force=force)
+    with render.progress("memplan report") as on_progress:
+        on_progress(0, 2, "solving and laying out")
+        result = build_report(
+            file,
+            profile_path=profile_path,
+            target_batch=target_batch,
+            budget=budget,
+            device_profile=device_profile,
+        )
+        on_progress(1, 2, f"drawing {output.name}")
+        size = write_report(result, output, force=force)
     for note in result.notes:
         render.warn(note)
     render.info(

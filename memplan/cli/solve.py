@@ -49,7 +49,42 @@ def solve(
             "--target-batch.",
         ),
     ] = None,
-    world_size: Annotated[int, typer.Option("--world-size", help="Data-parallel ranks.")] = 1,
+    world_size: Annotated[
+        int, typer.Option("--world-size", help="Ranks (all of them, with a layout).")
+    ] = 1,
+    tp: Annotated[int | None, typer.Option("--tp", help="Tensor-parallel degree (fixed).")] = None,
+    pp: Annotated[
+        int | None, typer.Option("--pp", help="Pipeline-parallel degree (fixed).")
+    ] = None,
+    cp: Annotated[
+        int | None,
+        typer.Option("--cp", help="Context-parallel degree (modelled, not verified on CPU)."),
+    ] = None,
+    layout: Annotated[
+        str | None,
+        typer.Option(
+            "--layout",
+            help="auto: search tp × pp × dp factorisations of --world-size (degrees given "
+            "with --tp/--pp/--cp stay fixed).",
+        ),
+    ] = None,
+    gpus_per_node: Annotated[
+        int, typer.Option("--gpus-per-node", help="TP (× CP) stays within a node.")
+    ] = 8,
+    schedule: Annotated[
+        str, typer.Option("--schedule", help="Pipeline schedule: gpipe, 1f1b, interleaved_1f1b.")
+    ] = "1f1b",
+    virtual_stages: Annotated[
+        int, typer.Option("--virtual-stages", help="Stages per pipeline rank (interleaved).")
+    ] = 1,
+    sequence_parallel: Annotated[
+        bool | None,
+        typer.Option(
+            "--sequence-parallel/--no-sequence-parallel",
+            help="Shard the norm/residual regions by sequence with TP (default: on with "
+            "--layout auto, off with a fixed --tp).",
+        ),
+    ] = None,
     strategy: Annotated[
         str,
         typer.Option(
@@ -108,7 +143,7 @@ def solve(
     """Pick micro-batch × accumulation × checkpointed layers that fit the budget and run fastest."""
     from memplan import render
     from memplan.devices import load_device, resolve_budget
-    from memplan.emit.files import plan_targets, write_plan_files
+    from memplan.emit.files import plan_targets
     from memplan.errors import BadInputError, NoPlanFitsError
     from memplan.profile import load_profile
     from memplan.seqlen import parse_seq_len
@@ -156,20 +191,104 @@ def solve(
         modes=modes,
         host_memory_bytes=parse_size(host_memory, what="--host-memory") if host_memory else None,
     )
+    ask = _layout_request(
+        tp, pp, cp, layout, gpus_per_node, schedule, virtual_stages, sequence_parallel
+    )
     seq = None
-    try:
-        if seq_len is None and tokens_per_batch is None:
-            result = run_solver(profile, request)
-        else:
-            seq = solve_seq(
-                profile, request, length, multiple=seq_multiple, tokens_per_batch=tokens_per_batch
+    if ask is not None:
+        from memplan.solver.layout import solve_layout
+
+        if seq_len is not None or tokens_per_batch is not None:
+            raise BadInputError(
+                "--seq-len and --tokens-per-batch are not yet planned with a parallel layout.",
+                hint="Probe at the length you train at and solve the layout without them.",
             )
-            result = seq.result
+        laid = solve_layout(profile, request, ask)
+        _show_layout(laid, as_json=as_json)
+        _write(laid.plan, targets, force=force)
+        return
+    try:
+        with render.progress("memplan solve", quiet=as_json) as on_progress:
+            on_progress(0, 0, f"{len(profile.layers):,} layers")
+            if seq_len is None and tokens_per_batch is None:
+                result = run_solver(profile, request)
+            else:
+                seq = solve_seq(
+                    profile,
+                    request,
+                    length,
+                    multiple=seq_multiple,
+                    tokens_per_batch=tokens_per_batch,
+                )
+                result = seq.result
     except NoPlanFitsError as exc:
         _show_no_fit(exc, request.budget_bytes, as_json=as_json)
         raise
     _show_result(result, seq, as_json=as_json)
-    written = write_plan_files(result.plan, targets, force=force)
+    _write(result.plan, targets, force=force)
+
+
+def _layout_request(
+    tp: int | None,
+    pp: int | None,
+    cp: int | None,
+    layout: str | None,
+    gpus_per_node: int,
+    schedule: str,
+    virtual_stages: int,
+    sequence_parallel: bool | None,
+):
+    """The layout asked for, or None for data parallelism alone (no degree, no --layout)."""
+    from memplan.errors import BadInputError
+    from memplan.parallel import SCHEDULES
+    from memplan.solver.layout import LayoutRequest
+
+    if layout is not None and layout != "auto":
+        raise BadInputError(f"--layout takes auto, got {layout!r}.", hint="Use --layout auto.")
+    if schedule not in SCHEDULES:
+        raise BadInputError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}.")
+    if layout is None and tp is None and pp is None and cp is None:
+        return None
+    return LayoutRequest(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        auto=layout == "auto",
+        gpus_per_node=gpus_per_node,
+        schedule=schedule,
+        sequence_parallel=sequence_parallel,
+        virtual_stages=virtual_stages,
+    )
+
+
+def _show_layout(laid, *, as_json: bool) -> None:
+    from memplan import render
+
+    plan = laid.plan
+    if as_json:
+        rows = [
+            {
+                "parallel": to_data(o.parallel),
+                "micro_batch": o.micro_batch,
+                "micro_batches": o.micro_batches,
+                "peak_bytes": o.peak_bytes,
+                "stage_peak_bytes": [s.plan.predicted.peak_bytes for s in o.stages],
+                "step_seconds": o.step_seconds,
+                "bubble": o.bubble,
+                "comm_seconds": o.comm_seconds,
+            }
+            for o in laid.options
+        ]
+        render.print_json({"feasible": True, "plan": to_data(plan), "layouts": rows})
+        return
+    render.show_plan(plan)
+
+
+def _write(plan, targets, *, force: bool) -> None:
+    from memplan import render
+    from memplan.emit.files import write_plan_files
+
+    written = write_plan_files(plan, targets, force=force)
     for path in written.paths:
         render.info(f"wrote {path}")
     for _, exc in written.refused[:-1]:
@@ -213,4 +332,6 @@ def _show_no_fit(exc: NoPlanFitsError, budget_bytes: int, *, as_json: bool) -> N
         )
     elif exc.closest is not None:
         render.info(f"closest plan needs {format_bytes(exc.closest.predicted.peak_bytes)}:")
-        render.show_plan(exc.closest)
+        # the error paragraph that follows says why it does not fit: not twice
+        reasons = tuple(r for r in exc.closest.reasons if r not in str(exc))
+        render.show_plan(dataclasses.replace(exc.closest, reasons=reasons))

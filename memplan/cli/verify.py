@@ -11,14 +11,13 @@ import typer
 from memplan.cli.base import run_command
 from memplan.cli.options import (
     LoraOption,
-    ModelArgument,
     SeqLenOption,
     TaskOption,
     finite,
+    planned_model_reference,
     running_user_code,
 )
 from memplan.errors import BadInputError
-from memplan.loader import model_reference
 
 if TYPE_CHECKING:
     from memplan.verify import DistributedVerifyResult, VerifyResult
@@ -26,10 +25,19 @@ if TYPE_CHECKING:
 
 @run_command
 def verify(
-    model: ModelArgument,
-    plan_path: Annotated[
-        Path, typer.Argument(metavar="PLAN", help="plan.yaml from `memplan solve`.")
+    first: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODEL_OR_PLAN",
+            help="The plan (plan.yaml from `memplan solve`): the model is the one it records. "
+            "Or the model (model.py, model.py:factory or hf:PATH_OR_ID), then the plan.",
+            show_default=False,
+        ),
     ],
+    second: Annotated[
+        str | None,
+        typer.Argument(metavar="PLAN", help="The plan, after a model.", show_default=False),
+    ] = None,
     task: TaskOption = None,
     seq_len: SeqLenOption = None,
     lora: LoraOption = None,
@@ -53,7 +61,9 @@ def verify(
     grad_check: Annotated[
         bool,
         typer.Option(
-            "--grad-check/--no-grad-check", help="Compare accumulated and full-batch gradients."
+            "--grad-check/--no-grad-check",
+            help="Compare the plan's gradients with the textbook run's, and micro-batches "
+            "with one batch of the effective size.",
         ),
     ] = True,
     as_json: Annotated[
@@ -67,17 +77,23 @@ def verify(
     """Run the plan for real and compare measured with predicted memory and time."""
     from memplan import render
     from memplan.plan import load_plan
+    from memplan.render.verify import show_distributed_verify, show_verify
     from memplan.verify import run_verify
 
     _check_options(world_size, steps, tolerance, timeout, device)
+    given, plan_path = (first, Path(second)) if second is not None else (None, Path(first))
     plan = load_plan(plan_path)
     if report_path is not None:
         _check_report_path(report_path)
-    model = model_reference(model, task=task, seq_len=seq_len, lora=lora)
+    model = planned_model_reference(
+        given, plan.model, plan_path.parent, task=task, seq_len=seq_len, lora=lora
+    )
     distributed = (world_size or plan.world_size) > 1
     with (
         running_user_code(model, as_json=as_json),
-        render.progress("verifying on several ranks" if distributed else "verifying") as tick,
+        render.progress(
+            "verifying on several ranks" if distributed else "verifying", quiet=as_json
+        ) as tick,
     ):
         result = run_verify(
             model,
@@ -94,9 +110,9 @@ def verify(
     if as_json:
         render.print_json(result.json_data())
     elif distributed:
-        render.show_distributed_verify(result)
+        show_distributed_verify(result)
     else:
-        render.show_verify(result)
+        show_verify(result)
     _write_verify_report(result, plan_path, report_path)
     if not result.passed:
         raise typer.Exit(1)

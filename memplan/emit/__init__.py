@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.emit import accelerate, deepspeed, hf, lightning, plan_yaml, script, torchrun
+from memplan.emit import accelerate, deepspeed, hf, layouts, lightning, plan_yaml, script, torchrun
 from memplan.emit.accelerate import emit_accelerate
 from memplan.emit.deepspeed import emit_deepspeed
 from memplan.emit.hf import emit_hf
+from memplan.emit.layouts import emit_megatron, emit_torchtitan
 from memplan.emit.lightning import emit_lightning
 from memplan.emit.plan_yaml import emit_plan
 from memplan.emit.script import emit_torch
@@ -34,9 +35,11 @@ __all__ = [
     "emit_deepspeed",
     "emit_hf",
     "emit_lightning",
+    "emit_megatron",
     "emit_plan",
     "emit_torch",
     "emit_torchrun",
+    "emit_torchtitan",
 ]
 
 
@@ -50,6 +53,9 @@ class Format:
     strategies: frozenset[str]
     """Plan strategies the format writes faithfully (its emitter module's ``STRATEGIES``);
     for any other, ``emit`` refuses rather than write a config that runs another one."""
+    layouts: bool = False
+    """Whether it writes tensor, pipeline and context parallel degrees; a plan with any of
+    them above 1 is refused by the formats that do not."""
 
 
 FORMATS: dict[str, Format] = {
@@ -104,8 +110,27 @@ FORMATS: dict[str, Format] = {
             emitter=emit_torchrun,
             strategies=torchrun.STRATEGIES,
         ),
+        Format(
+            name="torchtitan",
+            filename="torchtitan.toml",
+            description="torchtitan job config (TOML): parallelism degrees, batch sizes, AC",
+            emitter=emit_torchtitan,
+            strategies=layouts.TORCHTITAN_STRATEGIES,
+            layouts=True,
+        ),
+        Format(
+            name="megatron",
+            filename="megatron_args.sh",
+            description="Megatron-LM pretrain_gpt.py arguments (TP, PP, CP, SP, recompute)",
+            emitter=emit_megatron,
+            strategies=layouts.MEGATRON_STRATEGIES,
+            layouts=True,
+        ),
     )
 }
+LAYOUT_FORMATS = frozenset({"plan", "torch", "torchrun"})
+"""Formats besides the layout engines' that write a layout plan (the plan itself; the torch
+scripts apply TP and PP with torch's own APIs)."""
 
 
 def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) -> tuple[str, str]:
@@ -124,6 +149,18 @@ def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) ->
             f"--format {fmt} cannot write a {plan.strategy} plan: its config would run "
             f"{'/'.join(sorted(spec.strategies))} instead, which memplan did not plan for.",
             hint=f"Formats that write {plan.strategy}: {', '.join(able)}.",
+        )
+    layout = plan.parallel
+    if (
+        layout is not None
+        and max(layout.tp, layout.pp, layout.cp) > 1
+        and not (spec.layouts or fmt in LAYOUT_FORMATS)
+    ):
+        able = [f.name for f in FORMATS.values() if f.layouts or f.name in LAYOUT_FORMATS]
+        raise BadInputError(
+            f"--format {fmt} cannot write a plan with tensor, pipeline or context parallelism "
+            f"({layout.describe()}): its config would run data parallelism only.",
+            hint=f"Formats that write layouts: {', '.join(able)}.",
         )
     return spec.filename, spec.emitter(plan, model_path=model_path or plan.model, **options)
 

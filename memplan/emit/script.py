@@ -36,7 +36,9 @@ Each optimizer step prints one line on rank 0,
     memplan-step step=N loss=L effective_batch=B seconds=S
 and on CUDA a final ``memplan-peak`` line with the measured and predicted peak bytes.
 It is a plain PyTorch loop around memplan.apply, memplan.wrap.wrap_for_plan and
-memplan.Accumulator: edit freely.
+memplan.Accumulator (or, for a plan with tensor or pipeline parallel degrees,
+memplan.run.parallel.build_layout: parallelize_module and torch.distributed.pipelining):
+edit freely.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import memplan
 import torch
 import yaml
 from memplan.wrap import wrap_for_plan
+from memplan.run.parallel import build_layout, data_rank, layout_to_run
 from memplan.errors import MemplanError
 from memplan.loader import load_model_file
 from memplan.plan import plan_from_data
@@ -126,22 +129,34 @@ def main(argv=None):
     def make_optimizer(module):
         return model_file.make_optimizer(module, lr=args.lr)
 
-    if world > 1:  # DDP, ZeRO-1 or FSDP2 exactly as memplan verify runs them
-        model, optimizer = wrap_for_plan(net, plan, make_optimizer, device)
+    clip = args.max_grad_norm or None  # clip_grad_norm_ handles DTensor gradients
+    layout = layout_to_run(plan)  # tensor/pipeline parallel degrees, if the plan has them
+    if layout is not None:  # TP (parallelize_module), PP (torch.distributed.pipelining)
+        trainer = build_layout(net, plan, layout, make_optimizer, device, max_grad_norm=clip)
+        torch.manual_seed(args.seed + 1 + data_rank(layout, rank))  # per data-parallel rank
     else:
-        model, optimizer = net, make_optimizer(net)
-    clip = args.max_grad_norm or None  # clip_grad_norm_ handles FSDP2's DTensor gradients
-    step = memplan.Accumulator(model, optimizer, plan, device=device, max_grad_norm=clip)
-    torch.manual_seed(args.seed + 1 + rank)  # different random batches on every rank
+        if world > 1:  # DDP, ZeRO-1 or FSDP2 exactly as memplan verify runs them
+            model, optimizer = wrap_for_plan(net, plan, make_optimizer, device)
+        else:
+            model, optimizer = net, make_optimizer(net)
+        step = memplan.Accumulator(model, optimizer, plan, device=device, max_grad_norm=clip)
+        torch.manual_seed(args.seed + 1 + rank)  # different random batches on every rank
 
+    # the loss is known on the last pipeline stage (the last rank); else on rank 0
+    reporting_rank = world - 1 if layout is not None and layout.pp > 1 else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(args.steps):
+    for done in range(args.steps):
         start = time.perf_counter()
-        for _ in range(plan.accumulation_steps):
-            metrics = step(model_file.make_batch(plan.micro_batch_size), model_file.loss)
+        if layout is not None:  # one step: the micro-batches (a pipeline's, under PP)
+            micro, k = plan.micro_batch_size, plan.accumulation_steps
+            loss = trainer.train_step([model_file.make_batch(micro) for _ in range(k)], model_file.loss)
+            metrics = {"optimizer_steps": done + 1, "loss": loss, "effective_batch": micro * k * layout.dp}
+        else:
+            for _ in range(plan.accumulation_steps):
+                metrics = step(model_file.make_batch(plan.micro_batch_size), model_file.loss)
         seconds = time.perf_counter() - start
-        if rank == 0:
+        if rank == reporting_rank:
             print(
                 f"memplan-step step={metrics['optimizer_steps']} loss={metrics['loss']:.6g} "
                 f"effective_batch={metrics['effective_batch']} seconds={seconds:.4f}",

@@ -20,9 +20,10 @@ from memplan.memory.terms import (
     mode_of,
     mode_savings_bytes,
     offload_host_bytes,
+    phases_for,
     savings_bytes,
-    segment_points_bytes,
 )
+from memplan.memory.tops import segment_tops_bytes
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -129,18 +130,51 @@ def step_bounds(
     plain = [NO_BOUND] * n
     ckpt = [NO_BOUND] * n
     others = {m: [NO_BOUND] * n for m in extra}
-    for _, _, segment, adjust in rank_segments(profile, accumulation_steps, sharding):
+    # Each phase's segment tops in each mode at once (memory.tops), then the maxima by held.
+    if sharding == SINGLE:  # no adjustment: one tight loop per phase
+        for phase in phases_for(accumulation_steps):
+            segments = profile.timeline[phase]
+            keep_tops = segment_tops_bytes(segments, micro_batch, KEEP)
+            full_tops = segment_tops_bytes(segments, micro_batch, FULL)
+            extra_tops = [(others[m], segment_tops_bytes(segments, micro_batch, m)) for m in extra]
+            for index, (segment, top, full_top) in enumerate(
+                zip(segments, keep_tops, full_tops, strict=True)
+            ):
+                h = segment.held
+                if segment.active == "none":
+                    if top > none[h]:
+                        none[h] = top
+                    continue
+                if top > plain[h]:
+                    plain[h] = top
+                if full_top > ckpt[h]:
+                    ckpt[h] = full_top
+                for bound, mode_tops in extra_tops:
+                    if mode_tops[index] > bound[h]:
+                        bound[h] = mode_tops[index]
+    tops: dict[tuple[str, str], list[int]] = {}
+    for phase, index, segment, adjust in (
+        () if sharding == SINGLE else rank_segments(profile, accumulation_steps, sharding)
+    ):
+        if (phase, KEEP) not in tops:
+            segments = profile.timeline[phase]
+            for m in (KEEP, FULL, *extra):
+                tops[(phase, m)] = segment_tops_bytes(segments, micro_batch, m)
         h = segment.held
-        top = segment_points_bytes(segment, micro_batch, KEEP) + adjust
+        top = tops[(phase, KEEP)][index] + adjust
         if segment.active == "none":
-            none[h] = max(none[h], top)
+            if top > none[h]:
+                none[h] = top
         else:
-            plain[h] = max(plain[h], top)
-            ckpt[h] = max(ckpt[h], segment_points_bytes(segment, micro_batch, FULL) + adjust)
+            if top > plain[h]:
+                plain[h] = top
+            top = tops[(phase, FULL)][index] + adjust
+            if top > ckpt[h]:
+                ckpt[h] = top
             for m in extra:
-                others[m][h] = max(
-                    others[m][h], segment_points_bytes(segment, micro_batch, m) + adjust
-                )
+                top = tops[(phase, m)][index] + adjust
+                if top > others[m][h]:
+                    others[m][h] = top
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,

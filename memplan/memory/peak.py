@@ -36,8 +36,8 @@ from memplan.memory.terms import (
     mode_of,
     optimizer_step_peak_bytes,
     phases_for,
-    segment_points_bytes,
 )
+from memplan.memory.tops import segment_tops_bytes
 from memplan.modes import FULL, KEEP, OFFLOAD, SELECTIVE
 from memplan.plan import Breakdown
 from memplan.profile import Phase, Profile, Segment
@@ -82,11 +82,12 @@ def rank_segments(
     (``phases``: default all of the step's), with what sharding adds to or removes from the
     measured bytes there on one rank (``segment_adjust_bytes``; 0 for one process). The walk
     that ``step_points`` and ``step_bounds`` share."""
+    single = sharding == SINGLE  # once, not once per segment (a dataclass comparison)
     for phase in phases_for(accumulation_steps) if phases is None else phases:
         for index, segment in enumerate(profile.timeline[phase]):
             adjust = (
                 0
-                if sharding == SINGLE
+                if single
                 else segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
             )
             yield phase, index, segment, adjust
@@ -115,27 +116,53 @@ def step_points(
     last (unless ``phases`` names only some phases). ``step_peak`` is the first highest of
     them and the report draws them all; ``step_bounds`` regroups the same walk by held layer
     for the solver, and the tests prove it equal to this to the byte."""
+    return [
+        StepPoint(phase=phase, index=index, allocated_bytes=allocated)
+        for phase, index, allocated in _step_values(
+            profile, micro_batch, checkpointed, accumulation_steps, sharding, phases
+        )
+    ]
+
+
+def _step_values(
+    profile: Profile,
+    micro_batch: int,
+    checkpointed: Checkpointed,
+    accumulation_steps: int,
+    sharding: Sharding = SINGLE,
+    phases: Sequence[str] | None = None,
+) -> list[tuple[str, int | None, int]]:
+    """``step_points`` as plain ``(phase, index, allocated_bytes)`` tuples: the walk itself,
+    with each phase's segment tops in each mode taken at once (memory.tops)."""
     chosen = layer_modes(profile, checkpointed)
     held = held_mode_prefix_bytes(profile, micro_batch, chosen)
     n = len(profile.layers)
-    points = []
-    for phase, index, segment, adjust in rank_segments(
-        profile, accumulation_steps, sharding, phases
+    used_modes = {KEEP, *chosen.values()}
+    tops: dict[tuple[str, str], list[int]] = {}
+    values: list[tuple[str, int | None, int]] = []
+    if sharding == SINGLE and used_modes == {KEEP}:  # the common case, in one tight loop
+        for phase in phases_for(accumulation_steps) if phases is None else phases:
+            segments = profile.timeline[phase]
+            keep_tops = segment_tops_bytes(segments, micro_batch, KEEP)
+            values += [
+                (phase, index, top - held[segment.held])
+                for index, (segment, top) in enumerate(zip(segments, keep_tops, strict=True))
+            ]
+    for phase, index, segment, adjust in (
+        ()
+        if sharding == SINGLE and used_modes == {KEEP}
+        else rank_segments(profile, accumulation_steps, sharding, phases)
     ):
-        mode = mode_of(chosen, segment.held) if segment.held < n else KEEP
-        top = segment_points_bytes(segment, micro_batch, mode)
-        points.append(
-            StepPoint(phase=phase, index=index, allocated_bytes=top - held[segment.held] + adjust)
-        )
+        if (phase, KEEP) not in tops:
+            segments = profile.timeline[phase]
+            for m in used_modes:
+                tops[(phase, m)] = segment_tops_bytes(segments, micro_batch, m)
+        h = segment.held
+        mode = chosen.get(h, KEEP) if h < n else KEEP
+        values.append((phase, index, tops[(phase, mode)][index] - held[h] + adjust))
     if phases is None:
-        points.append(
-            StepPoint(
-                phase=OPTIMIZER_STEP,
-                index=None,
-                allocated_bytes=optimizer_point_bytes(profile, micro_batch, sharding),
-            )
-        )
-    return points
+        values.append((OPTIMIZER_STEP, None, optimizer_point_bytes(profile, micro_batch, sharding)))
+    return values
 
 
 def micro_step_peak_bytes(
@@ -178,21 +205,21 @@ def step_peak(
     checkpointing; or a mapping of them to modes), on one rank under ``sharding`` (default:
     one process): the first highest of ``step_points``, with its place and breakdown."""
     chosen = layer_modes(profile, checkpointed)
-    points = step_points(profile, micro_batch, chosen, accumulation_steps, sharding=sharding)
-    best = max(p.allocated_bytes for p in points)
-    top = next(p for p in points if p.allocated_bytes == best)  # the first place wins
+    values = _step_values(profile, micro_batch, chosen, accumulation_steps, sharding)
+    best = max(value[2] for value in values)
+    top_phase, top_index, _ = next(v for v in values if v[2] == best)  # the first place wins
     reserve_bytes = reserve.bytes_for(best)
     return Peak(
         peak_bytes=best + reserve_bytes,
         allocated_bytes=best,
         reserve_bytes=reserve_bytes,
-        phase=top.phase,
-        segment_index=top.index,
-        where=describe_peak(profile, top.phase, top.index, chosen),
+        phase=top_phase,
+        segment_index=top_index,
+        where=describe_peak(profile, top_phase, top_index, chosen),
         breakdown=breakdown_at(
             profile,
-            top.phase,
-            top.index,
+            top_phase,
+            top_index,
             micro_batch,
             chosen,
             best,

@@ -391,7 +391,33 @@ def _post_backward_moments(
     return [before + unsharded + unit.scatter_input, before + _reduce_output_bytes(unit)]
 
 
+_ADJUSTS: dict[tuple, tuple[Profile, int]] = {}
+"""``segment_adjust_bytes`` of recent profiles: it depends on no micro-batch and no
+checkpoint set, but every solve of every micro-batch asks it again (the layout search, of
+hundreds). Keyed by the profile's identity, which the entry holds so the id stays its own."""
+_ADJUSTS_MAX = 200_000
+
+
 def segment_adjust_bytes(
+    profile: Profile,
+    sharding: Sharding,
+    phase: str,
+    index: int,
+    accumulation_steps: int,
+) -> int:
+    """``_segment_adjust_bytes``, remembered (see ``_ADJUSTS``)."""
+    key = (id(profile), sharding, phase, index, accumulation_steps)
+    hit = _ADJUSTS.get(key)
+    if hit is not None and hit[0] is profile:
+        return hit[1]
+    if len(_ADJUSTS) >= _ADJUSTS_MAX:
+        _ADJUSTS.clear()
+    value = _segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
+    _ADJUSTS[key] = (profile, value)
+    return value
+
+
+def _segment_adjust_bytes(
     profile: Profile,
     sharding: Sharding,
     phase: str,

@@ -189,7 +189,9 @@ def segment_points_bytes(
             if not segment.selective_points:
                 raise ValueError("segment has no selective_points")
             points = segment.selective_points
-    return max(point_bytes(p, micro_batch) for p in points)
+    # ceil is monotone: the ceiling of the highest point is the highest ceiling (one call,
+    # not one per point: this is the solver's innermost loop)
+    return math.ceil(max([a + s * micro_batch for a, s in points]))
 
 
 def segment_peak_bytes(

@@ -17,6 +17,7 @@ the Profile.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 from collections.abc import Callable, Sequence
@@ -25,12 +26,14 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
+from memplan.errors import BadInputError, CannotMeasureError, MemplanError, checkpointing_failure
 from memplan.loader import ModelFile, load_model_file
 from memplan.probe.assemble import assemble
 from memplan.probe.backends import make_backend
 from memplan.probe.dedup import ForwardMisses
-from memplan.probe.session import SizeRuns, open_session, warm_up
+from memplan.probe.expand import NotLinear, expand, same_profile
+from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
+from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
 from memplan.probe.sizes import (
     TIMING_REPEATS,
     available_bytes,
@@ -85,6 +88,12 @@ def probe_model(
 
     model_file = load_model_file(model_file_path)
     try:
+        if device == "meta" and reuse_identical:
+            derived = _probe_repeats(
+                model_file, sizes, precision, layers, device_profile, tick, mixed_precision
+            )
+            if derived is not None:
+                return derived
         return probe_sizes(
             model_file,
             sizes,
@@ -103,6 +112,53 @@ def probe_model(
         raise known from exc
 
 
+def _probe_repeats(
+    model_file: ModelFile,
+    sizes: list[int],
+    precision: str,
+    layers: str | None,
+    device_profile: str | None,
+    tick: Callable[[str], None],
+    mixed_precision: str,
+) -> Profile | None:
+    """A long run of identical blocks probed at three short lengths and the rest derived
+    (memplan.probe.repeats); None when the model has no such run, or its short probes do
+    not extrapolate exactly (the caller probes it in full)."""
+    backend = make_backend("meta", precision, device_profile, mixed_precision, True)
+    model = backend.build(model_file)
+    names, _ = resolve_layers(model, layers)
+    repeat = longest_run(model, names)
+    if repeat is None:
+        return None
+    shrink(model, repeat, LENGTHS[-1])  # built once: 10,000 blocks take seconds to build
+    longest = dataclasses.replace(repeat, length=LENGTHS[-1])
+    short = []
+    try:
+        for k, length in enumerate(LENGTHS):
+            short.append(
+                probe_sizes(
+                    model_file,
+                    sizes,
+                    "meta",
+                    precision,
+                    layers,
+                    device_profile,
+                    tick if k == 0 else lambda what: None,
+                    mixed_precision,
+                    True,
+                    prune=False,
+                    build=functools.partial(shrunk_copy, model, longest, length),
+                )
+            )
+        a = repeat.first
+        check = expand(short[0], short[1], a, LENGTHS[2], short[2].layer_names, prune=False)
+        if not same_profile(check, short[2]):
+            return None
+        return expand(short[0], short[1], a, repeat.length, names, prune=True)
+    except (NotLinear, MemplanError, RuntimeError, ValueError, TypeError, IndexError):
+        return None  # the full probe runs it again, and reports what fails there
+
+
 def probe_sizes(
     model_file: ModelFile,
     sizes: list[int],
@@ -115,9 +171,10 @@ def probe_sizes(
     reuse_identical: bool,
     *,
     prune: bool = True,
+    build: Callable[[], torch.nn.Module] | None = None,
 ) -> Profile:
     backend = make_backend(device, precision, device_profile, mixed_precision, reuse_identical)
-    session = open_session(model_file, backend, layers)
+    session = open_session(model_file, backend, layers, build)
     if not session.layer_names:
         session.warnings.append(
             "No repeated blocks (an nn.ModuleList/nn.Sequential of "
@@ -206,4 +263,20 @@ def probe_sizes(
         )
     session.recorder.remove()
     tick("fitted the timeline")
-    return profile
+    return _with_tp(session, profile, sizes[0], tick)
+
+
+def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str], None]) -> Profile:
+    """The profile with what tensor parallelism divides (memplan.probe.tp_measure); a model
+    whose blocks cannot run under TP keeps its profile, with a warning saying why."""
+    from memplan.probe.tp_measure import declared_plan, measure_tp
+
+    try:
+        declared = declared_plan(session.model_file.module, session.model)
+        measured = measure_tp(session, profile, size, declared)
+    except Exception as exc:
+        note = f"Tensor parallelism was not measured ({type(exc).__name__}: {exc}); plans with --tp > 1 are refused."
+        return dataclasses.replace(profile, warnings=(*profile.warnings, note))
+    if measured is not profile:
+        tick("measured the blocks under TP 2 (fake process group)")
+    return measured

@@ -4,6 +4,7 @@ per micro-batch size, and the warm-up step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,17 +187,24 @@ class Session:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def _resolve_layers(model: torch.nn.Module, layers: str | None) -> tuple[list[str], str | None]:
+def resolve_layers(model: torch.nn.Module, layers: str | None) -> tuple[list[str], str | None]:
     """The candidates, and a note when the defaults went a level deeper."""
     return (glob_layers(model, layers), None) if layers else default_candidates(model)
 
 
-def open_session(model_file: ModelFile, backend: Backend, layers: str | None) -> Session:
-    model = backend.build(model_file)
+def open_session(
+    model_file: ModelFile,
+    backend: Backend,
+    layers: str | None,
+    build: Callable[[], torch.nn.Module] | None = None,
+) -> Session:
+    """``build`` makes the model instead of the backend (a copy of one whose run of
+    identical blocks was cut short: memplan.probe.repeats)."""
+    model = backend.build(model_file) if build is None else build()
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
     cache_note = memplan.run.kv_cache_note(memplan.run.disable_kv_cache(model))
     optimizer = model_file.make_optimizer(model)
-    names, deeper_note = _resolve_layers(model, layers)
+    names, deeper_note = resolve_layers(model, layers)
     modules = dict(model.named_modules())
     parts = fixed_parts(model, names)
     recorder = Recorder(

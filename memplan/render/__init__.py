@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from rich.text import Text
 from memplan import timing
 from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
+from memplan.layer_runs import run_label, runs
 from memplan.modes import MODES
 from memplan.plan import Plan
 from memplan.profile import Affine, Profile
@@ -78,13 +80,36 @@ def reset_warnings() -> None:
     _warned.clear()
 
 
+@contextlib.contextmanager
+def warnings_rendered() -> Iterator[None]:
+    """Within the block, Python warnings print as memplan's ``warning:`` lines (once per
+    message), not as raw ``file:line: UserWarning`` lines."""
+
+    def show(message: Any, category: type, filename: str, lineno: int, *_: Any) -> None:
+        text = str(message).removeprefix("memplan: ")
+        if category is not UserWarning:
+            text = f"{text} ({category.__name__})"
+        warn(text)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = show
+        yield
+
+
 def info(message: str) -> None:
     console.print(Text(message))
 
 
 @contextlib.contextmanager
-def progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
-    """A progress bar driven by the library's ``on_progress(done, total, what)`` callbacks."""
+def progress(description: str, *, quiet: bool = False) -> Iterator[Callable[[int, int, str], None]]:
+    """A progress bar on stderr driven by the library's ``on_progress(done, total, what)``
+    callbacks (a phase with no count: call it with total 0 or never), showing what it is
+    doing and the elapsed time. Silent (the callback does nothing) with ``quiet`` (``--json``)
+    or when stderr is not a terminal, so logs and pipes stay clean."""
+    if quiet or not console.is_terminal:
+        yield lambda done, total, what: None
+        return
     bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -97,7 +122,7 @@ def progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
     task = bar.add_task(description, total=None, what="")
 
     def update(done: int, total: int, what: str) -> None:
-        bar.update(task, completed=done, total=total, what=what)
+        bar.update(task, completed=done, total=total or None, what=what)
 
     with bar:
         yield update
@@ -208,15 +233,15 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
                 "saved/s": _short_bytes(part.saved_bytes.slope),
             }
         )
+    rows = []
     for layer in profile.layers:
         worst = max(  # the worst fit of the layer's byte counts (what ``affine`` judges)
             getattr(layer, f).residual
             for f in layer.__slots__
             if f.endswith("_bytes") and isinstance(getattr(layer, f), Affine)
         )
-        add(
+        rows.append(
             {
-                "layer": escape(layer.name),
                 **state(layer),
                 "input/s": _short_bytes(layer.input_bytes.slope),
                 "saved/s": _short_bytes(layer.saved_bytes.slope),
@@ -224,6 +249,11 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
                 "fit": "ok" if layer.affine else f"[red]{worst:.1%}[/red]",
             }
         )
+    # alike neighbours (10,000 identical blocks) share one row: blocks.2–9998 × 9,997, each
+    names = profile.layer_names
+    for run in runs([tuple(row.items()) for row in rows]):
+        label = run_label(names, run) + (", each" if run.count > 1 else "")
+        add({"layer": escape(label), **rows[run.start]})
     totals = profile.totals
     saved = _sum_affine(
         [p.saved_bytes for p in profile.layers] + [p.saved_bytes for p in profile.fixed]
@@ -344,7 +374,12 @@ def show_plan(plan: Plan) -> None:
     lines = Text()
     lines.append(
         f"micro-batch {plan.micro_batch_size} × accumulation {plan.accumulation_steps}"
-        f" × world {plan.world_size} = effective batch {plan.target_batch}"
+        + (
+            f" × world {plan.world_size}"
+            if plan.parallel is None
+            else f" × dp {plan.parallel.dp} ({plan.parallel.describe()}, {plan.world_size} ranks)"
+        )
+        + f" = effective batch {plan.target_batch}"
         + (
             f" of {plan.seq_len} tokens ({plan.target_batch * plan.seq_len} tokens)"
             if plan.seq_len
@@ -433,126 +468,13 @@ def print_json(data: Any) -> None:
     import json
 
     text = json.dumps(json_safe(data), indent=2, default=str, allow_nan=False)
-    stdout.out(text, highlight=False)
+    # straight to the stream: rich would split 50 MB of a 10,000-layer profile into
+    # segments first (1.3 GB and a minute)
+    stdout.file.write(text + "\n")
+    stdout.file.flush()
 
 
 # ---------------------------------------------------------------- verify
-def show_verify(result: Any) -> None:
-    """Predicted against measured for one verify run (memplan.verify.VerifyResult)."""
-    plan = result.plan
-    table = Table(
-        title=(
-            f"verify: micro-batch {plan.micro_batch_size} × {plan.accumulation_steps}, "
-            f"{len(plan.checkpoint_layers)} checkpointed · {result.device_name} · "
-            f"{result.steps} step(s)"
-        ),
-        title_justify="left",
-        header_style="bold",
-    )
-    for column in ("", "predicted", "measured", "error"):
-        table.add_column(column, justify="left" if not column else "right")
-
-    def err(value: float, limit: float | None) -> str:
-        text = f"{value:+.1%}"
-        if limit is None:
-            return text
-        return f"[green]{text}[/green]" if abs(value) <= limit else f"[red]{text}[/red]"
-
-    table.add_row(
-        "peak memory",
-        format_bytes(result.predicted_peak_bytes),
-        format_bytes(result.measured_peak_bytes),
-        err(result.peak_error, result.tolerance),
-    )
-    if result.cuda_max_allocated_bytes is not None:
-        reserve = plan.predicted.breakdown.reserve
-        table.add_row(
-            "  allocated (torch.cuda)",
-            format_bytes(result.predicted_peak_bytes - reserve),
-            format_bytes(result.cuda_max_allocated_bytes),
-            "",
-        )
-        table.add_row(
-            "  reserved (torch.cuda)", "", format_bytes(result.cuda_max_reserved_bytes or 0), ""
-        )
-    table.add_row(
-        "time per optimizer step",
-        format_seconds(result.predicted_step_seconds),
-        format_seconds(result.measured_step_seconds),
-        err(result.time_error, None),
-    )
-    table.add_row(
-        "budget",
-        format_bytes(plan.budget_bytes),
-        "",
-        "[green]within[/green]" if result.within_budget else "[red]EXCEEDED[/red]",
-    )
-    table.add_row("effective batch", str(plan.target_batch), str(result.effective_batch), "")
-    console.print(table)
-    if result.note:
-        console.print(Text(f"note: {result.note}"))
-    grad = result.gradient_check
-    if grad.status == "skipped":
-        console.print(Text(f"gradient check: skipped — {grad.reason}"))
-    elif grad.max_relative_error is None:
-        console.print(f"gradient check: [red]{grad.status}[/red] — {escape(grad.reason)}")
-    else:
-        colour = "green" if grad.status == "pass" else "red"
-        console.print(
-            f"gradient check: [{colour}]{grad.status}[/{colour}] — {escape(grad.reason)}: "
-            f"max relative difference {grad.max_relative_error:.2e} "
-            f"(tolerance {grad.tolerance:.0e})"
-        )
-    verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
-    failed = f" — {'; '.join(result.failures)}" if result.failures else ""
-    console.print(
-        f"{verdict}{failed}: peak error {result.peak_error:+.1%} (tolerance "
-        f"±{result.tolerance:.0%}), measured peak "
-        f"{'within' if result.within_budget else 'over'} the budget."
-    )
-
-
-def show_distributed_verify(result: Any) -> None:
-    """Per-rank predicted against measured (memplan.distributed.DistributedVerifyResult)."""
-    plan = result.plan
-    table = Table(
-        title=(
-            f"verify: {plan.strategy} on {result.world_size} ranks ({result.backend}, "
-            f"{result.device}) · micro-batch {plan.micro_batch_size} × "
-            f"{plan.accumulation_steps} · {len(plan.checkpoint_layers)} checkpointed"
-        ),
-        title_justify="left",
-        header_style="bold",
-    )
-    for column in ("rank", "predicted peak", "measured peak", "error", "step time"):
-        table.add_column(column, justify="right")
-    for rank in result.ranks:
-        error = result.rank_error(rank.rank)
-        colour = "green" if abs(error) <= result.tolerance else "red"
-        table.add_row(
-            str(rank.rank),
-            format_bytes(result.predicted_peak_bytes),
-            format_bytes(rank.peak_bytes),
-            f"[{colour}]{error:+.2%}[/{colour}]",
-            format_seconds(rank.step_seconds),
-        )
-    console.print(table)
-    check = result.gradient_check
-    if check.max_relative_error is None:
-        console.print(Text(f"gradient check: {check.status} — {check.reason}"))
-    else:
-        console.print(
-            f"gradient check: {check.status} — {escape(check.reason)}: max relative "
-            f"difference {check.max_relative_error:.2e} (tolerance {check.tolerance:.0e})"
-        )
-    verdict = "[bold green]PASS[/bold green]" if result.passed else "[bold red]FAIL[/bold red]"
-    console.print(
-        f"{verdict}: worst rank error {result.peak_error:+.2%} (tolerance "
-        f"±{result.tolerance:.0%}), largest rank "
-        f"{'within' if result.within_budget else 'over'} the budget."
-    )
-
-
 # ---------------------------------------------------------------- devices
 def show_devices(specs: list[DeviceSpec]) -> None:
     """The GPU specs memplan can plan for, one row each."""

@@ -91,11 +91,12 @@ def check_progress(
     only: Sequence[str] | None,
     *,
     also: Callable[[str, str], None] | None = None,
+    quiet: bool = False,
 ) -> Iterator[Callable[[str, str], None]]:
     """A progress bar over the selected checks, driven by ``run_checks``'s ``on_check``
-    (which is passed on to ``also`` too)."""
+    (which is passed on to ``also`` too); silent with ``quiet`` (``--json``)."""
     total = sum(1 for c in config.checks if not only or c.name in only)
-    with progress("memplan check") as on_progress:
+    with progress("memplan check", quiet=quiet) as on_progress:
         done: list[str] = []
 
         def on_check(name: str, what: str) -> None:

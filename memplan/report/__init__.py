@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memplan.devices import DeviceSpec, load_device
-from memplan.errors import BadInputError, NoPlanFitsError
+from memplan.errors import BadInputError, CannotMeasureError, NoPlanFitsError
 from memplan.plan import Plan, plan_from_data
 from memplan.profile import Profile, load_profile, profile_from_data
 from memplan.report.data import (
@@ -21,6 +21,7 @@ from memplan.report.data import (
     Report,
     Timeline,
     TimelineBar,
+    coarser,
     plan_only_report,
     plan_report,
     predicted_timeline,
@@ -297,18 +298,33 @@ class CheckPlots:
         return len(sections)
 
 
-def render_report(report: Report, suffix: str) -> bytes:
-    """The report as HTML or PNG bytes (``suffix``: .html, .htm or .png)."""
+def render_report(report: Report, suffix: str, *, max_html_bytes: int = MAX_HTML_BYTES) -> bytes:
+    """The report as HTML or PNG bytes (``suffix``: .html, .htm or .png). A page over
+    ``max_html_bytes`` is drawn again with less detail (``data.coarser``) until it fits."""
     from memplan.report import draw
 
     if suffix == ".png":
         return draw.png_bytes(draw.combined_figure(report))
     from memplan.report.page import render_html
 
-    timeline_svg = draw.svg_text(draw.timeline_figure(report))
-    candidates_svg = draw.svg_text(draw.candidates_figure(report)) if report.candidates else None
-    page = render_html(report, timeline_svg=timeline_svg, candidates_svg=candidates_svg)
-    return page.encode("utf-8")
+    while True:
+        timeline_svg = draw.svg_text(draw.timeline_figure(report))
+        candidates_svg = (
+            draw.svg_text(draw.candidates_figure(report)) if report.candidates else None
+        )
+        page = render_html(report, timeline_svg=timeline_svg, candidates_svg=candidates_svg).encode(
+            "utf-8"
+        )
+        if len(page) <= max_html_bytes:
+            return page
+        smaller = coarser(report)  # half the bars, or the table's middle rows left out
+        if smaller is None:
+            raise CannotMeasureError(
+                f"memplan report: the page is {len(page):,} bytes with nothing left to "
+                f"merge, over its limit of {max_html_bytes:,}.",
+                hint="Write -o report.png instead; this is a limit of memplan's, not the model's.",
+            )
+        report = smaller
 
 
 def check_output(path: Path) -> str:

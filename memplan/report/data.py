@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
-from memplan import memory, timing
+from memplan import layer_runs, memory, timing
 from memplan.devices import DeviceSpec
 from memplan.memory import Reserve, Sharding
 from memplan.modes import FULL, KEEP, OFFLOAD
@@ -98,6 +99,9 @@ class LayerRow:
     checkpointed: bool
     mode: str = "keep"
     """The plan's mode for it (memplan.modes): keep, selective, full or offload."""
+    count: int = 1
+    """Alike consecutive layers this row stands for (``name`` then names the run, e.g.
+    ``blocks.2–9998 × 9,997``); the numbers are each one's."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -151,6 +155,10 @@ def predicted_timeline(
     names = profile.layer_names
     k = accumulation_steps
     bars: list[TimelineBar] = []
+    first_bwd = {
+        phase: next((i for i, s in enumerate(segs) if s.active == "bwd"), len(segs))
+        for phase, segs in profile.timeline.items()
+    }
 
     def bar(phase: str, index: int | None, label: str, allocated: int) -> TimelineBar:
         reserve_bytes = reserve.bytes_for(allocated)
@@ -174,9 +182,7 @@ def predicted_timeline(
             layer = names[segment.held] if active != "none" else None
             ckpt = active != "none" and segment.held in checkpointed
             where = memory.describe_segment(profile, phase, index, checkpointed)
-            after = segment.held == len(names) or any(
-                s.active == "bwd" for s in segments[: index + 1]
-            )
+            after = segment.held == len(names) or index >= first_bwd[phase]
         return TimelineBar(
             micro_step=label,
             phase=phase,
@@ -195,17 +201,66 @@ def predicted_timeline(
             reserve=parts.reserve,
         )
 
-    for point in memory.step_points(profile, micro_batch, checkpointed, k, sharding=sharding):
+    points = memory.step_points(profile, micro_batch, checkpointed, k, sharding=sharding)
+    for point, run in _highest_of_runs(profile, checkpointed, points):
         if point.index is None:
             label = "optimizer step"
         else:
             label = "micro-step 1" if point.phase == memory.PHASE_NO_GRADS else _later_steps(k)
-        bars.append(bar(point.phase, point.index, label, point.allocated_bytes))
+        one = bar(point.phase, point.index, label, point.allocated_bytes)
+        if run is not None:
+            one = replace(one, where=f"{one.where} (the highest of {run})", layer=run)
+        bars.append(one)
     best = max(b.total_bytes for b in bars)
     peak_index = next(i for i, b in enumerate(bars) if b.total_bytes == best)
     return Timeline(
         bars=tuple(bars), peak_index=peak_index, micro_batch=micro_batch, accumulation_steps=k
     )
+
+
+def alike_layer_runs(
+    profile: Profile, checkpointed: frozenset[int] | dict[int, str]
+) -> list[layer_runs.Run]:
+    """Runs of consecutive layers alike in every measured number and in their mode."""
+    modes = memory.layer_modes(profile, checkpointed)
+    keys = [(replace(x, name=""), modes.get(i, KEEP)) for i, x in enumerate(profile.layers)]
+    return layer_runs.runs(keys)
+
+
+def _highest_of_runs(
+    profile: Profile, checkpointed: frozenset[int] | dict[int, str], points: Sequence[Any]
+) -> list[tuple[Any, str | None]]:
+    """The points to draw: consecutive points of one phase within one run of alike layers
+    (10,000 identical blocks) become their first highest, labelled with the run; every
+    other point is kept as it is. The step's peak is among them."""
+    names = profile.layer_names
+    run_of: dict[int, layer_runs.Run] = {}
+    for run in alike_layer_runs(profile, checkpointed):
+        if run.count > 1:
+            run_of.update({i: run for i in range(run.start, run.stop)})
+    out: list[tuple[Any, str | None]] = []
+    group: list[Any] = []
+    group_run: layer_runs.Run | None = None
+
+    def flush() -> None:
+        if group:
+            best = max(group, key=lambda p: p.allocated_bytes)  # first highest
+            label = layer_runs.run_label(names, group_run) if len(group) > 1 else None
+            out.append((best, label))
+            group.clear()
+
+    for point in points:
+        held = None if point.index is None else profile.timeline[point.phase][point.index].held
+        run = run_of.get(held) if held is not None else None
+        if run is None or run is not group_run or (group and group[0].phase != point.phase):
+            flush()
+            group_run = run
+            if run is None:
+                out.append((point, None))
+                continue
+        group.append(point)
+    flush()
+    return out
 
 
 def _later_steps(k: int) -> str:
@@ -224,7 +279,7 @@ def layer_rows(
         mode: memory.mode_savings_bytes(profile, micro_batch, mode)
         for mode in {*modes.values(), FULL}
     }
-    rows = []
+    rows: list[LayerRow] = []
     for i, layer in enumerate(profile.layers):
         mode = modes.get(i, KEEP)
         shown = FULL if mode == KEEP else mode
@@ -241,7 +296,13 @@ def layer_rows(
                 mode=mode,
             )
         )
-    return tuple(rows)
+    # alike neighbours share a row: blocks.2–9998 × 9,997, each holding the same
+    keys = [replace(row, name="") for row in rows]
+    names = [row.name for row in rows]
+    return tuple(
+        replace(rows[run.start], name=layer_runs.run_label(names, run), count=run.count)
+        for run in layer_runs.runs(keys)
+    )
 
 
 def _mode_counts(checkpoint: dict[str, str], n_layers: int | None = None) -> str:
@@ -376,3 +437,38 @@ def plan_only_report(plan: Plan, why: str) -> Report:
         usable_bytes=memory.usable_budget_bytes(plan.budget_bytes, plan.margin),
         notes=(why,),
     )
+
+
+def coarser(report: Report) -> Report | None:
+    """The report with half the detail, to fit the page's size limit: adjacent timeline
+    bars of one micro-step merged into their first highest (the peak stays), else the
+    layer table cut to its first and last rows; None when nothing is left to merge."""
+    bars = report.timeline.bars
+    if len(bars) > 64:
+        merged: list[TimelineBar] = []
+        i = 0
+        while i < len(bars):
+            pair = bars[i : i + 2]
+            if len(pair) == 2 and pair[0].micro_step == pair[1].micro_step:
+                merged.append(max(pair, key=lambda b: b.total_bytes))
+                i += 2
+            else:
+                merged.append(bars[i])
+                i += 1
+        if len(merged) < len(bars):
+            best = max(b.total_bytes for b in merged)
+            line = replace(
+                report.timeline,
+                bars=tuple(merged),
+                peak_index=next(k for k, b in enumerate(merged) if b.total_bytes == best),
+            )
+            return replace(report, timeline=line)
+    rows = report.layers
+    if len(rows) > 64:
+        kept = (*rows[:32], *rows[-32:])
+        note = (
+            f"The layer table shows its first and last 32 of {len(rows):,} rows "
+            "(the page stays under its size limit)."
+        )
+        return replace(report, layers=kept, notes=(*report.notes, note))
+    return None

@@ -43,7 +43,7 @@ from memplan.solver.request import (
     SolveRequestError,
     SolveResult,
 )
-from memplan.solver.search import LeastPeak, has_plan, least_peak, solve
+from memplan.solver.search import LeastPeak, has_plan, least_peak, solve, solve_if_fits
 
 __all__ = [
     "MANY_MICRO_BATCHES",
@@ -58,4 +58,5 @@ __all__ = [
     "least_peak",
     "least_recompute_set",
     "solve",
+    "solve_if_fits",
 ]

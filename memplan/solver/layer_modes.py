@@ -229,6 +229,14 @@ def least_cost_modes(
     off (same answer, slower: for tests)."""
     if bounds.optimizer_bytes > limit_bytes:
         return None
+    if (
+        not forced_in
+        and KEEP in bounds.modes
+        and memory.bounds_peak_bytes(bounds, {}) <= limit_bytes
+    ):
+        # Keeping every layer fits: cost 0 and no layer not kept, the least key there is
+        # (keep takes no host memory). One walk instead of the DP.
+        return {}
     floor = memory.feasible_floor_bytes(
         bounds, limit_bytes, forced_in=forced_in, forced_out=forced_out
     )

@@ -124,21 +124,40 @@ def solve(profile: Profile, request: SolveRequest) -> SolveResult:
     NoPlanFitsError (with the least peak any plan needs and the closest plan) when no
     plan fits the budget."""
     setup = _setup(profile, request)
+    result = _result(setup)
+    if result is None:
+        raise no_plan_fits_error(setup.ctx, setup.options, setup.bn_floor)
+    return result
+
+
+def solve_if_fits(
+    profile: Profile, request: SolveRequest, *, explain: bool = True
+) -> SolveResult | None:
+    """``solve``'s answer, or None when no plan fits (what the layout search asks of each
+    pipeline stage: no error to build when a layout does not fit). ``explain=False``: no
+    reasons or warnings (the search explains the layout it picks)."""
+    return _result(_setup(profile, request), explain=explain)
+
+
+def _result(setup: _Setup, *, explain: bool = True) -> SolveResult | None:
     ctx, options, bn_floor = setup.ctx, setup.options, setup.bn_floor
     fitting = [o for o in options if o.allowed and o.fits]
     if not fitting:
-        raise no_plan_fits_error(ctx, options, bn_floor)
+        return None
     least_sharded = min(STRATEGIES.index(o.strategy) for o in fitting)
     best = min(
         (o for o in fitting if STRATEGIES.index(o.strategy) == least_sharded),
         key=lambda o: o.rank,
     )
-    reasons = plan_reasons(ctx, best, options, bn_floor, setup.source_reason)
-    warnings = plan_warnings(ctx, best)
+    if explain:
+        reasons = plan_reasons(ctx, best, options, bn_floor, setup.source_reason)
+        warnings = plan_warnings(ctx, best)
+    else:
+        reasons, warnings = [], []
     plan = build_plan(ctx, best, reasons, warnings)
     return SolveResult(
         plan=plan,
-        candidates=tuple(candidate_of(ctx, o, best, bn_floor) for o in options),
+        candidates=tuple(candidate_of(ctx, o, best, bn_floor) for o in options) if explain else (),
         usable_budget_bytes=ctx.usable_bytes,
         reserve=ctx.reserve,
         timing_source=setup.source_reason,

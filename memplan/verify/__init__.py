@@ -10,9 +10,9 @@ from typing import Any
 
 from memplan.plan import Plan
 from memplan.verify.distributed import DistributedVerifyResult, verify_distributed
+from memplan.verify.grad_check import BatchCoupling, GradientCheck
 from memplan.verify.single import (
     GRAD_TOLERANCE,
-    GradientCheck,
     VerifyResult,
     last_step_timeline,
     verify_plan,
@@ -20,6 +20,7 @@ from memplan.verify.single import (
 
 __all__ = [
     "GRAD_TOLERANCE",
+    "BatchCoupling",
     "DistributedVerifyResult",
     "GradientCheck",
     "VerifyResult",

@@ -25,8 +25,9 @@ reported too. Memory that gloo or NCCL allocate outside PyTorch tensors is not s
 A rank that raises, dies or outlives ``timeout_s`` ends the run: the others are killed,
 and a ``CannotMeasureError`` says which rank, how, and the tail of its error.
 
-It also checks that N ranks × k micro-batches give the gradient of one batch of
-N × k × micro samples (the data-parallel form of the accumulation rule of docs/design.md).
+It also checks the gradients (memplan.verify.distributed_grads): the ranks' against the same
+micro-batches run the textbook way in one process, and separately whether micro-batching
+changes the objective (batch coupling).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
 from memplan.schema import to_data
 from memplan.verify.distributed_grads import gradient_check, gradient_error
+from memplan.verify.grad_check import BatchCoupling
+from memplan.verify.layout import parallel_of, rank_predictions, run_layout_rank
 from memplan.verify.rank_lifetime import RunFolder, die_with_parent
 from memplan.verify.single import (
     GradientCheck,
@@ -172,11 +175,20 @@ class DistributedVerifyResult(Verdict):
     world_size: int
     steps: int
     predicted_peak_bytes: int
-    """Per rank, from the plan."""
+    """Per rank, from the plan (with a pipeline layout: its worst stage's)."""
     ranks: tuple[RankResult, ...]
     tolerance: float
     gradient_check: GradientCheck
+    batch_coupling: BatchCoupling
     predicted_step_seconds: float
+    predicted_rank_peaks: tuple[int, ...] = ()
+    """With a pipeline layout: each rank's predicted peak (its stage's); else empty and
+    every rank is compared with ``predicted_peak_bytes``."""
+
+    def predicted_for_rank(self, rank: int) -> int:
+        if self.predicted_rank_peaks:
+            return self.predicted_rank_peaks[rank]
+        return self.predicted_peak_bytes
 
     @property
     def measured_peak_bytes(self) -> int:
@@ -186,7 +198,7 @@ class DistributedVerifyResult(Verdict):
     def rank_error(self, rank: int) -> float:
         """(predicted − measured) / measured for one rank."""
         measured = self.ranks[rank].peak_bytes
-        return (self.predicted_peak_bytes - measured) / max(measured, 1)
+        return (self.predicted_for_rank(rank) - measured) / max(measured, 1)
 
     @property
     def peak_error(self) -> float:
@@ -274,6 +286,9 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         timeout=timedelta(seconds=float(config["timeout_s"])),
     )
     plan = plan_from_data(config["plan"], source="plan")
+    parallel = parallel_of(plan, config)
+    if parallel is not None and (parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1):
+        return run_layout_rank(rank, config, plan, parallel, DistributedTracker(record=False))
     mf = load_model_file(config["model"]).at_seq_len(plan.seq_len)
     micro, k, seed = plan.micro_batch_size, plan.accumulation_steps, int(config["seed"])
 
@@ -395,6 +410,7 @@ def verify_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_progress: Callable[[int, int, str], None] | None = None,
     record_timeline: bool = False,
+    parallel: Any = None,
 ) -> DistributedVerifyResult:
     """Run ``plan`` on ``world_size`` processes (default: the plan's) and measure each rank;
     see the module doc. Raises ``BadInputError`` for a plan it cannot run here and
@@ -440,6 +456,7 @@ def verify_distributed(
             "steps": steps,
             "check_gradients": check_gradients,
             "record_timeline": record_timeline,
+            "parallel": to_data(parallel) if parallel is not None else None,
         }
         env = {"MASTER_ADDR": "127.0.0.1"}
         interface = _loopback_interface()
@@ -490,7 +507,9 @@ def verify_distributed(
         progress(1, 1, "done")
         raw = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
-    errors = [r.get("gradient_error") for r in raw]
+    grad, couple = gradient_check(
+        plan, [r.get("gradient_error") for r in raw], check_gradients, world
+    )
     return DistributedVerifyResult(
         plan=plan,
         device=chosen,
@@ -513,6 +532,8 @@ def verify_distributed(
             for r in raw
         ),
         tolerance=tolerance,
-        gradient_check=gradient_check(plan, errors, check_gradients, world),
+        gradient_check=grad,
+        batch_coupling=couple,
         predicted_step_seconds=plan.predicted.step_seconds,
+        predicted_rank_peaks=rank_predictions(plan, chosen, world, parallel),
     )

@@ -1,10 +1,12 @@
-"""The distributed gradient check of ``memplan verify --world-size N``: N ranks × k
-micro-batches must give the gradient of one batch of N × k × micro samples (the
-data-parallel form of the accumulation rule), compared per parameter. Run inside each rank
-by memplan.distributed."""
+"""The distributed gradient check of ``memplan verify --world-size N``, the same two
+questions as one process (memplan.verify.grad_check): the plan check — N ranks × k
+micro-batches under the plan's strategy must give the textbook gradient of those N × k
+micro-batches — and the batch coupling (those micro-batches against one batch of
+N × k × micro). Run inside each rank by memplan.verify.distributed."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -12,7 +14,18 @@ import torch
 
 from memplan.plan import Plan
 from memplan.run.wrap import COMPUTE_DTYPES, fsdp_mixed_precision, wrap_for_plan
-from memplan.verify.single import GRAD_TOLERANCE, GradientCheck
+from memplan.verify.grad_check import (
+    TOLERANCE,
+    BatchCoupling,
+    GradientCheck,
+    StepCapture,
+    coupling,
+    coupling_skipped,
+    judge,
+    layer_set_failure,
+    step_count_failure,
+    textbook,
+)
 
 
 def _mixed_precision_reference(
@@ -41,39 +54,50 @@ def _mixed_precision_reference(
     return {name: grad / world for name, grad in total.items()}
 
 
-def _full_grad(tensor: torch.Tensor) -> torch.Tensor:
-    full = getattr(tensor, "full_tensor", None)
-    return (full() if callable(full) else tensor).detach().float()
-
-
 def gradient_error(
     mf: Any, plan: Plan, device: torch.device, seed: int, rank: int, world: int, map_batch: Any
-) -> float | str | None:
-    """max over parameters of max|g_ranks − g_full| / max|g_full|, where g_ranks is the
-    gradient after this rank's k micro-batches (synchronised by the strategy) and g_full one
-    process's gradient of the whole N × k × micro batch. A string says why it was skipped."""
+) -> dict[str, Any]:
+    """This rank's plan check (memplan.verify.grad_check): its gradients after its k
+    micro-batches, synchronised by the strategy, against the textbook gradient of all
+    N × k micro-batches in one process (each loss / k, summed, divided by N as the ranks
+    average). Rank 0 also measures the batch coupling. JSON-ready dicts of both."""
     from memplan import run
 
     k, micro = plan.accumulation_steps, plan.micro_batch_size
+    torch.manual_seed(seed + 10_000)  # the same batches on every rank
+    full = map_batch(mf.make_batch(world * k * micro), lambda t: t.to(device))
+    pieces = [
+        map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(world * k)
+    ]
+    seeds = [seed + 1 + i for i in range(world * k)]
+    policy = fsdp_mixed_precision(plan)
+    precision = plan.precision if policy is not None else "fp32"
+    tol = TOLERANCE[precision]
+    fingerprint = plan.model_fingerprint
+    layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
     torch.manual_seed(seed)
     reference_net = mf.build_model().to(device).train()
-    kinds = (torch.nn.modules.batchnorm._BatchNorm,)
-    if any(isinstance(m, kinds) for m in reference_net.modules()):
-        return "the model has BatchNorm: statistics are per micro-batch and per rank"
-    torch.manual_seed(seed + 10_000)  # the same full batch on every rank
-    full = map_batch(mf.make_batch(world * k * micro), lambda t: t.to(device))
-    policy = fsdp_mixed_precision(plan)
-    # Dropout masks depend on the batch shape: both sides run with every dropout neutralised
-    # (modules, functional, fused attention dropout), in train mode so checkpointing still
-    # runs; the same aten-level mode as single-process verify (run.no_dropout).
+    run.disable_kv_cache(reference_net)
+    # Dropout masks would depend on how the ranks' wrappers draw random numbers: both sides
+    # run with every dropout neutralised (modules, functional, fused attention dropout), in
+    # train mode so checkpointing still runs (run.no_dropout).
+    couple: dict[str, Any] | None = None
     with run.no_dropout():
         if policy is None:
-            mf.loss(reference_net, full).backward()
-            reference = {
-                name: p.grad.detach().float().clone()
-                for name, p in reference_net.named_parameters()
-                if p.grad is not None
-            }
+            reference = textbook(reference_net, mf.loss, pieces, seeds, k=k)
+            if rank == 0 and world * k > 1:
+                batch = textbook(reference_net, mf.loss, [full], seeds[:1], k=1)
+                couple = dataclasses.asdict(
+                    coupling(
+                        reference,
+                        batch,
+                        model=reference_net,
+                        tolerance=tol,
+                        effective_batch=world * k * micro,
+                        k=world * k,
+                        micro_size=micro,
+                    )
+                )
         else:
             reference = _mixed_precision_reference(reference_net, mf, plan, full, world, map_batch)
     del reference_net
@@ -81,71 +105,66 @@ def gradient_error(
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
     run.apply(net, plan)
+    wrong = layer_set_failure(run.checkpointed_modes(net), run.layer_modes(plan), tol, precision)
+    if wrong is not None:
+        return {"check": dataclasses.asdict(wrong), "coupling": couple}
     # lr 0: the optimizer step must not move the weights before the gradients are read
     model, optimizer = wrap_for_plan(
         net, plan, lambda m: torch.optim.SGD(m.parameters(), lr=0.0), device
     )
+    capture = StepCapture(optimizer, net)
     acc = run.Accumulator(model, optimizer, plan, device=device)
-    pieces = [
-        map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(world * k)
-    ]
-    mine = pieces[rank * k : (rank + 1) * k]
-    captured: dict[str, torch.Tensor] = {}
-    original_step = optimizer.step
-
-    def step_and_capture(*args: Any, **kwargs: Any) -> Any:
-        for name, p in net.named_parameters():
-            if p.grad is not None:
-                captured[name] = _full_grad(p.grad)
-        return original_step(*args, **kwargs)
-
-    optimizer.step = step_and_capture  # type: ignore[method-assign]
     with run.no_dropout():
-        for piece in mine:
-            acc.step(piece, mf.loss)
-    worst = 0.0
-    for name, ref in reference.items():
-        got = captured.get(name)
-        if got is None:
-            return math.inf
-        if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
-            return math.nan  # max() would drop it: the driver fails the check on it
-        scale = ref.abs().max().item()
-        if scale > 0:
-            worst = max(worst, (got - ref).abs().max().item() / scale)
-    return worst
-
-
-def gradient_check(plan: Plan, errors: list[Any], asked: bool, world: int) -> GradientCheck:
-    tol = GRAD_TOLERANCE[plan.precision]
-    if not asked:
-        return GradientCheck(
-            status="skipped", max_relative_error=None, tolerance=tol, reason="not asked for"
-        )
-    reasons = [e for e in errors if isinstance(e, str)]
-    if reasons:
-        return GradientCheck(
-            status="skipped", max_relative_error=None, tolerance=tol, reason=reasons[0]
-        )
-    k, micro = plan.accumulation_steps, plan.micro_batch_size
-    if not all(math.isfinite(float(e)) for e in errors):
-        return GradientCheck(
-            status="fail",
-            max_relative_error=None,
-            tolerance=tol,
-            reason="NaN or inf in a gradient (accumulated or full-batch) on rank "
-            f"{next(r for r, e in enumerate(errors) if not math.isfinite(float(e)))}",
-        )
-    worst = max(float(e) for e in errors)
-    return GradientCheck(
-        status="pass" if worst <= tol else "fail",
-        max_relative_error=worst,
-        tolerance=tol,
-        reason=f"{world} ranks × {k} micro-batches of {micro} ({plan.strategy}) vs one "
-        f"process's batch of {world * k * micro} (dropout off"
+        for i in range(rank * k, (rank + 1) * k):
+            torch.manual_seed(seeds[i])
+            acc.step(pieces[i], mf.loss)
+    what = (
+        f"{world} ranks × {k} micro-batch(es) of {micro} ({plan.strategy}) vs the same "
+        f"{world * k} micro-batches without checkpointing in one process, loss / {k} "
+        "accumulated and averaged over the ranks (dropout off"
         + (
             f"; {plan.precision} parameters, each micro-batch's gradient summed in fp32)"
-            if plan.mixed_precision == "params"
+            if policy is not None
             else ")"
-        ),
+        )
     )
+    check = step_count_failure(capture.calls, k, tol, precision) or judge(
+        {n: g.float() for n, g in capture.grads.items()},
+        reference,
+        tolerance=tol,
+        layers=layers,
+        what=what,
+        precision=precision,
+    )
+    return {"check": dataclasses.asdict(check), "coupling": couple}
+
+
+def gradient_check(
+    plan: Plan, results: list[Any], asked: bool, world: int
+) -> tuple[GradientCheck, BatchCoupling]:
+    """The ranks' plan checks as one (the worst rank's, named) and rank 0's coupling."""
+    tol = TOLERANCE["fp32" if fsdp_mixed_precision(plan) is None else plan.precision]
+    effective = world * plan.accumulation_steps * plan.micro_batch_size
+    if not asked or any(r is None for r in results):
+        reason = "not asked for (--no-grad-check)"
+        return (
+            GradientCheck(status="skipped", relative_error=None, tolerance=tol, reason=reason),
+            coupling_skipped(effective, reason),
+        )
+    checks = [GradientCheck(**r["check"]) for r in results]
+
+    def badness(check: GradientCheck) -> tuple[bool, float]:
+        error = check.relative_error
+        return (check.status == "fail", math.inf if error is None else error)
+
+    worst_rank = max(range(len(checks)), key=lambda r: badness(checks[r]))
+    worst = checks[worst_rank]
+    if worst.status == "fail":
+        worst = dataclasses.replace(worst, reason=f"rank {worst_rank}: {worst.reason}")
+    couple_data = results[0].get("coupling")
+    couple = (
+        BatchCoupling(**couple_data)
+        if couple_data
+        else coupling_skipped(effective, "not measured under a mixed-precision policy")
+    )
+    return worst, couple

@@ -16,34 +16,33 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from memplan import run
 from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
-from memplan.loader import ModelFile, load_model_file, map_batch
+from memplan.loader import ModelFile, load_model_file
 from memplan.plan import Plan
 from memplan.probe.backends import make_backend
 from memplan.probe.tracker import resident_tensors
 from memplan.schema import to_data
+from memplan.timing import timing_caveat
 from memplan.units import format_bytes
+from memplan.verify.grad_check import (
+    TOLERANCE,
+    BatchCoupling,
+    GradientCheck,
+    coupling_skipped,
+    gradient_failure,
+)
+from memplan.verify.plan_check import check_gradients
 
-# Relative tolerance of the gradient comparison: accumulation sums k partial gradients in
-# another order than one big reduction, so fp32 agrees to ~1e-6 relative and autocast
-# (bf16/fp16 matmuls of different shapes) only to ~1e-2.
-GRAD_TOLERANCE = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GradientCheck:
-    status: Literal["pass", "fail", "skipped"]
-    max_relative_error: float | None
-    """max over parameters of max|g_accumulated − g_full| / max|g_full|."""
-    tolerance: float
-    reason: str
+GRAD_TOLERANCE = TOLERANCE  # the plan check's tolerance by precision (verify.grad_check)
 
 
 class Verdict:
@@ -67,12 +66,7 @@ class Verdict:
         out = []
         grad = self.gradient_check
         if grad.status == "fail":
-            diff = (
-                f"max relative difference {grad.max_relative_error:.2e} > {grad.tolerance:.0e}"
-                if grad.max_relative_error is not None
-                else grad.reason
-            )
-            out.append(f"gradient check failed ({diff})")
+            out.append(f"gradient check failed ({gradient_failure(grad)})")
         if abs(self.peak_error) > self.tolerance:
             out.append(f"peak error {self.peak_error:+.1%} is outside ±{self.tolerance:.0%}")
         if not self.within_budget:
@@ -101,12 +95,21 @@ class VerifyResult(Verdict):
     what the process held at most (NVML, else max_memory_reserved)."""
     predicted_step_seconds: float
     measured_step_seconds: float
-    """Mean wall time of an optimizer step, timed in separate steps without the tracker."""
+    """Median wall time of an optimizer step, each of ``steps`` steps timed alone, without
+    the tracker."""
     tolerance: float
     effective_batch: int
     """Samples per optimizer step as the Accumulator reported it (× world size)."""
     gradient_check: GradientCheck
+    """The plan check: the plan's run against the same micro-batches the textbook way."""
+    batch_coupling: BatchCoupling
+    """Whether micro-batching itself changes the objective (never fails the plan)."""
     tracker_peak_bytes: int
+    step_seconds_samples: tuple[float, ...] = ()
+    """Each timed optimizer step's wall time."""
+    load_average: float | None = None
+    """The machine's 1-minute load average when the steps were timed."""
+    cpu_count: int = 1
     cuda_max_allocated_bytes: int | None = None
     cuda_max_reserved_bytes: int | None = None
     nvml_process_bytes: int | None = None
@@ -132,12 +135,21 @@ class VerifyResult(Verdict):
             self.measured_step_seconds, 1e-12
         )
 
+    @property
+    def timing_caveat(self) -> str:
+        """Why the time comparison is not meaningful here, or ''."""
+        return timing_caveat(self.step_seconds_samples, self.load_average, self.cpu_count)
+
     def json_data(self) -> dict[str, Any]:
         """The result as JSON data with the verdict's derived fields; the per-op timeline is
         for ``--report``, not the JSON."""
         data = to_data(self)
         data.pop("timeline", None)
-        data.update(peak_error=self.peak_error, time_error=self.time_error)
+        data.update(
+            peak_error=self.peak_error,
+            time_error=self.time_error,
+            timing_caveat=self.timing_caveat,
+        )
         return {**data, **self.verdict_data()}
 
 
@@ -350,9 +362,12 @@ def _verify(
         cuda_alloc = torch.cuda.max_memory_allocated() if cuda else None
         cuda_reserved = torch.cuda.max_memory_reserved() if cuda else None
         progress(2, total, f"timing {steps} step(s)")
-        start = backend.clock()
-        _run_steps(acc, mf, plan, steps)
-        seconds = (backend.clock() - start) / steps
+        samples = []
+        for _ in range(steps):
+            start = backend.clock()
+            _run_steps(acc, mf, plan, 1)
+            samples.append(backend.clock() - start)
+        seconds = statistics.median(samples)
     except torch.OutOfMemoryError as exc:
         raise CannotMeasureError(
             f"Out of GPU memory running the plan (micro-batch {plan.micro_batch_size} × "
@@ -372,23 +387,7 @@ def _verify(
 
     del acc, optimizer, net
     progress(3, total, "gradient check")
-    grad = (
-        GradientCheck(
-            status="fail",
-            max_relative_error=None,
-            tolerance=GRAD_TOLERANCE[plan.precision],
-            reason=f"{bad_losses[0]} while running the plan",
-        )
-        if bad_losses
-        else _gradient_check(mf, plan, backend, seed)
-        if check_gradients
-        else GradientCheck(
-            status="skipped",
-            max_relative_error=None,
-            tolerance=GRAD_TOLERANCE[plan.precision],
-            reason="not asked for (--no-grad-check)",
-        )
-    )
+    grad, couple = _gradient_checks(mf, plan, torch_device, seed, bad_losses, check_gradients)
     progress(total, total, "done")
     predicted, note = predicted_for_device(plan, backend.device)
     note = "; ".join(n for n in (note, fingerprint) if n)
@@ -405,6 +404,10 @@ def _verify(
         tolerance=tolerance,
         effective_batch=effective,
         gradient_check=grad,
+        batch_coupling=couple,
+        step_seconds_samples=tuple(samples),
+        load_average=load_average(),
+        cpu_count=os.cpu_count() or 1,
         tracker_peak_bytes=tracker.peak_bytes,
         cuda_max_allocated_bytes=cuda_alloc,
         cuda_max_reserved_bytes=cuda_reserved,
@@ -412,6 +415,42 @@ def _verify(
         timeline=timeline,
         timeline_forward_ops=forward_ops,
     )
+
+
+def _gradient_checks(
+    mf: ModelFile,
+    plan: Plan,
+    device: torch.device,
+    seed: int,
+    bad_losses: list[str],
+    asked: bool,
+) -> tuple[GradientCheck, BatchCoupling]:
+    """The plan check and the batch coupling, unless a loss of the run was not finite or
+    the check was not asked for."""
+    tol = GRAD_TOLERANCE[plan.precision]
+    effective = plan.accumulation_steps * plan.micro_batch_size
+    if bad_losses or not asked:
+        reason = (
+            f"{bad_losses[0]} while running the plan"
+            if bad_losses
+            else "not asked for (--no-grad-check)"
+        )
+        grad = GradientCheck(
+            status="fail" if bad_losses else "skipped",
+            relative_error=None,
+            tolerance=tol,
+            reason=reason,
+        )
+        return grad, coupling_skipped(effective, reason)
+    return check_gradients(mf, plan, device, seed)
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def last_step_timeline(
@@ -434,122 +473,3 @@ def last_step_timeline(
         for a, b in itertools.pairwise(starts)
     )
     return (*pieces, tuple(values[step_marks[-1] :])), forward_ops
-
-
-def _split(batch: Any, parts: int, size: int) -> list[Any]:
-    """``parts`` micro-batches of ``size`` samples cut from a batch along dimension 0."""
-    return [map_batch(batch, lambda t, i=i: t[i * size : (i + 1) * size]) for i in range(parts)]
-
-
-def _has(model: torch.nn.Module, kinds: tuple[type, ...]) -> bool:
-    return any(isinstance(m, kinds) for m in model.modules())
-
-
-def _gradient_check(mf: ModelFile, plan: Plan, backend: Any, seed: int) -> GradientCheck:
-    k, micro = plan.accumulation_steps, plan.micro_batch_size
-    tol = GRAD_TOLERANCE[plan.precision]
-    net = _build(mf, backend.torch_device, seed)
-    if _has(net, (torch.nn.modules.batchnorm._BatchNorm,)):
-        return GradientCheck(
-            status="skipped",
-            max_relative_error=None,
-            tolerance=tol,
-            reason="the model has BatchNorm: its statistics are computed per micro-batch, so "
-            "accumulated and full-batch gradients legitimately differ",
-        )
-    if k == 1:
-        return GradientCheck(
-            status="skipped",
-            max_relative_error=None,
-            tolerance=tol,
-            reason="accumulation is 1: nothing to compare",
-        )
-    # Dropout masks depend on the batch shape, so equal seeds still give different masks:
-    # compare with every dropout at p = 0 (modules, functional and fused attention dropout),
-    # staying in train mode so checkpointing still runs (run.no_dropout).
-    net.train()
-    full = mf.make_batch(k * micro)
-    pieces = _split(full, k, micro)
-    full_dev = map_batch(full, lambda t: t.to(backend.torch_device))
-    run.disable_kv_cache(net)  # as the plan's run does (run.apply)
-    try:
-        with run.no_dropout() as neutral:
-            with backend.forward_context():
-                loss = mf.loss(net, full_dev)
-            if not bool(torch.isfinite(loss.detach()).all()):
-                return GradientCheck(
-                    status="fail",
-                    max_relative_error=None,
-                    tolerance=tol,
-                    reason=f"the loss of the full batch of {k * micro} is {float(loss)}",
-                )
-            loss.backward()
-            reference = {
-                n: p.grad.detach().clone() for n, p in net.named_parameters() if p.grad is not None
-            }
-            net.zero_grad(set_to_none=True)
-            del loss, full_dev
-            run.apply(net, plan)
-            optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # must not move weights
-            acc = run.Accumulator(net, optimizer, plan, device=backend.torch_device)
-            # Read the gradients before the Accumulator's optimizer step zeroes them.
-            for piece in pieces[:-1]:
-                acc.step(piece, mf.loss)
-            grads: dict[str, torch.Tensor] = {}
-
-            def capture() -> None:
-                grads.update(
-                    {
-                        n: p.grad.detach().clone()
-                        for n, p in net.named_parameters()
-                        if p.grad is not None
-                    }
-                )
-
-            original_step = optimizer.step
-
-            def step_and_capture(*args: Any, **kwargs: Any) -> Any:
-                capture()
-                return original_step(*args, **kwargs)
-
-            optimizer.step = step_and_capture  # type: ignore[method-assign]
-            acc.step(pieces[-1], mf.loss)
-        dropout = neutral.seen > 0
-    except torch.OutOfMemoryError:
-        return GradientCheck(
-            status="skipped",
-            max_relative_error=None,
-            tolerance=tol,
-            reason=f"the full batch of {k * micro} does not fit this device",
-        )
-    problem = _non_finite(reference)
-    if problem is None:
-        problem = _non_finite(grads)
-        where = f"after {k} accumulated micro-batches of {micro}"
-    else:
-        where = f"in the full batch of {k * micro}"
-    if problem is not None:
-        return GradientCheck(
-            status="fail", max_relative_error=None, tolerance=tol, reason=f"{problem} {where}"
-        )
-    worst = 0.0
-    for name, ref in reference.items():
-        got = grads.get(name)
-        if got is None:
-            return GradientCheck(
-                status="fail",
-                max_relative_error=None,
-                tolerance=tol,
-                reason=f"parameter {name} got no gradient under the plan",
-            )
-        scale = ref.abs().max().item()
-        if scale > 0:
-            worst = max(worst, ((got.float() - ref.float()).abs().max().item()) / scale)
-    note = " (dropout switched off for the comparison)" if dropout else ""
-    status: Literal["pass", "fail"] = "pass" if worst <= tol else "fail"
-    return GradientCheck(
-        status=status,
-        max_relative_error=worst,
-        tolerance=tol,
-        reason=f"{k} accumulated micro-batches of {micro} vs one batch of {k * micro}{note}",
-    )

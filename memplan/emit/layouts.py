@@ -1,0 +1,189 @@
+"""The layout engines' configs (issue 25): torchtitan's job TOML and Megatron-LM's arguments.
+
+**torchtitan** (``--format torchtitan``): field names as torchtitan's ``JobConfig`` defines
+them (pytorch/torchtitan ``torchtitan/config/job_config.py`` at 000204a4: ``[parallelism]``
+``data_parallel_replicate_degree``, ``data_parallel_shard_degree``,
+``tensor_parallel_degree``, ``pipeline_parallel_degree``, ``pipeline_parallel_schedule``,
+``pipeline_parallel_microbatch_size``, ``context_parallel_degree``; ``[training]``
+``local_batch_size`` (per data-parallel rank per step; with PP split into micro-batches of
+``pipeline_parallel_microbatch_size``), ``global_batch_size`` (more than local × dp means
+gradient accumulation), ``seq_len``; ``[activation_checkpoint]`` ``mode`` (selective, full,
+none) and ``selective_ac_option`` ("op", or "N": every N-th block)). torchtitan's Llama TP
+always shards the norms by sequence (SequenceParallel), so a plan without SP is written
+with a comment saying so. torchtitan checkpoints the same modules in every block; a plan
+whose blocks differ is written as the nearest every-N-th choice that checkpoints at least
+as many blocks (more memory saved, not less), and the comment names the plan's own.
+
+**Megatron-LM** (``--format megatron``): ``pretrain_gpt.py`` arguments from
+``megatron/training/arguments.py``: ``--tensor-model-parallel-size``,
+``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
+``--num-layers-per-virtual-pipeline-stage``, ``--micro-batch-size``,
+``--global-batch-size``, ``--recompute-granularity full|selective``,
+``--recompute-method block`` with ``--recompute-num-layers`` (the first N blocks of each
+stage: memplan's choice also favours the earliest blocks), ``--use-distributed-optimizer``
+for sharded optimizer state, ``--use-torch-fsdp2`` for FSDP.
+"""
+
+from __future__ import annotations
+
+import json
+
+from memplan.modes import FULL, SELECTIVE
+from memplan.parallel import Parallel, stage_layers
+from memplan.plan import Plan
+
+TORCHTITAN_STRATEGIES = frozenset({"ddp", "fsdp"})
+"""torchtitan replicates (DDP) or shards with FSDP2; it has no optimizer-only sharding."""
+MEGATRON_STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
+"""Megatron-LM: DDP, its distributed optimizer (ZeRO-1), FSDP2."""
+
+_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
+"""memplan's schedule -> torch.distributed.pipelining's class name less ``Schedule``
+(what torchtitan's ``pipeline_parallel_schedule`` takes)."""
+
+
+def _layout(plan: Plan) -> Parallel:
+    if plan.parallel is not None:
+        return plan.parallel
+    if plan.strategy == "ddp":
+        return Parallel(dp_replicate=plan.world_size)
+    return Parallel(dp_shard=plan.world_size)
+
+
+def _every_nth(plan: Plan, n_blocks: int) -> int:
+    """The largest N such that checkpointing every N-th block covers as many blocks as the
+    plan checkpoints (0: none)."""
+    count = len(plan.checkpoint)
+    if count == 0:
+        return 0
+    return max(1, n_blocks // count)
+
+
+def _blocks(plan: Plan) -> int:
+    fingerprint = plan.model_fingerprint
+    if fingerprint is not None and fingerprint.candidate_layers:
+        return len(fingerprint.candidate_layers)
+    return max(len(plan.checkpoint), 1)
+
+
+def _quoted(text: str) -> str:
+    """A string for a comment line: quoted and escaped, so no newline (or anything else in
+    a model path) ends the comment and writes a line of its own."""
+    return json.dumps(str(text))
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
+
+
+def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
+    """torchtitan's job config (TOML) for ``plan``."""
+    p = _layout(plan)
+    modes = set(plan.checkpoint.values())
+    n_blocks = _blocks(plan)
+    notes = [f"memplan plan for {_quoted(model_path)}: {p.describe()}, strategy {plan.strategy}"]
+    if not plan.checkpoint:
+        ac = {"mode": "none"}
+    elif modes == {FULL} and len(plan.checkpoint) == n_blocks:
+        ac = {"mode": "full"}
+    elif modes == {SELECTIVE} and len(plan.checkpoint) == n_blocks:
+        ac = {"mode": "selective", "selective_ac_option": "op"}
+    else:
+        nth = _every_nth(plan, n_blocks)
+        ac = {"mode": "selective", "selective_ac_option": str(nth)}
+        notes.append(
+            f"the plan checkpoints {len(plan.checkpoint)} of {n_blocks} blocks "
+            f"({', '.join(sorted(modes))}); torchtitan checkpoints every {nth}-th block fully"
+        )
+    if p.tp > 1 and not p.sequence_parallel:
+        notes.append("torchtitan's Llama TP always shards the norms by sequence (SP)")
+    local = plan.micro_batch_size * (plan.accumulation_steps if p.pp > 1 else 1)
+    training = {
+        "local_batch_size": local,
+        "global_batch_size": plan.target_batch,
+    }
+    if plan.seq_len is not None:
+        training["seq_len"] = plan.seq_len
+    parallelism: dict[str, object] = {
+        "data_parallel_replicate_degree": p.dp_replicate,
+        "data_parallel_shard_degree": p.dp_shard,
+        "tensor_parallel_degree": p.tp,
+        "pipeline_parallel_degree": p.pp,
+        "context_parallel_degree": p.cp,
+    }
+    if p.pp > 1:
+        parallelism["pipeline_parallel_schedule"] = _SCHEDULES[p.schedule]
+        parallelism["pipeline_parallel_microbatch_size"] = plan.micro_batch_size
+        if p.virtual_stages > 1:
+            layers = stage_layers(n_blocks, p.stages)
+            parallelism["pipeline_parallel_layers_per_stage"] = len(layers[0])
+    lines = [f"# {note}" for note in notes]
+    lines.append(
+        f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage), step "
+        f"{plan.predicted.step_seconds:.3f} s"
+    )
+    for section, fields in (
+        ("training", training),
+        ("parallelism", parallelism),
+        ("activation_checkpoint", ac),
+    ):
+        lines += ["", f"[{section}]"]
+        lines += [f"{key} = {_toml(value)}" for key, value in fields.items()]
+    return "\n".join(lines) + "\n"
+
+
+def megatron_args(plan: Plan) -> list[str]:
+    """Megatron-LM's arguments for ``plan`` (module docstring)."""
+    p = _layout(plan)
+    args = [
+        f"--tensor-model-parallel-size {p.tp}",
+        f"--pipeline-model-parallel-size {p.pp}",
+        f"--context-parallel-size {p.cp}",
+        f"--micro-batch-size {plan.micro_batch_size}",
+        f"--global-batch-size {plan.target_batch}",
+    ]
+    if p.sequence_parallel:
+        args.append("--sequence-parallel")
+    if p.virtual_stages > 1:
+        layers = stage_layers(_blocks(plan), p.stages)
+        args.append(f"--num-layers-per-virtual-pipeline-stage {len(layers[0])}")
+    if plan.strategy == "zero1":
+        args.append("--use-distributed-optimizer")
+    if plan.strategy == "fsdp":
+        args.append("--use-torch-fsdp2")
+    modes = set(plan.checkpoint.values())
+    if modes == {SELECTIVE}:
+        args.append("--recompute-granularity selective")
+    elif plan.checkpoint:
+        per_stage = stage_layers(_blocks(plan), p.stages)
+        names = (
+            plan.model_fingerprint.candidate_layers
+            if plan.model_fingerprint and plan.model_fingerprint.candidate_layers
+            else tuple(plan.checkpoint)
+        )
+        most = max(
+            sum(1 for j in stage if j < len(names) and names[j] in plan.checkpoint)
+            for stage in per_stage
+        )
+        args += [
+            "--recompute-granularity full",
+            "--recompute-method block",
+            f"--recompute-num-layers {max(most, 1)}",
+        ]
+    return args
+
+
+def emit_megatron(plan: Plan, *, model_path: str) -> str:
+    """A shell snippet: ``MEMPLAN_ARGS`` for ``pretrain_gpt.py``."""
+    p = _layout(plan)
+    body = " \\\n    ".join(megatron_args(plan))
+    return (
+        f"# memplan plan for {_quoted(model_path)}: {p.describe()}, strategy {plan.strategy}\n"
+        f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage)\n"
+        f"# Launch with {p.world_size} ranks: torchrun ... pretrain_gpt.py $MEMPLAN_ARGS <model args>\n"
+        f'MEMPLAN_ARGS="{body}"\n'
+    )

@@ -1,0 +1,484 @@
+"""Per-rank memory of a parallel layout (issue 25): tensor, sequence, pipeline and context
+parallel on top of the data-parallel model. No torch.
+
+The probe measured one process holding the whole model. A rank of a layout holds one
+pipeline stage's blocks (``memplan.parallel.stage_layers``; the embeddings on the first
+stage, the final norm, head and loss on the last), each block's TP-split parameters divided
+by ``tp`` and its activations scaled by the block's measured factor::
+
+    f_j = ((1 − r_j) + r_j / tp) / cp        r_j = Layer.tp_saved_fraction (measured, TP 2)
+    f_j = (1/tp + g_j·(1 − 1/tp)) / cp         with sequence parallel: the norm/residual
+                                               region is split by sequence too, but each of
+                                               the block's two TP regions (attention, MLP)
+                                               saves its all-gathered input whole,
+                                               g_j = 2·output_j / saved_j (per sample)
+    params_j(rank) = params_j − tp_sharded_bytes_j · (1 − 1/tp)   (grads, optimizer alike)
+
+``rank_profile`` rewrites the profile as that rank's own: its blocks and fixed parts, its
+state, and every timeline point of its blocks re-based, for a point of segment ``(h, ·)``::
+
+    point' = state'(phase, h) + Σ_{a ≤ j < h} f_j·saved_j + f_h·rest + in_flight
+    rest   = point − state(phase, h) − Σ_{j < h} saved_j     (the active block's own bytes)
+    in_flight = (k − 1)·Σ_{j in stage} f_j·saved_j + k·input_a·[stage > 0]
+
+with ``k`` the micro-batches the stage holds under the schedule (``memplan.parallel.in_flight``;
+1F1B: ``pp − stage``; GPipe: all) and ``input_a`` the activation a later stage receives from
+the one before (kept for its backward). A checkpointed block frees its savings in each of
+the ``k`` micro-batches, so its savings are multiplied by ``k``; this is exact at the end of
+the forward (every block held) and an over-estimate earlier. The data-parallel dimension is
+then the existing per-rank model (memplan.memory.sharding) over ``dp`` ranks, so
+``step_peak(rank_profile(...), …, sharding=…)`` is one rank's peak.
+
+Not measured: context parallel's K/V exchange, modelled as two extra K/V chunks of the active
+block's input size (``cp_exchange_bytes``: ring attention holds the chunk it computes with and
+the one it receives), marked "not verified" (CP's attention does not run on CPU ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from memplan.devices import DeviceSpec
+from memplan.errors import BadInputError
+from memplan.memory.budget import reserve_for
+from memplan.memory.peak import Peak, step_peak
+from memplan.memory.sharding import Sharding
+from memplan.memory.terms import grads_at_bytes
+from memplan.parallel import Parallel, in_flight, stage_layers
+from memplan.plan import Plan, Strategy
+from memplan.profile import Affine, FixedPart, Layer, Point, Profile, Segment, Totals
+
+FIRST_STAGE_HINTS = ("embed", "wte", "wpe", "tok", "pos")
+"""A fixed part whose name contains one of these runs before the blocks (first stage); the
+others (final norm, head, loss) run after them (last stage). Fixed parts carry no position
+in the profile, so the split is by name."""
+
+
+def _first_stage_part(part: FixedPart) -> bool:
+    name = part.name.lower()
+    return any(hint in name for hint in FIRST_STAGE_HINTS)
+
+
+def _scale(value: Affine, factor: float) -> Affine:
+    return Affine(
+        intercept=value.intercept * factor, slope=value.slope * factor, residual=value.residual
+    )
+
+
+def _sub(a: Affine, b: Affine) -> Affine:
+    return Affine(intercept=a.intercept - b.intercept, slope=a.slope - b.slope)
+
+
+def tp_measured(profile: Profile) -> bool:
+    """Whether the probe measured every block's TP split (a model with a TP plan)."""
+    return bool(profile.layers) and all(
+        layer.tp_saved_fraction is not None for layer in profile.layers
+    )
+
+
+SP_GATHERED_INPUTS = 2
+"""TP regions per block whose input sequence parallel all-gathers: attention and MLP (the
+Llama shape of torchtitan's ``apply_tp`` and transformers' TP plans)."""
+
+
+def sp_gathered_share(layer: Layer) -> float:
+    """Share of the block's saved bytes (per sample) that sequence parallel keeps whole: the
+    all-gathered (``Replicate``) input of each TP region, one hidden-state tensor (the block's
+    output size) each, saved by the region's colwise projections. PyTorch's SP (DTensor, as
+    torchtitan runs it) saves that gathered tensor; Megatron's SP saves the sequence shard and
+    gathers again in the backward, which its formula (34·s·b·h/t) assumes. Measured with
+    ``memplan verify --world-size 4`` on a tiny HF Llama: without this term the prediction
+    was 4.2% under every rank (docs/design.md)."""
+    saved = layer.saved_bytes.slope
+    if saved <= 0:
+        return 0.0
+    return min(1.0, SP_GATHERED_INPUTS * max(layer.output_bytes.slope, 0.0) / saved)
+
+
+def activation_factor(layer: Layer, parallel: Parallel) -> float:
+    """``f_j`` of the module docstring: what a rank keeps of the block's saved bytes."""
+    if parallel.sequence_parallel:
+        return (1.0 / parallel.tp + sp_gathered_share(layer) * (1.0 - 1.0 / parallel.tp)) / (
+            parallel.cp
+        )
+    inside = (layer.tp_saved_fraction or 0.0) if parallel.tp > 1 else 0.0
+    return ((1.0 - inside) + inside / parallel.tp) / parallel.cp
+
+
+def _state_ratio(params: int, sharded: int, tp: int) -> float:
+    """A rank's share of a part's parameters (gradients, optimizer state alike) under TP."""
+    if params <= 0 or tp == 1:
+        return 1.0
+    return (params - sharded * (1.0 - 1.0 / tp)) / params
+
+
+def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
+    f = activation_factor(layer, parallel)
+    params = layer.params_trainable_bytes + layer.params_frozen_bytes
+    r = _state_ratio(params, layer.tp_sharded_bytes, parallel.tp)
+    # The checkpointed block keeps its input; without SP/CP a TP rank's input is whole, so
+    # its savings lose exactly what the plain run's saved bytes lose.
+    split_input = parallel.sequence_parallel or parallel.cp > 1
+    input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
+
+    def savings(value: Affine | None) -> Affine | None:
+        if value is None:
+            return None
+        rank = _scale(value, f) if split_input else _sub(value, _scale(layer.saved_bytes, 1.0 - f))
+        return _scale(rank, k)
+
+    compute = 1.0 / (parallel.tp * parallel.cp)
+    return dataclasses.replace(
+        layer,
+        params_trainable_bytes=math.ceil(layer.params_trainable_bytes * r),
+        params_frozen_bytes=math.ceil(layer.params_frozen_bytes * r),
+        grad_bytes=math.ceil(layer.grad_bytes * r),
+        optimizer_state_bytes=math.ceil(layer.optimizer_state_bytes * r),
+        input_bytes=_scale(layer.input_bytes, input_factor),
+        output_bytes=_scale(layer.output_bytes, input_factor),
+        saved_bytes=_scale(layer.saved_bytes, f),
+        savings_bytes=savings(layer.savings_bytes),
+        selective_savings_bytes=savings(layer.selective_savings_bytes),
+        fwd_transient_bytes=_scale(layer.fwd_transient_bytes, f),
+        bwd_transient_bytes=_scale(layer.bwd_transient_bytes, f),
+        recompute_transient_bytes=_scale(layer.recompute_transient_bytes, f),
+        fwd_seconds=_scale(layer.fwd_seconds, compute),
+        bwd_seconds=_scale(layer.bwd_seconds, compute),
+        fwd_flops=_scale(layer.fwd_flops, compute),
+        recompute_seconds=None
+        if layer.recompute_seconds is None
+        else _scale(layer.recompute_seconds, compute),
+        selective_recompute_seconds=None
+        if layer.selective_recompute_seconds is None
+        else _scale(layer.selective_recompute_seconds, compute),
+        tp_sharded_bytes=math.ceil(layer.tp_sharded_bytes / parallel.tp),
+    )
+
+
+def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
+    params = part.params_trainable_bytes + part.params_frozen_bytes
+    r = _state_ratio(params, part.tp_sharded_bytes, parallel.tp)
+    return dataclasses.replace(
+        part,
+        params_trainable_bytes=math.ceil(part.params_trainable_bytes * r),
+        params_frozen_bytes=math.ceil(part.params_frozen_bytes * r),
+        grad_bytes=math.ceil(part.grad_bytes * r),
+        optimizer_state_bytes=math.ceil(part.optimizer_state_bytes * r),
+        saved_bytes=_scale(part.saved_bytes, 1.0 / parallel.cp),
+        tp_sharded_bytes=math.ceil(part.tp_sharded_bytes / parallel.tp),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """How one segment's points move from the whole model to the rank (module docstring)."""
+
+    base_full: int
+    base_rank: int
+    cur: float
+    held_full: Point
+    held_rank: Point
+    offset: Point
+
+    def move(self, point: Point) -> Point:
+        rest0 = point[0] - self.base_full - self.held_full[0]
+        rest1 = point[1] - self.held_full[1]
+        return (
+            self.base_rank + self.held_rank[0] + self.cur * rest0 + self.offset[0],
+            self.held_rank[1] + self.cur * rest1 + self.offset[1],
+        )
+
+
+LOSS_PART = "(loss)"
+"""The probe's name for the loss computed outside the model's modules (memplan.probe.assemble)."""
+
+
+def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
+    """What the last stage's output holds per micro-batch in flight: torch.distributed.
+    pipelining keeps a stage's forward output until that micro-batch's backward (its
+    ``fwd_cache``), where a plain step lets the loss free it. Measured: the bytes the loss
+    frees (the negative ``saved_bytes`` of the probe's ``(loss)`` part, the logits)."""
+    freed = Affine.zero()
+    for part in profile.fixed:
+        if part.name == LOSS_PART and part.saved_bytes.slope < 0:
+            freed = _scale(part.saved_bytes, -1.0 / parallel.cp)
+    return freed
+
+
+def cp_exchange_bytes(layer: Layer, parallel: Parallel) -> Affine:
+    """Context parallel's K/V exchange, per sample: ring attention holds the K/V chunk it
+    computes with and the one it receives, each at most the block input's size over ``cp``
+    (K and V together are at most the hidden size under grouped-query attention; formula,
+    not measured: CP's attention does not run on CPU ranks)."""
+    if parallel.cp == 1:
+        return Affine.zero()
+    return Affine(intercept=0.0, slope=2.0 * layer.input_bytes.slope / parallel.cp)
+
+
+def _rank_totals(profile: Profile, layers: list[Layer], fixed: list[FixedPart]) -> Totals:
+    parts = [*layers, *fixed]
+    return Totals(
+        params_trainable_bytes=sum(p.params_trainable_bytes for p in parts),
+        params_frozen_bytes=sum(p.params_frozen_bytes for p in parts),
+        buffer_bytes=profile.totals.buffer_bytes,
+        grad_bytes=sum(p.grad_bytes for p in parts),
+        optimizer_state_bytes=sum(p.optimizer_state_bytes for p in parts),
+    )
+
+
+def _state_bytes(profile: Profile) -> int:
+    t = profile.totals
+    return (
+        t.params_trainable_bytes + t.params_frozen_bytes + t.buffer_bytes + t.optimizer_state_bytes
+    )
+
+
+def _keeps_segment(seg: Segment, stage: range, first: bool, last: bool, n: int) -> bool:
+    h = seg.held
+    if seg.active != "none":
+        return h in stage
+    return (first and h == 0) or (last and h == n) or (stage.start < h < stage.stop)
+
+
+def stage_of_rank(parallel: Parallel, rank: int) -> int:
+    """The pipeline stage of global ``rank``, with torchtitan's mesh order
+    ``(pp, dp_replicate, dp_shard, cp, tp)`` (tp innermost: ranks ``0..tp-1`` share a
+    stage and a batch)."""
+    if not 0 <= rank < parallel.world_size:
+        raise ValueError(f"rank {rank} is not in a world of {parallel.world_size}")
+    return rank // (parallel.world_size // parallel.pp)
+
+
+def check_layout(profile: Profile, parallel: Parallel) -> None:
+    """Refuse a layout the profile cannot describe, saying what to do."""
+    n = len(profile.layers)
+    if parallel.stages > max(n, 1):
+        raise BadInputError(
+            f"pipeline of {parallel.stages} stages, but the model has {n} repeated blocks "
+            "to split into stages.",
+            hint="Use a pipeline degree (× virtual stages) of at most the number of blocks.",
+        )
+    if parallel.tp > 1 and not tp_measured(profile):
+        raise BadInputError(
+            f"the profile of {profile.model.spec} has no tensor-parallel measurement, so "
+            "memplan cannot tell which bytes TP divides.",
+            hint="Probe again with this memplan (a model with a TP plan is measured under TP "
+            "2 on a fake process group), or add TP_PLAN to the model file, or use --tp 1.",
+        )
+
+
+def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches: int) -> Profile:
+    """One rank of pipeline stage ``stage`` (0-based) as a profile of its own (see the
+    module docstring), for ``micro_batches`` pipeline micro-batches per step. With
+    interleaved 1F1B the rank's ``virtual_stages`` chunks are taken together."""
+    check_layout(profile, parallel)
+    n = len(profile.layers)
+    chunks = stage_layers(n, parallel.stages)
+    mine = [chunks[stage + v * parallel.pp] for v in range(parallel.virtual_stages)]
+    first, last = stage == 0, stage == parallel.pp - 1
+    # Interleaved: the rank's chunks are not contiguous; they are modelled as one run of as
+    # many blocks, ending the model on the last rank (exact for identical blocks, the case
+    # interleaving is for; the run's names stand in for the rank's own).
+    count = sum(len(chunk) for chunk in mine)
+    start = n - count if last else mine[0].start
+    if not first and not last:
+        start = min(start, n - count)
+    stage_range = range(start, start + count)
+    forwards = in_flight(parallel, stage, micro_batches)
+    k = max(1, math.ceil(forwards / parallel.virtual_stages))
+    # Later micro-batches' backwards (gradients resident) start with one fewer in flight
+    # each time the pipeline drains: at most min(k, m − 1) (1F1B's B_1 with m = pp).
+    k_resident = max(1, min(k, micro_batches - 1))
+    ks = {"no_grads": k, "grads_resident": k_resident}
+    # A checkpointed block frees its savings in each held micro-batch; the fewer of the two
+    # phases' counts is taken (never more saved than there is).
+    layers = [_rank_layer(profile.layers[j], parallel, min(ks.values())) for j in stage_range]
+    fixed = [
+        _rank_fixed(part, parallel)
+        for part in profile.fixed
+        if (first and _first_stage_part(part)) or (last and not _first_stage_part(part))
+    ]
+    totals = _rank_totals(profile, layers, fixed)
+    f = [activation_factor(layer, parallel) for layer in profile.layers]
+    saved = [layer.saved_bytes for layer in profile.layers]
+    stage_saved = Affine.zero()
+    for j in stage_range:
+        stage_saved = Affine(
+            intercept=stage_saved.intercept + f[j] * saved[j].intercept,
+            slope=stage_saved.slope + f[j] * saved[j].slope,
+        )
+    received = profile.layers[stage_range.start].input_bytes if not first else Affine.zero()
+    input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
+    exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
+    kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
+    offsets = {
+        phase: (
+            (n - 1) * stage_saved.intercept
+            + n * (input_factor * received.intercept + kept.intercept),
+            (n - 1) * stage_saved.slope
+            + n * (input_factor * received.slope + kept.slope)
+            + exchange.slope,
+        )
+        for phase, n in ks.items()
+    }
+    # Prefix sums of the plain saved bytes (whole model) and of the rank's (this stage).
+    full_prefix = [(0.0, 0.0)]
+    rank_prefix = [(0.0, 0.0)]
+    for j in range(n):
+        full_prefix.append(
+            (full_prefix[-1][0] + saved[j].intercept, full_prefix[-1][1] + saved[j].slope)
+        )
+        w = f[j] if j in stage_range else 0.0
+        rank_prefix.append(
+            (rank_prefix[-1][0] + w * saved[j].intercept, rank_prefix[-1][1] + w * saved[j].slope)
+        )
+    kept = {
+        phase: [
+            (i, seg)
+            for i, seg in enumerate(segments)
+            if _keeps_segment(seg, stage_range, first, last, n)
+        ]
+        for phase, segments in profile.timeline.items()
+    }
+    moved = {
+        phase: tuple(dataclasses.replace(seg, held=seg.held - stage_range.start) for _, seg in rows)
+        for phase, rows in kept.items()
+    }
+    state_full = _state_bytes(profile)
+    draft = dataclasses.replace(
+        profile,
+        layers=tuple(layers),
+        fixed=tuple(fixed),
+        totals=totals,
+        timeline=moved,
+        seq=None,
+        deduplicated_layers=(),
+    )
+    state_rank = _state_bytes(draft)
+    timeline: dict[str, tuple[Segment, ...]] = {}
+    for phase, rows in kept.items():
+        out = []
+        for new_index, (i, seg) in enumerate(rows):
+            base_full = state_full + grads_at_bytes(profile, phase, i)
+            base_rank = state_rank + grads_at_bytes(draft, phase, new_index)
+            h = seg.held
+            cur = f[h] if seg.active != "none" else 1.0 / parallel.cp
+            frame = _Frame(
+                base_full,
+                base_rank,
+                cur,
+                full_prefix[h],
+                rank_prefix[h],
+                offsets.get(phase, offsets["no_grads"]),
+            )
+            out.append(
+                dataclasses.replace(
+                    moved[phase][new_index],
+                    points=tuple(frame.move(p) for p in seg.points),
+                    ckpt_points=tuple(frame.move(p) for p in seg.ckpt_points),
+                    selective_points=tuple(frame.move(p) for p in seg.selective_points),
+                )
+            )
+        timeline[phase] = tuple(out)
+    ratio = (state_rank + totals.grad_bytes) / max(state_full + profile.totals.grad_bytes, 1)
+    return dataclasses.replace(
+        draft,
+        timeline=timeline,
+        optimizer_step_peak_bytes=_scale(profile.optimizer_step_peak_bytes, ratio),
+    )
+
+
+# --------------------------------------------------------------------------- a plan's peaks
+def layout_sharding(
+    strategy: Strategy, parallel: Parallel, grad_sync: str = "last_micro_step"
+) -> Sharding:
+    """The data-parallel dimension of a layout as the per-rank model sees it: DDP over all
+    ``dp`` ranks; a sharded strategy (ZeRO, FSDP) over ``dp_shard`` (HSDP replicates the
+    shards ``dp_replicate`` times, which adds no memory). A pipeline's replicas are not
+    wrapped in DDP (its bucket rebuild cannot wrap a stage): memplan's runtime all-reduces
+    each gradient in place after the schedule, so no buckets (world 1 here)."""
+    world = parallel.dp if strategy == "ddp" else parallel.dp_shard
+    if strategy == "ddp" and parallel.pp > 1:
+        world = 1
+    return Sharding(strategy=strategy, world_size=world, grad_sync=grad_sync)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePeak:
+    """The peak of every rank of one pipeline stage (TP, CP and DP ranks of a stage are
+    alike: same blocks, same shares)."""
+
+    stage: int
+    layers: tuple[str, ...]
+    """The stage's blocks, by fully-qualified name."""
+    in_flight: int
+    """Micro-batches whose activations the stage holds at its peak (per virtual chunk)."""
+    peak: Peak
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutPeaks:
+    """Every pipeline stage's predicted peak for a plan, per rank."""
+
+    parallel: Parallel
+    stages: tuple[StagePeak, ...]
+
+    @property
+    def worst(self) -> StagePeak:
+        """The stage with the highest peak (the first of equals)."""
+        return max(self.stages, key=lambda s: (s.peak.peak_bytes, -s.stage))
+
+    def rank_peak(self, rank: int) -> Peak:
+        """The predicted peak of global ``rank`` (``stage_of_rank`` says its stage)."""
+        return self.stages[stage_of_rank(self.parallel, rank)].peak
+
+
+def plan_layout(plan: Plan) -> Parallel:
+    """The plan's layout; a plan without one is data parallelism over its world size."""
+    if plan.parallel is not None:
+        return plan.parallel
+    if plan.strategy == "ddp":
+        return Parallel(dp_replicate=plan.world_size)
+    return Parallel(dp_shard=plan.world_size)
+
+
+def stage_peak(
+    profile: Profile,
+    plan: Plan,
+    stage: int,
+    device_spec: DeviceSpec | None = None,
+) -> StagePeak:
+    """The predicted peak of one rank of pipeline stage ``stage`` under ``plan``."""
+    parallel = plan_layout(plan)
+    rank = rank_profile(profile, parallel, stage, plan.accumulation_steps)
+    names = set(rank.layer_names)
+    chosen = {name: mode for name, mode in plan.checkpoint.items() if name in names}
+    peak = step_peak(
+        rank,
+        plan.micro_batch_size,
+        chosen,
+        plan.accumulation_steps,
+        reserve=reserve_for(profile, device_spec),
+        sharding=layout_sharding(plan.strategy, parallel, plan.grad_sync),
+    )
+    forwards = in_flight(parallel, stage, plan.accumulation_steps)
+    return StagePeak(
+        stage=stage,
+        layers=rank.layer_names,
+        in_flight=max(1, math.ceil(forwards / parallel.virtual_stages)),
+        peak=peak,
+    )
+
+
+def layout_peaks(
+    profile: Profile, plan: Plan, device_spec: DeviceSpec | None = None
+) -> LayoutPeaks:
+    """Every pipeline stage's peak for ``plan`` (one stage without pipelining), per rank:
+    the API ``verify`` compares each rank's measured peak with (``rank_peak(rank)``)."""
+    parallel = plan_layout(plan)
+    return LayoutPeaks(
+        parallel=parallel,
+        stages=tuple(stage_peak(profile, plan, s, device_spec) for s in range(parallel.pp)),
+    )

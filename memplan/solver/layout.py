@@ -1,0 +1,379 @@
+"""The layout search (issue 25): tensor, pipeline and context parallel degrees with the data-
+parallel model, jointly with micro-batch, pipeline micro-batches and per-layer modes. No torch.
+
+For each layout (fixed by ``--tp/--pp/--cp``, or every factorisation of the world size with
+``tp`` within a node, ``pp`` at most the block count, ``cp`` as asked) and each micro-batch
+``b`` with ``b · m · dp == target``, every pipeline stage's rank is solved exactly as a
+data-parallel profile of its own (``memory.layout.rank_profile``; the existing solver over
+its checkpoint modes at that ``b`` and ``m``). The layout fits when every stage fits. Its
+step time is the slowest stage's, through the pipeline schedule, plus what the layout's
+collectives add, none of them overlapped (an upper bound, as for data parallelism)::
+
+    step     = (m + pp − 1) · max_s t_s / m  +  comm_TP + comm_PP + comm_CP
+    bubble   = (pp − 1) / (m + pp − 1)                      (1F1B, GPipe; / v interleaved)
+    comm_TP  = m · L_s · 4 · ring(b · act_bytes, tp) / intra   (2 all-reduces forward and 2
+               backward per block, Megatron's f/g operators; SP's all-gather + reduce-
+               scatter move the same bytes)
+    comm_PP  = m · 2 · b · act_bytes / inter                (one activation and its gradient
+               across each stage boundary per micro-batch)
+    comm_CP  = m · L_s · 2 · (cp − 1) · b · act_bytes / cp / intra   (K/V around the ring)
+    ring(x, n) = 2 (n − 1) / n · x
+
+with ``t_s`` stage s's own step time (its compute, recompute and data-parallel
+communication, from the stage solve) and ``act_bytes`` one sample's block input. The
+fastest fitting plan wins; ties: less peak. What this cannot know without a GPU: overlap of
+collectives with compute, kernel efficiency at small per-rank shapes, the network's real
+topology; so the ranking of close layouts is a model's, and the reasons say by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from memplan.errors import BadInputError, NoPlanFitsError
+from memplan.memory.layout import check_layout, layout_sharding, rank_profile, tp_measured
+from memplan.parallel import Parallel, Schedule, in_flight
+from memplan.plan import Plan
+from memplan.profile import Profile
+from memplan.solver.request import SolveRequest, SolveResult
+from memplan.solver.search import solve_if_fits
+from memplan.units import format_bytes
+
+INTRA_NODE_BYTES_PER_SECOND = 450e9
+"""NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU, 450 GB/s one way (NVIDIA H100
+datasheet). TP and CP stay within a node."""
+INTER_NODE_BYTES_PER_SECOND = 50e9
+"""One 400 Gb/s InfiniBand NDR NIC per GPU (DGX H100): 50 GB/s one way. Pipeline stages
+and data-parallel groups that span nodes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutRequest:
+    """Which layouts to consider."""
+
+    tp: int | None = None
+    """Fixed tensor-parallel degree; None: searched (``auto``) or 1."""
+    pp: int | None = None
+    cp: int | None = None
+    auto: bool = False
+    """Search every factorisation of the world size for the degrees not fixed."""
+    gpus_per_node: int = 8
+    """TP (× CP) stays within a node: at most this many ranks."""
+    schedule: Schedule = "1f1b"
+    sequence_parallel: bool | None = None
+    """None: on with TP in ``auto`` (less memory, the same bytes moved), off otherwise."""
+    virtual_stages: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or value < 1):
+                raise BadInputError(f"--{name} must be a positive integer, got {value!r}.")
+        if self.gpus_per_node < 1:
+            raise BadInputError(f"--gpus-per-node must be positive, got {self.gpus_per_node}.")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutOption:
+    """One layout at one micro-batch: every stage solved."""
+
+    parallel: Parallel
+    micro_batch: int
+    micro_batches: int
+    stages: tuple[SolveResult, ...]
+    step_seconds: float
+    comm_seconds: dict[str, float]
+    bubble: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.plan.predicted.peak_bytes for s in self.stages)
+
+    @property
+    def worst_stage(self) -> int:
+        peaks = [s.plan.predicted.peak_bytes for s in self.stages]
+        return peaks.index(max(peaks))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    profile: Profile, world: int, ask: LayoutRequest, strategy: str = "fsdp"
+) -> list[Parallel]:
+    """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1.
+    The data-parallel ranks are DDP replicas for ``ddp``, shards otherwise."""
+    n = len(profile.layers)
+    tps = [ask.tp] if ask.tp else (_divisors(world) if ask.auto else [1])
+    pps = [ask.pp] if ask.pp else (_divisors(world) if ask.auto else [1])
+    cps = [ask.cp] if ask.cp else [1]
+    out = []
+    for tp in tps:
+        for pp in pps:
+            for cp in cps:
+                if world % (tp * pp * cp):
+                    continue
+                if tp * cp > ask.gpus_per_node and (ask.auto and not ask.tp):
+                    continue
+                if pp * ask.virtual_stages > n:
+                    continue
+                if tp > 1 and not tp_measured(profile):
+                    continue
+                dp = world // (tp * pp * cp)
+                if profile.environment.mixed_precision == "params" and dp < 2:
+                    continue  # FSDP's mixed-precision policy, as probed, needs shards
+                sp = ask.sequence_parallel
+                if sp is None:
+                    sp = ask.auto and tp > 1
+                replicas = strategy == "ddp"
+                out.append(
+                    Parallel(
+                        dp_replicate=dp if replicas else 1,
+                        dp_shard=1 if replicas else dp,
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        sequence_parallel=sp and tp > 1,
+                        schedule=ask.schedule if pp > 1 else "1f1b",
+                        virtual_stages=ask.virtual_stages if pp > 1 else 1,
+                    )
+                )
+    return out
+
+
+def _ring(nbytes: float, n: int) -> float:
+    return 2.0 * (n - 1) / n * nbytes
+
+
+def layout_comm_seconds(
+    profile: Profile, parallel: Parallel, b: int, m: int, stage_layers: int
+) -> dict[str, float]:
+    """The collectives a layout adds to a step (module docstring), in seconds."""
+    act = profile.layers[0].input_bytes.slope * b if profile.layers else 0.0
+    act /= parallel.cp
+    out = {"tp": 0.0, "pp": 0.0, "cp": 0.0}
+    if parallel.tp > 1:
+        out["tp"] = m * stage_layers * 4 * _ring(act, parallel.tp) / INTRA_NODE_BYTES_PER_SECOND
+    if parallel.pp > 1:
+        out["pp"] = m * 2 * act / INTER_NODE_BYTES_PER_SECOND
+    if parallel.cp > 1:
+        out["cp"] = m * stage_layers * 2 * (parallel.cp - 1) * act / INTRA_NODE_BYTES_PER_SECOND
+    return out
+
+
+def bubble_fraction(parallel: Parallel, m: int) -> float:
+    """Idle share of a pipeline step: (pp − 1) / (m + pp − 1), over v when interleaved
+    (Narayanan et al. 2021, §2.2)."""
+    if parallel.pp == 1:
+        return 0.0
+    idle = (parallel.pp - 1) / parallel.virtual_stages
+    return idle / (m + idle)
+
+
+_RANKS: dict[tuple, Profile] = {}
+
+
+def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> Profile:
+    """``rank_profile``, which depends on the micro-batches only through the stage's
+    in-flight count: kept for the search of one profile (the last one asked)."""
+    k = in_flight(parallel, stage, m)
+    key = (id(profile), parallel, stage, k, min(k, m - 1))  # memory.layout's two phases
+    if key not in _RANKS:
+        if _RANKS and next(iter(_RANKS))[0] != id(profile):
+            _RANKS.clear()
+        _RANKS[key] = rank_profile(profile, parallel, stage, m)
+    return _RANKS[key]
+
+
+def _strategy(request: SolveRequest, parallel: Parallel) -> str:
+    """The data-parallel engine: as asked; ``auto`` shards (FSDP2, as torchtitan does)."""
+    if request.strategy != "auto":
+        return request.strategy
+    return "fsdp" if parallel.dp_shard > 1 else "ddp"
+
+
+def evaluate_layout(
+    profile: Profile, request: SolveRequest, parallel: Parallel, b: int, m: int
+) -> LayoutOption | None:
+    """Solve every stage of ``parallel`` at micro-batch ``b`` with ``m`` micro-batches; None
+    when a stage does not fit."""
+    strategy = _strategy(request, parallel)
+    # The data-parallel dimension exactly as the memory model takes it (a pipeline's DDP
+    # replicas are all-reduced after the schedule: no buckets, world 1 to the stage solve;
+    # their all-reduce is timed below with the layout's own collectives).
+    world = layout_sharding(strategy, parallel).world_size
+    stage_request = dataclasses.replace(
+        request,
+        target_batch=b * m * world,
+        world_size=world,
+        strategy=strategy,
+        min_micro=b,
+        max_micro=b,
+    )
+    results = []
+    most_layers = 0
+    # Stage 0 holds the most micro-batches in flight: the likeliest not to fit, tried first.
+    for stage in range(parallel.pp):
+        rank = _rank_profile(profile, parallel, stage, m)
+        most_layers = max(most_layers, len(rank.layers))
+        result = solve_if_fits(rank, stage_request, explain=False)
+        if result is None:
+            return None
+        results.append(result)
+    slowest = max(r.plan.predicted.step_seconds for r in results)
+    comm = layout_comm_seconds(profile, parallel, b, m, most_layers)
+    if world == 1 and parallel.dp > 1:  # the pipeline's replicas, all-reduced after the step
+        grads = profile.totals.grad_bytes / (parallel.pp * parallel.tp)
+        comm["dp"] = _ring(grads, parallel.dp) / INTER_NODE_BYTES_PER_SECOND
+    bubble = bubble_fraction(parallel, m)
+    step = slowest / (1.0 - bubble) + sum(comm.values())
+    return LayoutOption(
+        parallel=parallel,
+        micro_batch=b,
+        micro_batches=m,
+        stages=tuple(results),
+        step_seconds=step,
+        comm_seconds=comm,
+        bubble=bubble,
+    )
+
+
+def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> list[LayoutOption]:
+    world = request.world_size
+    strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    layouts = candidate_layouts(profile, world, ask, strategy)
+    if not layouts:
+        raise BadInputError(
+            f"no layout of {world} ranks fits the asked degrees (tp {ask.tp or 'auto'}, pp "
+            f"{ask.pp or 'auto'}, cp {ask.cp or 1}) and the model's {len(profile.layers)} blocks.",
+            hint="Make the degrees divide --world-size, keep tp × cp within --gpus-per-node, "
+            "and pp at most the number of blocks.",
+        )
+    for parallel in layouts:
+        check_layout(profile, parallel)
+    options = []
+    for parallel in layouts:
+        dp = parallel.dp
+        if request.target_batch % dp:
+            continue
+        per_dp = request.target_batch // dp
+        for b in range(request.min_micro, per_dp + 1):
+            if per_dp % b or (request.max_micro is not None and b > request.max_micro):
+                continue
+            m = per_dp // b
+            if parallel.pp > 1 and (
+                m < parallel.pp or (parallel.virtual_stages > 1 and m % parallel.pp)
+            ):
+                continue  # torch's 1F1B schedules need at least pp micro-batches
+            option = evaluate_layout(profile, request, parallel, b, m)
+            if option is not None:
+                options.append(option)
+    return options
+
+
+def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
+    p = best.parallel
+    out = [
+        f"layout {p.describe()}: micro-batch {best.micro_batch}, {best.micro_batches} "
+        f"{'pipeline micro-batches' if p.pp > 1 else 'accumulation steps'} per step; worst "
+        f"rank (stage {best.worst_stage}) {format_bytes(best.peak_bytes)}; step "
+        f"{best.step_seconds * 1e3:.1f} ms" + (f", bubble {best.bubble:.0%}" if p.pp > 1 else "")
+    ]
+    if p.pp > 1:
+        peaks = ", ".join(
+            f"{s}: {format_bytes(r.plan.predicted.peak_bytes)}" for s, r in enumerate(best.stages)
+        )
+        out.append(f"every stage's peak per rank ({p.schedule}): {peaks}")
+    for dim in ("tp", "pp"):
+        others = [o for o in options if getattr(o.parallel, dim) != getattr(p, dim)]
+        if not others:
+            continue
+        alt = min(others, key=lambda o: o.step_seconds)
+        mine, theirs = getattr(p, dim), getattr(alt.parallel, dim)
+        extra = best.comm_seconds[dim] - alt.comm_seconds[dim]
+        what = (
+            "each block's activations and TP-split weights divide by it"
+            if dim == "tp"
+            else "each rank holds fewer blocks; the bubble and the in-flight micro-batches grow with it"
+        )
+        out.append(
+            f"{dim} {mine} over {dim} {theirs}: {what}; its collectives add "
+            f"{extra * 1e3:+.1f} ms per step; peak {format_bytes(best.peak_bytes)} vs "
+            f"{format_bytes(alt.peak_bytes)}, step {best.step_seconds * 1e3:.1f} vs "
+            f"{alt.step_seconds * 1e3:.1f} ms ({alt.parallel.describe()}, micro-batch "
+            f"{alt.micro_batch})"
+        )
+    return out
+
+
+def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> Plan:
+    """One plan of the layout: every stage's checkpoint modes, the worst rank's prediction
+    with the layout's step time."""
+    worst = option.stages[option.worst_stage].plan
+    checkpoint = {}
+    for stage in option.stages:
+        checkpoint.update(stage.plan.checkpoint)
+    order = {name: i for i, name in enumerate(profile.layer_names)}
+    checkpoint = dict(sorted(checkpoint.items(), key=lambda kv: order[kv[0]]))
+    fingerprint = worst.model_fingerprint
+    if fingerprint is not None:
+        from memplan.memory.terms import params_bytes
+
+        fingerprint = dataclasses.replace(
+            fingerprint,
+            parameter_bytes=params_bytes(profile) - profile.totals.buffer_bytes,
+            candidate_layers=profile.layer_names,
+        )
+    p = option.parallel
+    return dataclasses.replace(
+        worst,
+        target_batch=option.micro_batch * option.micro_batches * p.dp,
+        world_size=p.world_size,
+        accumulation_steps=option.micro_batches,
+        parallel=p,
+        checkpoint=checkpoint,
+        checkpoint_layers=None,
+        shard_units=profile.layer_names if worst.strategy == "fsdp" else (),
+        model_fingerprint=fingerprint,
+        predicted=dataclasses.replace(
+            worst.predicted,
+            step_seconds=option.step_seconds,
+            stage_peak_bytes=tuple(s.plan.predicted.peak_bytes for s in option.stages)
+            if p.pp > 1
+            else (),
+        ),
+        reasons=(*reasons, *worst.reasons),
+    )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutResult:
+    plan: Plan
+    options: tuple[LayoutOption, ...]
+    """Every layout and micro-batch that fits."""
+
+
+def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> LayoutResult:
+    """The fastest fitting layout plan for ``request`` (its ``world_size`` is all ranks).
+    Raises NoPlanFitsError when no layout fits."""
+    notes = []
+    if request.strategy == "ddp" and profile.environment.mixed_precision == "params":
+        # The CLI's default; a profile probed under FSDP's mixed-precision policy plans FSDP.
+        request = dataclasses.replace(request, strategy="fsdp")
+        notes.append(
+            "strategy fsdp: the profile was probed under FSDP's mixed-precision policy "
+            "(--mixed-precision params), which DDP does not run"
+        )
+    options = _options(profile, request, ask)
+    if not options:
+        raise NoPlanFitsError(
+            f"no layout of {request.world_size} ranks fits {request.budget_bytes / 2**30:.2f} "
+            f"GiB per rank at target batch {request.target_batch}.",
+            hint="Try --layout auto, more ranks, a larger --pp or --tp, or a smaller target.",
+        )
+    best = min(options, key=lambda o: (o.step_seconds, o.peak_bytes))
+    return LayoutResult(
+        plan=layout_plan(profile, best, [*_reasons(best, options), *notes]), options=tuple(options)
+    )

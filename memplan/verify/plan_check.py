@@ -1,0 +1,234 @@
+"""The one-process gradient check of verify (memplan.verify.grad_check says what it asks):
+the plan's run of k micro-batches against the same micro-batches run the textbook way, and
+separately, the k micro-batches against one batch of the effective size. When the plan check
+fails on a plan that checkpoints, each checkpointed layer is tried alone to name the one
+whose recompute differs from its forward."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import torch
+
+from memplan import run
+from memplan.loader import ModelFile, map_batch
+from memplan.plan import Plan
+from memplan.verify.grad_check import (
+    TOLERANCE,
+    BatchCoupling,
+    GradientCheck,
+    StepCapture,
+    coupling,
+    coupling_skipped,
+    default_dtype,
+    judge,
+    layer_set_failure,
+    step_count_failure,
+    textbook,
+    to_dtype,
+)
+
+_AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MAX_LAYERS_TRIED = 24
+"""When the plan check fails, at most this many checkpointed layers are tried one by one."""
+
+
+def _autocast(plan: Plan, device: torch.device) -> Any:
+    """The autocast the plan's run uses (as ``Accumulator`` sets it up), or None."""
+    dtype = _AUTOCAST.get(plan.precision)
+    if dtype is None or plan.mixed_precision == "params":
+        return None
+    return functools.partial(torch.autocast, device_type=device.type, dtype=dtype)
+
+
+def check_gradients(
+    mf: ModelFile, plan: Plan, device: torch.device, seed: int
+) -> tuple[GradientCheck, BatchCoupling]:
+    """The plan check and the batch coupling of ``plan`` (see memplan.verify.grad_check):
+    in float64 for an fp32 plan, unless the model does not run in it."""
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    torch.manual_seed(seed + 10_000)
+    full = mf.make_batch(k * micro)
+    if plan.precision == "fp32":
+        try:
+            return _check(mf, plan, device, seed, full, torch.float64)
+        except Exception as exc:  # the model does not run (or fit) in float64: use fp32
+            # (a model file that fails for another reason fails again, in fp32, and is
+            # reported as such)
+            note = f" (float64 failed with {type(exc).__name__}: compared in fp32)"
+        grad, couple = _fits(mf, plan, device, seed, full)
+        return _with_reason(grad, grad.reason + note), couple
+    return _fits(mf, plan, device, seed, full)
+
+
+def _fits(
+    mf: ModelFile, plan: Plan, device: torch.device, seed: int, full: Any
+) -> tuple[GradientCheck, BatchCoupling]:
+    """The check in the plan's own precision; skipped when its second copy of the model
+    does not fit the device."""
+    try:
+        return _check(mf, plan, device, seed, full, None)
+    except torch.OutOfMemoryError:
+        reason = "the textbook run's copy of the model does not fit this device next to the plan's"
+        effective = plan.accumulation_steps * plan.micro_batch_size
+        return (
+            GradientCheck(
+                status="skipped",
+                relative_error=None,
+                tolerance=TOLERANCE[plan.precision],
+                reason=reason,
+            ),
+            coupling_skipped(effective, reason),
+        )
+
+
+def _with_reason(check: GradientCheck, reason: str) -> GradientCheck:
+    return dataclasses.replace(check, reason=reason)
+
+
+def _check(
+    mf: ModelFile,
+    plan: Plan,
+    device: torch.device,
+    seed: int,
+    full: Any,
+    dtype: torch.dtype | None,
+) -> tuple[GradientCheck, BatchCoupling]:
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    precision = "fp64" if dtype is not None else plan.precision
+    tol = TOLERANCE[precision]
+    full = run.move_to_device(to_dtype(full, dtype, map_batch), device)
+    pieces = [map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(k)]
+    seeds = [seed + 1 + i for i in range(k)]
+    autocast = _autocast(plan, device)
+    fingerprint = plan.model_fingerprint
+    layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
+    build = functools.partial(_build, mf, device, seed, dtype)
+    with default_dtype(dtype) if dtype is not None else contextlib.nullcontext():
+        reference = textbook(build(), mf.loss, pieces, seeds, k=k, autocast=autocast)
+        got, failure = _plan_run(build(), mf, plan, pieces, seeds, device, tol, precision)
+        what = (
+            f"the plan's {k} micro-batch(es) of {micro} vs the same run without checkpointing, "
+            f"loss / {k} accumulated, one step ({precision})"
+        )
+        check = failure or judge(
+            got, reference, tolerance=tol, layers=layers, what=what, precision=precision
+        )
+        if check.status == "fail" and failure is None and plan.checkpoint_layers:
+            check = _localise(check, build, mf, plan, pieces, seeds, autocast)
+        couple = _coupling(build, mf, plan, pieces, seeds, full, autocast, tol)
+    return check, couple
+
+
+def _build(mf: ModelFile, device: torch.device, seed: int, dtype: torch.dtype | None) -> Any:
+    torch.manual_seed(seed)
+    net = mf.build_model().to(device)
+    if dtype is not None:
+        net = net.to(dtype)
+    net.train()
+    run.disable_kv_cache(net)  # as the plan's run does (run.apply)
+    return net
+
+
+def _plan_run(
+    net: torch.nn.Module,
+    mf: ModelFile,
+    plan: Plan,
+    pieces: list[Any],
+    seeds: list[int],
+    device: torch.device,
+    tol: float,
+    precision: str,
+) -> tuple[dict[str, torch.Tensor], GradientCheck | None]:
+    """The plan's run: ``memplan.apply`` and the ``Accumulator``, each micro-batch after the
+    textbook run's seed; the gradients at the optimizer step, or why the run is wrong before
+    any gradient is compared."""
+    run.apply(net, plan)
+    wrong = layer_set_failure(run.checkpointed_modes(net), run.layer_modes(plan), tol, precision)
+    if wrong is not None:
+        return {}, wrong
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.0)  # must not move weights
+    capture = StepCapture(optimizer, net)
+    acc = run.Accumulator(net, optimizer, plan, device=device)
+    for piece, seed in zip(pieces, seeds, strict=True):
+        torch.manual_seed(seed)
+        acc.step(piece, mf.loss)
+    return capture.grads, step_count_failure(capture.calls, len(pieces), tol, precision)
+
+
+def _localise(
+    check: GradientCheck,
+    build: Any,
+    mf: ModelFile,
+    plan: Plan,
+    pieces: list[Any],
+    seeds: list[int],
+    autocast: Any,
+) -> GradientCheck:
+    """Checkpoint each of the plan's layers alone, textbook accumulation otherwise; name
+    those whose run differs from the plain one (their recompute is not their forward)."""
+    k = len(pieces)
+    reference = textbook(build(), mf.loss, pieces, seeds, k=k, autocast=autocast)
+    modes = list(run.layer_modes(plan).items())
+    differ = []
+    for name, mode in modes[:MAX_LAYERS_TRIED]:
+        net = build()
+        run.apply(net, {name: mode})
+        got = textbook(net, mf.loss, pieces, seeds, k=k, autocast=autocast)
+        alone = judge(
+            got, reference, tolerance=check.tolerance, layers=[name], what="", precision=""
+        )
+        if alone.status == "fail":
+            differ.append(name)
+    if differ:
+        tried = "" if len(modes) <= MAX_LAYERS_TRIED else f" (first {MAX_LAYERS_TRIED} tried)"
+        return dataclasses.replace(
+            check,
+            worst_layer=differ[0],
+            diagnosis=f"checkpointing layer {differ[0]} alone changes the gradients"
+            + (f" (and so does each of {len(differ) - 1} more)" if len(differ) > 1 else "")
+            + ": its recompute differs from its forward, it is not checkpoint-safe (its forward reads state "
+            "that changes between calls, or draws random numbers outside torch's RNG)" + tried,
+        )
+    return dataclasses.replace(
+        check,
+        diagnosis="every checkpointed layer recomputes as it ran forward, so "
+        "the difference is in the accumulation or the step",
+    )
+
+
+def _coupling(
+    build: Any,
+    mf: ModelFile,
+    plan: Plan,
+    pieces: list[Any],
+    seeds: list[int],
+    full: Any,
+    autocast: Any,
+    tol: float,
+) -> BatchCoupling:
+    """k micro-batches the textbook way against one batch of k × micro, dropout off."""
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    effective = k * micro
+    if k == 1:
+        return coupling_skipped(effective, "one micro-batch per step: nothing to compare")
+    try:
+        with run.no_dropout():
+            net = build()
+            micro_grads = textbook(net, mf.loss, pieces, seeds, k=k, autocast=autocast)
+            net = build()  # afresh: a model may keep state across calls
+            batch_grads = textbook(net, mf.loss, [full], seeds[:1], k=1, autocast=autocast)
+    except torch.OutOfMemoryError:
+        return coupling_skipped(effective, f"one batch of {effective} does not fit this device")
+    return coupling(
+        micro_grads,
+        batch_grads,
+        model=net,
+        tolerance=tol,
+        effective_batch=effective,
+        k=k,
+        micro_size=micro,
+    )

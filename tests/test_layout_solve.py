@@ -1,0 +1,157 @@
+"""The layout search (memplan.solver.layout) and the layout engines' configs
+(memplan.emit.layouts), on hand-made chain profiles."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import tomllib
+from profiles_factory import uniform_chain
+from typer.testing import CliRunner
+
+from memplan.cli import app
+from memplan.emit import emit
+from memplan.errors import BadInputError, NoPlanFitsError
+from memplan.memory.layout import layout_peaks
+from memplan.parallel import Parallel
+from memplan.profile import profile_to_yaml
+from memplan.solver import SolveRequest, least_peak
+from memplan.solver.layout import LayoutRequest, bubble_fraction, solve_layout
+
+
+def _tp_profile(n: int = 8, fraction: float = 0.75):
+    profile = uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
+    layers = tuple(
+        dataclasses.replace(
+            layer, tp_saved_fraction=fraction, tp_sharded_bytes=layer.params_trainable_bytes
+        )
+        for layer in profile.layers
+    )
+    return dataclasses.replace(profile, layers=layers)
+
+
+def _request(budget: int, world: int = 8, target: int = 32, strategy: str = "fsdp"):
+    return SolveRequest(
+        target_batch=target, budget_bytes=budget, world_size=world, strategy=strategy
+    )
+
+
+def test_fixed_degrees_give_that_layout_and_the_plan_predicts_what_the_model_says():
+    profile = _tp_profile()
+    result = solve_layout(profile, _request(1 << 30), LayoutRequest(tp=2, pp=2))
+    plan = result.plan
+    assert (plan.parallel.tp, plan.parallel.pp, plan.parallel.dp) == (2, 2, 2)
+    assert plan.world_size == 8 and plan.target_batch == 32
+    assert plan.micro_batch_size * plan.accumulation_steps * 2 == 32
+    peaks = layout_peaks(profile, plan)
+    assert plan.predicted.peak_bytes == peaks.worst.peak.peak_bytes
+    assert plan.predicted.stage_peak_bytes == tuple(s.peak.peak_bytes for s in peaks.stages)
+
+
+def test_auto_finds_a_layout_that_fits_where_data_parallel_alone_does_not():
+    profile = _tp_profile()
+    budget = least_peak(profile, _request(1 << 30)).peak_bytes - 1  # DP alone never fits
+    with pytest.raises(NoPlanFitsError):
+        solve_layout(profile, _request(budget), LayoutRequest(tp=1, pp=1))
+    plan = solve_layout(profile, _request(budget), LayoutRequest(auto=True)).plan
+    p = plan.parallel
+    assert p.dp * p.tp * p.pp * p.cp == 8
+    assert max(p.tp, p.pp) > 1
+    assert plan.predicted.peak_bytes <= budget
+    assert layout_peaks(profile, plan).worst.peak.peak_bytes == plan.predicted.peak_bytes
+
+
+def test_auto_keeps_tp_within_a_node():
+    profile = _tp_profile()
+    result = solve_layout(profile, _request(1 << 30), LayoutRequest(auto=True, gpus_per_node=2))
+    assert all(o.parallel.tp <= 2 for o in result.options)
+    assert {o.parallel.tp for o in result.options} == {1, 2}
+
+
+def test_bubble_is_pp_minus_one_over_m_plus_pp_minus_one():
+    assert bubble_fraction(Parallel(pp=4), 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(Parallel(pp=1), 8) == 0.0
+    interleaved = Parallel(pp=4, schedule="interleaved_1f1b", virtual_stages=2)
+    assert bubble_fraction(interleaved, 8) == pytest.approx(1.5 / 9.5)
+
+
+def test_degrees_that_do_not_divide_the_world_are_refused_with_what_to_do():
+    with pytest.raises(BadInputError, match="no layout of 8 ranks"):
+        solve_layout(_tp_profile(), _request(1 << 30), LayoutRequest(tp=3))
+
+
+def test_torchtitan_toml_parses_and_names_the_degrees_and_batches():
+    profile = _tp_profile()
+    plan = solve_layout(profile, _request(1 << 30), LayoutRequest(tp=2, pp=2)).plan
+    _, text = emit(plan, "torchtitan", "m.py")
+    data = tomllib.loads(text)
+    par = data["parallelism"]
+    assert par["tensor_parallel_degree"] == 2 and par["pipeline_parallel_degree"] == 2
+    assert par["data_parallel_shard_degree"] == 2 and par["context_parallel_degree"] == 1
+    assert par["pipeline_parallel_microbatch_size"] == plan.micro_batch_size
+    assert data["training"]["global_batch_size"] == 32
+    assert data["training"]["local_batch_size"] == plan.micro_batch_size * plan.accumulation_steps
+    assert data["activation_checkpoint"]["mode"] in ("none", "full", "selective")
+
+
+def test_megatron_arguments_and_data_parallel_formats_refuse_a_layout():
+    plan = solve_layout(_tp_profile(), _request(1 << 30), LayoutRequest(tp=2, pp=2)).plan
+    _, text = emit(plan, "megatron", "m.py")
+    for flag in (
+        "--tensor-model-parallel-size 2",
+        "--pipeline-model-parallel-size 2",
+        "--context-parallel-size 1",
+        f"--micro-batch-size {plan.micro_batch_size}",
+        "--global-batch-size 32",
+        "--use-torch-fsdp2",
+    ):
+        assert flag in text
+    with pytest.raises(BadInputError, match="cannot write a plan with tensor"):
+        emit(plan, "deepspeed", "m.py")
+
+
+def test_cli_solves_a_layout_and_writes_torchtitan(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(profile_to_yaml(_tp_profile()))
+    out = tmp_path / "o"
+    result = CliRunner().invoke(
+        app,
+        [
+            "solve",
+            str(path),
+            "--budget",
+            "1GiB",
+            "--target-batch",
+            "32",
+            "--world-size",
+            "8",
+            "--tp",
+            "2",
+            "--strategy",
+            "fsdp",
+            "-o",
+            str(out / "plan.yaml"),
+            "--format",
+            "torchtitan",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = tomllib.loads((out / "torchtitan.toml").read_text())
+    assert data["parallelism"]["tensor_parallel_degree"] == 2
+    bad = CliRunner().invoke(
+        app,
+        [
+            "solve",
+            str(path),
+            "--budget",
+            "1GiB",
+            "--target-batch",
+            "32",
+            "--world-size",
+            "8",
+            "--layout",
+            "manual",
+        ],
+    )
+    assert bad.exit_code == 2 and "--layout takes auto" in bad.output

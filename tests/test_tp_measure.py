@@ -1,0 +1,88 @@
+"""What tensor parallelism divides, measured by the probe (memplan.probe.tp_measure) on a
+Hugging Face Llama built from its config: the TP-split parameter bytes are the attention and
+MLP projections' weights, to the byte; the share of saved bytes inside the TP region is
+solved from a second run under TP 2 on a fake process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memplan.loader import load_model_file
+from memplan.probe.backends import make_backend
+from memplan.probe.session import open_session
+from memplan.probe.tp_measure import declared_plan, measure_tp, saved_activation_bytes
+from memplan.profile import load_profile
+
+H, FFN, HEADS, KV, VOCAB = 32, 64, 4, 2, 64
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": FFN,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 64,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return f"hf:{folder}?task=causal-lm&seq-len=16"
+
+
+def _measured(reference: str, tmp_path):
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    out = tmp_path / "p.yaml"
+    result = CliRunner().invoke(app, ["probe", reference, "--micro-batches", "1,2", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return load_profile(out)
+
+
+def test_probe_measures_the_tp_split_of_a_llama(llama, tmp_path):
+    profile = _measured(llama, tmp_path)
+    head_dim = H // HEADS
+    # q, k, v colwise, o rowwise (bias-free), gate/up colwise, down rowwise: every weight.
+    weights = (H * H + 2 * H * KV * head_dim + H * H + 3 * H * FFN) * 4
+    for layer in profile.layers:
+        assert layer.tp_sharded_bytes == weights
+        assert 0.3 < layer.tp_saved_fraction < 1.0  # q/k/v, attention, MLP inside; norms out
+    fixed = {part.name: part.tp_sharded_bytes for part in profile.fixed}
+    assert fixed["model.embed_tokens"] == VOCAB * H * 4  # embedding_rowwise
+    assert fixed["lm_head"] == VOCAB * H * 4  # colwise_gather_output
+    assert fixed["model.norm"] == 0
+
+
+def test_saved_bytes_leave_parameters_out():
+    # A linear layer saves its input (4 × 8 floats) and its weight (a parameter: left out).
+    layer = torch.nn.Linear(8, 8, bias=False)
+    x = torch.randn(4, 8, requires_grad=True)
+    assert saved_activation_bytes(layer, (x,), {}) == 4 * 8 * 4
+
+
+def test_a_model_without_a_tp_plan_keeps_its_profile(tmp_path):
+    source = tmp_path / "mlp.py"
+    source.write_text(
+        "import torch\n"
+        "def build_model():\n"
+        "    return torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(8, 8), "
+        "torch.nn.ReLU()) for _ in range(2)), torch.nn.Linear(8, 1))\n"
+        "def make_batch(b):\n"
+        "    return torch.randn(b, 8), torch.randn(b, 1)\n"
+        "def loss_fn(out, y):\n"
+        "    return torch.nn.functional.mse_loss(out, y)\n"
+    )
+    model_file = load_model_file(str(source))
+    session = open_session(model_file, make_backend("cpu", "fp32", None), None)
+    session.recorder.remove()
+    assert declared_plan(model_file.module, session.model) is None
+    sentinel = object()
+    assert measure_tp(session, sentinel, 1) is sentinel  # type: ignore[arg-type]
