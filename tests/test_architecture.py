@@ -12,9 +12,10 @@ MAX_LINES = 600
 # Over the 600-line bar and being reworked elsewhere; listed so that the debt is visible.
 OVER_LIMIT_FOR_NOW: set[str] = set()
 
-# The torch wings, and the three root modules that may import torch (lazily or not).
+# The torch wings, and the root modules that may import torch (lazily or not).
 WINGS = ("memplan.probe", "memplan.run", "memplan.verify")
-TORCH_FILES = {"memplan.loader", "memplan.hf", "memplan.devices"}
+# memplan.batch: the loader's batch helpers, split off it (torch imported lazily, as there).
+TORCH_FILES = {"memplan.loader", "memplan.batch", "memplan.hf", "memplan.devices"}
 # Above the core: the commands and the CI gate run the wings.
 APPS = ("memplan.cli", "memplan.check")
 # memplan.wrap is where emitted scripts import wrap_for_plan from (a re-export of
