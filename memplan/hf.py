@@ -123,9 +123,12 @@ def parse_reference(
     task: str | None = None,
     seq_len: int | None = None,
     lora: str | None = None,
+    default_seq_len: int | None = None,
 ) -> HfReference:
     """An ``hf:`` reference from its text, the options in it overridden by ``task``,
-    ``seq_len`` and ``lora`` (the CLI's ``--task``, ``--seq-len``, ``--lora``)."""
+    ``seq_len`` and ``lora`` (the CLI's ``--task``, ``--seq-len``, ``--lora``);
+    ``default_seq_len`` is the length when neither names one (``--seq-lens``, whose
+    lengths replace it at each probe)."""
     if not is_hf_reference(text):
         raise BadInputError(f"{text!r} is not an hf: reference.", hint=f"Write {_FORMAT}.")
     body = text[len(PREFIX) :]
@@ -141,6 +144,8 @@ def parse_reference(
         options[name] = value
     task = task or options.get("task")
     seq_text = str(seq_len) if seq_len is not None else options.get("seq-len")
+    if seq_text is None and default_seq_len is not None:
+        seq_text = str(default_seq_len)
     lora_text = lora if lora is not None else options.get("lora")
     if not source:
         raise BadInputError(f"{text!r} names no config.", hint=f"Write {_FORMAT}.")

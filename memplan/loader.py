@@ -19,7 +19,7 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,14 @@ from memplan.errors import (
     ModelFileError,
 )
 from memplan.profile import DEFAULT_FACTORY, model_arg, split_model_arg
+from memplan.run.batch import (  # noqa: F401 - re-exported: batch helpers lived here
+    PASSED_THROUGH,
+    batch_tensors,
+    is_tensor_batch,
+    map_batch,
+    move_batch,
+    refused_batch_item,
+)
 
 
 def _user_location(exc: BaseException, path: Path) -> str:
@@ -171,48 +179,6 @@ def settle_torchvision() -> None:
         _retrying_torchvision(lambda: importlib.import_module("torchvision"))
 
 
-def _tensor_type() -> type:
-    import torch
-
-    return torch.Tensor
-
-
-def is_tensor_batch(batch: Any) -> bool:
-    """A tensor, a tuple/list of tensors or a dict of tensors (nesting allowed)."""
-    tensor = _tensor_type()
-    if isinstance(batch, tensor):
-        return True
-    if isinstance(batch, tuple | list):
-        return len(batch) > 0 and all(is_tensor_batch(item) for item in batch)
-    if isinstance(batch, dict):
-        return len(batch) > 0 and all(is_tensor_batch(item) for item in batch.values())
-    return False
-
-
-def map_batch(batch: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every tensor of a batch, keeping its structure."""
-    tensor = _tensor_type()
-    if isinstance(batch, tensor):
-        return fn(batch)
-    if isinstance(batch, tuple | list):
-        items = [map_batch(item, fn) for item in batch]
-        return type(batch)(items) if isinstance(batch, list) else tuple(items)
-    if isinstance(batch, dict):
-        return {key: map_batch(value, fn) for key, value in batch.items()}
-    return batch
-
-
-def batch_tensors(batch: Any) -> list[Any]:
-    out: list[Any] = []
-    map_batch(batch, out.append)
-    return out
-
-
-def move_batch(batch: Any, device: Any) -> Any:
-    """The batch on ``device`` (memplan moves batches itself; model files make them on CPU)."""
-    return map_batch(batch, lambda t: t.to(device))
-
-
 @dataclass(kw_only=True, slots=True)
 class ModelFile:
     """A loaded model file. Calls into the user's code go through methods that turn the
@@ -292,10 +258,17 @@ class ModelFile:
     def make_batch(self, batch_size: int) -> Any:
         args = (batch_size,) if self.seq_len is None else (batch_size, self.seq_len)
         batch = self._call("make_batch", *args)
-        if not is_tensor_batch(batch):
+        refused = refused_batch_item(batch)
+        if refused is not None:
+            returned = (
+                type(batch).__name__
+                if refused == "batch"
+                else f"a batch whose {refused} is not a tensor"
+            )
             raise ModelFileError(
-                f"{self.path}: make_batch{_args_text(args)} returned {type(batch).__name__}; "
-                "it must return a tensor, a tuple/list of tensors or a dict of tensors.",
+                f"{self.path}: make_batch{_args_text(args)} returned {returned}; it must return a tensor, a tuple/list of tensors or a dict of tensors (a "
+                "dict may also hold plain values such as return_loss=True, passed to the model "
+                "as keyword arguments).",
                 hint="Return tensors on CPU; memplan moves them to the device.",
             )
         if any(getattr(t, "is_meta", False) for t in batch_tensors(batch)):
@@ -516,15 +489,29 @@ def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
 
 
 def model_reference(
-    text: str, *, task: str | None = None, seq_len: int | None = None, lora: str | None = None
+    text: str,
+    *,
+    task: str | None = None,
+    seq_len: int | None = None,
+    lora: str | None = None,
+    seq_lens: Sequence[int] = (),
 ) -> str:
     """The model argument of a command, with ``--task`` / ``--seq-len`` / ``--lora`` folded
     into an ``hf:`` reference (one string that profiles, plans and scripts carry). Those
-    options are refused for a model file, which makes its own batches."""
+    options are refused for a model file, which makes its own batches. With ``seq_lens``
+    (``--seq-lens``) a reference needs no length of its own: the shortest stands in."""
     from memplan import hf
 
     if hf.is_hf_reference(text):
-        return str(hf.parse_reference(text, task=task, seq_len=seq_len, lora=lora))
+        return str(
+            hf.parse_reference(
+                text,
+                task=task,
+                seq_len=seq_len,
+                lora=lora,
+                default_seq_len=min(seq_lens) if seq_lens else None,
+            )
+        )
     given = [
         flag
         for flag, value in (("--task", task), ("--seq-len", seq_len), ("--lora", lora))

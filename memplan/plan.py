@@ -82,6 +82,9 @@ class ModelFingerprint:
     """Bytes of all parameters (trainable and frozen), each storage counted once."""
     candidate_layers: tuple[str, ...] = ()
     """The checkpoint candidates of the profile, by fully-qualified module name."""
+    hf_blocks: tuple[str, ...] = ()
+    """The blocks Hugging Face's ``gradient_checkpointing_enable()`` checkpoints
+    (``Profile.hf_blocks``); empty for a model that is not a transformers model."""
 
 
 class _DerivedNames(tuple):

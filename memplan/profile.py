@@ -248,6 +248,9 @@ class Totals:
     buffer_bytes: int
     grad_bytes: int
     optimizer_state_bytes: int
+    cached_bytes: int = 0
+    """Tensors the model keeps from one step to the next outside its parameters and buffers
+    (a rotary table cached in a Python dict): resident all step, as buffers are."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -296,6 +299,10 @@ class Profile:
     model's attention heads, key/value heads and the dimensions its TP plan splits (each TP
     rank holds whole heads and equal slices; memplan.run.tp_plan.tp_degree_divides). None:
     not known (no TP plan, or a profile written before memplan recorded it)."""
+    hf_blocks: tuple[str, ...] = ()
+    """The blocks Hugging Face's own ``gradient_checkpointing_enable()`` checkpoints (each
+    module of a ``_no_split_modules`` class that transformers checkpoints), by
+    fully-qualified name; empty for a model that is not a transformers model."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:
@@ -402,6 +409,7 @@ _COUNT_FIELDS = (
     "params_trainable_bytes",
     "params_frozen_bytes",
     "buffer_bytes",
+    "cached_bytes",
     "grad_bytes",
     "optimizer_state_bytes",
 )

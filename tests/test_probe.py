@@ -291,6 +291,10 @@ def test_a_size_with_its_own_op_sequence_is_left_out() -> None:
     profile = _example_profile(str(MODELS / "probe_batch1_path.py"))
     assert profile.micro_batches == (1, 2, 4)  # probed; the fits are from 2 and 4
     assert any("Micro-batch 1 ran a different op sequence" in w for w in profile.warnings)
+    # the fits rest on 2 and 4 only: nothing checks them (issue 22)
+    (note,) = [w for w in profile.warnings if "different op sequence" in w]
+    assert "rest on two sizes, so they are unchecked" in note
+    assert "--micro-batches 1,2,4,8" in note
 
 
 def test_checkpoint_cost_is_measured_on_cpu_not_on_meta():

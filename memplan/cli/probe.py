@@ -20,6 +20,7 @@ from memplan.cli.options import (
 from memplan.errors import BadInputError
 from memplan.loader import model_reference
 from memplan.schema import to_data
+from memplan.seqlen import parse_seq_lens
 
 
 @run_command
@@ -77,15 +78,14 @@ def probe(
     sizes = parse_micro_batches(micro_batches)
     if output is not None:
         check_output(output, force=force)  # refuse before minutes of probing, not after
+    lens = parse_seq_lens(seq_lens) if seq_lens is not None else ()
     if seq_lens is not None:
         from memplan.probe.seqgrid import probe_seq_grid
-        from memplan.seqlen import parse_seq_lens
 
-        lens = parse_seq_lens(seq_lens)
         if seq_len is not None:
             raise BadInputError("--seq-len and --seq-lens: give one (--seq-lens 128,256).")
         probe_model = functools.partial(probe_seq_grid, seq_lens=lens)
-    model = model_reference(model, task=task, seq_len=seq_len, lora=lora)
+    model = model_reference(model, task=task, seq_len=seq_len, lora=lora, seq_lens=lens)
     with (
         running_user_code(model, as_json=as_json),
         render.progress("probing", quiet=as_json) as on_progress,

@@ -7,10 +7,11 @@ output_dir, and use_cpu for a plan made for the CPU — see ``src/transformers/t
 the parser rejects unknown keys by default. Everything else is a YAML comment.
 
 ``gradient_checkpointing`` is all-or-nothing in the Trainer (it calls
-``model.gradient_checkpointing_enable()``, which checkpoints every block the model declares).
-So it is true only when the plan is known to checkpoint every candidate layer; a plan that
-checkpoints a subset (or whose candidate list is not given) gets ``false`` plus a comment with
-the two lines that apply exactly the plan's layers with ``memplan.apply``. The old names are
+``model.gradient_checkpointing_enable()``, which checkpoints every block the model declares:
+each module of a ``_no_split_modules`` class, recorded by the probe as
+``ModelFingerprint.hf_blocks``). So it is true only when the plan fully checkpoints exactly
+those blocks; any other plan gets ``false`` plus a comment with the two lines that apply
+exactly the plan's layers with ``memplan.apply``. The old names are
 used (transformers 5 also accepts them, with a deprecation warning, under the new
 ``activation_checkpointing`` names), so the file loads on transformers 4.x and 5.x.
 """
@@ -32,10 +33,13 @@ DEEPSPEED_FILENAME = "ds_config.json"
 
 
 def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | None = None) -> str:
-    """TrainingArguments YAML. ``candidate_layers``: every layer the solver could have
-    checkpointed; when the plan checkpoints all of them, Trainer's own
-    ``gradient_checkpointing`` is switched on instead of asking for ``memplan.apply``."""
+    """TrainingArguments YAML. ``candidate_layers``: the blocks Trainer's own
+    ``gradient_checkpointing`` would checkpoint (default: the plan's
+    ``model_fingerprint.hf_blocks``); when the plan fully checkpoints exactly those, it is
+    switched on instead of asking for ``memplan.apply``."""
     layers = set(plan.checkpoint_layers)
+    if candidate_layers is None and plan.model_fingerprint is not None:
+        candidate_layers = plan.model_fingerprint.hf_blocks or None
     # Trainer's gradient_checkpointing is full checkpointing of every block: only then.
     all_full = all(mode == "full" for mode in plan.checkpoint.values())
     all_layers = (
@@ -56,9 +60,9 @@ def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | No
         notes += ["The plan checkpoints no layers: gradient_checkpointing stays false."]
     elif all_layers:
         notes += [
-            f"The plan checkpoints every candidate layer ({len(layers)}), so Trainer's "
+            f"The plan fully checkpoints exactly the {len(layers)} blocks that Trainer's "
             "all-or-nothing gradient_checkpointing",
-            "matches it (for a PreTrainedModel whose checkpointed blocks are these layers).",
+            "checkpoints (model.gradient_checkpointing_enable()), so it is switched on.",
         ]
     else:
         notes += [

@@ -127,8 +127,8 @@ def root_params_bytes(profile: Profile) -> int:
 
 def rank_params_bytes(profile: Profile, sharding: Sharding) -> int:
     """Parameters and buffers one rank holds at rest. FSDP / ZeRO-3 keeps 1/world of every
-    unit's parameters (ZeRO paper, Rajbhandari et al. 2020, §5.3 "P_os+g+p"); buffers are
-    not sharded (FSDP2 only converts parameters to DTensor). The others keep them all."""
+    unit's parameters (ZeRO paper, Rajbhandari et al. 2020, §5.3 "P_os+g+p"); buffers and
+    cached tensors are not sharded (FSDP2 only converts parameters to DTensor). The others keep them all."""
     if sharding.strategy != "fsdp" or (
         sharding.world_size == 1 and not mixed_precision_params(profile, sharding)
     ):
@@ -139,6 +139,7 @@ def rank_params_bytes(profile: Profile, sharding: Sharding) -> int:
     return (
         sum(shard_bytes(master_bytes(profile, sharding, u), w, e) for u in units)
         + profile.totals.buffer_bytes
+        + profile.totals.cached_bytes
     )
 
 

@@ -21,9 +21,10 @@ OPTIMIZER_STEP = "optimizer_step"
 
 # --------------------------------------------------------------------------- terms
 def params_bytes(profile: Profile) -> int:
-    """Parameters (trainable and frozen) and buffers: resident all step."""
+    """Parameters (trainable and frozen), buffers and the tensors the model caches between
+    steps: resident all step."""
     t = profile.totals
-    return t.params_trainable_bytes + t.params_frozen_bytes + t.buffer_bytes
+    return t.params_trainable_bytes + t.params_frozen_bytes + t.buffer_bytes + t.cached_bytes
 
 
 def grads_bytes(profile: Profile) -> int:

@@ -255,6 +255,13 @@ def consistent_runs(runs: list[SizeRuns], warnings: list[str]) -> list[SizeRuns]
         f"Micro-batch {', '.join(map(str, dropped))} ran a different op sequence from "
         f"{', '.join(str(r.size) for r in kept)} (a path taken only at that size); it was left "
         "out of the fits."
+        + (
+            f" The fits rest on two sizes, so they are unchecked (a line fits any two points): "
+            f"probe a third size too (e.g. --micro-batches "
+            f"{','.join(str(s) for s in (*(r.size for r in runs), 2 * runs[-1].size))})."
+            if len(kept) == 2
+            else ""
+        )
     )
     return kept
 

@@ -21,7 +21,7 @@ from memplan.probe.alignment import (
     unique_params,
     window_peak,
 )
-from memplan.probe.layers import has_batchnorm, own_params_owners, param_bytes
+from memplan.probe.layers import has_batchnorm, hf_blocks, own_params_owners, param_bytes
 from memplan.probe.session import Run, Session, SizeRuns
 from memplan.probe.sizes import TimedSize
 from memplan.probe.tracker import state_tensors, storages_bytes
@@ -114,6 +114,7 @@ def assemble(
         op_sequence_stable=stable,
         warnings=tuple(dict.fromkeys(warnings)),
         max_seq_len=session.model_file.max_seq_len,
+        hf_blocks=hf_blocks(session.model),
     )
 
 
@@ -359,9 +360,27 @@ def _environment(session: Session) -> Environment:
     )
 
 
+def _cached_bytes(session: Session) -> int:
+    """Bytes of the tensors the model came to keep between steps (``Session.kept_tensors``)
+    outside its parameters, buffers, gradients and optimizer state, counted after the last
+    probed step, when every cache a step fills is full; tensors it held before its first
+    step (a dataset in a module-level variable) are not the device's."""
+    model = session.model
+    known = {
+        id(t.untyped_storage())
+        for t in [*model.parameters(), *model.buffers()]
+        + [p.grad for p in model.parameters() if p.grad is not None]
+        + [t for s in session.optimizer.state.values() for t in state_tensors(s)]
+        + list(session.kept_at_start)
+    }
+    kept = session.kept_tensors()
+    return storages_bytes(t for t in kept if id(t.untyped_storage()) not in known)
+
+
 def _totals(session: Session, grads: dict[int, int]) -> Totals:
     params_trainable, params_frozen = param_bytes(session.model)
     return Totals(
+        cached_bytes=_cached_bytes(session),
         params_trainable_bytes=params_trainable,
         params_frozen_bytes=params_frozen,
         buffer_bytes=storages_bytes(session.model.buffers()),

@@ -241,3 +241,31 @@ def param_bytes(module: nn.Module, *, recurse: bool = True) -> tuple[int, int]:
     trainable = sum(p.numel() * p.element_size() for p in seen.values() if p.requires_grad)
     frozen = sum(p.numel() * p.element_size() for p in seen.values() if not p.requires_grad)
     return trainable, frozen
+
+
+def hf_blocks(model: torch.nn.Module) -> tuple[str, ...]:
+    """The modules Hugging Face's ``gradient_checkpointing_enable()`` checkpoints, by name:
+    those of a ``_no_split_modules`` class of a transformers model (or of the model a peft
+    wrapper holds) that transformers can checkpoint (a ``GradientCheckpointingLayer``,
+    where this transformers has that class). Empty for any other model."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return ()
+    inner = model
+    for _ in range(3):  # peft: PeftModel.base_model (LoraModel).model (the PreTrainedModel)
+        if hasattr(inner, "_no_split_modules") or not hasattr(inner, "base_model"):
+            break
+        inner = getattr(inner, "base_model", inner)
+        inner = getattr(inner, "model", inner)
+    kinds = set(getattr(inner, "_no_split_modules", None) or ())
+    if not kinds or not getattr(inner, "supports_gradient_checkpointing", False):
+        return ()
+    layer = getattr(
+        sys.modules.get("transformers.modeling_layers"), "GradientCheckpointingLayer", None
+    )
+    return tuple(
+        name
+        for name, m in model.named_modules()
+        if type(m).__name__ in kinds and (layer is None or isinstance(m, layer))
+    )

@@ -19,7 +19,9 @@ from memplan.probe.backends import Backend
 from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
-from memplan.probe.tracker import LiveTracker, resident_tensors
+from memplan.probe.tracker import LiveTracker, kept_tensors, resident_tensors
+
+_MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 
 Series = tuple[list[int], list[str]]
 
@@ -87,6 +89,21 @@ class Session:
     part_names: list[str]
     recorder: Recorder
     warnings: list[str] = field(default_factory=list)
+    kept_at_start: tuple[torch.Tensor, ...] = ()
+    """``kept_tensors()`` before the first step: none of them is a cache a step fills."""
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """Tensors on the probe's device that the model's modules hold in plain attributes
+        (a dict of rotary tables) or the model file holds in module-level variables."""
+        roots: list[Any] = [
+            {k: v for k, v in vars(m).items() if k not in _MODULE_SLOTS}
+            for m in self.model.modules()
+        ]
+        user = self.model_file.module
+        if user is not None:
+            roots.append({k: v for k, v in vars(user).items() if not k.startswith("__")})
+        device = self.backend.torch_device.type
+        return [t for t in kept_tensors(roots) if t.device.type == device]
 
     # ------------------------------------------------------------------------ stepping
     def micro_step(
@@ -194,7 +211,7 @@ def open_session(
         model, [modules[n] for n in names], {n: modules[n] for n in parts}, clock=backend.clock
     )
     recorder.install()
-    return Session(
+    session = Session(
         model_file=model_file,
         backend=backend,
         model=model,
@@ -205,6 +222,8 @@ def open_session(
         recorder=recorder,
         warnings=[note for note in (cache_note, deeper_note) if note],
     )
+    session.kept_at_start = tuple(session.kept_tensors())
+    return session
 
 
 def warm_up(session: Session, size: int) -> None:

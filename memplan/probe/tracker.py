@@ -268,6 +268,30 @@ def storages_bytes(tensors: Iterable[Any]) -> int:
     return sum(seen.values())
 
 
+def kept_tensors(roots: Iterable[Any], depth: int = 4) -> list[torch.Tensor]:
+    """The tensors held in ``roots`` (objects' attributes, dicts, lists, tuples, sets), up
+    to ``depth`` containers deep: where a model keeps a table between steps."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def walk(value: Any, left: int) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif left > 0 and isinstance(value, dict):
+            for item in list(value.values()):
+                walk(item, left - 1)
+        elif left > 0 and isinstance(value, list | tuple | set | frozenset):
+            for item in list(value):
+                walk(item, left - 1)
+
+    for root in roots:
+        walk(root, depth)
+    return found
+
+
 def state_tensors(value: Any) -> list[torch.Tensor]:
     """Every tensor inside an optimizer state entry (dicts, lists, tensors)."""
     if isinstance(value, torch.Tensor):

@@ -1,31 +1,33 @@
 """The torch wing that runs a plan: checkpointing by module name (``apply`` / ``remove``,
 memplan.run.checkpoint), gradient accumulation (``Accumulator``), the training state that
-checkpointing must switch off (memplan.run.training_state) and the data-parallel wrapping
-(memplan.run.wrap). It imports neither the probe nor verify: both build on it."""
+checkpointing must switch off (memplan.run.training_state), the data-parallel wrapping
+(memplan.run.wrap), a parallel layout (memplan.run.parallel) and a batch's shapes
+(memplan.run.batch, which the loader uses). It imports neither the probe nor verify: both
+build on it. Names are loaded on first use, so ``memplan.run.batch`` costs no torch import."""
 
 from __future__ import annotations
 
-from memplan.run.accumulate import Accumulator, move_to_device
-from memplan.run.checkpoint import (
-    apply,
-    checkpointed_modes,
-    checkpointed_names,
-    layer_modes,
-    remove,
-    run_in_mode,
-)
-from memplan.run.training_state import disable_kv_cache, kv_cache_note, no_dropout
+import importlib
+from typing import Any
 
-__all__ = [
-    "Accumulator",
-    "apply",
-    "checkpointed_modes",
-    "checkpointed_names",
-    "disable_kv_cache",
-    "kv_cache_note",
-    "layer_modes",
-    "move_to_device",
-    "no_dropout",
-    "remove",
-    "run_in_mode",
-]
+_HOMES = {
+    "Accumulator": "accumulate",
+    "move_to_device": "accumulate",
+    "apply": "checkpoint",
+    "checkpointed_modes": "checkpoint",
+    "checkpointed_names": "checkpoint",
+    "layer_modes": "checkpoint",
+    "remove": "checkpoint",
+    "run_in_mode": "checkpoint",
+    "disable_kv_cache": "training_state",
+    "kv_cache_note": "training_state",
+    "no_dropout": "training_state",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"memplan.run.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'memplan.run' has no attribute {name!r}")

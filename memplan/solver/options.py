@@ -262,7 +262,9 @@ def _evaluate(
     comm_bytes = timing.communication_bytes(
         strategy,
         ctx.request.world_size,
-        params_bytes=memory.params_bytes(profile) - profile.totals.buffer_bytes,
+        params_bytes=memory.params_bytes(profile)
+        - profile.totals.buffer_bytes
+        - profile.totals.cached_bytes,
         grads_bytes=memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
         accumulation_steps=accumulation,
         reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
@@ -341,6 +343,7 @@ def build_plan(
                 profile.totals.params_trainable_bytes + profile.totals.params_frozen_bytes,
             ),
             candidate_layers=profile.layer_names,
+            hf_blocks=profile.hf_blocks,
         ),
         profile=request.profile_path,
         reasons=tuple(reasons),

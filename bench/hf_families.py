@@ -1,0 +1,192 @@
+"""Tiny models of transformers' families, built from their config classes alone (never
+weights), for the meta-vs-cpu sweep (bench/hf_sweep.py) and its CI sample
+(tests/test_hf_sweep.py).
+
+A family is a ``model_type`` of transformers' auto mappings in one of four kinds: causal-LM,
+encoder (masked-LM), encoder-decoder (seq2seq-LM) and vision (image classification). Its
+tiny config is the config class's defaults with every size field it has shrunk (hidden 32,
+2 layers, 4 heads, vocabulary 128, images 32 × 32), sub-configs included; a family whose
+model does not build that way, or stays big (over ``MAX_PARAMS``), is skipped with the
+reason. ``model_file`` writes a model file (the memplan contract) for one family, so the
+sweep probes it exactly as a user's file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+KINDS = {
+    "causal-lm": ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "AutoModelForCausalLM"),
+    "encoder": ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "AutoModelForMaskedLM"),
+    "encoder-decoder": ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "AutoModelForSeq2SeqLM"),
+    "vision": ("MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", "AutoModelForImageClassification"),
+}
+SEQ_LEN = 16
+IMAGE = 32
+VOCAB = 128
+MAX_PARAMS = 8_000_000
+"""A tiny model here holds well under a million parameters; one over this did not shrink."""
+
+# Each size field a config may spell, and its tiny value (set only where the default is an
+# int, so a field meaning something else in one family is left alone).
+_SIZES = {
+    **dict.fromkeys(
+        ("hidden_size", "d_model", "n_embd", "dim", "embed_dim", "hidden_dim", "n_embed"), 32
+    ),
+    **dict.fromkeys(
+        (
+            "num_hidden_layers",
+            "n_layer",
+            "n_layers",
+            "num_layers",
+            "encoder_layers",
+            "decoder_layers",
+            "num_decoder_layers",
+            "num_encoder_layers",
+        ),
+        2,
+    ),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "n_heads",
+            "num_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+        ),
+        4,
+    ),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "multi_query_group_num"), 2),
+    **dict.fromkeys(
+        (
+            "intermediate_size",
+            "ffn_dim",
+            "encoder_ffn_dim",
+            "decoder_ffn_dim",
+            "d_ff",
+            "n_inner",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "expert_intermediate_size",
+            "ffn_hidden_size",
+        ),
+        64,
+    ),
+    "head_dim": 8,
+    "rotary_dim": 8,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "d_kv": 8,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "image_size": IMAGE,
+    "patch_size": 4,
+    "num_channels": 3,
+    "embedding_size": 16,
+}
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+
+
+def families(kind: str) -> list[str]:
+    """The model types of ``kind`` in the pinned transformers, in its mapping's order."""
+    from transformers.models.auto import modeling_auto
+
+    return list(getattr(modeling_auto, KINDS[kind][0]))
+
+
+def _tiny_kwargs(config: Any) -> dict[str, Any]:
+    from transformers import PretrainedConfig
+
+    kwargs: dict[str, Any] = {}
+    for name, value in vars(config).items():
+        if isinstance(value, PretrainedConfig):
+            kwargs[name] = {**value.to_dict(), **_tiny_kwargs(value)}
+        elif name in _SIZES and isinstance(value, int) and not isinstance(value, bool):
+            kwargs[name] = _SIZES[name]
+        elif name in ("depths", "num_layers_per_stage") and isinstance(value, list):
+            kwargs[name] = [1 for _ in value]
+        elif name == "layer_types" and isinstance(value, list):
+            kwargs[name] = value[:2]
+        elif name == "intermediate_size" and isinstance(value, list):
+            kwargs[name] = [64, 64]
+        elif name == "use_cache":
+            kwargs[name] = False  # training: a cache is never read
+        elif name in _TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
+            kwargs[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
+    return kwargs
+
+
+def tiny_config(kind: str, family: str) -> Any:
+    """The config of ``family``'s tiny model: its class's defaults, every size shrunk."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[family]
+    return cls(**_tiny_kwargs(cls()))
+
+
+def build(kind: str, family: str) -> Any:
+    """``family``'s tiny model of ``kind``, random weights (seeded), training mode."""
+    import torch
+
+    from memplan.loader import settle_torchvision
+
+    settle_torchvision()  # before transformers imports it (memplan.loader says why)
+    import transformers
+
+    config = tiny_config(kind, family)
+    torch.manual_seed(0)
+    model = getattr(transformers, KINDS[kind][1]).from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    if params > MAX_PARAMS:
+        raise ValueError(f"stays big: {params:,} parameters from its tiny config")
+    return model.train()
+
+
+def make_batch(kind: str, family: str, batch_size: int) -> dict[str, Any]:
+    """A batch of ``batch_size`` samples: token ids and labels (``SEQ_LEN`` tokens), or
+    ``IMAGE`` × ``IMAGE`` images and class labels; seeded by the size."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + batch_size)
+    if kind == "vision":
+        config = tiny_config(kind, family)
+        channels = int(getattr(config, "num_channels", 3) or 3)
+        size = getattr(config, "image_size", IMAGE)
+        size = size if isinstance(size, int) else IMAGE
+        return {
+            "pixel_values": torch.randn(batch_size, channels, size, size, generator=g),
+            "labels": torch.randint(0, 2, (batch_size,), generator=g),
+        }
+    ids = torch.randint(3, VOCAB, (batch_size, SEQ_LEN), generator=g)
+    labels = torch.randint(3, VOCAB, (batch_size, SEQ_LEN), generator=g)
+    return {"input_ids": ids, "labels": labels if kind == "encoder-decoder" else ids.clone()}
+
+
+_TEMPLATE = '''"""{family} ({kind}), tiny, from its config class (bench/hf_families.py)."""
+from bench import hf_families
+
+KIND, FAMILY = {kind!r}, {family!r}
+
+
+def build_model():
+    return hf_families.build(KIND, FAMILY)
+
+
+def make_batch(batch_size):
+    return hf_families.make_batch(KIND, FAMILY, batch_size)
+'''
+
+
+def model_file(folder: Path, kind: str, family: str) -> Path:
+    """A model file for ``family``'s tiny model in ``folder``."""
+    path = folder / f"{kind}_{family}.py".replace("-", "_")
+    path.write_text(_TEMPLATE.format(kind=kind, family=family), encoding="utf-8")
+    return path
