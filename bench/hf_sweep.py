@@ -37,7 +37,10 @@ TARGET = 0.90
 
 def byte_difference(cpu: Any, meta: Any) -> str | None:
     """The first byte field where ``meta`` differs from ``cpu`` (its name), or None when
-    every one is equal. The same fields as tests/profile_bytes.assert_meta_equals_cpu."""
+    every one is equal. The same fields as tests/profile_bytes.assert_meta_equals_cpu: the
+    selective ones and the TP split (``tp_*``) left out — meta runs no selective mode, and
+    the TP re-run of an ``hf:`` block on meta has no twins for the values its forward reads
+    (a warning in the profile: issue 25's known gap)."""
     from memplan.schema import to_data
 
     def fields(items: Any) -> list[dict[str, Any]]:
@@ -45,7 +48,7 @@ def byte_difference(cpu: Any, meta: Any) -> str | None:
             {
                 k: v
                 for k, v in item.items()
-                if k == "name" or (k.endswith("_bytes") and not k.startswith("selective"))
+                if k == "name" or (k.endswith("_bytes") and not k.startswith(("selective", "tp_")))
             }
             for item in to_data(items)
         ]

@@ -12,12 +12,13 @@ from memplan.schema import to_data
 
 def _bytes_fields(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each item's name and every ``*_bytes`` field (an int or an affine fit), but the
-    selective ones: meta runs no selective mode."""
+    selective ones (meta runs no selective mode) and the TP split (``tp_*``: a separate
+    measurement, which an ``hf:`` block's TP re-run cannot make on meta yet)."""
     return [
         {
             k: v
             for k, v in item.items()
-            if k == "name" or (k.endswith("_bytes") and not k.startswith("selective"))
+            if k == "name" or (k.endswith("_bytes") and not k.startswith(("selective", "tp_")))
         }
         for item in items
     ]

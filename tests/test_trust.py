@@ -172,6 +172,7 @@ def test_a_plan_for_another_model_is_refused_and_old_plans_say_nothing_is_checke
     assert plan["model_fingerprint"] == {
         "parameter_bytes": 2 * (8 * 8 + 8) * 4,
         "candidate_layers": ["0", "1"],
+        "hf_blocks": [],  # not a transformers model: HF checkpoints none of its blocks
     }
 
     result = invoke("verify", TINY, plan_path, "--steps", 1)
