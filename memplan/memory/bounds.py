@@ -17,7 +17,6 @@ from memplan.memory.sharding import (
 )
 from memplan.memory.terms import (
     NO_BOUND,
-    mode_of,
     mode_savings_bytes,
     offload_host_bytes,
     phases_for,
@@ -199,11 +198,16 @@ def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[
     )
     best = bounds.optimizer_bytes
     prefix = 0
-    for h in range(len(bounds.plain_bytes)):
-        mode = mode_of(chosen, h)
-        best = max(best, bounds.none_bytes[h] - prefix, bounds.active(mode, h) - prefix)
-        prefix += bounds.saving(mode, h)
-    return max(best, bounds.none_bytes[-1] - prefix)
+    none_bytes, plain_bytes = bounds.none_bytes, bounds.plain_bytes
+    modes = chosen if isinstance(chosen, Mapping) else dict.fromkeys(chosen, FULL)
+    for h in range(len(plain_bytes)):
+        mode = modes.get(h)
+        if mode is None or mode == KEEP:
+            best = max(best, none_bytes[h] - prefix, plain_bytes[h] - prefix)
+        else:
+            best = max(best, none_bytes[h] - prefix, bounds.active(mode, h) - prefix)
+            prefix += bounds.saving(mode, h)
+    return max(best, none_bytes[-1] - prefix)
 
 
 def host_total_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:
@@ -294,13 +298,14 @@ def min_allocated_bytes(
     least = max(bounds.optimizer_bytes, max([*bounds.none_bytes, *active]) - most_saved)
     lo = least - 1  # infeasible
     lo = min(lo, hi - 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits_somehow(bounds, mid, forced_in=forced_in, forced_out=forced_out):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    # What a binary search on the limit over (lo, hi] finds, in one pass: every need of
+    # prefix_saving_bounds at limit L is its need at limit 0 less L (the limit enters each
+    # term once, subtracted), so some assignment fits under L iff L >= the optimizer step
+    # and L >= the floor at 0 with limit 0. A layer with no allowed mode fits under none.
+    if any(not bounds.allowed(h, forced_in, forced_out) for h in range(n)):
+        return hi
+    floor = feasible_floor_bytes(bounds, 0, forced_in=forced_in, forced_out=forced_out)
+    return min(hi, max(lo + 1, bounds.optimizer_bytes, floor[0]))
 
 
 def plan_peak(profile: Profile, plan: Plan, device_spec: DeviceSpec | None = None) -> Peak:

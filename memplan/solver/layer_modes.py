@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from itertools import accumulate, pairwise
 from operator import itemgetter
+from typing import Any
 
 from memplan import memory
 from memplan.memory import StepBounds
@@ -34,18 +35,45 @@ def _cap_bytes(
 
 def _efficient_mode(
     bounds: StepBounds, costs: Costs, h: int, modes: Sequence[str]
-) -> tuple[str, Fraction] | None:
+) -> tuple[str, int, int] | None:
     """Layer h's mode of least cost per byte saved among ``modes`` that save bytes (ties:
-    the larger saving, then MODES order), and that ratio."""
+    the larger saving, then MODES order), with its cost and saving."""
     best = None
     for mode in modes:
         saving = bounds.saving(mode, h) if mode != KEEP else 0
         if saving <= 0:
             continue
-        ratio = Fraction(costs[mode][h], saving)
-        if best is None or (ratio, -saving) < (best[1], -best[2]):
-            best = (mode, ratio, saving)
-    return None if best is None else (best[0], best[1])
+        cost = costs[mode][h]
+        # cost/saving < best's, exactly (savings are positive), or equal and saving more
+        if best is None or (
+            cost * best[2] < best[1] * saving
+            or (cost * best[2] == best[1] * saving and saving > best[2])
+        ):
+            best = (mode, cost, saving)
+    return best
+
+
+def _by_ratio(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """``rows`` (cost, saving > 0, tie-breaks...) sorted by the exact ratio cost/saving,
+    then the tie-breaks, as sorting by ``(Fraction(cost, saving), *tie-breaks)`` would.
+    Sorts by the float ratio first: int division is correctly rounded, hence monotone, so
+    distinct ratios that round to one float are the only ones out of order, and each run
+    of equal floats holding more than one exact ratio is sorted again exactly."""
+    floats = [row[0] / row[1] for row in rows]
+    order = sorted(range(len(rows)), key=lambda i: (floats[i], *rows[i][2:]))
+    out = [rows[i] for i in order]
+    start = 0
+    for end in range(1, len(out) + 1):
+        if end < len(out) and floats[order[end]] == floats[order[start]]:
+            continue
+        if end - start > 1:
+            first = out[start]
+            if any(c * first[1] != first[0] * sv for c, sv, *_ in out[start + 1 : end]):
+                out[start:end] = sorted(
+                    out[start:end], key=lambda row: (Fraction(row[0], row[1]), *row[2:])
+                )
+        start = end
+    return out
 
 
 def _fits(bounds: StepBounds, limit: int, assignment: Mapping[int, str]) -> bool:
@@ -86,8 +114,8 @@ def _greedy_cost(
     (:func:`_hull_steps`) by cost per byte, each layer in the mode of its last step taken.
     Only an upper bound for pruning the DP; its quality affects speed, never the answer."""
     n = len(bounds.plain_bytes)
-    free: list[tuple[Fraction, int, str]] = []
-    steps: list[tuple[Fraction, int, int, str]] = []
+    free: list[tuple[int, int, int, str]] = []  # (cost, saving, layer, mode)
+    steps: list[tuple[int, int, int, int, str]] = []  # (cost, saving, layer, k, mode)
     forced: dict[int, str] = {}
     for j in range(n):
         if j in forced_out:
@@ -100,17 +128,18 @@ def _greedy_cost(
                 return None
             forced[j] = best[0] if best is not None else allowed[0]
         elif best is not None:
-            free.append((best[1], j, best[0]))
-        steps += [(Fraction(c, s), j, k, mode) for k, (c, s, mode) in enumerate(hull)]
-    free.sort(key=lambda item: (item[0], item[1]))
-    steps.sort(key=lambda item: (item[0], item[1], item[2]))
+            free.append((best[1], best[2], j, best[0]))
+        steps += [(c, s, j, k, mode) for k, (c, s, mode) in enumerate(hull)]
+    # by ratio, then layer (then step): the layers and modes are unique keys
+    free = _by_ratio(free)
+    steps = _by_ratio(steps)
 
     def by_layer(m: int) -> dict[int, str]:
-        return {**forced, **{j: mode for _, j, mode in free[:m]}}
+        return {**forced, **{j: mode for _, _, j, mode in free[:m]}}
 
     def by_step(m: int) -> dict[int, str]:
         chosen = dict(forced)
-        for _, j, _, mode in steps[:m]:
+        for _, _, j, _, mode in steps[:m]:
             chosen[j] = mode
         return chosen
 
@@ -164,16 +193,32 @@ def _suffix_knapsacks(
     mode per layer, read off these sums) is a lower bound on the real least cost."""
     n = len(bounds.plain_bytes)
     out: list[tuple[list[int], list[int], list[tuple[int, int]]]] = [([], [], [])] * (n + 1)
-    ratios: list[Fraction] = []
+    hulls = [
+        _hull_steps(
+            bounds, costs, i, [m for m in bounds.allowed(i, forced_in, forced_out) if m != KEEP]
+        )
+        if i not in forced_out
+        else []
+        for i in range(n)
+    ]
+    # each step's ratio as its rank among all steps' ratios (equal ratios, equal ranks)
+    ranked = _by_ratio(
+        [(c, sv, i, k) for i, hull in enumerate(hulls) for k, (c, sv, _) in enumerate(hull)]
+    )
+    rank: dict[tuple[int, int], int] = {}
+    r = -1
+    for at, (c, sv, i, k) in enumerate(ranked):
+        if not at or c * ranked[at - 1][1] != ranked[at - 1][0] * sv:
+            r += 1
+        rank[(i, k)] = r
+    ratios: list[int] = []
     items: list[tuple[int, int]] = []
     for i in range(n - 1, -1, -1):
-        modes = [m for m in bounds.allowed(i, forced_in, forced_out) if m != KEEP]
-        steps = _hull_steps(bounds, costs, i, modes) if i not in forced_out else []
+        steps = hulls[i]
         if steps:
-            for step_cost, step_saving, _ in steps:
-                ratio = Fraction(step_cost, step_saving)
-                at = bisect_right(ratios, ratio)
-                ratios.insert(at, ratio)
+            for k, (step_cost, step_saving, _) in enumerate(steps):
+                at = bisect_right(ratios, rank[(i, k)])
+                ratios.insert(at, rank[(i, k)])
                 items.insert(at, (step_cost, step_saving))
             out[i] = (
                 list(accumulate(map(itemgetter(1), items))),
@@ -245,8 +290,6 @@ def least_cost_modes(
     n = len(bounds.savings)
     limit = limit_bytes
     cap = _cap_bytes(bounds, limit, forced_in, forced_out)
-    host_limit = bounds.host_limit_bytes if bounds.host_binding else None
-    use_host = host_limit is not None
 
     # Branch and bound. A state (P, cost) before layer i still has to raise P to at least
     # ``ahead[i] = max need of the points after layer i`` with layers i .. n-1, which costs
@@ -262,72 +305,139 @@ def least_cost_modes(
     ahead[n] = -math.inf  # nothing after the last position
     for i in range(n - 1, -1, -1):
         ahead[i] = max(ahead[i + 1], need_min[i + 1])
-    knapsack = _suffix_knapsacks(bounds, costs, forced_in, forced_out) if upper is not None else []
+    allowed = [bounds.allowed(h, forced_in, forced_out) for h in range(n)]
+    dp = _Dp(bounds, limit, costs, allowed, floor, cap, ahead)
+    if upper is None:
+        return dp.run(None)
+    dp.knapsack = _suffix_knapsacks(bounds, costs, forced_in, forced_out)
+    # Tighten the bound: the DP under a bound U at least the optimum's cost returns the
+    # optimum (every state of its path, or one that dominates it, stays within U), and
+    # None under a U below it. The fractional knapsack from the start is a lower bound,
+    # usually within a fraction of a percent of the optimum, the greedy plan's cost a few
+    # percent above it; a U close to the optimum prunes far more. The last try is the
+    # greedy cost itself, so the answer is the one the plain bounded DP gives.
+    lower = min(_knapsack_bound(dp.knapsack[0], ahead[0]), upper)
+    for shift in _TIGHTEN_SHIFTS:
+        found = dp.run(lower + ((upper - lower) >> shift))
+        if found is not None:
+            return found
+    return dp.run(upper)
 
-    # The key orders assignments by (cost, number not kept, then per layer the mode's
-    # TIE_DIGIT, earliest layer most significant) and is additive over layers: cost and
-    # count in the high bits, then n digits of TIE_BITS, layer j at digit n-1-j.
-    n1 = n + 1
-    width = TIE_BITS * n
-    mask = (1 << width) - 1
-    keep_digit = TIE_DIGIT[KEEP]
-    start_key = sum(keep_digit << (TIE_BITS * (n - 1 - j)) for j in range(n))
-    states: list[tuple[int, int, int]] = [(min(0, cap[0]), 0, start_key)]
-    for h in range(n):
-        none_need = bounds.none_bytes[h] - limit
-        next_floor, next_cap = floor[h + 1], cap[h + 1]
-        next_ahead = ahead[h + 1]
-        if upper is not None:
-            cum_saving, cum_cost, items = knapsack[h + 1]
-        shift = TIE_BITS * (n - 1 - h)
-        merged: dict[tuple[int, int], int] = {}
-        for mode in bounds.allowed(h, forced_in, forced_out):
-            need = max(none_need, bounds.active(mode, h) - limit)
-            saving = bounds.saving(mode, h)
-            host_add = bounds.host(mode, h) if use_host else 0
-            step = (
-                0
-                if mode == KEEP
-                else ((costs[mode][h] * n1 + 1) << width)
-                + ((TIE_DIGIT[mode] - keep_digit) << shift)
-            )
-            for prefix, used, key in states:
-                if prefix < need:
-                    continue
-                prefix += saving
-                key += step
-                used += host_add
-                if prefix < next_floor or (use_host and used > host_limit):
-                    continue
-                if prefix > next_cap:
-                    prefix = next_cap
-                if upper is not None:
-                    bound = (key >> width) // n1
-                    deficit = next_ahead - prefix
-                    if deficit > 0:  # least cost of the savings still missing
-                        k = bisect_left(cum_saving, deficit)
-                        if k == len(items):
-                            continue  # layers ahead cannot save that much
-                        before_s, before_c = (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
-                        item_cost, item_saving = items[k]
-                        bound += before_c + (deficit - before_s) * item_cost // item_saving
-                    if bound > upper:
+
+_TIGHTEN_SHIFTS = tuple(range(12, 0, -1))
+"""Bounds tried before the greedy cost: the lower bound plus 2^-shift of the gap."""
+
+
+def _knapsack_bound(
+    knapsack: tuple[list[int], list[int], list[tuple[int, int]]], deficit: float
+) -> int:
+    """The least cost of saving ``deficit`` more bytes with a fraction of a step allowed
+    (rounded down), read off a :func:`_suffix_knapsacks` entry; huge when it cannot."""
+    if deficit <= 0:
+        return 0
+    cum_saving, cum_cost, items = knapsack
+    k = bisect_left(cum_saving, deficit)
+    if k == len(items):
+        return _UNREACHABLE
+    before_s, before_c = (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
+    item_cost, item_saving = items[k]
+    return before_c + int((deficit - before_s) * item_cost // item_saving)
+
+
+_UNREACHABLE = 1 << 200
+
+
+class _Dp:
+    """The DP over layers for one request, run under a cost bound (or none)."""
+
+    def __init__(
+        self,
+        bounds: StepBounds,
+        limit: int,
+        costs: Costs,
+        allowed: list[tuple[str, ...]],
+        floor: list[int],
+        cap: list[int],
+        ahead: list[float],
+    ) -> None:
+        self.bounds, self.limit, self.costs, self.allowed = bounds, limit, costs, allowed
+        self.floor, self.cap, self.ahead = floor, cap, ahead
+        self.knapsack: list[tuple[list[int], list[int], list[tuple[int, int]]]] = []
+
+    def run(self, upper: int | None) -> dict[int, str] | None:
+        """The least-key assignment whose cost is at most ``upper`` (None: any), or None."""
+        bounds, limit, costs = self.bounds, self.limit, self.costs
+        floor, cap, ahead, knapsack = self.floor, self.cap, self.ahead, self.knapsack
+        n = len(bounds.savings)
+        host_limit = bounds.host_limit_bytes if bounds.host_binding else None
+        use_host = host_limit is not None
+
+        # The key orders assignments by (cost, number not kept, then per layer the mode's
+        # TIE_DIGIT, earliest layer most significant) and is additive over layers: cost and
+        # count in the high bits, then n digits of TIE_BITS, layer j at digit n-1-j.
+        n1 = n + 1
+        width = TIE_BITS * n
+        mask = (1 << width) - 1
+        keep_digit = TIE_DIGIT[KEEP]
+        start_key = sum(keep_digit << (TIE_BITS * (n - 1 - j)) for j in range(n))
+        states: list[tuple[int, int, int]] = [(min(0, cap[0]), 0, start_key)]
+        for h in range(n):
+            none_need = bounds.none_bytes[h] - limit
+            next_floor, next_cap = floor[h + 1], cap[h + 1]
+            next_ahead = ahead[h + 1]
+            if upper is not None:
+                cum_saving, cum_cost, items = knapsack[h + 1]
+            shift = TIE_BITS * (n - 1 - h)
+            merged: dict[tuple[int, int], int] = {}
+            for mode in self.allowed[h]:
+                need = max(none_need, bounds.active(mode, h) - limit)
+                saving = bounds.saving(mode, h)
+                host_add = bounds.host(mode, h) if use_host else 0
+                step = (
+                    0
+                    if mode == KEEP
+                    else ((costs[mode][h] * n1 + 1) << width)
+                    + ((TIE_DIGIT[mode] - keep_digit) << shift)
+                )
+                for prefix, used, key in states:
+                    if prefix < need:
                         continue
-                old = merged.get((prefix, used))
-                if old is None or key < old:
-                    merged[(prefix, used)] = key
-        states = _pareto(merged, use_host)
-        if not states:  # host limit, or floor[0] <= 0 guarantees a state otherwise
-            return None
-    key = min(states, key=itemgetter(2))[2]
-    digits = key & mask
-    by_digit = {d: m for m, d in TIE_DIGIT.items()}
-    out = {}
-    for j in range(n):
-        mode = by_digit[(digits >> (TIE_BITS * (n - 1 - j))) & ((1 << TIE_BITS) - 1)]
-        if mode != KEEP:
-            out[j] = mode
-    return out
+                    prefix += saving
+                    key += step
+                    used += host_add
+                    if prefix < next_floor or (use_host and used > host_limit):
+                        continue
+                    if prefix > next_cap:
+                        prefix = next_cap
+                    if upper is not None:
+                        bound = (key >> width) // n1
+                        deficit = next_ahead - prefix
+                        if deficit > 0:  # least cost of the savings still missing
+                            k = bisect_left(cum_saving, deficit)
+                            if k == len(items):
+                                continue  # layers ahead cannot save that much
+                            before_s, before_c = (
+                                (cum_saving[k - 1], cum_cost[k - 1]) if k else (0, 0)
+                            )
+                            item_cost, item_saving = items[k]
+                            bound += before_c + (deficit - before_s) * item_cost // item_saving
+                        if bound > upper:
+                            continue
+                    old = merged.get((prefix, used))
+                    if old is None or key < old:
+                        merged[(prefix, used)] = key
+            states = _pareto(merged, use_host)
+            if not states:  # host limit, or floor[0] <= 0 guarantees a state otherwise
+                return None
+        key = min(states, key=itemgetter(2))[2]
+        digits = key & mask
+        by_digit = {d: m for m, d in TIE_DIGIT.items()}
+        out = {}
+        for j in range(n):
+            mode = by_digit[(digits >> (TIE_BITS * (n - 1 - j))) & ((1 << TIE_BITS) - 1)]
+            if mode != KEEP:
+                out[j] = mode
+        return out
 
 
 def least_recompute_set(

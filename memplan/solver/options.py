@@ -309,15 +309,14 @@ def build_plan(
     ctx: SolveContext, option: PlanOption, reasons: Sequence[str], warnings: Sequence[str]
 ) -> Plan:
     profile, request = ctx.profile, ctx.request
+    names = profile.layer_names
     return Plan(
         target_batch=request.target_batch,
         micro_batch_size=option.micro_batch,
         accumulation_steps=option.accumulation_steps,
         world_size=request.world_size,
         strategy=option.strategy,
-        checkpoint={
-            profile.layer_names[i]: mode for i, mode in sorted(option.checkpointed.items())
-        },
+        checkpoint={names[i]: mode for i, mode in sorted(option.checkpointed.items())},
         shard_units=profile.layer_names if option.strategy == "fsdp" else (),
         shard_unit_types=tuple(dict.fromkeys(layer.module_type for layer in profile.layers))
         if option.strategy == "fsdp"
