@@ -142,9 +142,10 @@ _INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
 _FLOAT = re.compile(r"-?[0-9]+\.[0-9]*(?:e[-+][0-9]+)?")
 
 
-def _value(token: str) -> Any:
+def _value(token: str, plain_numbers: bool = False) -> Any:
     """A scalar or flow value as ``yaml.safe_load`` reads it, or NotFast when JSON and
-    YAML might read it differently."""
+    YAML might read it differently. ``plain_numbers``: the text holds no number JSON and
+    YAML read differently (``_ODD_NUMBER``), so JSON's own float parsing stands."""
     if not token:
         raise NotFast("empty value")
     first = token[0]
@@ -155,7 +156,7 @@ def _value(token: str) -> Any:
             value = json.loads(
                 token,
                 parse_constant=_refuse,
-                parse_float=_yaml_float,
+                parse_float=float if plain_numbers else _yaml_float,
                 object_pairs_hook=_unique,
             )
         except ValueError as exc:
@@ -192,6 +193,14 @@ def _refuse(name: str) -> Any:
     raise NotFast(name)
 
 
+_ODD_NUMBER = re.compile(r"[\[,: \r]-?[0-9]+(?:[eE]|\.[0-9]+(?:E|e(?![-+])))")
+"""Where a JSON float ``_FLOAT`` refuses could be: an exponent after a mantissa with no
+point, with a capital E or with no sign, on a number after what can precede one in a flow
+value (``[``, ``,``, ``:``, or JSON whitespace other than the tab and newline a line
+cannot hold). Where it finds none, every float in the text is one ``_yaml_float`` accepts
+(a string that matches only costs speed)."""
+
+
 def _yaml_float(text: str) -> float:
     # JSON's 1e5 or 1.5E5 is a string or a float to YAML 1.1 by rules of its own
     if not _FLOAT.fullmatch(text):
@@ -218,7 +227,7 @@ def load(text: str) -> Any:
         parsed.append(m.groups())
     if len(parsed) == 1 and parsed[0][0] == "" and parsed[0][2] is None and parsed[0][1] is None:
         raise NotFast("a bare scalar")
-    value, end = _read(parsed, 0, "")
+    value, end = _read(parsed, 0, "", _ODD_NUMBER.search(text) is None)
     if end != len(parsed):
         raise NotFast("indentation")
     return value
@@ -234,13 +243,13 @@ def _key(token: str) -> str:
     return key
 
 
-def _read(parsed: list, i: int, indent: str) -> tuple[Any, int]:
+def _read(parsed: list, i: int, indent: str, plain_numbers: bool) -> tuple[Any, int]:
     if parsed[i][0] != indent:
         raise NotFast("indentation")
     if parsed[i][1] is not None:  # a block list
         items = []
         while i < len(parsed) and parsed[i][0] == indent and parsed[i][1] is not None:
-            items.append(_value(parsed[i][1]))
+            items.append(_value(parsed[i][1], plain_numbers))
             i += 1
         return items, i
     mapping: dict[str, Any] = {}
@@ -252,8 +261,8 @@ def _read(parsed: list, i: int, indent: str) -> tuple[Any, int]:
         if rest is None:
             if i + 1 >= len(parsed) or len(parsed[i + 1][0]) <= len(indent):
                 raise NotFast("an empty value")
-            mapping[key], i = _read(parsed, i + 1, parsed[i + 1][0])
+            mapping[key], i = _read(parsed, i + 1, parsed[i + 1][0], plain_numbers)
         else:
-            mapping[key] = _value(rest)
+            mapping[key] = _value(rest, plain_numbers)
             i += 1
     return mapping, i

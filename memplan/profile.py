@@ -39,7 +39,7 @@ from typing import Literal
 
 from memplan import fast_yaml
 from memplan.errors import ProfileError
-from memplan.schema import from_data, load_yaml_file, to_data
+from memplan.schema import from_data, gc_paused, load_yaml_file, to_data
 
 PROFILE_SCHEMA_VERSION = 2
 """2: optional ``seq_len`` and ``seq`` (a probe over sequence lengths, memplan.seqlen).
@@ -549,12 +549,14 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile YAML (``yaml.safe_load`` only; unknown keys rejected with a hint)."""
-    data = load_yaml_file(path, what="profile")
-    if "target_batch" in data:
-        raise ProfileError(
-            f"{path} is a plan, not a profile.", hint="Pass the profile written by `memplan probe`."
-        )
-    return profile_from_data(data, source=str(path))
+    with gc_paused():
+        data = load_yaml_file(path, what="profile")
+        if "target_batch" in data:
+            raise ProfileError(
+                f"{path} is a plan, not a profile.",
+                hint="Pass the profile written by `memplan probe`.",
+            )
+        return profile_from_data(data, source=str(path))
 
 
 def profile_to_yaml(profile: Profile) -> str:

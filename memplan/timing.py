@@ -24,8 +24,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
+from memplan.layer_values import layer_ints, layer_values
 from memplan.modes import FULL, KEEP, SELECTIVE
 from memplan.profile import Affine, Layer, Profile
 
@@ -211,6 +214,35 @@ def roofline_seconds(flops: float, bytes_moved: float, spec: DeviceSpec, precisi
     return max(compute, memory, 0.0)
 
 
+def _roofline_layer_seconds(
+    profile: Profile, micro_batch: int, spec: DeviceSpec
+) -> tuple[list[float], list[float]] | None:
+    """``roofline_times``'s per-layer forward and backward seconds in array operations (the
+    same IEEE operations in the same order; ``np.maximum`` keeps its first argument on a
+    tie as ``max`` does), or None where memplan.layer_values cannot give the values."""
+    flops = layer_values(profile, "fwd_flops", micro_batch)
+    inputs = layer_values(profile, "input_bytes", micro_batch)
+    saved = layer_values(profile, "saved_bytes", micro_batch)
+    if flops is None or inputs is None or saved is None:
+        return None
+    params = layer_ints(profile, "params_trainable_bytes")
+    frozen = layer_ints(profile, "params_frozen_bytes")
+    if not (np.abs(params).max(initial=0.0) < 2**52 and np.abs(frozen).max(initial=0.0) < 2**52):
+        return None  # their sum as ints, then as a float, could differ from this one
+    flops = np.maximum(flops, 0.0)
+    moved = params + frozen + np.maximum(inputs, 0.0) + np.maximum(saved, 0.0)
+    peak = spec.peak_flops(profile.environment.precision) * ROOFLINE_FLOPS_EFFICIENCY
+    bandwidth = spec.memory_bandwidth * ROOFLINE_BANDWIDTH_EFFICIENCY
+
+    def seconds(flops: np.ndarray, moved: np.ndarray) -> list[float]:
+        return np.maximum(np.maximum(flops / peak, moved / bandwidth), 0.0).tolist()
+
+    return (
+        seconds(flops, moved),
+        seconds(BACKWARD_FLOPS_FACTOR * flops, BACKWARD_FLOPS_FACTOR * moved),
+    )
+
+
 def roofline_times(profile: Profile, micro_batch: int, spec: DeviceSpec) -> MicroStepTimes:
     """Times from FLOPs and bytes. A layer's forward reads its weights and input and writes
     what it saves; its backward does twice the FLOPs and moves about twice the bytes. The
@@ -218,8 +250,9 @@ def roofline_times(profile: Profile, micro_batch: int, spec: DeviceSpec) -> Micr
     state."""
     precision = profile.environment.precision
     b = micro_batch
-    fwd, bwd = [], []
-    for layer in profile.layers:
+    fast = _roofline_layer_seconds(profile, b, spec)
+    fwd, bwd = fast if fast is not None else ([], [])
+    for layer in profile.layers if fast is None else ():
         flops = max(layer.fwd_flops.at(b), 0.0)
         moved = (
             layer.params_trainable_bytes
@@ -307,6 +340,28 @@ PICOSECONDS_PER_SECOND = 10**12
 
 def to_picoseconds(seconds: float) -> int:
     return round(seconds * PICOSECONDS_PER_SECOND)
+
+
+def mode_picoseconds(times: MicroStepTimes, mode: str) -> list[int]:
+    """``to_picoseconds(times.mode_seconds(i, mode))`` for every layer i (``np.rint`` rounds
+    half to even as ``round`` does, on the same product)."""
+    n = len(times.fwd_seconds)
+    if mode == KEEP:
+        return [0] * n
+    if n:
+        times.mode_seconds(0, mode)  # its error, for a mode with no times
+    series = (
+        times.recompute_seconds or times.fwd_seconds
+        if mode == FULL
+        else times.selective_seconds
+        if mode == SELECTIVE
+        else times.offload_seconds
+    )
+    with np.errstate(all="ignore"):
+        rounded = np.rint(np.asarray(series, dtype=np.float64) * PICOSECONDS_PER_SECOND)
+    if len(series) != n or (rounded.size and not float(np.abs(rounded).max()) < 2.0**62):
+        return [to_picoseconds(times.mode_seconds(i, mode)) for i in range(n)]
+    return rounded.astype(np.int64).tolist()
 
 
 def step_picoseconds(

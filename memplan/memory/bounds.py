@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from memplan.devices import DeviceSpec
 from memplan.memory.budget import reserve_for
 from memplan.memory.peak import Peak, optimizer_point_bytes, rank_segments, step_peak
@@ -22,7 +24,7 @@ from memplan.memory.terms import (
     phases_for,
     savings_bytes,
 )
-from memplan.memory.tops import segment_tops_bytes
+from memplan.memory.tops import held_layout, segment_tops_bytes, segment_tops_float
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -130,7 +132,11 @@ def step_bounds(
     ckpt = [NO_BOUND] * n
     others = {m: [NO_BOUND] * n for m in extra}
     # Each phase's segment tops in each mode at once (memory.tops), then the maxima by held.
-    if sharding == SINGLE:  # no adjustment: one tight loop per phase
+    if sharding == SINGLE and _held_maxima(
+        profile, micro_batch, accumulation_steps, none, {KEEP: plain, FULL: ckpt, **others}
+    ):
+        pass
+    elif sharding == SINGLE:  # no adjustment: one tight loop per phase
         for phase in phases_for(accumulation_steps):
             segments = profile.timeline[phase]
             keep_tops = segment_tops_bytes(segments, micro_batch, KEEP)
@@ -188,6 +194,50 @@ def step_bounds(
         host_bytes=offload_host_bytes(profile, micro_batch) if OFFLOAD in modes else (),
         host_limit_bytes=host_limit_bytes,
     )
+
+
+def _held_maxima(
+    profile: Profile,
+    micro_batch: int,
+    accumulation_steps: int,
+    none: list[int],
+    active: dict[str, list[int]],
+) -> bool:
+    """The single-process maxima by ``held`` of ``step_bounds`` in array operations: fills
+    ``none`` and ``active`` (per mode) and returns True, or returns False, changing nothing,
+    where memory.tops cannot give float tops or a top is too large for int64 (the
+    one-by-one path then). ``none`` and ``active`` come in holding NO_BOUND only. The
+    maximum is taken before rounding up: ceil is monotone, so ``ceil(max x) == max(ceil x)``."""
+    n = len(active[KEEP])
+    tops = {}
+    for phase in phases_for(accumulation_steps):
+        segments = profile.timeline[phase]
+        for mode in active:
+            top = segment_tops_float(segments, micro_batch, mode)
+            if top is None:
+                return False
+            tops[(phase, mode)] = top
+    none_top = np.full(n + 1, -np.inf)
+    active_top = {mode: np.full(n, -np.inf) for mode in active}
+    for phase in phases_for(accumulation_steps):
+        held, is_active = held_layout(profile.timeline[phase])
+        idle = ~is_active
+        np.maximum.at(none_top, held[idle], tops[(phase, KEEP)][idle])
+        for mode, top in active_top.items():
+            np.maximum.at(top, held[is_active], tops[(phase, mode)][is_active])
+    rounded = []
+    for out, top in ((none, none_top), *((active[m], t) for m, t in active_top.items())):
+        seen = top > -np.inf
+        ceiling = np.ceil(np.where(seen, top, 0.0))
+        if ceiling.size and not float(np.abs(ceiling).max()) < _INT64_SAFE:
+            return False
+        rounded.append((out, ceiling.astype(np.int64).tolist(), seen.tolist()))
+    for out, values, seen in rounded:  # the lists hold NO_BOUND only until now
+        out[:] = [value if here else NO_BOUND for value, here in zip(values, seen, strict=True)]
+    return True
+
+
+_INT64_SAFE = float(1 << 62)
 
 
 def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:

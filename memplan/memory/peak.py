@@ -37,7 +37,7 @@ from memplan.memory.terms import (
     optimizer_step_peak_bytes,
     phases_for,
 )
-from memplan.memory.tops import segment_tops_bytes
+from memplan.memory.tops import first_highest_segment, segment_tops_bytes
 from memplan.modes import FULL, KEEP, OFFLOAD, SELECTIVE
 from memplan.plan import Breakdown
 from memplan.profile import Phase, Profile, Segment
@@ -205,9 +205,24 @@ def step_peak(
     checkpointing; or a mapping of them to modes), on one rank under ``sharding`` (default:
     one process): the first highest of ``step_points``, with its place and breakdown."""
     chosen = layer_modes(profile, checkpointed)
-    values = _step_values(profile, micro_batch, chosen, accumulation_steps, sharding)
-    best = max(value[2] for value in values)
-    top_phase, top_index, _ = next(v for v in values if v[2] == best)  # the first place wins
+    found = None
+    if sharding == SINGLE:  # the walk in array operations (memory.tops), when it can be
+        found = first_highest_segment(
+            profile.timeline,
+            phases_for(accumulation_steps),
+            micro_batch,
+            chosen,
+            held_mode_prefix_bytes(profile, micro_batch, chosen),
+        )
+    if found is not None:
+        best, top_phase, top_index = found
+        optimizer = optimizer_point_bytes(profile, micro_batch, sharding)
+        if optimizer > best:  # the optimizer step comes last: it wins only by more
+            best, top_phase, top_index = optimizer, OPTIMIZER_STEP, None
+    else:
+        values = _step_values(profile, micro_batch, chosen, accumulation_steps, sharding)
+        best = max(value[2] for value in values)
+        top_phase, top_index, _ = next(v for v in values if v[2] == best)  # the first wins
     reserve_bytes = reserve.bytes_for(best)
     return Peak(
         peak_bytes=best + reserve_bytes,

@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from memplan.errors import BadInputError
+from memplan.layer_values import layer_values, rounded_ints
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD, SELECTIVE
 from memplan.profile import Affine, Phase, Point, Profile, Segment
 
@@ -49,6 +50,9 @@ def affine_bytes(value: Affine, micro_batch: int) -> int:
 
 def savings_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
     """Per layer: bytes freed while it is held if it is checkpointed, rounded down."""
+    fast = rounded_ints(layer_values(profile, "savings_bytes", micro_batch), "floor")
+    if fast is not None:
+        return fast
     return tuple(math.floor(layer.savings_bytes.at(micro_batch)) for layer in profile.layers)
 
 
@@ -129,6 +133,9 @@ def mode_savings_bytes(profile: Profile, micro_batch: int, mode: str) -> tuple[i
                 "This profile has no measurement of the selective mode.",
                 hint="Probe the model again with this memplan, or leave selective out of --modes.",
             )
+        fast = rounded_ints(layer_values(profile, "selective_savings_bytes", micro_batch), "floor")
+        if fast is not None:
+            return fast
         return tuple(
             math.floor(layer.selective_savings_bytes.at(micro_batch))  # type: ignore[union-attr]
             for layer in profile.layers
@@ -140,6 +147,9 @@ def offload_host_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
     """Per layer: bytes an offloaded layer copies to host memory (and back) per micro-step:
     everything its forward saves for backward, rounded up (more than the device frees, which
     is safe for both the host-memory cap and the copy time)."""
+    fast = rounded_ints(layer_values(profile, "saved_bytes", micro_batch), "ceil")
+    if fast is not None:
+        return tuple(max(value, 0) for value in fast)
     return tuple(max(affine_bytes(layer.saved_bytes, micro_batch), 0) for layer in profile.layers)
 
 

@@ -238,12 +238,7 @@ def _evaluate(
     )
     if OFFLOAD in ctx.modes:
         times = timing.with_offload(times, timing.offload_seconds(bounds.host_bytes, ctx.host_link))
-    n = len(times.fwd_seconds)
-    costs = {
-        mode: [timing.to_picoseconds(times.mode_seconds(i, mode)) for i in range(n)]
-        for mode in ctx.modes
-        if mode != KEEP
-    }
+    costs = {mode: timing.mode_picoseconds(times, mode) for mode in ctx.modes if mode != KEEP}
     bounds = bar_slow_selective(bounds, times, ctx.modes)
     forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
     chosen = least_cost_modes(bounds, ctx.limit_bytes, costs, **forced)
