@@ -18,31 +18,75 @@ profile by layer name, so a failure can say *what grew*. Everything here returns
 
 from __future__ import annotations
 
-from memplan.check.advice import (
-    describe_growth,
-    failure_text,
-    plan_text,
-    suggested_budget,
-    verdict,
-)
-from memplan.check.baseline import diff_profiles
-from memplan.check.config import (
-    DEFAULT_CONFIG,
-    CheckConfig,
-    CheckSpec,
-    ResolvedCheck,
-    load_config,
-)
-from memplan.check.formats import (
-    append_step_summary,
-    to_json,
-    to_json_data,
-    to_junit_xml,
-    to_markdown,
-)
-from memplan.check.init import make_starter, starter_config
-from memplan.check.result import CheckReport, CheckResult, Growth, PlanSummary
-from memplan.check.run import check_model, run_check, run_checks
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memplan.check.advice import (
+        describe_growth,
+        failure_text,
+        plan_text,
+        suggested_budget,
+        verdict,
+    )
+    from memplan.check.baseline import diff_profiles
+    from memplan.check.config import (
+        DEFAULT_CONFIG,
+        CheckConfig,
+        CheckSpec,
+        ResolvedCheck,
+        load_config,
+    )
+    from memplan.check.formats import (
+        append_step_summary,
+        to_json,
+        to_json_data,
+        to_junit_xml,
+        to_markdown,
+    )
+    from memplan.check.init import make_starter, starter_config
+    from memplan.check.result import CheckReport, CheckResult, Growth, PlanSummary
+    from memplan.check.run import check_model, run_check, run_checks
+
+_WHERE = {
+    "CheckConfig": "config",
+    "CheckReport": "result",
+    "CheckResult": "result",
+    "CheckSpec": "config",
+    "DEFAULT_CONFIG": "config",
+    "Growth": "result",
+    "PlanSummary": "result",
+    "ResolvedCheck": "config",
+    "append_step_summary": "formats",
+    "check_model": "run",
+    "describe_growth": "advice",
+    "diff_profiles": "baseline",
+    "failure_text": "advice",
+    "load_config": "config",
+    "make_starter": "init",
+    "plan_text": "advice",
+    "run_check": "run",
+    "run_checks": "run",
+    "starter_config": "init",
+    "suggested_budget": "advice",
+    "to_json": "formats",
+    "to_json_data": "formats",
+    "to_junit_xml": "formats",
+    "to_markdown": "formats",
+    "verdict": "advice",
+}
+"""Each name's module: loaded on first use, so that ``memplan solve`` (whose command line
+registers ``check``) does not import the gate's modules."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memplan.check' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"memplan.check.{module}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "DEFAULT_CONFIG",

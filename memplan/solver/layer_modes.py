@@ -190,9 +190,15 @@ def _suffix_knapsacks(
     """For each layer i: the hull steps (:func:`_hull_steps`) of the layers i .. n-1, by
     increasing cost per byte, with running sums of savings and costs. The least cost of
     saving D bytes with a fraction of a step allowed (the LP relaxation of choosing one
-    mode per layer, read off these sums) is a lower bound on the real least cost."""
+    mode per layer, read off these sums) is a lower bound on the real least cost.
+
+    Each list is as long as the steps ahead, so for many layers the lists are kept at
+    every ``stride``-th layer (and the last ``stride``) only, and a layer in between reads
+    the one kept before it: the steps of a few more layers, so a bound that is lower, still
+    a bound (pruning a little less, the same answer) in memory linear in the layers."""
     n = len(bounds.plain_bytes)
-    out: list[tuple[list[int], list[int], list[tuple[int, int]]]] = [([], [], [])] * (n + 1)
+    stride = max(1, n // _KNAPSACKS_KEPT)
+    out: list = [([], [], [])] * (n + 1)
     hulls = [
         _hull_steps(
             bounds, costs, i, [m for m in bounds.allowed(i, forced_in, forced_out) if m != KEEP]
@@ -214,20 +220,28 @@ def _suffix_knapsacks(
     ratios: list[int] = []
     items: list[tuple[int, int]] = []
     for i in range(n - 1, -1, -1):
-        steps = hulls[i]
-        if steps:
-            for k, (step_cost, step_saving, _) in enumerate(steps):
-                at = bisect_right(ratios, rank[(i, k)])
-                ratios.insert(at, rank[(i, k)])
-                items.insert(at, (step_cost, step_saving))
+        for k, (step_cost, step_saving, _) in enumerate(hulls[i]):
+            at = bisect_right(ratios, rank[(i, k)])
+            ratios.insert(at, rank[(i, k)])
+            items.insert(at, (step_cost, step_saving))
+        if not hulls[i] and out[i + 1] is not None:
+            out[i] = out[i + 1]  # the same steps
+        elif i % stride == 0 or i >= n - stride:
             out[i] = (
                 list(accumulate(map(itemgetter(1), items))),
                 list(accumulate(map(itemgetter(0), items))),
                 list(items),
             )
         else:
-            out[i] = out[i + 1]
+            out[i] = None
+    for i in range(1, n):
+        if out[i] is None:
+            out[i] = out[i - 1]
     return out
+
+
+_KNAPSACKS_KEPT = 256
+"""Above this many layers :func:`_suffix_knapsacks` keeps about this many lists."""
 
 
 def _pareto(merged: dict[tuple[int, int], int], host: bool) -> list[tuple[int, int, int]]:
