@@ -142,23 +142,19 @@ _INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
 _FLOAT = re.compile(r"-?[0-9]+\.[0-9]*(?:e[-+][0-9]+)?")
 
 
-def _value(token: str, plain_numbers: bool = False) -> Any:
+def _value(token: str, plain_numbers: bool = False, escapes_checked: bool = False) -> Any:
     """A scalar or flow value as ``yaml.safe_load`` reads it, or NotFast when JSON and
     YAML might read it differently. ``plain_numbers``: the text holds no number JSON and
-    YAML read differently (``_ODD_NUMBER``), so JSON's own float parsing stands."""
+    YAML read differently (``_ODD_NUMBER``), so JSON's own float parsing stands;
+    ``escapes_checked``: the whole text holds no escape the two read differently."""
     if not token:
         raise NotFast("empty value")
     first = token[0]
-    if _SURROGATE.search(token) or "\\/" in token:
+    if not escapes_checked and (_SURROGATE.search(token) or "\\/" in token):
         raise NotFast("an escape JSON and YAML read differently")
     if first in "[{":
         try:
-            value = json.loads(
-                token,
-                parse_constant=_refuse,
-                parse_float=float if plain_numbers else _yaml_float,
-                object_pairs_hook=_unique,
-            )
+            value = (_JSON_PLAIN if plain_numbers else _JSON_YAML).decode(token)
         except ValueError as exc:
             raise NotFast(str(exc)) from None
         return value
@@ -208,6 +204,13 @@ def _yaml_float(text: str) -> float:
     return float(text)
 
 
+_JSON_YAML = json.JSONDecoder(
+    parse_constant=_refuse, parse_float=_yaml_float, object_pairs_hook=_unique
+)
+_JSON_PLAIN = json.JSONDecoder(parse_constant=_refuse, parse_float=float, object_pairs_hook=_unique)
+"""Flow values' readers, made once (``json.loads`` with arguments makes one per call)."""
+
+
 _LINE = re.compile(r"( *)(?:- (.*)|([A-Za-z_][A-Za-z0-9_.\-]*|\"[^\"\\]*\"):(?: (.*))?)")
 
 
@@ -227,7 +230,8 @@ def load(text: str) -> Any:
         parsed.append(m.groups())
     if len(parsed) == 1 and parsed[0][0] == "" and parsed[0][2] is None and parsed[0][1] is None:
         raise NotFast("a bare scalar")
-    value, end = _read(parsed, 0, "", _ODD_NUMBER.search(text) is None)
+    checked = (_ODD_NUMBER.search(text) is None, not _SURROGATE.search(text) and "\\/" not in text)
+    value, end = _read(parsed, 0, "", checked)
     if end != len(parsed):
         raise NotFast("indentation")
     return value
@@ -243,13 +247,13 @@ def _key(token: str) -> str:
     return key
 
 
-def _read(parsed: list, i: int, indent: str, plain_numbers: bool) -> tuple[Any, int]:
+def _read(parsed: list, i: int, indent: str, checked: tuple[bool, bool]) -> tuple[Any, int]:
     if parsed[i][0] != indent:
         raise NotFast("indentation")
     if parsed[i][1] is not None:  # a block list
         items = []
         while i < len(parsed) and parsed[i][0] == indent and parsed[i][1] is not None:
-            items.append(_value(parsed[i][1], plain_numbers))
+            items.append(_value(parsed[i][1], *checked))
             i += 1
         return items, i
     mapping: dict[str, Any] = {}
@@ -261,8 +265,8 @@ def _read(parsed: list, i: int, indent: str, plain_numbers: bool) -> tuple[Any, 
         if rest is None:
             if i + 1 >= len(parsed) or len(parsed[i + 1][0]) <= len(indent):
                 raise NotFast("an empty value")
-            mapping[key], i = _read(parsed, i + 1, parsed[i + 1][0], plain_numbers)
+            mapping[key], i = _read(parsed, i + 1, parsed[i + 1][0], checked)
         else:
-            mapping[key] = _value(rest, plain_numbers)
+            mapping[key] = _value(rest, *checked)
             i += 1
     return mapping, i

@@ -177,8 +177,14 @@ def pooled_layer_seconds(
     return fwd, bwd, recompute, selective  # type: ignore[return-value]
 
 
+_pooled: list[tuple[Profile, tuple]] = []
+"""The last profile's ``pooled_layer_seconds`` (the solver asks at every micro-batch)."""
+
+
 def measured_times(profile: Profile, micro_batch: int) -> MicroStepTimes:
-    fwd, bwd, recompute, selective = pooled_layer_seconds(profile)
+    if not _pooled or _pooled[0][0] is not profile:
+        _pooled[:] = [(profile, pooled_layer_seconds(profile))]
+    fwd, bwd, recompute, selective = _pooled[0][1]
     return MicroStepTimes(
         micro_batch=micro_batch,
         fixed_seconds=_seconds(profile.step_fixed_seconds, micro_batch),

@@ -5,6 +5,7 @@ knapsacks, the least peak in one backward pass, the step bounds and step peak in
 operations, per-layer values and times in arrays. The reader: the path-free fast reader
 against the full one, JSON floats in flow values, the collector paused while reading."""
 
+import copy
 import dataclasses
 import gc
 import math
@@ -244,7 +245,7 @@ def test_the_fast_reader_builds_what_the_full_one_does(edits):
     """Same object (to the repr) or the same error, word for word."""
     data = _gpt_data()
     for choice, value, how in edits:
-        _edit(data, choice, value, how)
+        _edit(data, choice, copy.deepcopy(value), how)  # a drawn list is one shared object
 
     def read(how):
         try:

@@ -282,16 +282,27 @@ def prefix_saving_bounds(
     out (a relaxation: the solver checks it)."""
     n = len(bounds.plain_bytes)
     need = [0] * (n + 1)
-    need[n] = bounds.none_bytes[n] - limit_bytes
+    none_bytes = bounds.none_bytes
+    need[n] = none_bytes[n] - limit_bytes
+    # each mode's (active, saving) series, read by index in the loop
+    series = {
+        mode: (
+            [bounds.active(mode, h) for h in range(n)],
+            [bounds.saving(mode, h) for h in range(n)],
+        )
+        for mode in bounds.modes
+    }
+    every = bounds.modes
+    plain = not bounds.barred and not forced_in and not forced_out
     for h in range(n - 1, -1, -1):
-        none_need = bounds.none_bytes[h] - limit_bytes
+        none_need = none_bytes[h] - limit_bytes
+        after = need[h + 1]
         options = [
-            max(
-                none_need,
-                bounds.active(mode, h) - limit_bytes,
-                need[h + 1] - bounds.saving(mode, h),
+            max(none_need, active[h] - limit_bytes, after - saving[h])
+            for active, saving in (
+                series[mode]
+                for mode in (every if plain else bounds.allowed(h, forced_in, forced_out))
             )
-            for mode in bounds.allowed(h, forced_in, forced_out)
         ]
         need[h] = pick(options) if options else _INFEASIBLE
     return need

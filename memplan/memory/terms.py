@@ -90,7 +90,7 @@ def layer_modes(profile: Profile, checkpointed: Checkpointed) -> dict[int, str]:
     )
     indices = layer_indices(profile, [name for name, _ in pairs])
     del indices  # validates every name
-    index = {name: i for i, name in enumerate(profile.layer_names)}
+    index = _name_index(profile) if any(isinstance(item, str) for item, _ in pairs) else {}
     out: dict[int, str] = {}
     for item, mode in pairs:
         if mode not in MODES:
@@ -170,6 +170,8 @@ def held_mode_prefix_bytes(
     profile: Profile, micro_batch: int, checkpointed: Iterable[int] | Mapping[int, str]
 ) -> list[int]:
     """Held savings for every ``held`` from 0 to n, each layer in its own mode."""
+    if not checkpointed:  # every layer kept: nothing saved
+        return [0] * (len(profile.layers) + 1)
     per_mode: dict[str, tuple[int, ...]] = {}
     prefix = [0]
     for j in range(len(profile.layers)):
@@ -227,9 +229,14 @@ def phases_for(accumulation_steps: int) -> tuple[Phase, ...]:
     return (PHASE_NO_GRADS, PHASE_GRADS_RESIDENT)
 
 
+def _name_index(profile: Profile) -> dict[str, int]:
+    return {layer.name: i for i, layer in enumerate(profile.layers)}
+
+
 def layer_indices(profile: Profile, layers: Iterable[int | str]) -> frozenset[int]:
     """Layer indices from indices or fully-qualified names."""
-    index = {name: i for i, name in enumerate(profile.layer_names)}
+    layers = list(layers)
+    index = _name_index(profile) if any(isinstance(item, str) for item in layers) else {}
     out = set()
     for item in layers:
         if isinstance(item, str) and item not in index:

@@ -61,7 +61,7 @@ def candidate_of(
             if option.grad_sync == "every_micro_step"
             else "reduce-scatter on the last micro-step"
         )
-    names = ctx.profile.layer_names
+    layers = ctx.profile.layers
     return Candidate(
         micro_batch=option.micro_batch,
         accumulation_steps=option.accumulation_steps,
@@ -70,7 +70,7 @@ def candidate_of(
         chosen=chosen,
         checkpoint_layers=layer_names_of(ctx.profile, option.checkpointed),
         n_checkpointed=len(option.checkpointed),
-        checkpoint={names[i]: mode for i, mode in sorted(option.checkpointed.items())},
+        checkpoint={layers[i].name: mode for i, mode in sorted(option.checkpointed.items())},
         peak_bytes=option.peak.peak_bytes,
         step_seconds=option.step_seconds,
         samples_per_second=target / option.step_seconds if option.step_seconds > 0 else math.inf,

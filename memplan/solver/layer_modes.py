@@ -330,16 +330,26 @@ def least_cost_modes(
     # usually within a fraction of a percent of the optimum, the greedy plan's cost a few
     # percent above it; a U close to the optimum prunes far more. The last try is the
     # greedy cost itself, so the answer is the one the plain bounded DP gives.
+    # A run that finds nothing also says how far: the least bound among the states it
+    # pruned is a lower bound on the optimum (the optimum's path, or a state dominating
+    # it, was pruned somewhere with a bound at most its cost), so the next try starts
+    # there at least (on identical layers the first such bound is the optimum itself).
     lower = min(_knapsack_bound(dp.knapsack[0], ahead[0]), upper)
+    tried = lower - 1
     for shift in _TIGHTEN_SHIFTS:
-        found = dp.run(lower + ((upper - lower) >> shift))
+        bound = max(lower, tried + 1, lower + ((upper - lower) >> shift))
+        if bound >= upper:
+            break
+        found = dp.run(bound)
         if found is not None:
             return found
+        tried, lower = bound, max(lower, dp.pruned_least)
     return dp.run(upper)
 
 
 _TIGHTEN_SHIFTS = tuple(range(12, 0, -1))
-"""Bounds tried before the greedy cost: the lower bound plus 2^-shift of the gap."""
+"""Bounds tried before the greedy cost: the lower bound plus 2^-shift of the gap, or more
+(the lower bound rises as runs fail)."""
 
 
 def _knapsack_bound(
@@ -377,9 +387,13 @@ class _Dp:
         self.bounds, self.limit, self.costs, self.allowed = bounds, limit, costs, allowed
         self.floor, self.cap, self.ahead = floor, cap, ahead
         self.knapsack: list[tuple[list[int], list[int], list[tuple[int, int]]]] = []
+        self.pruned_least = _UNREACHABLE
 
     def run(self, upper: int | None) -> dict[int, str] | None:
-        """The least-key assignment whose cost is at most ``upper`` (None: any), or None."""
+        """The least-key assignment whose cost is at most ``upper`` (None: any), or None;
+        ``pruned_least`` is then the least bound among the states it pruned (a lower bound
+        on the cost of any assignment that fits; ``_UNREACHABLE`` if it pruned none)."""
+        self.pruned_least = pruned_least = _UNREACHABLE
         bounds, limit, costs = self.bounds, self.limit, self.costs
         floor, cap, ahead, knapsack = self.floor, self.cap, self.ahead, self.knapsack
         n = len(bounds.savings)
@@ -436,12 +450,15 @@ class _Dp:
                             item_cost, item_saving = items[k]
                             bound += before_c + (deficit - before_s) * item_cost // item_saving
                         if bound > upper:
+                            if bound < pruned_least:
+                                pruned_least = bound
                             continue
                     old = merged.get((prefix, used))
                     if old is None or key < old:
                         merged[(prefix, used)] = key
             states = _pareto(merged, use_host)
             if not states:  # host limit, or floor[0] <= 0 guarantees a state otherwise
+                self.pruned_least = pruned_least
                 return None
         key = min(states, key=itemgetter(2))[2]
         digits = key & mask

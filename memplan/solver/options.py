@@ -108,8 +108,8 @@ def resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozen
 
 
 def layer_names_of(profile: Profile, indices: Iterable[int]) -> tuple[str, ...]:
-    names = profile.layer_names
-    return tuple(names[i] for i in sorted(indices))
+    layers = profile.layers
+    return tuple(layers[i].name for i in sorted(indices))
 
 
 def short_list(names: Sequence[str]) -> str:
