@@ -41,8 +41,8 @@ from memplan.probe.sizes import (
     refuse_unfit_first_size,
     refuse_unfit_size,
     run_size,
-    try_selective,
     time_extra_size,
+    try_selective,
 )
 from memplan.profile import Profile
 
