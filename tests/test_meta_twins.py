@@ -287,7 +287,8 @@ class Block(nn.Module):
             scale = scale + 1
         kept = ids[:, [True] * 15 + [False]]  # a list of bools
         first = torch.as_tensor([3, 1], device=x.device)
-        return self.fc(x) * scale * width.sqrt() + x + kept.sum() * 0 + first.max().item()
+        last = self.fc(x)[..., [-2]]  # Falcon's fused-QKV split: index saves its indices
+        return self.fc(x) * scale * width.sqrt() + x + kept.sum() * 0 + first.max().item() + last
 class M(nn.Module):
     def __init__(self):
         super().__init__()

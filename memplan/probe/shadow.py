@@ -241,8 +241,9 @@ def _python_index(index: Any) -> bool:
 def _twinned_indices(index: Any) -> Any:
     """``index`` with each list of Python ints or bools as a meta tensor with its twin."""
     if _python_index(index):
-        with _disable_current_modes():  # made below the dispatcher on any device: untracked
-            return _to_meta(torch.tensor(index))
+        with _disable_current_modes():  # the twin is no part of the probed step
+            cpu = torch.tensor(index)
+        return _to_meta(cpu)  # tracked: on cpu the tracker sees this tensor (lift_fresh)
     if isinstance(index, tuple):
         return tuple(_twinned_indices(i) for i in index)
     return index
@@ -258,15 +259,15 @@ def _from_data(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
     leaves, _ = tree_flatten(args[0])
     if device.type != "meta" or any(isinstance(t, torch.Tensor) and t.is_meta for t in leaves):
         return None
-    cpu = func(args[0], **{**kwargs, "device": _CPU})
+    with _disable_current_modes():  # the twin is no part of the probed step
+        cpu = func(args[0], **{**kwargs, "device": _CPU})
     if cpu.numel() > MAX_SHADOW_ELEMENTS or cpu.layout != torch.strided or cpu.is_complex():
         return None
     if isinstance(args[0], torch.Tensor) and cpu.untyped_storage().data_ptr() == (
         args[0].untyped_storage().data_ptr()
     ):
         cpu = cpu.clone()  # as_tensor of a CPU tensor is that tensor: the twin is a copy
-    with _disable_current_modes():  # torch.tensor allocates below the dispatcher: untracked
-        return _to_meta(cpu)
+    return _to_meta(cpu)  # tracked: on cpu the tracker sees this tensor (lift_fresh)
 
 
 class PythonData(TorchFunctionMode):
