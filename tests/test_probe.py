@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import load_model_file, move_batch
@@ -348,3 +350,32 @@ def test_selective_that_cannot_recompute_is_dropped_not_fatal(
     assert len(said) == (0 if runs else 1)
     assert all((layer.selective_savings_bytes is not None) == runs for layer in profile.layers)
     assert all(layer.savings_bytes.slope > 0 for layer in profile.layers)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(-(10**6), 10**6), st.integers(-(10**4), 10**4)).map(
+            lambda p: (float(p[0]), float(p[1]))
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_undominated_keeps_every_peak_from_one_sample_up(points) -> None:
+    from memplan.probe.fitting import undominated
+
+    kept = undominated(points)
+    assert set(kept) <= set(points)
+    for b in (1, 2, 3, 7, 64, 10**4):
+        assert max(i + s * b for i, s in kept) == max(i + s * b for i, s in points)
+    # and nothing kept is beaten at b = 1 and in slope by another kept point
+    for p in kept:
+        assert not any(q != p and q[0] + q[1] >= p[0] + p[1] and q[1] >= p[1] for q in kept)
+
+
+def test_a_point_that_bounds_only_below_one_sample_is_dropped() -> None:
+    from memplan.probe.fitting import undominated
+
+    # mBART's segment: the first point is the larger only for b < 128 / 8320 samples
+    assert undominated([(616956.0, 4608.0), (616828.0, 12928.0)]) == ((616828.0, 12928.0),)
