@@ -178,12 +178,16 @@ def shared_extra_bytes(
 
 
 def shared_charge_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
-    """Per layer: the bytes of the shared inputs it takes, each charged in full (the
-    solver's safe, additive stand-in for ``shared_extra_bytes``)."""
+    """Per layer: the bytes of the shared inputs it takes that some segment after it (held
+    beyond it) lacks in ``shared_live``, each charged in full: the solver's safe, additive
+    stand-in for ``shared_extra_bytes``."""
     charge = [0] * len(profile.layers)
-    for shared in profile.shared_inputs:
+    segments = [seg for phase in profile.timeline.values() for seg in phase]
+    for i, shared in enumerate(profile.shared_inputs):
+        lacking = [seg.held for seg in segments if i not in seg.shared_live]
         for j in shared.layers:
-            charge[j] += affine_bytes(shared.bytes, micro_batch)
+            if any(h > j for h in lacking):
+                charge[j] += affine_bytes(shared.bytes, micro_batch)
     return tuple(charge)
 
 
