@@ -14,7 +14,7 @@ from memplan import memory
 from memplan.probe import measure_training_peak, probe_model
 from memplan.profile import Affine
 
-SHARED = '''
+SHARED = """
 import torch
 from torch import nn
 
@@ -58,7 +58,7 @@ def make_batch(batch_size):
 
 def training_loss(model, batch):
     return model(batch).square().mean()
-'''
+"""
 
 SAMPLE = 64 * 16 * 4
 """Bytes per sample of one (64, 16) fp32 tensor: the batch, a hidden state, a mask."""
@@ -132,9 +132,7 @@ def test_a_long_run_derived_from_cut_probes_keeps_its_shared_inputs(tmp_path):
     assert [s.layers for s in full.shared_inputs] == [(0, 2, 4, 6, 8), (1, 3, 5, 7, 9)]
     assert derived.shared_inputs == full.shared_inputs
     for phase, segments in full.timeline.items():
-        assert [s.shared_live for s in derived.timeline[phase]] == [
-            s.shared_live for s in segments
-        ]
+        assert [s.shared_live for s in derived.timeline[phase]] == [s.shared_live for s in segments]
 
 
 GEMMA2 = """
