@@ -119,6 +119,11 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
             kwargs[name] = [64, 64]
         elif name == "use_cache":
             kwargs[name] = False  # training: a cache is never read
+        elif name.endswith("layerdrop") and isinstance(value, float) and value > 0:
+            # LayerDrop skips whole layers at random in training: a step's memory depends
+            # on the draw (meta's twin draws differ from cpu's), and a checkpointed layer's
+            # recompute can skip what its forward ran (LED, M2M-100, FSMT)
+            kwargs[name] = 0.0
         elif name in _TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
             kwargs[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
     return kwargs
