@@ -22,6 +22,8 @@ from memplan.memory.terms import (
     offload_host_bytes,
     phases_for,
     savings_bytes,
+    shared_charge_bytes,
+    shared_own_bytes,
 )
 from memplan.memory.tops import segment_tops_bytes
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD
@@ -130,6 +132,11 @@ def step_bounds(
     plain = [NO_BOUND] * n
     ckpt = [NO_BOUND] * n
     others = {m: [NO_BOUND] * n for m in extra}
+    # Shared inputs (memory.terms): each layer taking one is charged all of it, and a
+    # checkpointed layer in its backward what its own checkpoint keeps. Never less than
+    # step_peak; equal without shared inputs.
+    shared = bool(profile.shared_inputs)
+    charge = shared_charge_bytes(profile, micro_batch)
     # Each phase's segment tops in each mode at once (memory.tops), then the maxima by held.
     if sharding == SINGLE:  # no adjustment: one tight loop per phase
         for phase in phases_for(accumulation_steps):
@@ -147,11 +154,12 @@ def step_bounds(
                     continue
                 if top > plain[h]:
                     plain[h] = top
-                if full_top > ckpt[h]:
-                    ckpt[h] = full_top
+                own = shared_own_bytes(profile, segment, micro_batch) if shared else 0
+                if full_top + own > ckpt[h]:
+                    ckpt[h] = full_top + own
                 for bound, mode_tops in extra_tops:
-                    if mode_tops[index] > bound[h]:
-                        bound[h] = mode_tops[index]
+                    if mode_tops[index] + own > bound[h]:
+                        bound[h] = mode_tops[index] + own
     tops: dict[tuple[str, str], list[int]] = {}
     for phase, index, segment, adjust in (
         () if sharding == SINGLE else rank_segments(profile, accumulation_steps, sharding)
@@ -168,6 +176,7 @@ def step_bounds(
         else:
             if top > plain[h]:
                 plain[h] = top
+            adjust += shared_own_bytes(profile, segment, micro_batch) if shared else 0
             top = tops[(phase, FULL)][index] + adjust
             if top > ckpt[h]:
                 ckpt[h] = top
@@ -178,17 +187,21 @@ def step_bounds(
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,
-        savings=savings_bytes(profile, micro_batch),
+        savings=_less(savings_bytes(profile, micro_batch), charge),
         none_bytes=tuple(none),
         plain_bytes=tuple(plain),
         ckpt_bytes=tuple(ckpt),
         optimizer_bytes=optimizer_point_bytes(profile, micro_batch, sharding),
         modes=modes,
         mode_bytes={m: tuple(v) for m, v in others.items()},
-        mode_savings={m: mode_savings_bytes(profile, micro_batch, m) for m in extra},
+        mode_savings={m: _less(mode_savings_bytes(profile, micro_batch, m), charge) for m in extra},
         host_bytes=offload_host_bytes(profile, micro_batch) if OFFLOAD in modes else (),
         host_limit_bytes=host_limit_bytes,
     )
+
+
+def _less(savings: tuple[int, ...], charge: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s - c for s, c in zip(savings, charge, strict=True))
 
 
 def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:

@@ -36,6 +36,7 @@ from memplan.memory.terms import (
     mode_of,
     optimizer_step_peak_bytes,
     phases_for,
+    shared_extra_bytes,
 )
 from memplan.memory.tops import segment_tops_bytes
 from memplan.modes import FULL, KEEP, OFFLOAD, SELECTIVE
@@ -148,11 +149,14 @@ def _step_values(
                 (phase, index, top - held[segment.held])
                 for index, (segment, top) in enumerate(zip(segments, keep_tops, strict=True))
             ]
+    shared = bool(profile.shared_inputs) and used_modes != {KEEP}
     for phase, index, segment, adjust in (
         ()
         if sharding == SINGLE and used_modes == {KEEP}
         else rank_segments(profile, accumulation_steps, sharding, phases)
     ):
+        if shared:  # memory.terms: a shared input kept by a checkpoint, once
+            adjust += shared_extra_bytes(profile, segment, micro_batch, chosen)
         if (phase, KEEP) not in tops:
             segments = profile.timeline[phase]
             for m in used_modes:
