@@ -89,7 +89,13 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
     from memplan.probe import probe_model, sizes
 
     hf_logging.set_verbosity_error()
-    sizes.TIMING_REPEATS = 1  # the sweep compares bytes only: one timed round, not five
+    from memplan.probe import runner
+
+    # The sweep compares bytes only: one timed round, not five; no timing-only size; and
+    # no all-selective runs on cpu (meta runs none, and byte_difference leaves them out).
+    sizes.TIMING_REPEATS = 1
+    runner.time_extra_size = lambda session, size: None
+    runner.try_selective = lambda session, size: setattr(session, "selective_runs", False)
     settle_torchvision()
     row: dict[str, Any] = {"kind": kind, "family": family, "status": "", "detail": ""}
     try:
