@@ -92,6 +92,9 @@ _SIZES = {
     "num_channels": 3,
     "embedding_size": 16,
 }
+WIDE_IMAGE = {"mobilenet_v1": 64, "mobilenet_v2": 64, "mobilevit": 64, "mobilevitv2": 64}
+"""Families whose stride-32 stem leaves 1 × 1 at 32 px: BatchNorm refuses one value per
+channel in training at micro-batch 1 (on cpu as anywhere), so they get 64 px."""
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
@@ -134,7 +137,10 @@ def tiny_config(kind: str, family: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[family]
-    return cls(**_tiny_kwargs(cls()))
+    kwargs = _tiny_kwargs(cls())
+    if family in WIDE_IMAGE and "image_size" in kwargs:
+        kwargs["image_size"] = WIDE_IMAGE[family]
+    return cls(**kwargs)
 
 
 def build(kind: str, family: str) -> Any:
