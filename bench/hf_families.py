@@ -92,6 +92,9 @@ _SIZES = {
     "num_channels": 3,
     "embedding_size": 16,
 }
+WIDE_IMAGE = {"mobilenet_v1": 64, "mobilenet_v2": 64, "mobilevit": 64, "mobilevitv2": 64}
+"""Families whose stride-32 stem leaves 1 × 1 at 32 px: BatchNorm refuses one value per
+channel in training at micro-batch 1 (on cpu as anywhere), so they get 64 px."""
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
 
@@ -119,6 +122,11 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
             kwargs[name] = [64, 64]
         elif name == "use_cache":
             kwargs[name] = False  # training: a cache is never read
+        elif name.endswith("layerdrop") and isinstance(value, float) and value > 0:
+            # LayerDrop skips whole layers at random in training: a step's memory depends
+            # on the draw (meta's twin draws differ from cpu's), and a checkpointed layer's
+            # recompute can skip what its forward ran (LED, M2M-100, FSMT)
+            kwargs[name] = 0.0
         elif name in _TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
             kwargs[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
     return kwargs
@@ -129,7 +137,10 @@ def tiny_config(kind: str, family: str) -> Any:
     from transformers import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[family]
-    return cls(**_tiny_kwargs(cls()))
+    kwargs = _tiny_kwargs(cls())
+    if family in WIDE_IMAGE and "image_size" in kwargs:
+        kwargs["image_size"] = WIDE_IMAGE[family]
+    return cls(**kwargs)
 
 
 def build(kind: str, family: str) -> Any:

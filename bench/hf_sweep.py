@@ -15,6 +15,7 @@ pick; on a cpu-checked probe that is the CPU's own choice, so here they must agr
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import multiprocessing
@@ -22,6 +23,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,27 @@ def _first_line(text: str, limit: int = 160) -> str:
     return (str(text).strip().splitlines() or [""])[0][:limit].replace("|", "/")
 
 
+@contextlib.contextmanager
+def _bytes_only() -> Iterator[None]:
+    """The sweep compares bytes only: one timed round, not five; no timing-only size; no
+    all-selective runs on cpu (meta runs none, and byte_difference leaves them out).
+    Restored after, so a test process that samples the sweep probes as usual after it."""
+    from unittest import mock
+
+    from memplan.probe import runner, sizes
+
+    with (
+        mock.patch.object(sizes, "TIMING_REPEATS", 1),
+        mock.patch.object(runner, "time_extra_size", lambda session, size: None),
+        mock.patch.object(
+            runner,
+            "try_selective",
+            lambda session, size: setattr(session, "selective_runs", False),
+        ),
+    ):
+        yield
+
+
 def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
     """One family's row: ``status`` is equal, differs, meta-fails, cpu-fails, crash or skip,
     with what and why in ``detail``."""
@@ -86,10 +109,9 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
 
     from memplan.errors import MemplanError
     from memplan.loader import settle_torchvision
-    from memplan.probe import probe_model, sizes
+    from memplan.probe import probe_model
 
     hf_logging.set_verbosity_error()
-    sizes.TIMING_REPEATS = 1  # the sweep compares bytes only: one timed round, not five
     settle_torchvision()
     row: dict[str, Any] = {"kind": kind, "family": family, "status": "", "detail": ""}
     try:
@@ -103,7 +125,8 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
     for device in ("cpu", "meta"):
         started = time.perf_counter()
         try:
-            profiles[device] = probe_model(path, device=device, micro_batches=MICRO_BATCHES)
+            with _bytes_only():
+                profiles[device] = probe_model(path, device=device, micro_batches=MICRO_BATCHES)
         except MemplanError as exc:
             status = "cpu-fails" if device == "cpu" else "meta-fails"
             return {**row, "status": status, "detail": f"exit {exc.exit_code}: {_first_line(exc)}"}

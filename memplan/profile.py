@@ -104,6 +104,11 @@ class Segment:
     selective_points: tuple[Point, ...] = ()
     """For active segments: the same from the all-selective run (memplan.modes), normalised
     by the held layers' ``selective_savings_bytes``. Empty when not measured."""
+    shared_live: tuple[int, ...] = ()
+    """Indices into ``Profile.shared_inputs`` of the shared inputs the plain run still held
+    at the segment's end (the model's own frame during the forward, an op that saved one):
+    alive whatever is checkpointed. Any other shared input is alive here only while a
+    checkpoint of one of its layers keeps it (memplan.memory.terms.shared_extra_bytes)."""
 
     def __post_init__(self) -> None:
         if self.held < 0:
@@ -167,6 +172,19 @@ class Layer:
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""
     has_batchnorm: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedInput:
+    """A tensor made outside the candidate layers and passed to several of them (an
+    attention mask, rotary cos/sin, position ids): a checkpoint of any of them keeps it
+    until that layer's backward, once however many of them are checkpointed. Not part of
+    any layer's ``savings_bytes``; the memory model charges it per segment."""
+
+    bytes: Affine
+    """Its storage's bytes."""
+    layers: tuple[int, ...]
+    """Indices of the candidate layers it is an input of, ascending."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -303,6 +321,10 @@ class Profile:
     """The blocks Hugging Face's own ``gradient_checkpointing_enable()`` checkpoints (each
     module of a ``_no_split_modules`` class that transformers checkpoints), by
     fully-qualified name; empty for a model that is not a transformers model."""
+    shared_inputs: tuple[SharedInput, ...] = ()
+    """Tensors made outside the candidate layers and passed to several of them; segments
+    name those the plain run holds (``Segment.shared_live``). Empty: none, or a profile
+    written before memplan recorded them (its savings then charge each layer its own)."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:

@@ -20,6 +20,7 @@ SAMPLE = [
     ("causal-lm", "gpt2"),
     ("causal-lm", "qwen2_moe"),
     ("encoder", "bert"),
+    ("encoder", "deberta"),  # transformers' padding check reads a list index (PythonData)
 ]
 
 
@@ -28,6 +29,11 @@ def test_meta_equals_cpu_for_a_sample_of_families(tmp_path: Path, kind: str, fam
     row = hf_sweep.probe_family(kind, family, str(tmp_path))
     assert row["status"] == "equal", row
     assert 0 < row["params"] < hf_families.MAX_PARAMS
+    # the sweep's bytes-only shortcuts are undone: later probes in this process time and
+    # run selective as usual
+    from memplan.probe import runner, sizes
+
+    assert sizes.TIMING_REPEATS == 5 and runner.try_selective is sizes.try_selective
 
 
 def test_the_sweep_names_the_first_differing_field() -> None:

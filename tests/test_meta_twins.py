@@ -270,6 +270,58 @@ def test_any_batch_layout_gives_the_cpu_profile_on_meta(spec, container) -> None
     _meta_equals_cpu(spec, container)
 
 
+# Values PyTorch makes from Python data below the dispatcher (no factory op to shadow):
+# DeBERTa and BigBird in the hf_sweep ran transformers' padding check,
+# ``pad_token_id in input_ids[:, [-1, 0]]``, and failed on meta with exit 3.
+PYTHON_DATA = """
+import torch
+from torch import nn
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+    def forward(self, x, ids):
+        scale = torch.tensor([float(i) for i in range(8)], device=x.device)
+        width = torch.tensor(ids.shape[-1], dtype=torch.float, device=x.device)
+        if 0 in ids[:, [-1, 0]]:  # a list index, then a value read
+            scale = scale + 1
+        kept = ids[:, [True] * 15 + [False]]  # a list of bools
+        first = torch.as_tensor([3, 1], device=x.device)
+        last = self.fc(x)[..., [-2]]  # Falcon's fused-QKV split: index saves its indices
+        return self.fc(x) * scale * width.sqrt() + x + kept.sum() * 0 + first.max().item() + last
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x, ids)
+        return x.pow(2).mean()
+def build_model():
+    return M()
+def make_batch(n):
+    return torch.randint(0, 50, (n, 16), generator=torch.Generator().manual_seed(n))
+"""
+
+
+def test_tensors_from_python_data_have_twins_and_equal_cpu(tmp_path: Path) -> None:
+    path = _write(tmp_path, "python_data.py", PYTHON_DATA)
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2))
+    meta = probe_model(path, device="meta", micro_batches=(1, 2))
+    assert_meta_equals_cpu(cpu, meta)
+
+
+def test_a_python_index_is_a_twinned_tensor() -> None:
+    with shadow.PythonData():
+        made = torch.tensor([[1, 2], [3, 4]], device="meta")
+        index = shadow._twinned_indices((slice(None), [-1, 0]))[1]
+    assert shadow._to_cpu(index).tolist() == [-1, 0]
+    assert made.is_meta and shadow._to_cpu(made).tolist() == [[1, 2], [3, 4]]
+    assert not shadow._python_index([1, slice(None)])  # a list with a slice: left alone
+
+
 # ------------------------------------------------------------------- own failures are own
 
 
@@ -281,6 +333,7 @@ def _broken(*_args, **_kwargs):
     ("target", "attribute", "part"),
     [
         ("memplan.probe.shadow", "run", "CPU twins"),
+        ("memplan.probe.shadow", "_from_data", "CPU twins"),
         ("memplan.probe.dedup.MetaOpCache", "key", "meta op cache"),
         ("memplan.probe.recorder", "storages_bytes", "layer recorder"),
     ],
@@ -296,7 +349,8 @@ def test_a_failure_inside_memplan_is_exit_3_naming_memplans_part(
     except (ImportError, AttributeError):
         owner = importlib.import_module(target)
     monkeypatch.setattr(owner, attribute, _broken)
-    path = _write(tmp_path, "sliced_lm.py", SLICED_LM)
+    text = PYTHON_DATA if attribute == "_from_data" else SLICED_LM
+    path = _write(tmp_path, "sliced_lm.py", text)
     with pytest.raises(InternalError) as raised:
         probe_model(path, device="meta", micro_batches=(1, 2))
     assert not isinstance(raised.value, ModelFileError)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.loader import load_model_file, move_batch
@@ -309,3 +311,71 @@ def test_checkpoint_cost_is_measured_on_cpu_not_on_meta():
     assert sum(layer.recompute_seconds.at(16) for layer in cpu.layers) > 0
     meta = probe_model(mlp, device="meta", micro_batches=(1, 2))
     assert all(layer.recompute_seconds is None for layer in meta.layers)
+
+
+BLOCKS_WITH_INPLACE = (
+    "import torch\nfrom torch import nn\n"
+    "class Block(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc = nn.Linear(8, 8)\n"
+    "    def forward(self, x):\n"
+    "        h = self.fc(x)\n"
+    "        h{op}  # in place on the matmul's output, which the selective policy saves\n"
+    "        return torch.relu(h) + x\n"
+    "class M(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.blocks = nn.ModuleList(Block() for _ in range(3))\n"
+    "    def forward(self, x):\n"
+    "        for b in self.blocks:\n"
+    "            x = b(x)\n"
+    "        return x.sum()\n"
+    "def build_model():\n    return M()\n"
+    "def make_batch(n):\n    return torch.randn(n, 8)\n"
+)
+
+
+@pytest.mark.parametrize("op, runs", [(".mul_(2)", False), (" = h * 2", True)])
+def test_selective_that_cannot_recompute_is_dropped_not_fatal(
+    tmp_path: Path, op: str, runs: bool
+) -> None:
+    """ConvBERT (from the hf_sweep) changes a matmul's output in place: torch's selective
+    checkpointing refuses the recompute. The probe drops selective with a warning and
+    still measures keep and full; the out-of-place control keeps its selective figures."""
+    path = tmp_path / "inplace.py"
+    path.write_text(BLOCKS_WITH_INPLACE.format(op=op))
+    profile = probe_model(str(path), device="cpu", micro_batches=(1, 2))
+    said = [w for w in profile.warnings if "selective checkpointing does not run" in w]
+    assert len(said) == (0 if runs else 1)
+    assert all((layer.selective_savings_bytes is not None) == runs for layer in profile.layers)
+    assert all(layer.savings_bytes.slope > 0 for layer in profile.layers)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(-(10**6), 10**6), st.integers(-(10**4), 10**4)).map(
+            lambda p: (float(p[0]), float(p[1]))
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_undominated_keeps_every_peak_from_one_sample_up(points) -> None:
+    from memplan.probe.fitting import undominated
+
+    kept = undominated(points)
+    assert set(kept) <= set(points)
+    for b in (1, 2, 3, 7, 64, 10**4):
+        assert max(i + s * b for i, s in kept) == max(i + s * b for i, s in points)
+    # and nothing kept is beaten at b = 1 and in slope by another kept point
+    for p in kept:
+        assert not any(q != p and q[0] + q[1] >= p[0] + p[1] and q[1] >= p[1] for q in kept)
+
+
+def test_a_point_that_bounds_only_below_one_sample_is_dropped() -> None:
+    from memplan.probe.fitting import undominated
+
+    # mBART's segment: the first point is the larger only for b < 128 / 8320 samples
+    assert undominated([(616956.0, 4608.0), (616828.0, 12928.0)]) == ((616828.0, 12928.0),)

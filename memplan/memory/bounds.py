@@ -23,6 +23,8 @@ from memplan.memory.terms import (
     offload_host_bytes,
     phases_for,
     savings_bytes,
+    shared_charge_bytes,
+    shared_own_bytes,
 )
 from memplan.memory.tops import held_layout, segment_tops_bytes, segment_tops_float
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD
@@ -131,9 +133,19 @@ def step_bounds(
     plain = [NO_BOUND] * n
     ckpt = [NO_BOUND] * n
     others = {m: [NO_BOUND] * n for m in extra}
-    # Each phase's segment tops in each mode at once (memory.tops), then the maxima by held.
-    if sharding == SINGLE and _held_maxima(
-        profile, micro_batch, accumulation_steps, none, {KEEP: plain, FULL: ckpt, **others}
+    # Shared inputs (memory.terms): each layer taking one is charged all of it, and a
+    # checkpointed layer in its backward what its own checkpoint keeps. Never less than
+    # step_peak; equal without shared inputs.
+    shared = bool(profile.shared_inputs)
+    charge = shared_charge_bytes(profile, micro_batch)
+    # Each phase's segment tops in each mode at once (memory.tops), then the maxima by held
+    # (in arrays where there is no shared input to add segment by segment).
+    if (
+        sharding == SINGLE
+        and not shared
+        and _held_maxima(
+            profile, micro_batch, accumulation_steps, none, {KEEP: plain, FULL: ckpt, **others}
+        )
     ):
         pass
     elif sharding == SINGLE:  # no adjustment: one tight loop per phase
@@ -152,11 +164,12 @@ def step_bounds(
                     continue
                 if top > plain[h]:
                     plain[h] = top
-                if full_top > ckpt[h]:
-                    ckpt[h] = full_top
+                own = shared_own_bytes(profile, segment, micro_batch) if shared else 0
+                if full_top + own > ckpt[h]:
+                    ckpt[h] = full_top + own
                 for bound, mode_tops in extra_tops:
-                    if mode_tops[index] > bound[h]:
-                        bound[h] = mode_tops[index]
+                    if mode_tops[index] + own > bound[h]:
+                        bound[h] = mode_tops[index] + own
     tops: dict[tuple[str, str], list[int]] = {}
     for phase, index, segment, adjust in (
         () if sharding == SINGLE else rank_segments(profile, accumulation_steps, sharding)
@@ -173,6 +186,7 @@ def step_bounds(
         else:
             if top > plain[h]:
                 plain[h] = top
+            adjust += shared_own_bytes(profile, segment, micro_batch) if shared else 0
             top = tops[(phase, FULL)][index] + adjust
             if top > ckpt[h]:
                 ckpt[h] = top
@@ -183,14 +197,14 @@ def step_bounds(
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,
-        savings=savings_bytes(profile, micro_batch),
+        savings=_less(savings_bytes(profile, micro_batch), charge),
         none_bytes=tuple(none),
         plain_bytes=tuple(plain),
         ckpt_bytes=tuple(ckpt),
         optimizer_bytes=optimizer_point_bytes(profile, micro_batch, sharding),
         modes=modes,
         mode_bytes={m: tuple(v) for m, v in others.items()},
-        mode_savings={m: mode_savings_bytes(profile, micro_batch, m) for m in extra},
+        mode_savings={m: _less(mode_savings_bytes(profile, micro_batch, m), charge) for m in extra},
         host_bytes=offload_host_bytes(profile, micro_batch) if OFFLOAD in modes else (),
         host_limit_bytes=host_limit_bytes,
     )
@@ -238,6 +252,10 @@ def _held_maxima(
 
 
 _INT64_SAFE = float(1 << 62)
+
+
+def _less(savings: tuple[int, ...], charge: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s - c for s, c in zip(savings, charge, strict=True))
 
 
 def bounds_peak_bytes(bounds: StepBounds, checkpointed: Iterable[int] | Mapping[int, str]) -> int:

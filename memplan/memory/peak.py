@@ -36,6 +36,7 @@ from memplan.memory.terms import (
     mode_of,
     optimizer_step_peak_bytes,
     phases_for,
+    shared_extra_bytes,
 )
 from memplan.memory.tops import first_highest_segment, segment_tops_bytes
 from memplan.modes import FULL, KEEP, OFFLOAD, SELECTIVE
@@ -148,11 +149,14 @@ def _step_values(
                 (phase, index, top - held[segment.held])
                 for index, (segment, top) in enumerate(zip(segments, keep_tops, strict=True))
             ]
+    shared = bool(profile.shared_inputs) and used_modes != {KEEP}
     for phase, index, segment, adjust in (
         ()
         if sharding == SINGLE and used_modes == {KEEP}
         else rank_segments(profile, accumulation_steps, sharding, phases)
     ):
+        if shared:  # memory.terms: a shared input kept by a checkpoint, once
+            adjust += shared_extra_bytes(profile, segment, micro_batch, chosen)
         if (phase, KEEP) not in tops:
             segments = profile.timeline[phase]
             for m in used_modes:
@@ -206,7 +210,9 @@ def step_peak(
     one process): the first highest of ``step_points``, with its place and breakdown."""
     chosen = layer_modes(profile, checkpointed)
     found = None
-    if sharding == SINGLE:  # the walk in array operations (memory.tops), when it can be
+    # the walk in array operations (memory.tops), when it can be: one process, and no
+    # shared input that a checkpoint keeps (added segment by segment in _step_values)
+    if sharding == SINGLE and (not profile.shared_inputs or not chosen):
         found = first_highest_segment(
             profile.timeline,
             phases_for(accumulation_steps),

@@ -153,6 +153,66 @@ def offload_host_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
     return tuple(max(affine_bytes(layer.saved_bytes, micro_batch), 0) for layer in profile.layers)
 
 
+# --------------------------------------------------------------------------- shared inputs
+# A tensor made outside the layers and passed to several of them (profile.SharedInput: a
+# mask, rotary cos/sin) is kept by a checkpoint of each of them until that layer's
+# backward, but it is one tensor: kept once however many of them are checkpointed, and not
+# at all where the plain run holds it anyway (``Segment.shared_live``: the model's frame
+# during the forward, an op that saved it). So it is no part of any layer's savings; a
+# segment adds
+#
+#     Σ_T bytes_T(b) · [T not in shared_live] · [some layer j of T is not kept, and is held
+#                                                (j < held) or in its backward (j = held)]
+#
+# to ``peak_segment`` (the probe takes the same term with every layer checkpointed off the
+# checkpointed points). Not additive over layers: the solver's bounds charge it to every
+# layer of T instead (``shared_charge_bytes``), which never predicts less.
+def shared_extra_bytes(
+    profile: Profile,
+    segment: Segment,
+    micro_batch: int,
+    checkpointed: Iterable[int] | Mapping[int, str],
+) -> int:
+    """What the shared inputs add at ``segment`` under a checkpoint assignment."""
+    total = 0
+    live = segment.shared_live
+    h, bwd = segment.held, segment.active == "bwd"
+    for i, shared in enumerate(profile.shared_inputs):
+        if i in live:
+            continue
+        if any(
+            (j < h or (bwd and j == h)) and mode_of(checkpointed, j) != KEEP for j in shared.layers
+        ):
+            total += affine_bytes(shared.bytes, micro_batch)
+    return total
+
+
+def shared_charge_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
+    """Per layer: the bytes of the shared inputs it takes that some segment after it (held
+    beyond it) lacks in ``shared_live``, each charged in full: the solver's safe, additive
+    stand-in for ``shared_extra_bytes``."""
+    charge = [0] * len(profile.layers)
+    segments = [seg for phase in profile.timeline.values() for seg in phase]
+    for i, shared in enumerate(profile.shared_inputs):
+        lacking = [seg.held for seg in segments if i not in seg.shared_live]
+        for j in shared.layers:
+            if any(h > j for h in lacking):
+                charge[j] += affine_bytes(shared.bytes, micro_batch)
+    return tuple(charge)
+
+
+def shared_own_bytes(profile: Profile, segment: Segment, micro_batch: int) -> int:
+    """What the active layer's own checkpoint keeps of the shared inputs in its backward
+    (those the plain run does not hold there)."""
+    if segment.active != "bwd" or not profile.shared_inputs:
+        return 0
+    return sum(
+        affine_bytes(shared.bytes, micro_batch)
+        for i, shared in enumerate(profile.shared_inputs)
+        if i not in segment.shared_live and segment.held in shared.layers
+    )
+
+
 def held_savings_bytes(savings: Sequence[int], checkpointed: frozenset[int], held: int) -> int:
     """Savings of the checkpointed layers among the ``held`` ones (layers 0 .. held-1)."""
     return sum(savings[j] for j in checkpointed if j < held)

@@ -15,7 +15,7 @@ from memplan.probe.fitting import undominated as _undominated
 from memplan.probe.recorder import StepRecord
 from memplan.probe.session import Run, Series, SizeRuns
 from memplan.probe.tracker import state_tensors, storages_bytes
-from memplan.profile import Affine, Point, Segment
+from memplan.profile import Affine, Point, Segment, SharedInput
 
 LAYOUT_OPS = frozenset({
     "view", "_unsafe_view", "reshape", "_reshape_alias", "clone", "contiguous", "expand",
@@ -103,6 +103,68 @@ def _nth_occurrences(
     return out
 
 
+def shared_inputs(runs: Sequence[SizeRuns], warnings: list[str]) -> tuple[SharedInput, ...]:
+    """The tensors made outside the layers that several layers take (the recorder's
+    ``StepRecord.shared``), their bytes fitted across sizes. Every size and phase must see
+    the same ones, taken by the same layers; else none, with a warning."""
+    seen = [
+        [sh.layers for sh in run.record.shared]
+        for r in runs
+        for run in (r.no_grads, r.grads_resident)
+        if run.record is not None
+    ]
+    if not seen or any(s != seen[0] for s in seen):
+        if any(seen):
+            warnings.append(
+                "The tensors several candidate layers share (a mask, rotary tables) differed "
+                "between probed sizes; checkpointing subsets of those layers may be predicted wrong by their bytes: verify the plan."
+            )
+        return ()
+    sizes = [r.size for r in runs]
+    return tuple(
+        SharedInput(
+            bytes=fit_sizes(sizes, [r.no_grads.record.shared[i].nbytes for r in runs]),  # type: ignore[union-attr]
+            layers=layers,
+        )
+        for i, layers in enumerate(seen[0])
+    )
+
+
+def _live_shared(run: Run, count: int) -> dict[tuple[int, str, int], frozenset[int]]:
+    """Per segment occurrence of a plain run: the shared inputs still alive at its end."""
+    record = run.record
+    assert record is not None
+    marks = record.marks
+    seen: dict[tuple[int, str], int] = {}
+    out = {}
+    for k, mark in enumerate(marks):
+        end = marks[k + 1].pos if k + 1 < len(marks) else len(run.values)
+        key = (mark.held, mark.active)
+        n = seen.get(key, 0)
+        seen[key] = n + 1
+        out[(*key, n)] = frozenset(
+            i
+            for i, sh in enumerate(record.shared[:count])
+            if sh.freed_at is None or sh.freed_at >= end
+        )
+    return out
+
+
+def kept_shared_affine(
+    shared: Sequence[SharedInput], held: int, active: str, live: frozenset[int]
+) -> Affine:
+    """What the shared inputs not in ``live`` add at a segment when every layer is
+    checkpointed: each one that a held layer (or the active one, in its backward) takes.
+    The probe takes it off the all-checkpointed points; memplan.memory adds it back for the
+    layers a plan checkpoints."""
+    kept = [
+        sh.bytes
+        for i, sh in enumerate(shared)
+        if i not in live and any(j < held or (active == "bwd" and j == held) for j in sh.layers)
+    ]
+    return sum_affine(kept)
+
+
 def fit_timeline(
     sizes: list[int],
     plain: list[Run],
@@ -112,9 +174,12 @@ def fit_timeline(
     selective: list[Run] | None = None,
     selective_savings: list[Affine] | None = None,
     prune: bool = True,
+    shared: Sequence[SharedInput] = (),
 ) -> tuple[tuple[Segment, ...], bool]:
     """``prune`` False keeps every point, in op order (memplan.probe.seqgrid prunes the
-    points of several sequence lengths together)."""
+    points of several sequence lengths together). ``shared``: the shared inputs
+    (``shared_inputs``); each segment names those the plain run holds at its end at every
+    size, and the checkpointed points leave out what the others add."""
     undominated = _undominated if prune else tuple
     per_size = [run.segments() for run in plain]
     keys = [[key for key, _ in segs] for segs in per_size]
@@ -130,6 +195,7 @@ def fit_timeline(
     ckpt_occ = [_nth_occurrences(run.segments()) for run in ckpt]
     sel_occ = [_nth_occurrences(run.segments()) for run in selective] if selective else None
     order = list(plain_occ[-1].keys())
+    live_occ = [_live_shared(run, len(shared)) for run in plain] if shared else []
     excluded: set[int] = set()
     segments = []
     for occ in order:
@@ -139,12 +205,17 @@ def fit_timeline(
             continue
         points, ok = _fit_series(sizes, [p[occ] for p in plain_occ], excluded)
         stable &= ok
+        live: frozenset[int] = frozenset()
+        if shared:
+            live = frozenset.intersection(*(lv.get(occ, frozenset()) for lv in live_occ))
+        kept = kept_shared_affine(shared, held, active, live) if shared else Affine.zero()
+        unkept = Affine(intercept=-kept.intercept, slope=-kept.slope)
         ckpt_points: tuple[Point, ...] = ()
         if active != "none":
             if all(occ in c for c in ckpt_occ):
                 raw, ok = _fit_series(sizes, [c[occ] for c in ckpt_occ], excluded)
                 stable &= ok
-                shift = sum_affine(savings[:held])
+                shift = sum_affine([*savings[:held], unkept])
                 ckpt_points = undominated([add_affine(p, shift) for p in raw])
             else:
                 warnings.append(
@@ -157,7 +228,7 @@ def fit_timeline(
             if all(occ in c for c in sel_occ):
                 raw, ok = _fit_series(sizes, [c[occ] for c in sel_occ], excluded)
                 stable &= ok
-                shift = sum_affine(selective_savings[:held])
+                shift = sum_affine([*selective_savings[:held], unkept])
                 sel_points = undominated([add_affine(p, shift) for p in raw])
             else:
                 sel_points = undominated(points)
@@ -168,6 +239,7 @@ def fit_timeline(
                 points=undominated(points),
                 ckpt_points=ckpt_points,
                 selective_points=sel_points,
+                shared_live=tuple(sorted(live)),
             )
         )
     if excluded:

@@ -18,6 +18,7 @@ from memplan.probe.alignment import (
     fit_time,
     fit_timeline,
     measured_savings,
+    shared_inputs,
     unique_params,
     window_peak,
 )
@@ -32,6 +33,7 @@ from memplan.profile import (
     Layer,
     ModelRef,
     Profile,
+    SharedInput,
     Totals,
 )
 
@@ -76,6 +78,7 @@ def assemble(
     warnings = list(session.warnings)
     probed = tuple(r.size for r in runs)
     fits = _sizes(consistent_runs(runs, warnings), extra_timed)
+    shared = shared_inputs(fits.runs, warnings)
     savings = [
         fits.bytes_fit(lambda r, j=j: measured_savings(r, j))
         for j in range(len(session.layer_names))
@@ -86,7 +89,7 @@ def assemble(
         for j in range(len(session.layer_names))
     ]
     fixed = [*_ran_parts(session, fits), *_own_params_parts(session, fits), *_loss_part(fits)]
-    timeline, stable = _timelines(fits, savings, selective_savings, warnings, prune)
+    timeline, stable = _timelines(fits, savings, selective_savings, warnings, prune, shared)
     bn = has_batchnorm(session.model)
     if bn:
         warnings.append(
@@ -115,6 +118,7 @@ def assemble(
         warnings=tuple(dict.fromkeys(warnings)),
         max_seq_len=session.model_file.max_seq_len,
         hf_blocks=hf_blocks(session.model),
+        shared_inputs=shared,
     )
 
 
@@ -308,6 +312,7 @@ def _timelines(
     selective_savings: list[Affine] | None,
     warnings: list[str],
     prune: bool = True,
+    shared: tuple[SharedInput, ...] = (),
 ) -> tuple[dict[str, Any], bool]:
     """Both phases' segments, and whether the op sequence was the same at every size (if not,
     segment maxima were fitted and a warning says so)."""
@@ -324,6 +329,7 @@ def _timelines(
             [getattr(r, f"sel_{phase}") for r in runs] if selective_savings is not None else None,
             selective_savings,
             prune,
+            shared,
         )
         timeline[phase] = segs
         stable &= ok

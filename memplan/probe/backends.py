@@ -171,7 +171,7 @@ class Backend:
             self.spec.compute_capability if self.spec else None,
             self.attention_notes,
         )
-        with attention:
+        with attention, shadow.PythonData():
             if self.precision == "fp32" or self.cast_params:
                 yield
             else:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from memplan.probe.fitting import undominated
-from memplan.profile import Affine, Layer, Profile, Segment
+from memplan.profile import Affine, Layer, Profile, Segment, SharedInput
 
 
 class NotLinear(Exception):
@@ -78,12 +78,15 @@ def _keyed(segments: Sequence[Segment], a: int, r: int) -> list[tuple[tuple, Seg
 def _seg_lin(s4: Segment, s5: Segment, t: int, held: int) -> Segment:
     if s4.active != s5.active:
         raise NotLinear("segments differ in what runs")
+    if s4.shared_live != s5.shared_live:
+        raise NotLinear("segments differ in the shared inputs alive")
     return Segment(
         held=held,
         active=s4.active,
         points=_points(s4.points, s5.points, t),
         ckpt_points=_points(s4.ckpt_points, s5.ckpt_points, t),
         selective_points=_points(s4.selective_points, s5.selective_points, t),
+        shared_live=s4.shared_live,
     )
 
 
@@ -152,9 +155,12 @@ def _mid_at(base: Segment, first: Segment, second: Segment, i: int, held: int) -
             for p, r, q in zip(b, f, s, strict=True)
         )
 
+    if not base.shared_live == first.shared_live == second.shared_live:
+        raise NotLinear("mid segments differ in the shared inputs alive")
     return Segment(
         held=held,
         active=base.active,
+        shared_live=base.shared_live,
         points=at(base.points, first.points, second.points),
         ckpt_points=at(base.ckpt_points, first.ckpt_points, second.ckpt_points),
         selective_points=at(base.selective_points, first.selective_points, second.selective_points),
@@ -189,14 +195,39 @@ def expand(p4: Profile, p5: Profile, a: int, n: int, names: Sequence[str], prune
     rest = {
         f.name: _lin(getattr(p4, f.name), getattr(p5, f.name), t)
         for f in dataclasses.fields(Profile)
-        if f.name not in ("layers", "timeline", "deduplicated_layers", "seq")
+        if f.name not in ("layers", "timeline", "deduplicated_layers", "seq", "shared_inputs")
     }
     return Profile(
         **rest,
+        shared_inputs=_shared_inputs(p4, p5, a, n),
         layers=tuple(layers),
         timeline=timeline,
         deduplicated_layers=tuple(names[a + 3 : a + n - 1]),
     )
+
+
+def _shared_inputs(p4: Profile, p5: Profile, a: int, n: int) -> tuple[SharedInput, ...]:
+    """The shared inputs at run length ``n``: head and tail layers as in the cut profiles,
+    and every middle block or none (a pattern over the run's blocks does not extrapolate
+    from two middle blocks: probe in full)."""
+    if len(p4.shared_inputs) != len(p5.shared_inputs):
+        raise NotLinear("the cut profiles share different inputs")
+    out = []
+    for s4, s5 in zip(p4.shared_inputs, p5.shared_inputs, strict=True):
+        if not _close(s4.bytes, s5.bytes):
+            raise NotLinear("a shared input's bytes differ")
+        classes4 = [_cls(h, a, 4) for h in s4.layers]
+        classes5 = [_cls(h, a, 5) for h in s5.layers]
+        mids = sorted(i for kind, i in classes5 if kind == "mid")
+        if mids not in ([], [0, 1]) or [c for c in classes4 if c[0] != "mid"] != [
+            c for c in classes5 if c[0] != "mid"
+        ]:
+            raise NotLinear("a shared input's layers do not extrapolate")
+        head = [i for kind, i in classes5 if kind == "head"]
+        tail = [i + n for kind, i in classes5 if kind == "tail"]
+        middle = list(range(a + 2, a + n - 1)) if mids else []
+        out.append(SharedInput(bytes=s4.bytes, layers=tuple(sorted({*head, *middle, *tail}))))
+    return tuple(out)
 
 
 def _close(x: Any, y: Any) -> bool:

@@ -65,10 +65,15 @@ def _tidy(x: float, scale: float) -> float:
 
 
 def undominated(points: Sequence[Point]) -> tuple[Point, ...]:
-    """Points that can be the maximum for some ``b >= 0``: drop every point whose intercept
-    and slope are both ≤ another's (exact duplicates kept once). Order of first
+    """Points that can be the maximum for some micro-batch ``b >= 1``: drop every point
+    whose value at ``b = 1`` and slope are both ≤ another's (exact duplicates kept once).
+    A point that bounds only below one sample (a higher intercept, a lower slope) is never
+    the peak of a step, and keeping it would make two probes of one model differ where
+    their predictions agree (mBART's meta and cpu profiles did). Order of first
     appearance is kept, so the result still reads along the op sequence."""
-    order = sorted(range(len(points)), key=lambda i: (-points[i][0], -points[i][1], i))
+    order = sorted(
+        range(len(points)), key=lambda i: (-(points[i][0] + points[i][1]), -points[i][1], i)
+    )
     keep: set[int] = set()
     best_slope = float("-inf")
     for i in order:

@@ -105,6 +105,33 @@ class StepRecord:
     layer_order: list[int] = field(default_factory=list)
     """Layer indices in the order their forward first ran (discovery)."""
     problems: list[str] = field(default_factory=list)
+    shared: list[SharedRecord] = field(default_factory=list)
+    """The tensors made outside the layers and passed to two or more of them, in the order
+    they first reached a layer."""
+
+
+@dataclass(slots=True)
+class SharedRecord:
+    """A storage made outside the candidate layers that two or more of them take as input
+    (an attention mask, rotary cos/sin): whatever checkpoints one of them keeps it once."""
+
+    nbytes: int
+    layers: tuple[int, ...]
+    freed_at: int | None
+    """The tracker position (``LiveTracker.position``) when it was freed; None: alive when
+    the step ended (or not tracked)."""
+
+
+class _Input:
+    """A layer input seen during one step, with the layers taking it and when it died."""
+
+    __slots__ = ("freed_at", "layers", "nbytes", "ref")
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.layers: list[int] = []
+        self.freed_at: int | None = None
+        self.ref: Any = None
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -122,6 +149,10 @@ def _storage_refs(tensors: list[torch.Tensor]) -> list[tuple[Any, int]]:
         if id(storage) not in out:
             out[id(storage)] = (weakref.ref(storage), storage.nbytes())
     return list(out.values())
+
+
+def _is_shared(entry: _Input | None) -> bool:
+    return entry is not None and len(entry.layers) >= 2
 
 
 def _alive(refs: list[tuple[Any, int]]) -> list[tuple[int, bool]]:
@@ -149,6 +180,12 @@ class Recorder:
         self.active = "none"
         self._root_post: tuple[int, float, float] | None = None
         self._handles: list[Any] = []
+        self._inputs: dict[int, _Input] = {}
+        """Live layer-input storages by id (an entry leaves when its storage dies)."""
+        self._seen: list[_Input] = []
+        self._outputs: dict[int, Any] = {}
+        """Weak references to the layers' output storages, by id."""
+        self._layer_inputs: list[list[_Input | None]] = []
 
     # --------------------------------------------------------------------------- plumbing
     def install(self) -> None:
@@ -201,6 +238,8 @@ class Recorder:
         self.held, self.active = 0, "none"
         self.rec.marks.append(Mark(self._pos(), 0, "none", self._live()))
         self._root_post = None
+        self._inputs, self._seen, self._outputs = {}, [], {}
+        self._layer_inputs = [[] for _ in self.layers]
         self.rec.t_start = self.clock()
         return self.rec
 
@@ -212,19 +251,63 @@ class Recorder:
             self.rec.loss_saved_bytes = self._live() - live0
             self.rec.loss_flops = self._flops() - flops0
             self.rec.loss_seconds = self.rec.t_forward_done - t0
-        for rec in self.rec.layers:
+        for rec, entries in zip(self.rec.layers, self._layer_inputs, strict=True):
             ins, outs = rec._refs
+            if len(entries) == len(ins):  # a shared input is charged once, not per layer
+                ins = [r for r, e in zip(ins, entries, strict=True) if not _is_shared(e)]
             rec.inputs_late, rec.outputs_late = _alive(ins), _alive(outs)
             rec._refs = ([], [])
 
     def end(self) -> StepRecord:
         self._set_state(self.held, "none")
         self.rec.t_end = self.clock()
+        self.rec.shared = [
+            SharedRecord(e.nbytes, tuple(e.layers), e.freed_at) for e in self._seen if _is_shared(e)
+        ]
+        self._inputs, self._seen, self._outputs = {}, [], {}
+        self._layer_inputs = [[] for _ in self.layers]
         for part in self.rec.parts.values():
             if part.bwd_t0 is not None and part.bwd_t1 is None:
                 part.bwd_t1 = self.rec.t_end
         self.tracker = None
         return self.rec
+
+    def _note_inputs(self, index: int, inputs: list[torch.Tensor]) -> list[_Input | None]:
+        """Per distinct input storage (in ``_storage_refs``' order): its entry, or None for
+        a candidate layer's output (the hidden state flowing from layer to layer)."""
+        out: list[_Input | None] = []
+        done: set[int] = set()
+        for tensor in inputs:
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            key = id(storage)
+            if key in done:
+                continue
+            done.add(key)
+            made_by_layer = self._outputs.get(key)
+            if made_by_layer is not None and made_by_layer() is storage:
+                out.append(None)
+                continue
+            entry = self._inputs.get(key)
+            if entry is None or entry.ref() is not storage:
+                entry = _Input(storage.nbytes())
+                entry.ref = weakref.ref(storage, self._freed(key, entry))
+                self._inputs[key] = entry
+                self._seen.append(entry)
+            if index not in entry.layers:
+                entry.layers.append(index)
+            out.append(entry)
+        return out
+
+    def _freed(self, key: int, entry: _Input) -> Callable[[Any], None]:
+        def callback(_ref: Any) -> None:
+            entry.freed_at = self._pos()
+            if self._inputs.get(key) is entry:
+                del self._inputs[key]
+
+        return callback
 
     # ------------------------------------------------------------------------------ hooks
     def _layer_pre(self, index: int) -> Callable[..., None]:
@@ -240,6 +323,7 @@ class Recorder:
             inputs = _tensors((args, kwargs))
             rec.input_bytes = storages_bytes(inputs)
             rec._refs = (_storage_refs(inputs), [])
+            self._layer_inputs[index] = self._note_inputs(index, inputs)
             rec.flops = self._flops()
             for tensor in inputs:
                 if tensor.requires_grad:
@@ -259,6 +343,10 @@ class Recorder:
             outputs = _tensors(output)
             rec.output_bytes = storages_bytes(outputs)
             rec._refs = (rec._refs[0], _storage_refs(outputs))
+            for ref, _ in rec._refs[1]:
+                storage = ref()
+                if storage is not None:
+                    self._outputs[id(storage)] = ref
             for tensor in outputs:
                 if tensor.requires_grad:
                     tensor.register_hook(self._bwd_begin(index))

@@ -42,6 +42,7 @@ from memplan.probe.sizes import (
     refuse_unfit_size,
     run_size,
     time_extra_size,
+    try_selective,
 )
 from memplan.profile import Profile
 
@@ -197,6 +198,7 @@ def probe_sizes(
             hint="The model does not train on this GPU even at that size; try --device meta "
             "with a larger GPU spec.",
         ) from exc
+    try_selective(session, sizes[0])
     tick("warm-up step")
     runs: list[SizeRuns] = []
     extra: dict[str, Any] = {}

@@ -91,6 +91,9 @@ class Session:
     warnings: list[str] = field(default_factory=list)
     kept_at_start: tuple[torch.Tensor, ...] = ()
     """``kept_tensors()`` before the first step: none of them is a cache a step fills."""
+    selective_runs: bool = True
+    """Whether the all-selective runs happen: not on meta, and not on a model whose
+    recompute under the selective policy fails (:func:`memplan.probe.sizes.try_selective`)."""
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """Tensors on the probe's device that the model's modules hold in plain attributes

@@ -31,7 +31,11 @@ import weakref
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
+
+from memplan.errors import MemplanError, internal_failure
 
 MAX_SHADOW_ELEMENTS = 1 << 22
 """Largest result (elements) computed for real: masks and ids of a batch are far smaller;
@@ -204,8 +208,8 @@ def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
 
 
 def shadow_factory(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-    """After a factory op (no tensor arguments) made a small meta tensor (``arange``,
-    ``ones``, ``full``), make its CPU twin. Floating ones too: a decoder's
+    """After a factory op (no meta tensor arguments) made a small meta tensor (``arange``,
+    ``ones``, ``full``, a CPU tensor copied over with ``.to(device)``), make its CPU twin. Floating ones too: a decoder's
     ``torch.ones(batch, seq, device=...)`` mask is float (BART's), and masking_utils reads
     whether it is all ones."""
     if not (
@@ -216,9 +220,81 @@ def shadow_factory(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
     ):
         return
     leaves, _ = tree_flatten((args, kwargs))
-    if any(isinstance(t, torch.Tensor) for t in leaves):
-        return
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in leaves):
+        return  # made from meta tensors: shadowed by run() when they all had twins
     cpu_kwargs = {**kwargs, "device": _CPU} if "device" in kwargs else kwargs
     if "device" not in kwargs:
         return  # made on meta only by a default device we cannot redirect
     _shadows[out] = _matching(out, func(*args, **cpu_kwargs), [])
+
+
+def _python_index(index: Any) -> bool:
+    """Whether ``index`` is a (nested) list of Python ints or bools: an advanced index that
+    PyTorch turns into a tensor below the dispatcher, on the indexed tensor's device."""
+    if not isinstance(index, list) or not index:
+        return False
+    return all(
+        _python_index(i) if isinstance(i, list) else isinstance(i, (bool, int)) for i in index
+    )
+
+
+def _twinned_indices(index: Any) -> Any:
+    """``index`` with each list of Python ints or bools as a meta tensor with its twin."""
+    if _python_index(index):
+        with _disable_current_modes():  # the twin is no part of the probed step
+            cpu = torch.tensor(index)
+        return _to_meta(cpu)  # tracked: on cpu the tracker sees this tensor (lift_fresh)
+    if isinstance(index, tuple):
+        return tuple(_twinned_indices(i) for i in index)
+    return index
+
+
+def _from_data(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``torch.tensor``/``torch.as_tensor`` of Python data (or a CPU tensor) onto meta: the
+    meta tensor with the CPU one as its twin; None when it is not that case."""
+    if not args or kwargs.get("requires_grad") or kwargs.get("out") is not None:
+        return None
+    device = kwargs.get("device")
+    device = torch.get_default_device() if device is None else torch.device(device)
+    leaves, _ = tree_flatten(args[0])
+    if device.type != "meta" or any(isinstance(t, torch.Tensor) and t.is_meta for t in leaves):
+        return None
+    with _disable_current_modes():  # the twin is no part of the probed step
+        cpu = func(args[0], **{**kwargs, "device": _CPU})
+    if cpu.numel() > MAX_SHADOW_ELEMENTS or cpu.layout != torch.strided or cpu.is_complex():
+        return None
+    if isinstance(args[0], torch.Tensor) and cpu.untyped_storage().data_ptr() == (
+        args[0].untyped_storage().data_ptr()
+    ):
+        cpu = cpu.clone()  # as_tensor of a CPU tensor is that tensor: the twin is a copy
+    return _to_meta(cpu)  # tracked: on cpu the tracker sees this tensor (lift_fresh)
+
+
+class PythonData(TorchFunctionMode):
+    """Twins for meta tensors PyTorch makes from Python data without a dispatched factory
+    op: ``torch.tensor(values, device=...)`` and list indices (``ids[:, [-1, 0]]``, which
+    transformers' padding check reads with ``in``). Without it, such a tensor is meta
+    without values, and a value read of anything computed from it fails."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        try:  # memplan's own twins: a failure here is memplan's (InternalError)
+            if func is torch.tensor or func is torch.as_tensor:
+                made = _from_data(func, args, kwargs)
+                if made is not None:
+                    return made
+            elif (
+                func in _INDEXING
+                and len(args) >= 2
+                and isinstance(args[0], torch.Tensor)
+                and args[0].is_meta
+            ):
+                args = (args[0], _twinned_indices(args[1]), *args[2:])
+        except MemplanError:
+            raise
+        except Exception as exc:
+            raise internal_failure("CPU twins (probe/shadow.py)", func, exc) from exc
+        return func(*args, **kwargs)
+
+
+_INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)

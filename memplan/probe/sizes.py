@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError
+from memplan.errors import BadInputError, checkpointing_failure
 from memplan.loader import batch_tensors
 from memplan.modes import SELECTIVE
 from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
@@ -90,7 +90,7 @@ def time_size(
         ("plain", contextlib.nullcontext),
         ("full", lambda: checkpointed(layers, context_fn=session.backend.checkpoint_context_fn())),
     ]
-    if session.backend.device != "meta":
+    if session.selective_runs:
         configs.append((SELECTIVE, lambda: in_mode(layers, SELECTIVE)))
     records: dict[str, list[StepRecord]] = {name: [] for name, _ in configs}
     for _ in range(TIMING_REPEATS):
@@ -205,6 +205,33 @@ def refuse_unfit_first_size(session: Session, size: int) -> None:
     _refuse(session, size, need, what, f"scaled from a step at micro-batch {CALIBRATION_SIZE}")
 
 
+def try_selective(session: Session, size: int) -> None:
+    """One micro-step with every layer under selective checkpointing, before any measured
+    run. A model whose recompute under the selective policy fails (torch's check that a
+    tensor the policy saved was not changed in place afterwards, ConvBERT's in-place ops
+    on a matmul's output) gets no selective figures, with a warning, rather than no
+    profile: keep and full still run. Any other error is the probe's to report."""
+    if session.backend.device == "meta":
+        session.selective_runs = False
+        return
+    batch = session.backend.batch(session.model_file, size)
+    session.zero_grad()
+    try:
+        with in_mode(session.layers, SELECTIVE):
+            session.micro_step(batch, None)
+    except Exception as exc:
+        if checkpointing_failure(exc, session.model_file.spec) is None:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        session.selective_runs = False
+        session.warnings.append(
+            f"selective checkpointing does not run on this model ({type(exc).__name__}: "
+            f"{first}): the profile has no selective figures, so plans use keep and full only"
+        )
+    finally:
+        session.zero_grad()
+
+
 def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRuns:
     backend, mf = session.backend, session.model_file
     batch = backend.batch(mf, size)
@@ -230,7 +257,7 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         tick(f"b={size}: checkpointed grads_resident")
     session.zero_grad()
     sel_no_grads = sel_grads_resident = None
-    if backend.device != "meta":
+    if session.selective_runs:
         with in_mode(session.layers, SELECTIVE):
             sel_no_grads = session.tracked_step(batch)
             sel_grads_resident = session.tracked_step(batch)
