@@ -322,6 +322,47 @@ def test_a_python_index_is_a_twinned_tensor() -> None:
     assert not shadow._python_index([1, slice(None)])  # a list with a slice: left alone
 
 
+# A convolution fed a transposed view (SegFormer's and PVTv2's Mix-FFN: tokens back to an
+# image with ``transpose(1, 2).view(...)``): the CPU kernel answers channels-last at some
+# sizes, so what follows is a view; PyTorch's meta convolution answered contiguous, and
+# the meta probe counted copies the CPU never makes.
+CONV_OF_A_VIEW = """
+import torch
+from torch import nn
+class MixFFN(nn.Module):
+    def __init__(self, c=32, side=8):
+        super().__init__()
+        self.side = side
+        self.up = nn.Linear(c, 4 * c)
+        self.dw = nn.Conv2d(4 * c, 4 * c, 3, padding=1, groups=4 * c)
+        self.down = nn.Linear(4 * c, c)
+    def forward(self, x):
+        b, n, _ = x.shape
+        h = self.up(x).transpose(1, 2).view(b, -1, self.side, self.side)
+        h = self.dw(h).flatten(2).transpose(1, 2)
+        return x + self.down(torch.nn.functional.gelu(h))
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MixFFN() for _ in range(2))
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.pow(2).mean()
+def build_model():
+    return M()
+def make_batch(n):
+    return torch.randn(n, 64, 32, generator=torch.Generator().manual_seed(n))
+"""
+
+
+def test_a_convolution_of_a_transposed_view_is_laid_out_as_on_cpu(tmp_path: Path) -> None:
+    path = _write(tmp_path, "mix_ffn.py", CONV_OF_A_VIEW)
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4))
+    meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
+    assert_meta_equals_cpu(cpu, meta)
+
+
 # ------------------------------------------------------------------- own failures are own
 
 

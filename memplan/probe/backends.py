@@ -21,6 +21,7 @@ from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
+from memplan.probe.meta_kernels import CONV_TARGET
 from memplan.probe.tracker import LiveTracker, Roofline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -171,12 +172,16 @@ class Backend:
             self.spec.compute_capability if self.spec else None,
             self.attention_notes,
         )
-        with attention, shadow.PythonData():
-            if self.precision == "fp32" or self.cast_params:
-                yield
-            else:
-                with _meta_autocast(self.dtype):
+        conv_target = CONV_TARGET.set(self.attention_target)
+        try:
+            with attention, shadow.PythonData():
+                if self.precision == "fp32" or self.cast_params:
                     yield
+                else:
+                    with _meta_autocast(self.dtype):
+                        yield
+        finally:
+            CONV_TARGET.reset(conv_target)
 
     def device_name(self) -> str:
         if self.device == "meta":

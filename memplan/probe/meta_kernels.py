@@ -18,9 +18,11 @@ contraction dimension K, two FLOPs per term. With a 2-D ``mat_a`` (tokens × K) 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 aten = torch.ops.aten
 
@@ -55,7 +57,77 @@ def grouped_mm_flops(
     return 2 * out_val.numel() * contraction
 
 
-META_KERNELS = {aten._grouped_mm.default: grouped_mm_meta}
+CONV_TARGET: ContextVar[str] = ContextVar("memplan_conv_target", default="cpu")
+"""The device whose convolution layout the meta probe follows: ``cpu`` or ``cuda`` (the
+backend sets it with the attention target, for the step)."""
+
+
+def _suggested_format(t: torch.Tensor) -> torch.memory_format:
+    """ATen's ``suggest_memory_format``: channels-last when ``t`` is laid out so and not
+    plainly contiguous, else contiguous."""
+    for dims, channels_last in ((4, torch.channels_last), (5, torch.channels_last_3d)):
+        flat = t.is_contiguous()
+        if t.dim() == dims and not flat and t.is_contiguous(memory_format=channels_last):
+            return channels_last
+    return torch.contiguous_format
+
+
+def _cpu_conv_format(input: torch.Tensor, weight: torch.Tensor, args: tuple) -> Any:
+    """What the CPU's convolution lays its output out as, asked of PyTorch's own backend
+    choice (``_select_conv_backend``, ``_conv_determine_backend_memory_format``, as
+    FakeTensor's ``conv`` asks) for CPU stand-ins of the same sizes and strides (never
+    written, so their pages are never touched)."""
+    bias, stride, padding, dilation, transposed, output_padding, groups = args
+
+    def stand_in(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype)
+
+    with _disable_current_modes():
+        x, w = stand_in(input), stand_in(weight)
+        backend = torch._C._select_conv_backend(
+            x,
+            w,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            transposed=transposed,
+            output_padding=output_padding,
+            groups=groups,
+            bias=None if bias is None else stand_in(bias),
+        )
+        if w.dim() == 3:  # 1-d: the backend decides on the 2-d form
+            x, w = x.contiguous().unsqueeze(2), w.unsqueeze(2)
+        return torch._C._conv_determine_backend_memory_format(x, w, backend)
+
+
+def convolution_meta(input: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
+    """``aten.convolution`` on meta, laid out as the target device's kernel lays it out.
+    PyTorch's meta ``convolution`` returns contiguous, having no device to ask, so a model
+    that feeds a convolution a transposed view (SegFormer's and PVTv2's depthwise
+    convolution after ``transpose(1, 2).view(...)``) copied on meta where the CPU takes a
+    view. On a CPU target PyTorch's backend choice is asked (:func:`_cpu_conv_format`); on
+    a CUDA target cuDNN's rule applies: channels-last when the input or the weight is
+    (``cudnn_conv_suggest_memory_format``; the rule PyTorch's meta kernel applies to
+    ``convolution_backward``)."""
+    out = aten.convolution.default(input, weight, *args)
+    if out.dim() not in (4, 5):
+        return out
+    if CONV_TARGET.get() == "cpu":
+        layout = _cpu_conv_format(input, weight, args)
+    else:
+        formats = {_suggested_format(input), _suggested_format(weight)}
+        layout = next((f for f in formats if f is not torch.contiguous_format), None)
+    if layout is None or layout == torch.contiguous_format:
+        return out
+    if out.dim() != (4 if layout == torch.channels_last else 5):
+        return out
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=layout)
+
+
+META_KERNELS = {
+    aten._grouped_mm.default: grouped_mm_meta,
+    aten.convolution.default: convolution_meta,
+}
 """Meta kernels used instead of PyTorch's (meta probes only)."""
 
 FLOP_FORMULAS = {aten._grouped_mm: grouped_mm_flops}
