@@ -92,7 +92,9 @@ _SIZES = {
     "num_channels": 3,
     "embedding_size": 16,
 }
-WIDE_IMAGE = {"mobilenet_v1": 64, "mobilenet_v2": 64, "mobilevit": 64, "mobilevitv2": 64}
+WIDE_IMAGE = dict.fromkeys(
+    ("mobilenet_v1", "mobilenet_v2", "mobilevit", "mobilevitv2", "swiftformer"), 64
+)
 """Families whose stride-32 stem leaves 1 × 1 at 32 px: BatchNorm refuses one value per
 channel in training at micro-batch 1 (on cpu as anywhere), so they get 64 px."""
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
