@@ -398,6 +398,29 @@ def test_sigint_prints_one_line_and_exits_130(tmp_path):
     assert "Traceback" not in err
 
 
+def test_sigint_during_the_progress_display_exits_130_and_restores_the_terminal(tmp_path):
+    """The same with the progress display on (FORCE_COLOR makes rich treat stderr as a
+    terminal): the display unwinds, the cursor it hid is shown again, one line says so,
+    and no profile is left half-written."""
+    out = tmp_path / "p.yaml"
+    proc = subprocess.Popen(
+        [*MEMPLAN, "probe", TINY, "--device", "cpu", "--micro-batches", "1,2,4,8,16,32,64"]
+        + ["-o", str(out)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        env={**os.environ, "FORCE_COLOR": "1"},
+    )
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    text = err.decode("utf-8", "replace")
+    assert proc.returncode == 130, text
+    assert "probing" in text  # the display was on
+    assert "\x1b[?25l" in text and text.rindex("\x1b[?25h") > text.rindex("\x1b[?25l")
+    assert "interrupted" in text.strip().splitlines()[-1] and "Traceback" not in text
+    assert not out.exists()
+
+
 # ------------------------------------------------------------------ model files that exit
 # In a real process (the console script); tests/test_fuzz.py runs every mode in-process.
 @pytest.mark.parametrize("mode", ["import_sys_exit_3", "build_os_exit_0"])

@@ -113,16 +113,17 @@ def progress(description: str, *, quiet: bool = False) -> Iterator[Callable[[int
     bar = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
+        TextColumn("{task.fields[count]}"),
         TextColumn("{task.fields[what]}", style="dim"),
         TimeElapsedColumn(),
         console=console,
         transient=True,
     )
-    task = bar.add_task(description, total=None, what="")
+    task = bar.add_task(description, total=None, what="", count="")
 
     def update(done: int, total: int, what: str) -> None:
-        bar.update(task, completed=done, total=total or None, what=what)
+        count = f"{done}/{total}" if total else ""  # a phase without a count shows none
+        bar.update(task, completed=done, total=total or None, what=what, count=count)
 
     with bar:
         yield update
