@@ -398,14 +398,16 @@ def test_sigint_prints_one_line_and_exits_130(tmp_path):
     assert "Traceback" not in err
 
 
+SIZES = "1,2,4,8,16,32,64"
+
+
 def test_sigint_during_the_progress_display_exits_130_and_restores_the_terminal(tmp_path):
     """The same with the progress display on (FORCE_COLOR makes rich treat stderr as a
     terminal): the display unwinds, the cursor it hid is shown again, one line says so,
     and no profile is left half-written."""
     out = tmp_path / "p.yaml"
     proc = subprocess.Popen(
-        [*MEMPLAN, "probe", TINY, "--device", "cpu", "--micro-batches", "1,2,4,8,16,32,64"]
-        + ["-o", str(out)],
+        [*MEMPLAN, "probe", TINY, "--device", "cpu", "--micro-batches", SIZES, "-o", str(out)],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         env={**os.environ, "FORCE_COLOR": "1"},
