@@ -34,10 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 MICRO_BATCHES = (1, 2)
 WORKERS = 2
-KNOWN = {
-    "pvt_v2": "one backward segment, 5,120 B (0.01%) at micro-batch 2 only: the layout of "
-    "convolution_backward's gradients on a CPU target (docs/design.md, meta kernels)",
-}
+KNOWN: dict[str, str] = {}
 """Why a family that differs does, where it was traced."""
 TARGET = 0.90
 """The issue's bar: at least 90% of the causal-LM families that build tiny are equal."""

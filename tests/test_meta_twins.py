@@ -356,6 +356,26 @@ def make_batch(n):
 """
 
 
+# A layer norm of a permuted view (PVTv2 in the hf_sweep): the CPU and CUDA kernels give a
+# contiguous input gradient, PyTorch's meta kernel the input's strides, and the meta probe
+# then counted a copy the devices never make.
+def test_layer_norm_backward_on_meta_lays_the_gradient_out_as_the_cpu_kernel() -> None:
+    from memplan.probe.meta_kernels import META_KERNELS
+
+    op = torch.ops.aten.native_layer_norm_backward.default
+    x = torch.randn(2, 160, 4).transpose(1, 2)  # a permuted view
+    weight, bias = torch.ones(160), torch.zeros(160)
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, [160], weight, bias, 1e-5)
+    grad = torch.randn(2, 160, 4).transpose(1, 2)  # and a permuted gradient (PVTv2's)
+    args = (grad, x, [160], mean, rstd, weight, bias, [True, True, True])
+    on_cpu = op(*args)
+    on_meta = META_KERNELS[op](*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))
+    assert [t.stride() for t in on_meta] == [t.stride() for t in on_cpu]
+    assert [t.shape for t in on_meta] == [t.shape for t in on_cpu]
+    plain = op(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))
+    assert plain[0].stride() != on_cpu[0].stride()  # PyTorch's own meta kernel differs
+
+
 def test_a_convolution_of_a_transposed_view_is_laid_out_as_on_cpu(tmp_path: Path) -> None:
     path = _write(tmp_path, "mix_ffn.py", CONV_OF_A_VIEW)
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4))

@@ -124,9 +124,23 @@ def convolution_meta(input: torch.Tensor, weight: torch.Tensor, *args: Any) -> t
     return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=layout)
 
 
+def layer_norm_backward_meta(*args: Any) -> tuple:
+    """``aten.native_layer_norm_backward`` on meta with the input gradient contiguous, as
+    the CPU and CUDA kernels make it (``empty_like(X, LEGACY_CONTIGUOUS_MEMORY_FORMAT)``
+    of the contiguous input); PyTorch's meta kernel keeps the input's strides, so a layer
+    norm of a permuted view (PVTv2's) copied the gradient on meta before the next view."""
+    grads = aten.native_layer_norm_backward.default(*args)
+    grad_input = grads[0]
+    if grad_input is None or grad_input.is_contiguous():
+        return grads
+    fresh = torch.empty(grad_input.shape, dtype=grad_input.dtype, device=grad_input.device)
+    return (fresh, *grads[1:])
+
+
 META_KERNELS = {
     aten._grouped_mm.default: grouped_mm_meta,
     aten.convolution.default: convolution_meta,
+    aten.native_layer_norm_backward.default: layer_norm_backward_meta,
 }
 """Meta kernels used instead of PyTorch's (meta probes only)."""
 
