@@ -100,10 +100,16 @@ class InternalError(CannotMeasureError):
     exit_code = EXIT_CANNOT_MEASURE
 
 
+def first_line(exc: BaseException, default: str = "") -> str:
+    """The first line of ``exc``'s message (``default`` when it has none): what an error
+    of memplan's quotes of another."""
+    return (str(exc).strip().splitlines() or [default])[0]
+
+
 def internal_failure(part: str, op: object, exc: BaseException) -> InternalError:
     """``exc``, raised inside memplan's ``part`` while handling ``op`` (an aten op, or
     what a hook was doing), as memplan's own failure (exit 3) naming both."""
-    first = (str(exc).strip().splitlines() or [""])[0]
+    first = first_line(exc)
     what = op if isinstance(op, str) else f"op {op}"
     known = InternalError(
         f"memplan's {part} failed on {what}: {type(exc).__name__}: {first[:300]}. This is "
@@ -142,7 +148,7 @@ def checkpointing_failure(exc: BaseException, where: str) -> CheckpointingError 
     )
     if not from_checkpoint or isinstance(exc, MemplanError):
         return None
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = first_line(exc, type(exc).__name__)
     known = CheckpointingError(
         f"{where}: activation checkpointing failed while recomputing a layer in the "
         f"backward: {type(exc).__name__}: {first[:300]}",

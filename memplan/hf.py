@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan.errors import BadInputError, ModelFileError
+from memplan.errors import BadInputError, ModelFileError, first_line
 
 PREFIX = "hf:"
 TASKS = {
@@ -211,7 +211,7 @@ def _load_config(ref: HfReference) -> Any:
             local_files_only=local is not None,
         )
     except (OSError, ValueError, KeyError) as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc, type(exc).__name__)
         if "trust_remote_code" in str(exc) or "auto_map" in str(exc):
             raise _remote_code_error(ref, ref.source) from exc
         raise ModelFileError(
@@ -276,7 +276,7 @@ def build_module(ref: HfReference) -> types.ModuleType:
         try:
             model = auto.from_config(config, trust_remote_code=False)
         except ValueError as exc:
-            first = (str(exc).strip().splitlines() or [""])[0]
+            first = first_line(exc)
             raise ModelFileError(
                 f"{ref}: transformers has no {TASKS[ref.task]} for model_type "
                 f"{getattr(config, 'model_type', '?')!r}: {first[:200]}",

@@ -42,6 +42,7 @@ from memplan.errors import (
     Interrupted,
     MemplanError,
     NoPlanFitsError,
+    first_line,
 )
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -138,7 +139,7 @@ def run_checks(
             interrupted = exc.signum if isinstance(exc, Interrupted) else int(signal.SIGINT)
             results.append(_not_run(c, f"interrupted by signal {interrupted} while this check ran"))
         except Exception as exc:  # memplan's own failure: this check's error, not the run's
-            text = (str(exc).strip().splitlines() or [""])[0][:300]
+            text = first_line(exc)[:300]
             results.append(
                 _not_run(
                     c,

@@ -10,7 +10,13 @@ from typing import Any, TypeVar
 
 import typer
 
-from memplan.errors import MemplanError, ModelFileError, checkpointing_failure, exit_code_of
+from memplan.errors import (
+    MemplanError,
+    ModelFileError,
+    checkpointing_failure,
+    exit_code_of,
+    first_line,
+)
 
 state = {"debug": False}
 """Set by the app callback from ``--debug``."""
@@ -54,7 +60,7 @@ def _foreign(exc: MemplanError) -> ModelFileError:
     escaped where no loader call wraps the user's code, e.g. a custom autograd backward) as
     the model file's error, its text cut short and read without trusting its ``__str__``."""
     try:
-        text = (str(exc).strip().splitlines() or [""])[0]
+        text = first_line(exc)
     except Exception:
         text = ""
     text = text if len(text) <= 300 else text[:297] + "..."

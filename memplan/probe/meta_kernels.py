@@ -65,10 +65,9 @@ backend sets it with the attention target, for the step)."""
 def _suggested_format(t: torch.Tensor) -> torch.memory_format:
     """ATen's ``suggest_memory_format``: channels-last when ``t`` is laid out so and not
     plainly contiguous, else contiguous."""
-    for dims, channels_last in ((4, torch.channels_last), (5, torch.channels_last_3d)):
-        flat = t.is_contiguous()
-        if t.dim() == dims and not flat and t.is_contiguous(memory_format=channels_last):
-            return channels_last
+    channels_last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    if channels_last and not t.is_contiguous() and t.is_contiguous(memory_format=channels_last):
+        return channels_last
     return torch.contiguous_format
 
 
@@ -114,14 +113,15 @@ def convolution_meta(input: torch.Tensor, weight: torch.Tensor, *args: Any) -> t
         return out
     if CONV_TARGET.get() == "cpu":
         layout = _cpu_conv_format(input, weight, args)
-    else:
-        formats = {_suggested_format(input), _suggested_format(weight)}
-        layout = next((f for f in formats if f is not torch.contiguous_format), None)
-    if layout is None or layout == torch.contiguous_format:
-        return out
-    if out.dim() != (4 if layout == torch.channels_last else 5):
+    else:  # input and weight have the output's rank: one channels-last format at most
+        layout = max(_suggested_format(input), _suggested_format(weight), key=_is_channels_last)
+    if not _is_channels_last(layout) or out.dim() != (5 if layout == torch.channels_last_3d else 4):
         return out
     return torch.empty(out.shape, dtype=out.dtype, device=out.device, memory_format=layout)
+
+
+def _is_channels_last(layout: torch.memory_format) -> bool:
+    return layout in (torch.channels_last, torch.channels_last_3d)
 
 
 def layer_norm_backward_meta(*args: Any) -> tuple:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, checkpointing_failure
+from memplan.errors import BadInputError, checkpointing_failure, first_line
 from memplan.loader import batch_tensors
 from memplan.modes import SELECTIVE
 from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
@@ -222,7 +222,7 @@ def try_selective(session: Session, size: int) -> None:
     except Exception as exc:
         if checkpointing_failure(exc, session.model_file.spec) is None:
             raise
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        first = first_line(exc, type(exc).__name__)[:200]
         session.selective_runs = False
         session.warnings.append(
             f"selective checkpointing does not run on this model ({type(exc).__name__}: "

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from memplan.errors import CannotMeasureError, MemplanError, internal_failure
+from memplan.errors import CannotMeasureError, MemplanError, first_line, internal_failure
 from memplan.probe import shadow
 from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
 
@@ -186,7 +186,7 @@ class LiveTracker(TorchDispatchMode):
                 out = func(*args, **kwargs) if kernel is None else kernel(*args, **kwargs)
             except (NotImplementedError, RuntimeError) as exc:
                 if self.meta:
-                    first = (str(exc).strip().splitlines() or [""])[0]
+                    first = first_line(exc)
                     raise CannotMeasureError(
                         f"The meta probe cannot run op {func} ({first[:200]}); it has no meta "
                         "kernel or its output shape depends on tensor values.",
