@@ -10,10 +10,10 @@ from typing import Literal
 import yaml
 
 from memplan.errors import ProfileError
+from memplan.files.schema import dump_yaml, from_data, load_yaml_file
 from memplan.modes import FULL, KEEP, MODES, Mode
 from memplan.parallel import Parallel
 from memplan.profile import MixedPrecision, Precision
-from memplan.schema import dump_yaml, from_data, load_yaml_file
 
 PLAN_SCHEMA_VERSION = 2
 """2: ``checkpoint`` maps each layer not kept to its mode. 1 (still read): the list
@@ -65,7 +65,7 @@ class Prediction:
     """Where the peak happens: e.g. 'backward of transformer.h.0', 'optimizer step'."""
     stage_peak_bytes: tuple[int, ...] = ()
     """With a pipeline layout: every stage's predicted peak per rank, stage 0 first (the
-    ranks of a stage are alike; ``memplan.memory.layout.stage_of_rank`` maps a rank to its
+    ranks of a stage are alike; ``memplan.memory.parallel.stage_of_rank`` maps a rank to its
     stage). ``peak_bytes`` is their maximum. Empty without pipelining."""
 
     def rank_peak_bytes(self, stage: int) -> int:

@@ -14,7 +14,7 @@ OVER_LIMIT_FOR_NOW: set[str] = set()
 
 # The torch wings, and the three root modules that may import torch (lazily or not).
 WINGS = ("memplan.probe", "memplan.run", "memplan.verify")
-TORCH_FILES = {"memplan.loader", "memplan.hf", "memplan.devices"}
+TORCH_FILES = {"memplan.model.loader", "memplan.model.hf", "memplan.devices"}
 # Above the core: the commands and the CI gate run the wings.
 APPS = ("memplan.cli", "memplan.check")
 # memplan.wrap is where emitted scripts import wrap_for_plan from (a re-export of

@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_modes_bruteforce import SPEC, problems
 
-from memplan import memory, schema, timing
+from memplan import memory, timing
 from memplan.errors import ProfileError
+from memplan.files import schema
 from memplan.memory import bounds as bounds_module
 from memplan.memory import peak as peak_module
 from memplan.profile import Affine, Profile, load_profile, profile_to_yaml

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memplan import run
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.plan import Breakdown, Plan, Prediction
 from memplan.run import checkpoint as checkpoint_module
 from memplan.run.accumulate import Accumulator

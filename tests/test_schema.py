@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from memplan.errors import OutputExistsError, ProfileError
-from memplan.fileio import write_text_atomic
+from memplan.files.io import write_text_atomic
 from memplan.plan import Breakdown, Plan, Prediction, load_plan, plan_to_yaml
 from memplan.profile import (
     Affine,

@@ -44,9 +44,9 @@ from memplan.errors import (
     NoPlanFitsError,
     first_line,
 )
+from memplan.files.schema import from_data
 from memplan.plan import Plan
 from memplan.profile import Profile
-from memplan.schema import from_data
 from memplan.solver import LeastPeak, SolveRequest, SolveResult, least_peak, solve
 
 ProbeFn = Callable[[ProbeRequest], Profile]

@@ -60,7 +60,7 @@ def check(
     from memplan import render
     from memplan.check import append_step_summary, load_config, run_checks, to_json, to_junit_xml
     from memplan.errors import BadInputError, Interrupted
-    from memplan.fileio import check_output, write_text_atomic
+    from memplan.files.io import check_output, write_text_atomic
     from memplan.render.check import check_progress, show_report
 
     if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
@@ -143,7 +143,7 @@ def init_check(
     """Write a starter memplan.yaml for `memplan check`."""
     from memplan import render
     from memplan.check import make_starter
-    from memplan.fileio import check_output, write_text_atomic
+    from memplan.files.io import check_output, write_text_atomic
     from memplan.units import format_bytes
 
     check_output(output, force=force)

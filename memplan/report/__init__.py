@@ -14,6 +14,7 @@ from typing import Any
 
 from memplan.devices import DeviceSpec, load_device
 from memplan.errors import BadInputError, CannotMeasureError, NoPlanFitsError
+from memplan.files.schema import load_yaml_file
 from memplan.plan import Plan, plan_from_data
 from memplan.profile import Profile, load_profile, profile_from_data
 from memplan.report.data import (
@@ -27,7 +28,6 @@ from memplan.report.data import (
     predicted_timeline,
     profile_report,
 )
-from memplan.schema import load_yaml_file
 
 __all__ = [
     "CheckPlots",
@@ -340,7 +340,7 @@ def check_output(path: Path) -> str:
 
 def write_report(report: Report, path: Path, *, force: bool = False) -> int:
     """Render and write atomically (never overwriting without ``force``); the bytes written."""
-    from memplan.fileio import write_bytes_atomic
+    from memplan.files.io import write_bytes_atomic
 
     body = render_report(report, check_output(path))
     write_bytes_atomic(path, body, force=force)

@@ -48,13 +48,13 @@ from typing import Any
 import torch
 
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
+from memplan.files.schema import to_data
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
-from memplan.schema import to_data
 from memplan.verify.distributed_grads import gradient_check, gradient_error
 from memplan.verify.grad_check import BatchCoupling
-from memplan.verify.layout import parallel_of, rank_predictions, run_layout_rank
+from memplan.verify.parallel import parallel_of, rank_predictions, run_layout_rank
 from memplan.verify.rank_lifetime import RunFolder, die_with_parent
 from memplan.verify.single import (
     GradientCheck,
@@ -268,8 +268,9 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
 
 def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     from memplan import run
-    from memplan.loader import load_model_file, map_batch
+    from memplan.model.loader import load_model_file
     from memplan.plan import plan_from_data
+    from memplan.run.batch import map_batch
     from memplan.verify.single import fingerprint_note
 
     dist = torch.distributed
@@ -439,7 +440,7 @@ def verify_distributed(
     progress = on_progress or (lambda done, total, what: None)
     import torch.multiprocessing as mp
 
-    from memplan.schema import to_data
+    from memplan.files.schema import to_data
 
     with RunFolder() as run:  # the ranks and this folder end with us: memplan.rank_lifetime
         folder = run.path

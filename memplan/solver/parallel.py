@@ -32,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory.layout import check_layout, layout_sharding, rank_profile, tp_measured
+from memplan.memory.parallel import check_layout, layout_sharding, rank_profile, tp_measured
 from memplan.parallel import Parallel, Schedule, in_flight
 from memplan.plan import Plan
 from memplan.profile import Profile

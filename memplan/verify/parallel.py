@@ -38,7 +38,7 @@ def rank_predictions(
     plan's ``predicted.stage_peak_bytes`` or, without it, from the profile the plan was
     solved from), as ``predicted_for_device`` adjusts it for ``device``; empty when every
     rank has the plan's prediction (no pipeline, or no per-stage figures to be had)."""
-    from memplan.memory.layout import stage_of_rank
+    from memplan.memory.parallel import stage_of_rank
 
     layout = parallel or plan.parallel
     if layout is None or layout.pp == 1:
@@ -51,7 +51,7 @@ def rank_predictions(
     from pathlib import Path
 
     from memplan.errors import MemplanError
-    from memplan.memory.layout import layout_peaks
+    from memplan.memory.parallel import layout_peaks
     from memplan.profile import load_profile
 
     if not plan.profile or not Path(plan.profile).is_file():
@@ -76,7 +76,7 @@ def run_layout_rank(
     """Measure this rank's peak under ``parallel`` with ``tracker`` (a fresh
     memplan.verify.distributed.DistributedTracker); the dict ``_run_rank`` returns."""
     from memplan import run
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run.parallel import build_layout, data_rank
     from memplan.verify.single import fingerprint_note
 
@@ -169,7 +169,7 @@ def layout_gradient_error(
     """max over this rank's parameters of max|g_rank − g_full| / max|g_full| (see the
     module doc)."""
     from memplan import run
-    from memplan.loader import map_batch
+    from memplan.run.batch import map_batch
     from memplan.run.parallel import build_layout, data_rank
 
     k, micro, dp = plan.accumulation_steps, plan.micro_batch_size, parallel.dp
