@@ -242,3 +242,18 @@ def test_sigint_during_the_progress_display_exits_130_and_restores_the_terminal(
     assert "interrupted" in text.strip().splitlines()[-1] and "Traceback" not in text
     assert not out.exists()
 
+
+def test_a_signal_during_the_model_files_import_is_an_interruption_not_its_error(tmp_path):
+    """memplan's handler raises from memplan/cli while the model file's top level runs: that
+    is memplan's interruption (exit 130), not an error in the model file (exit 2), wherever
+    in the memplan package the raising frame is."""
+    from memplan.errors import Interrupted
+    from memplan.model.loader import load_model_file
+
+    model = tmp_path / "interrupted.py"
+    model.write_text(
+        "from memplan.cli import _interrupt\n"
+        "_interrupt(2, None)  # as if Ctrl-C arrived while this file was being imported\n"
+    )
+    with pytest.raises(Interrupted):
+        load_model_file(str(model))

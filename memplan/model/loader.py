@@ -33,6 +33,10 @@ from memplan.errors import (
 from memplan.model.reference import DEFAULT_FACTORY, is_hf_reference, model_arg, split_model_arg
 from memplan.run.batch import batch_tensors, refused_batch_item
 
+# memplan's own files (this one is memplan/model/loader.py): frames there are memplan's, not the
+# user's
+_MEMPLAN_DIR = Path(__file__).resolve().parent.parent
+
 
 def _user_location(exc: BaseException, path: Path) -> str:
     """``file:line`` of the innermost frame of ``exc`` inside the user's file, else the
@@ -46,7 +50,7 @@ def _user_location(exc: BaseException, path: Path) -> str:
     ]
     if inside:
         return f"{path}:{inside[-1].lineno}"
-    memplan_dir = str(Path(__file__).resolve().parent)
+    memplan_dir = str(_MEMPLAN_DIR)
     outside = [f for f in frames if not str(Path(f.filename).resolve()).startswith(memplan_dir)]
     if outside:
         return f"{outside[-1].filename}:{outside[-1].lineno}"
@@ -73,12 +77,13 @@ def _out_of_host_memory(exc: BaseException) -> bool:
     )
 
 
+_MEMPLAN_DIR = Path(__file__).resolve().parent.parent  # the memplan package
+
+
 def _args_text(args: tuple[Any, ...]) -> str:
     ints = [str(a) for a in args if isinstance(a, int) and not isinstance(a, bool)]
     return f"({', '.join(ints)})" if args and len(ints) == len(args) else "()"
 
-
-_MEMPLAN_DIR = Path(__file__).resolve().parent
 
 _call_observers: list[Callable[[str], None]] = []
 
