@@ -57,3 +57,24 @@ def test_solve_prints_no_progress_when_stderr_is_not_a_terminal(monkeypatch):
     result = runner.invoke(app, ["solve", BASELINE, "--budget", "80GiB", "--target-batch", "64"])
     assert result.exit_code == 0, result.output
     assert "memplan solve" not in buffer.getvalue()
+
+
+def test_a_signal_while_the_display_starts_still_shows_the_cursor_again(monkeypatch):
+    """Ctrl-C can land inside the display's first render (rich hides the cursor, then draws):
+    the display is stopped all the same and the cursor shown again."""
+    from rich.live import Live
+
+    from memplan.errors import Interrupted
+
+    buffer = _console(monkeypatch, terminal=True)
+    drawn = Live.refresh
+
+    def interrupted_once(self):
+        monkeypatch.setattr(Live, "refresh", drawn)
+        raise Interrupted(2)
+
+    monkeypatch.setattr(Live, "refresh", interrupted_once)
+    with pytest.raises(Interrupted), render.progress("memplan probe"):
+        pass
+    text = buffer.getvalue()
+    assert "\x1b[?25l" in text and text.rindex("\x1b[?25h") > text.rindex("\x1b[?25l")
