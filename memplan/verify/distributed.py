@@ -268,9 +268,9 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
 
 def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     from memplan import run
+    from memplan.model.batch import map_batch
     from memplan.model.loader import load_model_file
     from memplan.plan import plan_from_data
-    from memplan.run.batch import map_batch
     from memplan.verify.single import fingerprint_note
 
     dist = torch.distributed

@@ -159,7 +159,7 @@ def layout_gradient_error(
     """max over this rank's parameters of max|g_rank − g_full| / max|g_full| (see the
     module doc)."""
     from memplan import run
-    from memplan.run.batch import map_batch
+    from memplan.model.batch import map_batch
     from memplan.run.parallel import build_layout, data_rank
 
     k, micro, dp = plan.accumulation_steps, plan.micro_batch_size, parallel.dp
