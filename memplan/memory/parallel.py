@@ -160,13 +160,15 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
 def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
     params = part.params_trainable_bytes + part.params_frozen_bytes
     r = _state_ratio(params, part.tp_sharded_bytes, parallel.tp)
+    vocab = parallel.loss_parallel and (is_head(part) or part.name == LOSS_PART)
+    saved = 1.0 / parallel.cp / (parallel.tp if vocab else 1)
     return dataclasses.replace(
         part,
         params_trainable_bytes=math.ceil(part.params_trainable_bytes * r),
         params_frozen_bytes=math.ceil(part.params_frozen_bytes * r),
         grad_bytes=math.ceil(part.grad_bytes * r),
         optimizer_state_bytes=math.ceil(part.optimizer_state_bytes * r),
-        saved_bytes=_scale(part.saved_bytes, 1.0 / parallel.cp),
+        saved_bytes=_scale(part.saved_bytes, saved),
         tp_sharded_bytes=math.ceil(part.tp_sharded_bytes / parallel.tp),
     )
 
@@ -181,18 +183,88 @@ class _Frame:
     held_full: Point
     held_rank: Point
     offset: Point
+    whole: Point | None = None
+    """Loss parallel, after the blocks: the bytes of the rest that stay whole on a TP rank
+    (``loss_parallel_whole_bytes``); what exceeds them is the vocabulary's, at most
+    ``cap`` per sample, times ``vocab``."""
+    vocab: float = 1.0
+    cap: float = math.inf
 
     def move(self, point: Point) -> Point:
         rest0 = point[0] - self.base_full - self.held_full[0]
         rest1 = point[1] - self.held_full[1]
+        if self.whole is not None:
+            rest0 = _vocab_split(rest0, self.whole[0], self.vocab)
+            rest1 = _vocab_split(rest1, self.whole[1], self.vocab, self.cap)
         return (
             self.base_rank + self.held_rank[0] + self.cur * rest0 + self.offset[0],
             self.held_rank[1] + self.cur * rest1 + self.offset[1],
         )
 
 
+def _vocab_split(rest: float, whole: float, vocab: float, cap: float = math.inf) -> float:
+    return min(rest, whole) + min(max(rest - whole, 0.0), cap) * vocab
+
+
+def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
+    """The most vocabulary-sized bytes per sample a TP rank holds under loss parallel,
+    before dividing by ``tp``: the whole-logits run's most, less one gradient of the
+    log-softmax's size. torch's loss parallel fuses the NLL and log-softmax backwards into
+    one (``_nll_loss_and_log_softmax_backward``, torch/distributed/tensor/parallel/loss.py,
+    torch 2.13: one ``zeros_like`` gradient, its log-softmax backward a pass-through), where
+    the plain path holds NLL's gradient beside log-softmax's. The log-softmax runs in fp32
+    (the loss upcasts bf16 logits), so that gradient is the head's output (``saved_bytes``,
+    the logits) times 4 / the logits' element size. Measured: 4 logits-sized fp32 tensors at
+    the whole-logits peak, 3 shards under loss parallel (tiny HF Llama, vocabulary 8192)."""
+    most = 0.0
+    for segments in profile.timeline.values():
+        for seg in segments:
+            if seg.active == "none" and seg.held == len(profile.layers):
+                held = sum(layer.saved_bytes.slope for layer in profile.layers)
+                most = max(most, *(p[1] - held - whole.slope for p in seg.points))
+    logits = sum(max(p.saved_bytes.slope, 0.0) for p in profile.fixed if is_head(p))
+    element = 2 if profile.environment.precision in ("bf16", "fp16") else 4
+    return max(most - logits * 4 / element, 0.0)
+
+
 LOSS_PART = "(loss)"
 """The probe's name for the loss computed outside the model's modules (memplan.probe.assemble)."""
+
+
+def is_head(part: FixedPart) -> bool:
+    """A fixed part after the blocks whose weight TP splits (the output projection to the
+    vocabulary, colwise): the part loss parallel keeps sharded."""
+    return not _first_stage_part(part) and part.name != LOSS_PART and part.tp_sharded_bytes > 0
+
+
+def loss_parallel_possible(profile: Profile) -> bool:
+    """Whether the model's TP plan splits its head (a colwise output projection), so the
+    logits can stay sharded by vocabulary (``Parallel.loss_parallel``)."""
+    return tp_measured(profile) and any(is_head(part) for part in profile.fixed)
+
+
+def loss_parallel_whole_bytes(profile: Profile) -> Affine:
+    """Under loss parallel, what stays whole on a TP rank once the blocks have run (per
+    sample and fixed): the last block's output and what the parts after the blocks other
+    than the head and the loss keep (the final norm's saved bytes; its output is the head's
+    input, which the colwise head keeps whole, ``Replicate``). The rest of those segments'
+    bytes are the logits, their fp32 copy, the log-softmax and the logits' gradient, all
+    vocabulary-sized, which torchtitan's ``loss_parallel`` (torch.distributed.tensor.parallel
+    .loss, ``_log_softmax_handler`` and ``_nll_loss_forward_handler``: a log-softmax and NLL
+    over the local vocabulary shard, the max and sum all-reduced) and Megatron's
+    ``vocab_parallel_cross_entropy`` (megatron/core/tensor_parallel/cross_entropy.py) hold as
+    ``1/tp`` shards. Measured on 4 gloo ranks (docs/design.md)."""
+    out = Affine.zero()
+    if profile.layers:
+        out = profile.layers[-1].output_bytes
+    for part in profile.fixed:
+        if _first_stage_part(part) or part.name == LOSS_PART or is_head(part):
+            continue
+        out = Affine(
+            intercept=out.intercept + max(part.saved_bytes.intercept, 0.0),
+            slope=out.slope + max(part.saved_bytes.slope, 0.0),
+        )
+    return out
 
 
 def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
@@ -201,9 +273,10 @@ def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
     ``fwd_cache``), where a plain step lets the loss free it. Measured: the bytes the loss
     frees (the negative ``saved_bytes`` of the probe's ``(loss)`` part, the logits)."""
     freed = Affine.zero()
+    vocab = 1.0 / parallel.tp if parallel.loss_parallel else 1.0
     for part in profile.fixed:
         if part.name == LOSS_PART and part.saved_bytes.slope < 0:
-            freed = _scale(part.saved_bytes, -1.0 / parallel.cp)
+            freed = _scale(part.saved_bytes, -vocab / parallel.cp)
     return freed
 
 
@@ -266,6 +339,13 @@ def check_layout(profile: Profile, parallel: Parallel) -> None:
             "memplan cannot tell which bytes TP divides.",
             hint="Probe again with this memplan (a model with a TP plan is measured under TP "
             "2 on a fake process group), or add TP_PLAN to the model file, or use --tp 1.",
+        )
+    if parallel.loss_parallel and not loss_parallel_possible(profile):
+        raise BadInputError(
+            f"loss parallel keeps the logits sharded by vocabulary, but the TP plan of "
+            f"{profile.model.spec} does not split its head.",
+            hint="Add the head (e.g. 'lm_head': 'colwise_gather_output') to the model's "
+            "TP_PLAN and probe again, or plan without loss parallel.",
         )
 
 
@@ -347,6 +427,9 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
         for phase, rows in kept.items()
     }
     state_full = _state_bytes(profile)
+    lp_whole = loss_parallel_whole_bytes(profile)
+    whole = (lp_whole.intercept, lp_whole.slope)
+    cap = loss_parallel_cap(profile, lp_whole) if parallel.loss_parallel else math.inf
     draft = dataclasses.replace(
         profile,
         layers=tuple(layers),
@@ -365,6 +448,7 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
             base_rank = state_rank + grads_at_bytes(draft, phase, new_index)
             h = seg.held
             cur = f[h] if seg.active != "none" else 1.0 / parallel.cp
+            after_blocks = seg.active == "none" and h == n
             frame = _Frame(
                 base_full,
                 base_rank,
@@ -372,6 +456,9 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
                 full_prefix[h],
                 rank_prefix[h],
                 offsets.get(phase, offsets["no_grads"]),
+                whole if after_blocks and parallel.loss_parallel else None,
+                1.0 / parallel.tp,
+                cap,
             )
             out.append(
                 dataclasses.replace(

@@ -32,7 +32,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory.parallel import check_layout, layout_sharding, rank_profile, tp_measured
+from memplan.memory.parallel import (
+    check_layout,
+    layout_sharding,
+    loss_parallel_possible,
+    rank_profile,
+    tp_measured,
+)
 from memplan.parallel import Parallel, Schedule, in_flight
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -64,6 +70,9 @@ class LayoutRequest:
     sequence_parallel: bool | None = None
     """None: on with TP in ``auto`` (less memory, the same bytes moved), off otherwise."""
     virtual_stages: int = 1
+    loss_parallel: bool | None = None
+    """None: on with TP where the model's TP plan splits its head (torchtitan's default,
+    Megatron's only way); False: logits gathered whole on every TP rank."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -131,6 +140,7 @@ def candidate_layouts(
                 if sp is None:  # the runtime runs SP without pipeline stages only
                     sp = ask.auto and tp > 1 and pp == 1
                 replicas = strategy == "ddp"
+                lp = ask.loss_parallel is not False and tp > 1
                 out.append(
                     Parallel(
                         dp_replicate=dp if replicas else 1,
@@ -141,6 +151,7 @@ def candidate_layouts(
                         sequence_parallel=sp and tp > 1,
                         schedule=ask.schedule if pp > 1 else "1f1b",
                         virtual_stages=ask.virtual_stages if pp > 1 else 1,
+                        loss_parallel=lp and loss_parallel_possible(profile),
                     )
                 )
     return out
