@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
@@ -46,19 +47,19 @@ from memplan.memory.budget import reserve_for
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.sharding import Sharding
 from memplan.memory.terms import grads_at_bytes
+from memplan.memory.vocab import (
+    LOSS_PART,
+    first_stage_part,
+    is_head,
+    loss_parallel_cap,
+    loss_parallel_possible,
+    loss_parallel_whole_bytes,
+    tp_measured,
+    vocab_split,
+)
 from memplan.parallel import Parallel, in_flight, stage_layers
 from memplan.plan import Plan, Strategy
 from memplan.profile import Affine, FixedPart, Layer, Point, Profile, Segment, Totals
-
-FIRST_STAGE_HINTS = ("embed", "wte", "wpe", "tok", "pos")
-"""A fixed part whose name contains one of these runs before the blocks (first stage); the
-others (final norm, head, loss) run after them (last stage). Fixed parts carry no position
-in the profile, so the split is by name."""
-
-
-def _first_stage_part(part: FixedPart) -> bool:
-    name = part.name.lower()
-    return any(hint in name for hint in FIRST_STAGE_HINTS)
 
 
 def _scale(value: Affine, factor: float) -> Affine:
@@ -69,13 +70,6 @@ def _scale(value: Affine, factor: float) -> Affine:
 
 def _sub(a: Affine, b: Affine) -> Affine:
     return Affine(intercept=a.intercept - b.intercept, slope=a.slope - b.slope)
-
-
-def tp_measured(profile: Profile) -> bool:
-    """Whether the probe measured every block's TP split (a model with a TP plan)."""
-    return bool(profile.layers) and all(
-        layer.tp_saved_fraction is not None for layer in profile.layers
-    )
 
 
 SP_GATHERED_INPUTS = 2
@@ -194,77 +188,12 @@ class _Frame:
         rest0 = point[0] - self.base_full - self.held_full[0]
         rest1 = point[1] - self.held_full[1]
         if self.whole is not None:
-            rest0 = _vocab_split(rest0, self.whole[0], self.vocab)
-            rest1 = _vocab_split(rest1, self.whole[1], self.vocab, self.cap)
+            rest0 = vocab_split(rest0, self.whole[0], self.vocab)
+            rest1 = vocab_split(rest1, self.whole[1], self.vocab, self.cap)
         return (
             self.base_rank + self.held_rank[0] + self.cur * rest0 + self.offset[0],
             self.held_rank[1] + self.cur * rest1 + self.offset[1],
         )
-
-
-def _vocab_split(rest: float, whole: float, vocab: float, cap: float = math.inf) -> float:
-    return min(rest, whole) + min(max(rest - whole, 0.0), cap) * vocab
-
-
-def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
-    """The most vocabulary-sized bytes per sample a TP rank holds under loss parallel,
-    before dividing by ``tp``: the whole-logits run's most, less one gradient of the
-    log-softmax's size. torch's loss parallel fuses the NLL and log-softmax backwards into
-    one (``_nll_loss_and_log_softmax_backward``, torch/distributed/tensor/parallel/loss.py,
-    torch 2.13: one ``zeros_like`` gradient, its log-softmax backward a pass-through), where
-    the plain path holds NLL's gradient beside log-softmax's. The log-softmax runs in fp32
-    (the loss upcasts bf16 logits), so that gradient is the head's output (``saved_bytes``,
-    the logits) times 4 / the logits' element size. Measured: 4 logits-sized fp32 tensors at
-    the whole-logits peak, 3 shards under loss parallel (tiny HF Llama, vocabulary 8192)."""
-    most = 0.0
-    for segments in profile.timeline.values():
-        for seg in segments:
-            if seg.active == "none" and seg.held == len(profile.layers):
-                held = sum(layer.saved_bytes.slope for layer in profile.layers)
-                most = max(most, *(p[1] - held - whole.slope for p in seg.points))
-    logits = sum(max(p.saved_bytes.slope, 0.0) for p in profile.fixed if is_head(p))
-    element = 2 if profile.environment.precision in ("bf16", "fp16") else 4
-    return max(most - logits * 4 / element, 0.0)
-
-
-LOSS_PART = "(loss)"
-"""The probe's name for the loss computed outside the model's modules (memplan.probe.assemble)."""
-
-
-def is_head(part: FixedPart) -> bool:
-    """A fixed part after the blocks whose weight TP splits (the output projection to the
-    vocabulary, colwise): the part loss parallel keeps sharded."""
-    return not _first_stage_part(part) and part.name != LOSS_PART and part.tp_sharded_bytes > 0
-
-
-def loss_parallel_possible(profile: Profile) -> bool:
-    """Whether the model's TP plan splits its head (a colwise output projection), so the
-    logits can stay sharded by vocabulary (``Parallel.loss_parallel``)."""
-    return tp_measured(profile) and any(is_head(part) for part in profile.fixed)
-
-
-def loss_parallel_whole_bytes(profile: Profile) -> Affine:
-    """Under loss parallel, what stays whole on a TP rank once the blocks have run (per
-    sample and fixed): the last block's output and what the parts after the blocks other
-    than the head and the loss keep (the final norm's saved bytes; its output is the head's
-    input, which the colwise head keeps whole, ``Replicate``). The rest of those segments'
-    bytes are the logits, their fp32 copy, the log-softmax and the logits' gradient, all
-    vocabulary-sized, which torchtitan's ``loss_parallel`` (torch.distributed.tensor.parallel
-    .loss, ``_log_softmax_handler`` and ``_nll_loss_forward_handler``: a log-softmax and NLL
-    over the local vocabulary shard, the max and sum all-reduced) and Megatron's
-    ``vocab_parallel_cross_entropy`` (megatron/core/tensor_parallel/cross_entropy.py) hold as
-    ``1/tp`` shards. Measured on 4 gloo ranks (docs/design.md)."""
-    out = Affine.zero()
-    if profile.layers:
-        out = profile.layers[-1].output_bytes
-    for part in profile.fixed:
-        if _first_stage_part(part) or part.name == LOSS_PART or is_head(part):
-            continue
-        out = Affine(
-            intercept=out.intercept + max(part.saved_bytes.intercept, 0.0),
-            slope=out.slope + max(part.saved_bytes.slope, 0.0),
-        )
-    return out
 
 
 def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
@@ -349,23 +278,77 @@ def check_layout(profile: Profile, parallel: Parallel) -> None:
         )
 
 
-def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches: int) -> Profile:
-    """One rank of pipeline stage ``stage`` (0-based) as a profile of its own (see the
-    module docstring), for ``micro_batches`` pipeline micro-batches per step. With
-    interleaved 1F1B the rank's ``virtual_stages`` chunks are taken together."""
-    check_layout(profile, parallel)
-    n = len(profile.layers)
+def stage_blocks(n: int, parallel: Parallel, stage: int) -> tuple[range, tuple[int, ...]]:
+    """The blocks ``rank_profile`` models for pipeline rank ``stage`` (a contiguous run) and
+    the rank's own blocks, in the same order. Interleaved 1F1B gives a rank ``v`` chunks
+    that are not contiguous; they are modelled as one run of as many blocks, ending the
+    model on the last rank (exact for identical blocks, the case interleaving is for): the
+    run's ``i``-th block stands in for the rank's ``i``-th own block."""
     chunks = stage_layers(n, parallel.stages)
     mine = [chunks[stage + v * parallel.pp] for v in range(parallel.virtual_stages)]
     first, last = stage == 0, stage == parallel.pp - 1
-    # Interleaved: the rank's chunks are not contiguous; they are modelled as one run of as
-    # many blocks, ending the model on the last rank (exact for identical blocks, the case
-    # interleaving is for; the run's names stand in for the rank's own).
     count = sum(len(chunk) for chunk in mine)
     start = n - count if last else mine[0].start
     if not first and not last:
         start = min(start, n - count)
-    stage_range = range(start, start + count)
+    return range(start, start + count), tuple(j for chunk in mine for j in chunk)
+
+
+def stage_checkpoint(
+    profile: Profile, parallel: Parallel, stage: int, checkpoint: Mapping[str, str]
+) -> dict[str, str]:
+    """A plan's checkpoint modes for the blocks of pipeline rank ``stage``, under the names
+    ``rank_profile`` gives them (the stand-in run's, with interleaving)."""
+    names = profile.layer_names
+    run, own = stage_blocks(len(names), parallel, stage)
+    return {
+        names[j]: checkpoint[names[o]]
+        for j, o in zip(run, own, strict=True)
+        if names[o] in checkpoint
+    }
+
+
+def own_checkpoint(
+    profile: Profile, parallel: Parallel, stage: int, checkpoint: Mapping[str, str]
+) -> dict[str, str]:
+    """The inverse of ``stage_checkpoint``: a stage solve's modes (stand-in names) under the
+    names of the rank's own blocks, so a plan's ``checkpoint:`` covers every block."""
+    names = profile.layer_names
+    run, own = stage_blocks(len(names), parallel, stage)
+    return {
+        names[o]: checkpoint[names[j]]
+        for j, o in zip(run, own, strict=True)
+        if names[j] in checkpoint
+    }
+
+
+def _mode_savings(layer: Layer, mode: str) -> Affine:
+    """One micro-batch's savings of a rank's block in ``mode`` (offload frees what full
+    checkpointing frees, memplan.modes)."""
+    value = layer.selective_savings_bytes if mode == "selective" else layer.savings_bytes
+    return value if value is not None else Affine.zero()
+
+
+def rank_profile(
+    profile: Profile,
+    parallel: Parallel,
+    stage: int,
+    micro_batches: int,
+    modes: Mapping[str, str] | None = None,
+) -> Profile:
+    """One rank of pipeline stage ``stage`` (0-based) as a profile of its own (see the
+    module docstring), for ``micro_batches`` pipeline micro-batches per step. With
+    interleaved 1F1B the rank's ``virtual_stages`` chunks are taken together.
+
+    ``modes`` (the rank's blocks by ``rank_profile``'s names, ``stage_checkpoint``): the
+    micro-batches waiting in the pipeline keep only what each block's mode keeps, and the
+    profile is exact for that checkpoint map. Without it (the layout search, which does
+    not know the map yet) a waiting micro-batch is charged its un-checkpointed bytes less
+    the savings of the blocks the current one holds: never less than with ``modes``."""
+    check_layout(profile, parallel)
+    n = len(profile.layers)
+    first, last = stage == 0, stage == parallel.pp - 1
+    stage_range, _ = stage_blocks(n, parallel, stage)
     forwards = in_flight(parallel, stage, micro_batches)
     k = max(1, math.ceil(forwards / parallel.virtual_stages))
     # Later micro-batches' backwards (gradients resident) start with one fewer in flight
@@ -374,11 +357,12 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
     ks = {"no_grads": k, "grads_resident": k_resident}
     # A checkpointed block frees its savings in each held micro-batch; the fewer of the two
     # phases' counts is taken (never more saved than there is).
-    layers = [_rank_layer(profile.layers[j], parallel, min(ks.values())) for j in stage_range]
+    k_savings = 1 if modes is not None else min(ks.values())
+    layers = [_rank_layer(profile.layers[j], parallel, k_savings) for j in stage_range]
     fixed = [
         _rank_fixed(part, parallel)
         for part in profile.fixed
-        if (first and _first_stage_part(part)) or (last and not _first_stage_part(part))
+        if (first and first_stage_part(part)) or (last and not first_stage_part(part))
     ]
     totals = _rank_totals(profile, layers, fixed)
     f = [activation_factor(layer, parallel) for layer in profile.layers]
@@ -389,6 +373,15 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
             intercept=stage_saved.intercept + f[j] * saved[j].intercept,
             slope=stage_saved.slope + f[j] * saved[j].slope,
         )
+    if modes is not None:  # each waiting micro-batch keeps only what the modes keep
+        names = profile.layer_names
+        for j, layer in zip(stage_range, layers, strict=True):
+            if names[j] in modes:
+                freed = _mode_savings(layer, modes[names[j]])
+                stage_saved = Affine(
+                    intercept=stage_saved.intercept - freed.intercept,
+                    slope=stage_saved.slope - freed.slope,
+                )
     received = profile.layers[stage_range.start].input_bytes if not first else Affine.zero()
     input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
@@ -539,9 +532,9 @@ def stage_peak(
 ) -> StagePeak:
     """The predicted peak of one rank of pipeline stage ``stage`` under ``plan``."""
     parallel = plan_layout(plan)
-    rank = rank_profile(profile, parallel, stage, plan.accumulation_steps)
-    names = set(rank.layer_names)
-    chosen = {name: mode for name, mode in plan.checkpoint.items() if name in names}
+    chosen = stage_checkpoint(profile, parallel, stage, plan.checkpoint)
+    modes = chosen if parallel.pp > 1 else None
+    rank = rank_profile(profile, parallel, stage, plan.accumulation_steps, modes)
     peak = step_peak(
         rank,
         plan.micro_batch_size,
