@@ -95,3 +95,27 @@ def test_tp2_loss_parallel_from_probe_to_four_ranks_within_three_percent(tmp_pat
     )
     whole = layout_peaks(load_profile(profile), gathered).worst.peak.allocated_bytes
     assert whole > 1.25 * max(measured), (whole, measured)
+
+
+def test_torchtitan_toml_says_whether_loss_parallel_is_on():
+    import tomllib
+
+    from memplan.emit import emit
+    from memplan.plan import Breakdown, Plan, Prediction
+
+    zero = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
+    for on in (True, False):
+        layout = Parallel(dp_shard=2, tp=2, sequence_parallel=True, loss_parallel=on)
+        plan = Plan(
+            target_batch=8,
+            micro_batch_size=4,
+            accumulation_steps=1,
+            world_size=4,
+            strategy="fsdp",
+            budget_bytes=1 << 40,
+            predicted=Prediction(peak_bytes=1, step_seconds=1.0, breakdown=zero),
+            model="m",
+            parallel=layout,
+        )
+        _, text = emit(plan, "torchtitan", "m.py")
+        assert tomllib.loads(text)["parallelism"]["disable_loss_parallel"] is (not on)
