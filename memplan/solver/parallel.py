@@ -188,6 +188,9 @@ def bubble_fraction(parallel: Parallel, m: int) -> float:
 
 
 _RANKS: dict[tuple, Profile] = {}
+_RANKS_OF: list[Profile] = []
+"""The profile ``_RANKS`` belongs to, held so that its identity cannot pass to another
+profile (an ``id`` alone can be reused once the first is collected)."""
 
 
 def _rank_profile(
@@ -196,11 +199,12 @@ def _rank_profile(
     """``rank_profile``, which depends on the micro-batches only through the stage's
     in-flight count: kept for the search of one profile (the last one asked). ``all_full``:
     every block of the stage fully checkpointed, in the waiting micro-batches too."""
+    if not _RANKS_OF or _RANKS_OF[0] is not profile:
+        _RANKS.clear()
+        _RANKS_OF[:] = [profile]
     k = in_flight(parallel, stage, m)
-    key = (id(profile), parallel, stage, k, min(k, m - 1), all_full)  # the two phases
+    key = (parallel, stage, k, min(k, m - 1), all_full)  # memory.parallel's two phases
     if key not in _RANKS:
-        if _RANKS and next(iter(_RANKS))[0] != id(profile):
-            _RANKS.clear()
         modes = None
         if all_full:
             names = rank_profile(profile, parallel, stage, m).layer_names
@@ -388,7 +392,6 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
         accumulation_steps=option.micro_batches,
         parallel=p,
         checkpoint=checkpoint,
-        checkpoint_layers=None,
         shard_units=profile.layer_names if worst.strategy == "fsdp" else (),
         model_fingerprint=fingerprint,
         predicted=dataclasses.replace(
