@@ -66,6 +66,11 @@ class Parallel:
     """Pipeline schedule (only meaningful with ``pp`` > 1)."""
     virtual_stages: int = 1
     """Stages per pipeline rank; more than 1 only with ``interleaved_1f1b``."""
+    loss_parallel: bool = False
+    """With ``tp``: the head's logits and the cross-entropy stay sharded by vocabulary over
+    the TP ranks (torchtitan's ``loss_parallel``, on unless
+    ``parallelism.disable_loss_parallel``; Megatron's vocab-parallel cross-entropy, always)
+    instead of gathered whole on every rank. Off in plans written before it."""
 
     def __post_init__(self) -> None:
         for name in (*(d.field for d in DIMENSIONS), "virtual_stages"):
@@ -78,6 +83,8 @@ class Parallel:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs tp > 1")
+        if self.loss_parallel and self.tp == 1:
+            raise ValueError("parallel.loss_parallel needs tp > 1")
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ValueError("parallel.virtual_stages > 1 needs schedule interleaved_1f1b")
 
@@ -100,7 +107,8 @@ class Parallel:
         dp = f"dp {self.dp}"
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" ({self.dp_replicate} replicas × {self.dp_shard} shards)"
-        parts = [dp, f"tp {self.tp}" + (" + SP" if self.sequence_parallel else "")]
+        tp = f"tp {self.tp}" + (" + SP" if self.sequence_parallel else "")
+        parts = [dp, tp + (" + loss parallel" if self.loss_parallel else "")]
         parts.append(f"pp {self.pp}" + (f" ({self.schedule})" if self.pp > 1 else ""))
         parts.append(f"cp {self.cp}")
         return " × ".join(parts)
