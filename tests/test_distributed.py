@@ -78,7 +78,7 @@ def plan_for(strategy: str, *, micro: int = 3, k: int = 2, world: int = 2, **kwa
         "accumulation_steps": k,
         "world_size": world,
         "strategy": strategy,
-        "checkpoint_layers": ("blocks.1",),
+        "checkpoint": {"blocks.1": "full"},
         "shard_units": ("blocks.0", "blocks.1", "blocks.2") if strategy == "fsdp" else (),
         "budget_bytes": 1 << 30,
         "model": "tiny.py",
