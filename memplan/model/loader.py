@@ -77,9 +77,6 @@ def _out_of_host_memory(exc: BaseException) -> bool:
     )
 
 
-_MEMPLAN_DIR = Path(__file__).resolve().parent.parent  # the memplan package
-
-
 def _args_text(args: tuple[Any, ...]) -> str:
     ints = [str(a) for a in args if isinstance(a, int) and not isinstance(a, bool)]
     return f"({', '.join(ints)})" if args and len(ints) == len(args) else "()"
