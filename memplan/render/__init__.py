@@ -292,6 +292,11 @@ def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> No
     slow = _selective_note(profile)
     if slow:
         console.print(Text(f"note: {slow}"))
+    if profile.hf_blocks and (profile.tp_refused or profile.pipeline_refused):
+        # a transformers model: layouts are what a user may plan next
+        for what, why in (("--tp", profile.tp_refused), ("--pp", profile.pipeline_refused)):
+            if why:
+                console.print(Text(f"note: solve refuses {what} > 1: {why}"))
 
 
 def _selective_note(profile: Profile) -> str:
