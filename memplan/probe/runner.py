@@ -273,7 +273,6 @@ def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str]
     whether pipeline stages can split the model (``Profile.pipeline_refused``); a model
     without a TP plan, or whose blocks cannot run under one, records why in
     ``Profile.tp_refused`` (and the latter in a warning)."""
-    from memplan.errors import first_line
     from memplan.probe.tp_measure import declared_plan, measure_tp
     from memplan.run.pipeline import pipeline_refusal
     from memplan.run.tp_plan import tp_plan_for
@@ -287,7 +286,11 @@ def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str]
     try:
         measured = measure_tp(session, profile, size, declared)
     except Exception as exc:
-        why = f"its blocks failed under a TP plan ({type(exc).__name__}: {first_line(exc)})"
+        # what failed, without a model-file hint that blames the batch: the batch ran the
+        # whole probe; here the blocks run again under TP 2 on a fake process group
+        said = exc.message if isinstance(exc, MemplanError) else str(exc)
+        said = (said.strip().splitlines() or [""])[0]
+        why = f"its blocks failed under its TP plan ({type(exc).__name__}: {said})"
         note = f"Tensor parallelism was not measured: {why}; plans with --tp > 1 are refused."
         return dataclasses.replace(
             profile, warnings=(*profile.warnings, note), tp_refused=f"{why}."

@@ -352,9 +352,14 @@ def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
             if dim == "tp"
             else "each rank holds fewer blocks; the bubble and the in-flight micro-batches grow with it"
         )
+        comm = (
+            f"its collectives add {extra * 1e3:+.1f} ms per step"
+            if abs(extra) >= 0.05e-3
+            else "its collectives take no time to the tenth of a millisecond"
+        )
         out.append(
-            f"{dim} {mine} over {dim} {theirs}: {what}; its collectives add "
-            f"{extra * 1e3:+.1f} ms per step; peak {format_bytes(best.peak_bytes)} vs "
+            f"{dim} {mine} over {dim} {theirs}: {what}; {comm}; peak "
+            f"{format_bytes(best.peak_bytes)} vs "
             f"{format_bytes(alt.peak_bytes)}, step {best.step_seconds * 1e3:.1f} vs "
             f"{alt.step_seconds * 1e3:.1f} ms ({alt.parallel.describe()}, micro-batch "
             f"{alt.micro_batch})"

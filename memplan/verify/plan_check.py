@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from memplan import run
+from memplan.errors import first_line
 from memplan.model.loader import ModelFile
 from memplan.plan import Plan
 from memplan.run.batch import map_batch
@@ -63,7 +64,10 @@ def check_gradients(
         except Exception as exc:  # the model does not run (or fit) in float64: use fp32
             # (a model file that fails for another reason fails again, in fp32, and is
             # reported as such)
-            note = f" (float64 failed with {type(exc).__name__}: compared in fp32)"
+            note = (
+                f" (compared in fp32: in float64 the model failed with {type(exc).__name__}: "
+                f"{first_line(exc)[:200]})"
+            )
         grad, couple = _fits(mf, plan, device, seed, full)
         return _with_reason(grad, grad.reason + note), couple
     return _fits(mf, plan, device, seed, full)
