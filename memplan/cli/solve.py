@@ -12,6 +12,7 @@ from memplan.cli.base import run_command
 from memplan.cli.options import FORMATS_HELP, finite, split_names
 from memplan.files.schema import to_data
 from memplan.memory import DEFAULT_MARGIN
+from memplan.plan import plan_to_data
 
 if TYPE_CHECKING:
     from memplan.errors import NoPlanFitsError
@@ -279,7 +280,7 @@ def _show_layout(laid, *, as_json: bool) -> None:
             }
             for o in laid.options
         ]
-        render.print_json({"feasible": True, "plan": to_data(plan), "layouts": rows})
+        render.print_json({"feasible": True, "plan": plan_to_data(plan), "layouts": rows})
         return
     render.show_plan(plan)
 
@@ -305,7 +306,9 @@ def _show_result(result: SolveResult, seq: SeqSolve | None, *, as_json: bool) ->
     plan = result.plan
     if as_json:
         extra = {"seq": to_data(dataclasses.replace(seq, result=None))} if seq else {}
-        render.print_json({"feasible": True, "plan": to_data(plan), "candidates": rows, **extra})
+        render.print_json(
+            {"feasible": True, "plan": plan_to_data(plan), "candidates": rows, **extra}
+        )
     else:
         render.show_plan(plan)
         render.show_candidates(rows, plan.micro_batch_size)

@@ -16,9 +16,9 @@ import torch
 
 from memplan import run
 from memplan.errors import first_line
+from memplan.model.batch import map_batch
 from memplan.model.loader import ModelFile
 from memplan.plan import Plan
-from memplan.run.batch import map_batch
 from memplan.verify.grad_check import (
     TOLERANCE,
     BatchCoupling,
