@@ -28,7 +28,7 @@ def _plan(model: str, layers: tuple[str, ...]) -> Plan:
         target_batch=4,
         micro_batch_size=2,
         accumulation_steps=2,
-        checkpoint_layers=layers,
+        checkpoint=dict.fromkeys(layers, "full"),
         budget_bytes=1 << 30,
         predicted=Prediction(
             peak_bytes=1 << 20,
