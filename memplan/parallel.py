@@ -8,6 +8,7 @@ A plan without a layout (``Plan.parallel is None``) is today's data parallelism:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,34 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 """Pipeline schedules: GPipe (all forwards, then all backwards), 1F1B (the first stage holds
 up to pp micro-batches in flight), interleaved 1F1B (``virtual_stages`` stages per rank)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dimension:
+    """One parallel dimension: a degree of ``Parallel`` and what it divides."""
+
+    field: str
+    """The ``Parallel`` field holding its degree."""
+    label: str
+    """How a summary names it (``Parallel.describe``)."""
+    splits: str
+    """What its ranks divide among them."""
+
+
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension(field="dp_replicate", label="replicas", splits="samples (whole replicas)"),
+    Dimension(
+        field="dp_shard",
+        label="shards",
+        splits="samples, and parameters, gradients and optimizer state",
+    ),
+    Dimension(field="tp", label="tp", splits="the projections' weights and activations"),
+    Dimension(field="pp", label="pp", splits="the blocks, as pipeline stages"),
+    Dimension(field="cp", label="cp", splits="the sequence"),
+)
+"""The dimensions in torchtitan's ``ParallelDims`` order; their degrees multiply to the
+world size. Adding one: its field on ``Parallel`` and an entry here, then the files
+docs/design.md lists under "What a new piece touches"."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,7 +68,7 @@ class Parallel:
     """Stages per pipeline rank; more than 1 only with ``interleaved_1f1b``."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages"):
+        for name in (*(d.field for d in DIMENSIONS), "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -59,7 +88,7 @@ class Parallel:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        return math.prod(getattr(self, d.field) for d in DIMENSIONS)
 
     @property
     def stages(self) -> int:

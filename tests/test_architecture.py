@@ -20,15 +20,15 @@ OVER_LIMIT_FOR_NOW: set[str] = set()
 WINGS = ("memplan.probe", "memplan.run", "memplan.verify", "memplan.integrations")
 INTEGRATIONS = ("memplan.integrations",)
 # The training frameworks an integration drives: optional, so only integrations/ imports
-# them (transformers also memplan.hf, which builds hf: references from configs).
+# them (transformers also memplan.model.hf, which builds hf: references from configs).
 FRAMEWORKS = {
     "lightning": INTEGRATIONS,
     "pytorch_lightning": INTEGRATIONS,
     "accelerate": INTEGRATIONS,
-    "transformers": (*INTEGRATIONS, "memplan.hf"),
+    "transformers": (*INTEGRATIONS, "memplan.model.hf"),
     "trl": INTEGRATIONS,
 }
-TORCH_FILES = {"memplan.loader", "memplan.hf", "memplan.devices"}
+TORCH_FILES = {"memplan.model.loader", "memplan.model.hf", "memplan.devices"}
 # Above the core: the commands and the CI gate run the wings.
 APPS = ("memplan.cli", "memplan.check")
 # memplan.wrap is where emitted scripts import wrap_for_plan from (a re-export of

@@ -2,7 +2,7 @@
 
 The model a script holds (or a factory, which lets a model be planned on meta without ever
 being built with data) is handed to the probe as an in-memory model file
-(``memplan.loader.ModelFile``): ``build_model`` returns a copy of the model made for the
+(``memplan.model.loader.ModelFile``): ``build_model`` returns a copy of the model made for the
 planning (on meta, parameters and buffers are copied as meta tensors, without their data),
 ``make_batch(n)`` calls the batch function or takes ``n`` samples of the batch given
 (cycling), ``training_loss`` is the loss function and ``make_optimizer`` rebuilds the
@@ -174,7 +174,7 @@ def _ask(
     force: bool = False,
 ) -> _Ask:
     """The request of ``memplan solve``, checked: its options as the command's (``layout``
-    a ``memplan.solver.layout.LayoutRequest``; ``model_ref`` the model file the plan and its
+    a ``memplan.solver.parallel.LayoutRequest``; ``model_ref`` the model file the plan and its
     scripts name; ``output``/``formats``/``out_dir``/``force`` as ``-o``/``--format``/
     ``--out-dir``/``--force``)."""
     from memplan.emit.files import plan_targets
@@ -349,7 +349,7 @@ def _host_memory(value: str | int | None) -> int | None:
 
 
 def _seq_length(seq_len: int | str | None) -> int | None:
-    from memplan.seqlen import parse_seq_len
+    from memplan.profile.seqlen import parse_seq_len
 
     if seq_len is None:
         return None
@@ -367,9 +367,9 @@ def _solve(
     tokens_per_batch: int | None,
 ) -> Plan:
     """The solve ``memplan solve`` runs for these options (cli/solve.py)."""
-    from memplan.seqplan import solve_seq
     from memplan.solver import solve
-    from memplan.solver.layout import solve_layout
+    from memplan.solver.parallel import solve_layout
+    from memplan.solver.seqlen import solve_seq
 
     if layout is not None:
         return solve_layout(profile, request, layout).plan

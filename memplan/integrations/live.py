@@ -1,4 +1,4 @@
-"""The live model as an in-memory model file (``memplan.loader.ModelFile``), and what keeps
+"""The live model as an in-memory model file (``memplan.model.loader.ModelFile``), and what keeps
 it as it was while a copy of it is probed: ``live_model_file`` (the functions the probe
 calls), ``planning_copy`` (the copy), ``rng_preserved`` and ``unchanged`` (memplan.
 integrations.api's module docstring says what they guarantee)."""
@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from memplan.errors import BadInputError
-from memplan.loader import ModelFile, map_batch, takes_seq_len
-from memplan.profile import DEFAULT_FACTORY
+from memplan.model.loader import ModelFile, takes_seq_len
+from memplan.model.reference import DEFAULT_FACTORY
 from memplan.run.accumulate import samples_in
+from memplan.run.batch import map_batch
 from memplan.run.checkpoint import remove
 
 __all__ = [

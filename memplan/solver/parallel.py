@@ -32,7 +32,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory.layout import check_layout, layout_sharding, rank_profile, tp_measured
+from memplan.memory.parallel import check_layout, layout_sharding, rank_profile, tp_measured
 from memplan.parallel import Parallel, Schedule, in_flight
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -176,16 +176,20 @@ def bubble_fraction(parallel: Parallel, m: int) -> float:
 
 
 _RANKS: dict[tuple, Profile] = {}
+_RANKS_OF: list[Profile] = []
+"""The profile ``_RANKS`` belongs to, held so that its identity cannot pass to another
+profile (an ``id`` alone can be reused once the first is collected)."""
 
 
 def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> Profile:
     """``rank_profile``, which depends on the micro-batches only through the stage's
     in-flight count: kept for the search of one profile (the last one asked)."""
+    if not _RANKS_OF or _RANKS_OF[0] is not profile:
+        _RANKS.clear()
+        _RANKS_OF[:] = [profile]
     k = in_flight(parallel, stage, m)
-    key = (id(profile), parallel, stage, k, min(k, m - 1))  # memory.layout's two phases
+    key = (parallel, stage, k, min(k, m - 1))  # memory.parallel's two phases
     if key not in _RANKS:
-        if _RANKS and next(iter(_RANKS))[0] != id(profile):
-            _RANKS.clear()
         _RANKS[key] = rank_profile(profile, parallel, stage, m)
     return _RANKS[key]
 
@@ -345,7 +349,6 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
         accumulation_steps=option.micro_batches,
         parallel=p,
         checkpoint=checkpoint,
-        checkpoint_layers=None,
         shard_units=profile.layer_names if worst.strategy == "fsdp" else (),
         model_fingerprint=fingerprint,
         predicted=dataclasses.replace(
