@@ -56,7 +56,7 @@ Progress = Callable[[int, int, str], None]
 
 # ------------------------------------------------------------------------------ entry
 def probe_model(
-    model_file_path: str,
+    model_file_path: str | ModelFile,
     *,
     device: str = "auto",
     micro_batches: Sequence[int] = (1, 2, 4),
@@ -67,7 +67,8 @@ def probe_model(
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
 ) -> Profile:
-    """Measure ``model_file_path`` per layer and return its Profile (see profile.py). On
+    """Measure ``model_file_path`` (or a loaded ModelFile: memplan.integrations.api builds
+    one around a live model) per layer and return its Profile (see profile.py). On
     meta, identical blocks reuse their representative's meta results unless
     ``reuse_identical`` is False (memplan.probe.dedup)."""
     sizes = sorted(set(int(b) for b in micro_batches))
@@ -87,7 +88,11 @@ def probe_model(
         if on_progress is not None:
             on_progress(done, total, what)
 
-    model_file = load_model_file(model_file_path)
+    model_file = (
+        model_file_path
+        if isinstance(model_file_path, ModelFile)
+        else load_model_file(model_file_path)
+    )
     try:
         if device == "meta" and reuse_identical:
             derived = _probe_repeats(
