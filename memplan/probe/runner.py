@@ -16,6 +16,7 @@ the Profile.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import gc
@@ -26,13 +27,14 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, CannotMeasureError, MemplanError, checkpointing_failure
+from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
 from memplan.loader import ModelFile, load_model_file
 from memplan.probe.assemble import assemble
 from memplan.probe.backends import make_backend
 from memplan.probe.dedup import ForwardMisses
 from memplan.probe.expand import NotLinear, expand, same_profile
 from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
+from memplan.probe.sameness import Declined, shared_state, traced_reason
 from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
 from memplan.probe.sizes import (
     TIMING_REPEATS,
@@ -89,13 +91,16 @@ def probe_model(
 
     model_file = load_model_file(model_file_path)
     try:
+        declined = None
         if device == "meta" and reuse_identical:
             derived = _probe_repeats(
                 model_file, sizes, precision, layers, device_profile, tick, mixed_precision
             )
-            if derived is not None:
+            if isinstance(derived, Profile):
                 return derived
-        return probe_sizes(
+            if derived is not None:
+                declined = derived.reason
+        profile = probe_sizes(
             model_file,
             sizes,
             device,
@@ -106,6 +111,9 @@ def probe_model(
             mixed_precision,
             reuse_identical,
         )
+        if declined is not None:
+            profile = dataclasses.replace(profile, extrapolation_declined=declined)
+        return profile
     except Exception as exc:
         known = checkpointing_failure(exc, model_file.spec)
         if known is None:
@@ -121,43 +129,62 @@ def _probe_repeats(
     device_profile: str | None,
     tick: Callable[[str], None],
     mixed_precision: str,
-) -> Profile | None:
+) -> Profile | Declined | None:
     """A long run of identical blocks probed at three short lengths and the rest derived
-    (memplan.probe.repeats); None when the model has no such run, or its short probes do
-    not extrapolate exactly (the caller probes it in full)."""
+    (memplan.probe.repeats); None when the model has no run of look-alike blocks, and
+    ``Declined`` (with the reason) when memplan cannot show that its blocks are the same
+    (memplan.probe.sameness) or its short probes do not extrapolate exactly: the caller then
+    probes every block. Failures are not declines: they surface as they would in a full
+    probe (memplan's own as exit 3 naming the op)."""
     backend = make_backend("meta", precision, device_profile, mixed_precision, True)
     model = backend.build(model_file)
     names, _ = resolve_layers(model, layers)
     repeat = longest_run(model, names)
     if repeat is None:
         return None
+    reason = shared_state(model, repeat)
+    if reason is not None:
+        return Declined(reason)
+    whole = copy.deepcopy(model)  # traced (a forward may fill caches); the probes cut `model`
     shrink(model, repeat, LENGTHS[-1])  # built once: 10,000 blocks take seconds to build
     longest = dataclasses.replace(repeat, length=LENGTHS[-1])
-    short = []
+    cuts = [
+        (shrunk_copy(model, longest, length), dataclasses.replace(repeat, length=length))
+        for length in LENGTHS
+    ]
+    reason = traced_reason(model_file, backend, whole, repeat, sizes[0], cuts)
+    del whole, cuts
+    if reason is not None:
+        return Declined(reason)
+    short = [
+        probe_sizes(
+            model_file,
+            sizes,
+            "meta",
+            precision,
+            layers,
+            device_profile,
+            tick if k == 0 else lambda what: None,
+            mixed_precision,
+            True,
+            prune=False,
+            build=functools.partial(shrunk_copy, model, longest, length),
+        )
+        for k, length in enumerate(LENGTHS)
+    ]
+    a = repeat.first
     try:
-        for k, length in enumerate(LENGTHS):
-            short.append(
-                probe_sizes(
-                    model_file,
-                    sizes,
-                    "meta",
-                    precision,
-                    layers,
-                    device_profile,
-                    tick if k == 0 else lambda what: None,
-                    mixed_precision,
-                    True,
-                    prune=False,
-                    build=functools.partial(shrunk_copy, model, longest, length),
-                )
-            )
-        a = repeat.first
         check = expand(short[0], short[1], a, LENGTHS[2], short[2].layer_names, prune=False)
-        if not same_profile(check, short[2]):
-            return None
+    except NotLinear as exc:
+        return Declined(f"the probes of 4 and 5 blocks do not extrapolate ({exc})")
+    if not same_profile(check, short[2]):
+        return Declined(
+            "the probe of 6 blocks differs from what the probes of 4 and 5 blocks predict"
+        )
+    try:
         return expand(short[0], short[1], a, repeat.length, names, prune=True)
-    except (NotLinear, MemplanError, RuntimeError, ValueError, TypeError, IndexError):
-        return None  # the full probe runs it again, and reports what fails there
+    except NotLinear as exc:
+        return Declined(f"the probes of 4 and 5 blocks do not extrapolate ({exc})")
 
 
 def probe_sizes(
