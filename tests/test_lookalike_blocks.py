@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from profile_bytes import assert_meta_equals_cpu
 
+from memplan.files.schema import safe_load, to_data
 from memplan.probe import repeats
 from memplan.probe.runner import probe_model
 from memplan.profile import profile_from_data, profile_to_yaml
-from memplan.schema import safe_load, to_data
 
 ROOT = Path(__file__).resolve().parent
 MODELS = ROOT / "models"

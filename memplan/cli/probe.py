@@ -18,9 +18,9 @@ from memplan.cli.options import (
     running_user_code,
 )
 from memplan.errors import BadInputError
-from memplan.loader import model_reference
-from memplan.schema import to_data
-from memplan.seqlen import parse_seq_lens
+from memplan.files.schema import to_data
+from memplan.model.reference import model_reference
+from memplan.profile.seqlen import parse_seq_lens
 
 
 @run_command
@@ -67,7 +67,7 @@ def probe(
 ) -> None:
     """Measure a model per layer (memory and time) and write a profile."""
     from memplan import render
-    from memplan.fileio import check_output, write_text_atomic
+    from memplan.files.io import check_output, write_text_atomic
     from memplan.probe import probe_model
     from memplan.profile import profile_to_yaml
 

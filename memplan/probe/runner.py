@@ -28,7 +28,7 @@ import torch
 
 from memplan.devices import local_gpu
 from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
-from memplan.loader import ModelFile, load_model_file
+from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.assemble import assemble
 from memplan.probe.backends import make_backend
 from memplan.probe.dedup import ForwardMisses

@@ -50,7 +50,7 @@ from torch import nn
 
 import memplan.run
 from memplan.errors import MemplanError, ModelFileError, first_line, internal_failure
-from memplan.loader import ModelFile
+from memplan.model.loader import ModelFile
 from memplan.probe.backends import Backend
 from memplan.probe.repeats import Repeat
 from memplan.probe.tracker import LiveTracker

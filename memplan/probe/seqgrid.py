@@ -2,7 +2,7 @@
 
 Each length is an ordinary probe over the micro-batch sizes, with ``make_batch(batch_size,
 seq_len)`` bound to that length and every timeline point kept in op order, so that point i
-of a segment is the same op at every length. ``memplan.seqlen.grid_profile`` then fits
+of a segment is the same op at every length. ``memplan.profile.seqlen.grid_profile`` then fits
 each quantity across lengths and prunes the points together (docs/design.md, "Sequence
 length").
 """
@@ -13,10 +13,10 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from memplan.errors import BadInputError, checkpointing_failure
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.probe.runner import Progress, probe_sizes
 from memplan.profile import Profile
-from memplan.seqlen import grid_profile
+from memplan.profile.seqlen import grid_profile
 
 
 def probe_seq_grid(

@@ -26,10 +26,10 @@ from rich.text import Text
 from memplan import timing
 from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
-from memplan.layer_runs import run_label, runs
 from memplan.modes import MODES
 from memplan.plan import Plan
 from memplan.profile import Affine, Profile
+from memplan.report.runs import run_label, runs
 from memplan.units import format_bytes, format_seconds
 
 PIPED_WIDTH = 120

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from memplan import run
-from memplan.loader import ModelFile, map_batch
+from memplan.model.batch import map_batch
+from memplan.model.loader import ModelFile
 from memplan.plan import Plan
 from memplan.verify.grad_check import (
     TOLERANCE,
