@@ -58,7 +58,7 @@ Progress = Callable[[int, int, str], None]
 
 # ------------------------------------------------------------------------------ entry
 def probe_model(
-    model_file_path: str,
+    model_file_path: str | ModelFile,
     *,
     device: str = "auto",
     micro_batches: Sequence[int] = (1, 2, 4),
@@ -69,7 +69,8 @@ def probe_model(
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
 ) -> Profile:
-    """Measure ``model_file_path`` per layer and return its Profile (see profile.py). On
+    """Measure ``model_file_path`` (or a loaded ModelFile: memplan.integrations.api builds
+    one around a live model) per layer and return its Profile (see profile.py). On
     meta, identical blocks reuse their representative's meta results unless
     ``reuse_identical`` is False (memplan.probe.dedup)."""
     sizes = sorted(set(int(b) for b in micro_batches))
@@ -89,7 +90,11 @@ def probe_model(
         if on_progress is not None:
             on_progress(done, total, what)
 
-    model_file = load_model_file(model_file_path)
+    model_file = (
+        model_file_path
+        if isinstance(model_file_path, ModelFile)
+        else load_model_file(model_file_path)
+    )
     try:
         declined = None
         if device == "meta" and reuse_identical:
@@ -296,16 +301,32 @@ def probe_sizes(
 
 
 def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str], None]) -> Profile:
-    """The profile with what tensor parallelism divides (memplan.probe.tp_measure); a model
-    whose blocks cannot run under TP keeps its profile, with a warning saying why."""
+    """The profile with what tensor parallelism divides (memplan.probe.tp_measure) and
+    whether pipeline stages can split the model (``Profile.pipeline_refused``); a model
+    without a TP plan, or whose blocks cannot run under one, records why in
+    ``Profile.tp_refused`` (and the latter in a warning)."""
     from memplan.probe.tp_measure import declared_plan, measure_tp
+    from memplan.run.pipeline import pipeline_refusal
+    from memplan.run.tp_plan import tp_plan_for
 
+    profile = dataclasses.replace(profile, pipeline_refused=pipeline_refusal(session.model))
     try:
         declared = declared_plan(session.model_file.module, session.model)
+        tp_plan_for(session.model, declared)
+    except BadInputError as exc:  # no TP plan: nothing to measure
+        return dataclasses.replace(profile, tp_refused=exc.message.strip().splitlines()[0])
+    try:
         measured = measure_tp(session, profile, size, declared)
     except Exception as exc:
-        note = f"Tensor parallelism was not measured ({type(exc).__name__}: {exc}); plans with --tp > 1 are refused."
-        return dataclasses.replace(profile, warnings=(*profile.warnings, note))
+        # what failed, without a model-file hint that blames the batch: the batch ran the
+        # whole probe; here the blocks run again under TP 2 on a fake process group
+        said = exc.message if isinstance(exc, MemplanError) else str(exc)
+        said = (said.strip().splitlines() or [""])[0]
+        why = f"its blocks failed under its TP plan ({type(exc).__name__}: {said})"
+        note = f"Tensor parallelism was not measured: {why}; plans with --tp > 1 are refused."
+        return dataclasses.replace(
+            profile, warnings=(*profile.warnings, note), tp_refused=f"{why}."
+        )
     if measured is not profile:
         tick("measured the blocks under TP 2 (fake process group)")
     return measured

@@ -299,6 +299,14 @@ class Profile:
     """Tensors made outside the candidate layers and passed to several of them; segments
     name those the plain run holds (``Segment.shared_live``). Empty: none, or a profile
     written before memplan recorded them (its savings then charge each layer its own)."""
+    pipeline_refused: str | None = None
+    """Why memplan cannot run this model under pipeline stages (no pipeline plan, tied
+    embeddings, or a split whose stages do not compute the model's forward:
+    ``memplan.run.parallel.pipeline_refusal``); None: it can, or not known (an older
+    profile). ``solve`` plans no ``pp > 1`` for it."""
+    tp_refused: str | None = None
+    """Why memplan cannot run this model under tensor parallelism (no TP plan, or its blocks
+    fail under one); None: it can, or not known. ``solve`` plans no ``tp > 1`` for it."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:
