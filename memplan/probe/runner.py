@@ -27,7 +27,12 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
+from memplan.errors import (
+    BadInputError,
+    CannotMeasureError,
+    MemplanError,
+    checkpointing_failure,
+)
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.assemble import assemble
 from memplan.probe.backends import make_backend
