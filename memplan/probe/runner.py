@@ -35,12 +35,13 @@ from memplan.errors import (
 )
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.assemble import assemble
-from memplan.probe.backends import make_backend
+from memplan.probe.backends import backend_for
 from memplan.probe.dedup import ForwardMisses
 from memplan.probe.expand import NotLinear, expand, same_profile
 from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
 from memplan.probe.sameness import Declined, shared_state, traced_reason
 from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
+from memplan.probe.settings import ProbeSettings
 from memplan.probe.sizes import (
     TIMING_REPEATS,
     available_bytes,
@@ -79,6 +80,15 @@ def probe_model(
     meta, identical blocks reuse their representative's meta results unless
     ``reuse_identical`` is False (memplan.probe.dedup)."""
     sizes = sorted(set(int(b) for b in micro_batches))
+    settings = ProbeSettings(
+        device=device,
+        micro_batches=tuple(sizes),
+        precision=precision,
+        layers=layers,
+        device_profile=device_profile,
+        mixed_precision=mixed_precision,
+        reuse_identical=reuse_identical,
+    )
     if len(sizes) < 2 or sizes[0] < 1:
         raise BadInputError(
             f"micro_batches {tuple(micro_batches)} must hold at least two distinct positive sizes.",
@@ -103,24 +113,12 @@ def probe_model(
     try:
         declined = None
         if device == "meta" and reuse_identical:
-            derived = _probe_repeats(
-                model_file, sizes, precision, layers, device_profile, tick, mixed_precision
-            )
+            derived = _probe_repeats(model_file, settings, tick)
             if isinstance(derived, Profile):
                 return derived
             if derived is not None:
                 declined = derived.reason
-        profile = probe_sizes(
-            model_file,
-            sizes,
-            device,
-            precision,
-            layers,
-            device_profile,
-            tick,
-            mixed_precision,
-            reuse_identical,
-        )
+        profile = probe_sizes(model_file, settings, tick)
         if declined is not None:
             profile = dataclasses.replace(profile, extrapolation_declined=declined)
         return profile
@@ -132,13 +130,7 @@ def probe_model(
 
 
 def _probe_repeats(
-    model_file: ModelFile,
-    sizes: list[int],
-    precision: str,
-    layers: str | None,
-    device_profile: str | None,
-    tick: Callable[[str], None],
-    mixed_precision: str,
+    model_file: ModelFile, settings: ProbeSettings, tick: Callable[[str], None]
 ) -> Profile | Declined | None:
     """A long run of identical blocks probed at three short lengths and the rest derived
     (memplan.probe.repeats); None when the model has no run of look-alike blocks, and
@@ -146,9 +138,9 @@ def _probe_repeats(
     (memplan.probe.sameness) or its short probes do not extrapolate exactly: the caller then
     probes every block. Failures are not declines: they surface as they would in a full
     probe (memplan's own as exit 3 naming the op)."""
-    backend = make_backend("meta", precision, device_profile, mixed_precision, True)
+    backend = backend_for(settings)  # meta, identical blocks reused: the caller's settings
     model = backend.build(model_file)
-    names, _ = resolve_layers(model, layers)
+    names, _ = resolve_layers(model, settings.layers)
     repeat = longest_run(model, names)
     if repeat is None:
         return None
@@ -162,21 +154,15 @@ def _probe_repeats(
         (shrunk_copy(model, longest, length), dataclasses.replace(repeat, length=length))
         for length in LENGTHS
     ]
-    reason = traced_reason(model_file, backend, whole, repeat, sizes[0], cuts)
+    reason = traced_reason(model_file, backend, whole, repeat, settings.micro_batches[0], cuts)
     del whole, cuts
     if reason is not None:
         return Declined(reason)
     short = [
         probe_sizes(
             model_file,
-            sizes,
-            "meta",
-            precision,
-            layers,
-            device_profile,
+            settings,
             tick if k == 0 else lambda what: None,
-            mixed_precision,
-            True,
             prune=False,
             build=functools.partial(shrunk_copy, model, longest, length),
         )
@@ -199,20 +185,17 @@ def _probe_repeats(
 
 def probe_sizes(
     model_file: ModelFile,
-    sizes: list[int],
-    device: str,
-    precision: str,
-    layers: str | None,
-    device_profile: str | None,
+    settings: ProbeSettings,
     tick: Callable[[str], None],
-    mixed_precision: str,
-    reuse_identical: bool,
     *,
     prune: bool = True,
     build: Callable[[], torch.nn.Module] | None = None,
 ) -> Profile:
-    backend = make_backend(device, precision, device_profile, mixed_precision, reuse_identical)
-    session = open_session(model_file, backend, layers, build)
+    """One profile of ``model_file`` at each of ``settings.micro_batches`` (sorted, two at
+    least); ``build`` makes the model instead of the file's factory (the shortcut's cuts)."""
+    sizes = list(settings.micro_batches)
+    backend = backend_for(settings)
+    session = open_session(model_file, backend, settings.layers, build)
     if not session.layer_names:
         session.warnings.append(
             "No repeated blocks (an nn.ModuleList/nn.Sequential of "
