@@ -33,10 +33,6 @@ from memplan.errors import (
 from memplan.model.batch import batch_tensors, refused_batch_item
 from memplan.model.reference import DEFAULT_FACTORY, is_hf_reference, model_arg, split_model_arg
 
-# memplan's own files (this one is memplan/model/loader.py): frames there are memplan's, not the
-# user's
-_MEMPLAN_DIR = Path(__file__).resolve().parent.parent
-
 
 def _user_location(exc: BaseException, path: Path) -> str:
     """``file:line`` of the innermost frame of ``exc`` inside the user's file, else the
@@ -81,6 +77,9 @@ def _args_text(args: tuple[Any, ...]) -> str:
     ints = [str(a) for a in args if isinstance(a, int) and not isinstance(a, bool)]
     return f"({', '.join(ints)})" if args and len(ints) == len(args) else "()"
 
+
+_MEMPLAN_DIR = Path(__file__).resolve().parent.parent
+"""The memplan package (this module lives in memplan/model/): a frame in it is memplan's."""
 
 _call_observers: list[Callable[[str], None]] = []
 
