@@ -39,7 +39,7 @@ from typing import Literal
 
 from memplan import fast_yaml
 from memplan.errors import ProfileError
-from memplan.schema import from_data, gc_paused, load_yaml_file, to_data
+from memplan.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
 
 PROFILE_SCHEMA_VERSION = 2
 """2: optional ``seq_len`` and ``seq`` (a probe over sequence lengths, memplan.seqlen).
@@ -408,8 +408,9 @@ def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
     problem = profile_problem(profile)
     if problem is not None:
         raise ProfileError(
-            f"{source}: field '{problem[0]}' {problem[1]}; a probe never writes that.",
-            hint="The file was edited or corrupted: probe the model again.",
+            f"{source}: field '{problem[0]}' {problem[1]}.",
+            hint="A probe never writes that: the file was edited or corrupted; probe the "
+            "model again.",
         )
     return profile
 
@@ -446,10 +447,10 @@ slopes, e.g. -32 B per sample on CPU: they are held to >= 0 at the probed sizes.
 
 
 def _affine_problem(profile: Profile) -> tuple[str, str] | None:
-    """A byte fit that goes negative over the sizes the solver uses (b >= 1), or savings
-    that grow faster than what the layer keeps (checkpointing cannot free, per sample,
-    more than the layer's forward leaves alive) or shrink faster than what a checkpoint
-    keeps (its inputs)."""
+    """A byte fit negative over the sizes the solver uses (b >= 1), savings growing faster
+    than what the layer keeps, or full savings shrinking faster than its inputs grow (all a
+    full checkpoint keeps). Selective savings have no floor: selective keeps every matmul's
+    output, also those the plain run frees (a frozen LoRA base's: docs/design.md)."""
     for i, layer in enumerate(profile.layers):
         path = f"profile.layers[{i}]"
         for name in _SIZE_AFFINE_BYTES:
@@ -468,10 +469,10 @@ def _affine_problem(profile: Profile) -> tuple[str, str] | None:
                     f"is {fit_or_none.slope:.4g} bytes per sample, more than the "
                     f"{layer.saved_bytes.slope:.4g} its saved_bytes grow by",
                 )
-            if fit_or_none.slope < -layer.input_bytes.slope:
+            if name == "savings_bytes" and fit_or_none.slope < -layer.input_bytes.slope:
                 return (
                     f"{path}.{name}.slope",
-                    f"is {fit_or_none.slope:.4g} bytes per sample: checkpointing would keep "
+                    f"is {fit_or_none.slope:.4g} bytes per sample: full checkpointing would keep "
                     f"more per sample than the layer's inputs ({layer.input_bytes.slope:.4g})",
                 )
     return None
@@ -581,9 +582,17 @@ def load_profile(path: str | Path) -> Profile:
         return profile_from_data(data, source=str(path))
 
 
+WRITTEN = "<the profile memplan made>"  # the source a read-back names: no file yet
+
+
 def profile_to_yaml(profile: Profile) -> str:
-    """The profile's YAML (memplan.fast_yaml: a 10,000-layer profile in seconds)."""
-    return fast_yaml.dump(to_data(profile))
+    """The profile's YAML (fast_yaml: 10,000 layers in seconds), read back as a file is
+    (``schema.read_back``): every writer takes its text from here, so a profile memplan
+    would refuse is exit 3 and never written."""
+    text = fast_yaml.dump(to_data(profile))
+    with gc_paused():
+        read_back(text, "profile", lambda data: profile_from_data(data, source=WRITTEN))
+    return text
 
 
 def is_finite_affine(value: Affine) -> bool:
