@@ -149,9 +149,9 @@ def build(kind: str, family: str) -> Any:
     """``family``'s tiny model of ``kind``, random weights (seeded), training mode."""
     import torch
 
-    from memplan.loader import settle_torchvision
+    from memplan.model.loader import settle_torchvision
 
-    settle_torchvision()  # before transformers imports it (memplan.loader says why)
+    settle_torchvision()  # before transformers imports it (memplan.model.loader says why)
     import transformers
 
     config = tiny_config(kind, family)

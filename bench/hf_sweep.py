@@ -46,7 +46,7 @@ def byte_difference(cpu: Any, meta: Any) -> str | None:
     selective ones and the TP split (``tp_*``) left out — meta runs no selective mode, and
     the TP re-run of an ``hf:`` block on meta has no twins for the values its forward reads
     (a warning in the profile: issue 25's known gap)."""
-    from memplan.schema import to_data
+    from memplan.files.schema import to_data
 
     def fields(items: Any) -> list[dict[str, Any]]:
         return [
@@ -111,7 +111,7 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from memplan.errors import MemplanError
-    from memplan.loader import settle_torchvision
+    from memplan.model.loader import settle_torchvision
     from memplan.probe import probe_model
 
     hf_logging.set_verbosity_error()

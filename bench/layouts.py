@@ -25,7 +25,7 @@ from memplan.devices import load_device
 from memplan.errors import NoPlanFitsError
 from memplan.profile import load_profile
 from memplan.solver import SolveRequest
-from memplan.solver.layout import LayoutRequest, solve_layout
+from memplan.solver.parallel import LayoutRequest, solve_layout
 from memplan.units import GiB
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -25,12 +25,12 @@ import dataclasses
 import time
 from pathlib import Path
 
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.probe import measure_training_peak
 from memplan.probe.seqgrid import probe_seq_grid
-from memplan.seqlen import profile_at
-from memplan.seqplan import solve_seq
+from memplan.profile.seqlen import profile_at
 from memplan.solver import SolveRequest, least_peak, solve
+from memplan.solver.seqlen import solve_seq
 from memplan.units import format_bytes
 
 MODELS = Path(__file__).resolve().parent / "seq_models.py"
@@ -76,7 +76,7 @@ def build_plan(profile, seq_len: int, checkpoint_all: bool):
 def run(device: str) -> str:
     if device != "cpu":
         return "### Sequence length (`bench/seqlen.py`)\n\nCPU only for now.\n"
-    from memplan.loader import settle_torchvision
+    from memplan.model.loader import settle_torchvision
 
     settle_torchvision()  # transformers imports torchvision (bench/seq_models.py: Llama)
     lines = [

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from memplan import memory
-from memplan.loader import load_model_file, move_batch
+from memplan.model.batch import move_batch
+from memplan.model.loader import load_model_file
 from memplan.probe import MeasuredRun, measure_training_peak, probe_model
 from memplan.profile import Profile
 from memplan.run.checkpoint import checkpointed

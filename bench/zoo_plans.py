@@ -27,7 +27,7 @@ import torch
 from bench import zoo_common as zc
 from memplan import memory
 from memplan.errors import NoPlanFitsError
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver import SolveRequest, solve

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memplan.errors import BadInputError
-from memplan.schema import from_data, load_yaml_file
+from memplan.files.schema import from_data, load_yaml_file
 from memplan.units import parse_budget
 
 ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "rtx-4090": "rtx4090"}

@@ -28,9 +28,9 @@ import numpy as np
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
-from memplan.layer_values import layer_ints, layer_values
 from memplan.modes import FULL, KEEP, SELECTIVE
 from memplan.profile import Affine, Layer, Profile
+from memplan.profile.arrays import layer_ints, layer_values
 
 TimingSource = Literal["measured", "roofline"]
 TimingMode = Literal["auto", "measured", "roofline"]
@@ -225,7 +225,7 @@ def _roofline_layer_seconds(
 ) -> tuple[list[float], list[float]] | None:
     """``roofline_times``'s per-layer forward and backward seconds in array operations (the
     same IEEE operations in the same order; ``np.maximum`` keeps its first argument on a
-    tie as ``max`` does), or None where memplan.layer_values cannot give the values."""
+    tie as ``max`` does), or None where memplan.profile.arrays cannot give the values."""
     flops = layer_values(profile, "fwd_flops", micro_batch)
     inputs = layer_values(profile, "input_bytes", micro_batch)
     saved = layer_values(profile, "saved_bytes", micro_batch)

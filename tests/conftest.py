@@ -1,6 +1,6 @@
 """Test-session setup: torchvision importable beside the CPU torch build, as memplan's own
 loader makes it for model files (transformers, timm and peft import it)."""
 
-from memplan.loader import settle_torchvision
+from memplan.model.loader import settle_torchvision
 
 settle_torchvision()

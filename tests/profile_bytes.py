@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from memplan.schema import to_data
+from memplan.files.schema import to_data
 
 
 def _bytes_fields(items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.probe.layers import default_layers
 
 ZOO = Path(__file__).resolve().parent.parent / "bench" / "zoo"

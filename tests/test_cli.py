@@ -16,7 +16,7 @@ runner = CliRunner()
 
 
 def _build():
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
 
     return load_model_file(MODEL).build_model()
 

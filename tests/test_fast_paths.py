@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_modes_bruteforce import SPEC, problems
 
-from memplan import memory, schema, timing
+from memplan import memory, timing
 from memplan.errors import ProfileError
+from memplan.files import schema
 from memplan.memory import bounds as bounds_module
 from memplan.memory import peak as peak_module
 from memplan.profile import Affine, Profile, load_profile, profile_to_yaml
@@ -284,7 +285,7 @@ def test_reading_a_profile_pauses_the_collector_and_restores_it(tmp_path):
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("memplan.profile.from_data", spy)
+        patch.setattr("memplan.profile.read.from_data", spy)
         assert gc.isenabled()
         load_profile(path)
         assert gc.isenabled() and seen == [False]

@@ -1,4 +1,4 @@
-"""memplan.fast_yaml writes what yaml.safe_load reads back, for any plain data, and a
+"""memplan.files.fast_yaml writes what yaml.safe_load reads back, for any plain data, and a
 profile's YAML the same as PyYAML's (as data)."""
 
 import contextlib
@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from profiles_factory import uniform_chain
 
-from memplan import fast_yaml
+from memplan.files import fast_yaml
+from memplan.files.schema import dump_yaml, safe_load, to_data
 from memplan.profile import profile_from_data, profile_to_yaml
-from memplan.schema import dump_yaml, safe_load, to_data
 
 SCALARS = (
     st.none()

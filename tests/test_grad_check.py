@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from memplan import run
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.plan import Breakdown, Plan, Prediction
 from memplan.run import checkpoint as checkpoint_module
 from memplan.run.accumulate import Accumulator
@@ -29,7 +29,7 @@ def hand_plan(model: str, *, micro: int = 2, k: int = 3, layers=BLOCKS, **extra)
         target_batch=micro * k * extra.get("world_size", 1),
         micro_batch_size=micro,
         accumulation_steps=k,
-        checkpoint_layers=tuple(layers),
+        checkpoint=dict.fromkeys(layers, "full"),
         budget_bytes=1 << 30,
         predicted=Prediction(
             peak_bytes=1 << 20,

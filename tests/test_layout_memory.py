@@ -1,4 +1,4 @@
-"""Per-rank memory of parallel layouts (memplan.memory.layout) on hand-made chain profiles:
+"""Per-rank memory of parallel layouts (memplan.memory.parallel) on hand-made chain profiles:
 every number below is computed by hand from the chain's sizes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from profiles_factory import uniform_chain
 
 from memplan.errors import BadInputError
 from memplan.memory import plan_peak
-from memplan.memory.layout import layout_peaks, rank_profile, stage_of_rank
+from memplan.memory.parallel import layout_peaks, rank_profile, stage_of_rank
 from memplan.parallel import Parallel, in_flight, stage_layers
 from memplan.plan import Breakdown, Plan, Prediction
 
@@ -123,8 +123,8 @@ def test_tensor_parallel_without_a_measurement_is_refused_with_what_to_do():
 
 
 def test_plan_file_round_trips_its_layout_and_old_plans_load_without_one():
+    from memplan.files.schema import safe_load
     from memplan.plan import plan_from_data, plan_to_yaml
-    from memplan.schema import safe_load
 
     layout = Parallel(dp_shard=2, tp=2, pp=2, sequence_parallel=True, schedule="gpipe")
     plan = _plan(world_size=8, target_batch=8, parallel=layout)

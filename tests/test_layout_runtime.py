@@ -86,7 +86,7 @@ def test_transformers_style_names_map_to_torch_styles():
 def test_two_pipeline_stages_compose_to_the_whole_model(tmp_path):
     import copy
 
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run.parallel import make_stage_module, pipeline_parts
 
     mf = load_model_file(_llama_ref(tmp_path))
@@ -114,7 +114,7 @@ def test_two_pipeline_stages_compose_to_the_whole_model(tmp_path):
 
 
 def test_pipeline_refuses_tied_embeddings_and_models_without_a_pipeline_plan(tmp_path):
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run.parallel import pipeline_parts
 
     tied = load_model_file(_llama_ref(tmp_path, tie_word_embeddings=True)).build_model()
@@ -125,7 +125,7 @@ def test_pipeline_refuses_tied_embeddings_and_models_without_a_pipeline_plan(tmp
 
 
 def test_tp_degree_must_divide_the_heads(tmp_path):
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run.parallel import check_tp_divisible
     from memplan.run.tp_plan import hf_tp_plan, tp_modules
 
@@ -144,7 +144,7 @@ def test_sequence_parallel_plan_splits_norms_and_gathers_each_tp_region(tmp_path
         SequenceParallel,
     )
 
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run.sequence_parallel import gather_sequence, sequence_parallel_plan
     from memplan.run.tp_plan import hf_tp_plan, tp_modules
 
@@ -172,7 +172,7 @@ def test_sequence_parallel_plan_splits_norms_and_gathers_each_tp_region(tmp_path
 
 
 def test_sequence_parallel_refuses_pipeline_stages_and_odd_plans(tmp_path):
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run.parallel import build_layout
     from memplan.run.sequence_parallel import sequence_parallel_plan
 
@@ -267,7 +267,7 @@ def test_layout_gradient_check_reads_as_the_distributed_check():
     # Each rank's layout gradient error becomes the plan check verify_distributed reads
     # (a crash before: the layout path returned a bare float).
     from memplan.verify.distributed_grads import gradient_check
-    from memplan.verify.layout import layout_gradient_check
+    from memplan.verify.parallel import layout_gradient_check
 
     layout = Parallel(tp=2, dp_replicate=2)
     plan = _layout_plan("m", layout)

@@ -1,5 +1,5 @@
-"""The layout search (memplan.solver.layout) and the layout engines' configs
-(memplan.emit.layouts), on hand-made chain profiles."""
+"""The layout search (memplan.solver.parallel) and the layout engines' configs
+(memplan.emit.torchtitan, memplan.emit.megatron), on hand-made chain profiles."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typer.testing import CliRunner
 from memplan.cli import app
 from memplan.emit import emit
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory.layout import layout_peaks
+from memplan.memory.parallel import layout_peaks
 from memplan.parallel import Parallel
 from memplan.profile import profile_to_yaml
 from memplan.solver import SolveRequest, least_peak
-from memplan.solver.layout import LayoutRequest, bubble_fraction, solve_layout
+from memplan.solver.parallel import LayoutRequest, bubble_fraction, solve_layout
 
 
 def _tp_profile(n: int = 8, fraction: float = 0.75):
@@ -85,7 +85,7 @@ def test_tp_degrees_that_split_heads_unevenly_are_never_planned():
 
 
 def test_auto_turns_sequence_parallel_on_only_without_pipeline_stages():
-    from memplan.solver.layout import candidate_layouts
+    from memplan.solver.parallel import candidate_layouts
 
     layouts = candidate_layouts(_tp_profile(), 8, LayoutRequest(auto=True))
     assert any(p.sequence_parallel for p in layouts)

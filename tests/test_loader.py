@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from memplan.errors import EXIT_BAD_INPUT, ModelFileError
-from memplan.loader import load_model_file, move_batch, split_model_arg
+from memplan.model.batch import move_batch
+from memplan.model.loader import load_model_file
+from memplan.model.reference import split_model_arg
 
 GOOD = """
 import torch

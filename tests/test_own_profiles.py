@@ -135,7 +135,7 @@ def test_a_plan_memplan_would_refuse_is_exit_3_and_writes_nothing(tmp_path):
 # ------------------------------------------------------------------ LayerDrop
 @pytest.mark.skipif(not HAVE_HF, reason="transformers is not installed")
 def test_layerdrop_is_switched_off_on_the_model_and_not_on_the_files_config():
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run import disable_layerdrop
 
     mf = load_model_file(REAL / "hf_wav2vec2.py")

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from memplan import memory, run
 from memplan.cli import app
 from memplan.errors import CheckpointingError
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.probe import measure_training_peak, probe_model
 from memplan.probe.layers import default_layers
 from memplan.solver import SolveRequest, solve

@@ -89,7 +89,7 @@ def test_timeline_peak_is_the_models_peak(saved, b, k, data):
     for bar in line.bars:  # every bar's kinds add up to its height
         assert sum(getattr(bar, kind) for kind in KINDS) == bar.total_bytes
     # One bar per segment of each phase the step runs, then the optimizer step; a run of
-    # three or more alike layers is drawn as its highest bar (memplan.layer_runs)
+    # three or more alike layers is drawn as its highest bar (memplan.report.runs)
     phases = memory.phases_for(k)
     every = sum(len(profile.timeline[p]) for p in phases) + 1
     if any(run.count > 1 for run in alike_layer_runs(profile, chosen)):

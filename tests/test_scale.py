@@ -1,4 +1,4 @@
-"""Thousands of alike layers: runs are grouped (memplan.layer_runs) in the profile table and
+"""Thousands of alike layers: runs are grouped (memplan.report.runs) in the profile table and
 the report's timeline, chart and table, and the page stays under MAX_HTML_BYTES."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from profiles_factory import uniform_chain
 
 from memplan import memory
-from memplan.layer_runs import Run, run_label, runs
 from memplan.report import MAX_HTML_BYTES, predicted_timeline, render_report
 from memplan.report.data import coarser, profile_report
+from memplan.report.runs import Run, run_label, runs
 
 
 @given(st.lists(st.integers(0, 2), max_size=30))

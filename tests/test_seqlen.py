@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from profiles_factory import ChainSpec
 
 from memplan.errors import NoPlanFitsError
+from memplan.files.schema import safe_load
 from memplan.plan import load_plan, plan_from_data, plan_to_yaml
 from memplan.profile import (
     Profile,
@@ -20,8 +21,7 @@ from memplan.profile import (
     profile_from_data,
     profile_to_yaml,
 )
-from memplan.schema import safe_load
-from memplan.seqlen import (
+from memplan.profile.seqlen import (
     MAX_SEQ_LEN,
     SeqLenError,
     fit_pair,
@@ -32,8 +32,8 @@ from memplan.seqlen import (
     profile_at,
     undominated_vectors,
 )
-from memplan.seqplan import _last_fitting, solve_seq
 from memplan.solver import SolveRequest, least_peak, solve
+from memplan.solver.seqlen import _last_fitting, solve_seq
 
 
 # ------------------------------------------------------------------------------ fit_seq

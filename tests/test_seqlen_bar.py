@@ -13,11 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from memplan.cli import app
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.plan import load_plan
 from memplan.probe import measure_training_peak
 from memplan.profile import load_profile, profile_to_yaml
-from memplan.seqlen import profile_at
+from memplan.profile.seqlen import profile_at
 from memplan.solver import SolveRequest, least_peak, solve
 
 MODELS = Path(__file__).parent / "models"

@@ -137,7 +137,7 @@ def test_a_long_run_derived_from_cut_probes_keeps_its_shared_inputs(tmp_path):
 
 GEMMA2 = """
 import torch
-from memplan.loader import settle_torchvision
+from memplan.model.loader import settle_torchvision
 
 settle_torchvision()
 import transformers

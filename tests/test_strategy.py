@@ -12,9 +12,9 @@ from memplan import memory, timing
 from memplan.emit import emit
 from memplan.emit.deepspeed import deepspeed_config
 from memplan.errors import BadInputError, NoPlanFitsError
+from memplan.files.schema import to_data
 from memplan.memory import Sharding
 from memplan.plan import Breakdown, Plan, Prediction, plan_from_data
-from memplan.schema import to_data
 from memplan.solver import SolveRequest, SolveRequestError, solve
 
 # uniform_chain(4): layers of 1000 parameter bytes, embedding and head of 500 each:

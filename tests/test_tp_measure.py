@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.probe.backends import make_backend
 from memplan.probe.session import open_session
 from memplan.probe.tp_measure import declared_plan, measure_tp, saved_activation_bytes

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from memplan.cli import app
 from memplan.errors import OutputExistsError
-from memplan.fileio import write_text_atomic
+from memplan.files.io import write_text_atomic
 from memplan.plan import Breakdown, Plan, Prediction, plan_to_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +79,7 @@ def test_nan_in_losses_or_gradients_fails_the_gradient_check(monkeypatch, mode, 
     # while the full batch's are not; max() used to drop the NaN and report 0.00e+00.
     import torch
 
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.verify.plan_check import check_gradients
 
     plan = hand_plan(MISBEHAVE)

@@ -83,8 +83,8 @@ def test_checkpointed_blocks_that_recompute_differently_fail_naming_the_layer(tm
 
 # ------------------------------------------------------------------ what verify reads
 def test_the_model_and_its_hf_options_come_from_the_plan(tmp_path) -> None:
-    from memplan.cli.options import planned_model_reference
     from memplan.errors import BadInputError
+    from memplan.model.reference import planned_model_reference
 
     planned = "hf:cfg?task=causal-lm&seq-len=64&lora=r=4,alpha=8,targets=c_attn"
     lora = "&lora=r=4,alpha=8,targets=c_attn"

@@ -14,7 +14,7 @@ from pathlib import Path
 from memplan.check.config import ResolvedCheck, config_error
 from memplan.check.result import Growth, GrowthKind, Quantity
 from memplan.errors import BadInputError, MemplanError
-from memplan.fileio import write_text_atomic
+from memplan.files.io import write_text_atomic
 from memplan.profile import FixedPart, Layer, Profile, load_profile, profile_to_yaml
 
 # Growth smaller than this is noise (allocator rounding, timing of a meta probe), not news.

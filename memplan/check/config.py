@@ -19,7 +19,7 @@
         layers: "transformer.h.*"   # optional checkpoint-candidate glob for the probe
         timeout: 600                # optional: seconds the probe may take (--timeout)
 
-The whole file goes through ``memplan.schema`` (unknown keys at any level are rejected with
+The whole file goes through ``memplan.files.schema`` (unknown keys at any level are rejected with
 the dotted path and a did-you-mean); what the schema cannot say (a model file that does not
 exist, a percentage without a device, a duplicate name) is checked here, naming the field.
 """
@@ -33,8 +33,8 @@ from typing import Literal
 
 from memplan.devices import DeviceSpec, capacity_bytes, load_device
 from memplan.errors import BadInputError, MemplanError
+from memplan.files.schema import TOP_LEVEL, from_data, load_yaml_file
 from memplan.memory import DEFAULT_MARGIN, margin_problem
-from memplan.schema import TOP_LEVEL, from_data, load_yaml_file
 from memplan.units import parse_budget
 
 CONFIG_VERSION = 1
@@ -185,7 +185,7 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
 def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> ResolvedCheck:
     """Resolve ``spec``'s paths against ``base`` and its budget to bytes."""
     where = f"checks[{index}]"
-    from memplan.loader import reference_path, resolve_model_reference
+    from memplan.model.reference import reference_path, resolve_model_reference
 
     try:  # a model file or an hf: reference, relative paths against the config's folder
         resolved_model = resolve_model_reference(spec.model, base)

@@ -15,7 +15,7 @@ from memplan.check.isolate import ProbeRequest, probe_isolated
 from memplan.devices import load_device
 from memplan.errors import BadInputError
 from memplan.memory import DEFAULT_MARGIN
-from memplan.profile import model_arg, split_model_arg
+from memplan.model.reference import model_arg, split_model_arg
 from memplan.solver import SolveRequest, least_peak
 from memplan.units import parse_budget
 

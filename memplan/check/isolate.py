@@ -116,7 +116,7 @@ def _text(exc: BaseException) -> str:
 
 def _child_main(conn: Connection, request: ProbeRequest) -> None:
     """In the child: probe, send ``Profile`` or ``ChildError`` back, and return."""
-    from memplan.loader import observe_calls
+    from memplan.model.loader import observe_calls
 
     sys.stdout.flush()
     os.dup2(2, 1)  # the model's prints go to stderr; stdout may be --json

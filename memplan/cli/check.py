@@ -60,7 +60,7 @@ def check(
     from memplan import render
     from memplan.check import append_step_summary, load_config, run_checks, to_json, to_junit_xml
     from memplan.errors import BadInputError, Interrupted
-    from memplan.fileio import check_output, write_text_atomic
+    from memplan.files.io import check_output, write_text_atomic
     from memplan.render.check import check_progress, show_report
 
     if not 0 <= timeout <= MAX_TIMEOUT_S:  # NaN fails too
@@ -71,17 +71,14 @@ def check(
     if junit is not None:
         check_output(junit, force=force)  # now, not after minutes of probing
     plots = _step_summary_plots()
-    hooks = {"solve_fn": plots.solve} if plots is not None else {}
-    with check_progress(
-        loaded, only, also=plots.on_check if plots else None, quiet=as_json
-    ) as on_check:
+    with check_progress(loaded, only, quiet=as_json) as on_check:
         report = run_checks(
             loaded,
             only=only,
             update_baseline=update_baseline,
             on_check=on_check,
+            on_plan=plots.keep if plots is not None else None,
             timeout_s=timeout or None,
-            **hooks,
         )
     if as_json:
         render.stdout.out(to_json(report), highlight=False)
@@ -143,7 +140,7 @@ def init_check(
     """Write a starter memplan.yaml for `memplan check`."""
     from memplan import render
     from memplan.check import make_starter
-    from memplan.fileio import check_output, write_text_atomic
+    from memplan.files.io import check_output, write_text_atomic
     from memplan.units import format_bytes
 
     check_output(output, force=force)

@@ -9,7 +9,6 @@ import math
 import os
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -72,7 +71,7 @@ def running_user_code(model: str, *, as_json: bool) -> Iterator[None]:
     (``loader.contain_exits``), and with ``--json`` whatever it prints goes to stderr —
     Python's ``print`` and writes to file descriptor 1 by native code or child processes —
     so stdout stays one JSON object."""
-    from memplan.loader import contain_exits
+    from memplan.model.loader import contain_exits
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(contain_exits(model))
@@ -98,44 +97,3 @@ def _fd1_to_stderr() -> Iterator[None]:
             sys.__stderr__.flush()  # type: ignore[union-attr]
         os.dup2(saved, 1)
         os.close(saved)
-
-
-def planned_model_reference(
-    given: str | None,
-    planned: str,
-    plan_dir: Path,
-    *,
-    task: str | None = None,
-    seq_len: int | None = None,
-    lora: str | None = None,
-) -> str:
-    """The model a command runs for a plan: ``given`` when the user typed one, else the
-    plan's own reference (a relative path that is not found here is looked for beside the
-    plan). Of an ``hf:`` reference, ``--task`` / ``--seq-len`` / ``--lora`` and the options
-    in ``given`` win; what neither says comes from the plan's reference."""
-    from memplan import hf
-    from memplan.loader import model_reference
-    from memplan.profile import DEFAULT_FACTORY, split_model_arg
-
-    if given is None:
-        if hf.is_hf_reference(planned):
-            ref = hf.parse_reference(planned, task=task, seq_len=seq_len, lora=lora)
-            local = ref.local_path()
-            if local is not None and not local.exists():
-                ref = hf.resolve_against(ref, plan_dir)
-            return str(ref)
-        path_text, factory = split_model_arg(planned)
-        beside = plan_dir / path_text
-        if not Path(path_text).exists() and not Path(path_text).is_absolute() and beside.exists():
-            planned = str(beside) if factory == DEFAULT_FACTORY else f"{beside}:{factory}"
-        return model_reference(planned, task=task, seq_len=seq_len, lora=lora)
-    if hf.is_hf_reference(given) and hf.is_hf_reference(planned):
-        plan_ref = hf.parse_reference(planned)
-        query = given.partition("?")[2]
-        present = {part.partition("=")[0] for part in query.split("&") if part}
-        task = task or (None if "task" in present else plan_ref.task)
-        if seq_len is None and "seq-len" not in present:
-            seq_len = plan_ref.seq_len
-        if lora is None and "lora" not in present and plan_ref.lora is not None:
-            lora = str(plan_ref.lora)
-    return model_reference(given, task=task, seq_len=seq_len, lora=lora)

@@ -18,9 +18,9 @@ from memplan.cli.options import (
     running_user_code,
 )
 from memplan.errors import BadInputError
-from memplan.loader import model_reference
-from memplan.schema import to_data
-from memplan.seqlen import parse_seq_lens
+from memplan.files.schema import to_data
+from memplan.model.reference import model_reference
+from memplan.profile.seqlen import parse_seq_lens
 
 
 @run_command
@@ -67,7 +67,7 @@ def probe(
 ) -> None:
     """Measure a model per layer (memory and time) and write a profile."""
     from memplan import render
-    from memplan.fileio import check_output, write_text_atomic
+    from memplan.files.io import check_output, write_text_atomic
     from memplan.probe import probe_model
     from memplan.profile import profile_to_yaml
 
@@ -107,11 +107,20 @@ def probe(
         render.print_json(to_data(profile))
     else:
         render.show_profile(profile)
-        if profile.deduplicated_layers:
+        if profile.extrapolated_layers:
+            render.info(
+                f"{len(profile.extrapolated_layers)} of {len(profile.layers)} layers "
+                f"({profile.extrapolated_layers[0]} … {profile.extrapolated_layers[-1]}) were "
+                "derived, not measured: their blocks were shown to be one block repeated, and "
+                "the model was probed with the run cut to 4, 5 and 6 blocks"
+            )
+        elif profile.deduplicated_layers:
             render.info(
                 f"{len(profile.deduplicated_layers)} of {len(profile.layers)} layers are "
                 "identical to an earlier one and reused its meta measurements"
             )
+        if profile.extrapolation_declined:
+            render.info(f"every block was measured: {profile.extrapolation_declined}")
     if output is not None:
         write_text_atomic(output, text, force=force)
         render.info(f"wrote {output}")

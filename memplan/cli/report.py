@@ -33,7 +33,7 @@ def report(
 ) -> None:
     """Draw where the peak is: predicted memory over one step, candidates, layer choices."""
     from memplan import render
-    from memplan.fileio import refuse_existing
+    from memplan.files.io import refuse_existing
     from memplan.report import build_report, check_output, write_report
     from memplan.report.draw import matplotlib_pyplot
     from memplan.units import format_bytes

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from memplan.cli.base import run_command
-from memplan.schema import load_yaml_file, to_data
+from memplan.files.schema import load_yaml_file, to_data
 
 
 @run_command

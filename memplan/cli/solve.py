@@ -10,13 +10,14 @@ import typer
 
 from memplan.cli.base import run_command
 from memplan.cli.options import FORMATS_HELP, finite, split_names
+from memplan.files.schema import to_data
 from memplan.memory import DEFAULT_MARGIN
-from memplan.schema import to_data
+from memplan.plan import plan_to_data
 
 if TYPE_CHECKING:
     from memplan.errors import NoPlanFitsError
-    from memplan.seqplan import SeqSolve
     from memplan.solver import SolveResult
+    from memplan.solver.seqlen import SeqSolve
 
 
 @run_command
@@ -146,10 +147,10 @@ def solve(
     from memplan.emit.files import plan_targets
     from memplan.errors import BadInputError, NoPlanFitsError
     from memplan.profile import load_profile
-    from memplan.seqlen import parse_seq_len
-    from memplan.seqplan import solve_seq
+    from memplan.profile.seqlen import parse_seq_len
     from memplan.solver import SolveRequest
     from memplan.solver import solve as run_solver
+    from memplan.solver.seqlen import solve_seq
     from memplan.units import parse_size
 
     # Every refusal of an output comes before anything is solved or written.
@@ -196,7 +197,7 @@ def solve(
     )
     seq = None
     if ask is not None:
-        from memplan.solver.layout import solve_layout
+        from memplan.solver.parallel import solve_layout
 
         if seq_len is not None or tokens_per_batch is not None:
             raise BadInputError(
@@ -241,7 +242,7 @@ def _layout_request(
     """The layout asked for, or None for data parallelism alone (no degree, no --layout)."""
     from memplan.errors import BadInputError
     from memplan.parallel import SCHEDULES
-    from memplan.solver.layout import LayoutRequest
+    from memplan.solver.parallel import LayoutRequest
 
     if layout is not None and layout != "auto":
         raise BadInputError(f"--layout takes auto, got {layout!r}.", hint="Use --layout auto.")
@@ -279,7 +280,7 @@ def _show_layout(laid, *, as_json: bool) -> None:
             }
             for o in laid.options
         ]
-        render.print_json({"feasible": True, "plan": to_data(plan), "layouts": rows})
+        render.print_json({"feasible": True, "plan": plan_to_data(plan), "layouts": rows})
         return
     render.show_plan(plan)
 
@@ -305,7 +306,9 @@ def _show_result(result: SolveResult, seq: SeqSolve | None, *, as_json: bool) ->
     plan = result.plan
     if as_json:
         extra = {"seq": to_data(dataclasses.replace(seq, result=None))} if seq else {}
-        render.print_json({"feasible": True, "plan": to_data(plan), "candidates": rows, **extra})
+        render.print_json(
+            {"feasible": True, "plan": plan_to_data(plan), "candidates": rows, **extra}
+        )
     else:
         render.show_plan(plan)
         render.show_candidates(rows, plan.micro_batch_size)

@@ -14,10 +14,10 @@ from memplan.cli.options import (
     SeqLenOption,
     TaskOption,
     finite,
-    planned_model_reference,
     running_user_code,
 )
 from memplan.errors import BadInputError
+from memplan.model.reference import planned_model_reference
 
 if TYPE_CHECKING:
     from memplan.verify import DistributedVerifyResult, VerifyResult
@@ -136,7 +136,7 @@ def _check_options(
 
 def _check_report_path(path: Path) -> None:
     """Refuse a bad or existing --report path, or a missing matplotlib, before running."""
-    from memplan.fileio import refuse_existing
+    from memplan.files.io import refuse_existing
     from memplan.report import check_output
     from memplan.report.draw import matplotlib_pyplot
 

@@ -12,15 +12,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memplan.emit import accelerate, deepspeed, hf, layouts, lightning, plan_yaml, script, torchrun
+from memplan.emit import (
+    accelerate,
+    deepspeed,
+    hf,
+    lightning,
+    megatron,
+    plan_yaml,
+    script,
+    torchrun,
+    torchtitan,
+)
 from memplan.emit.accelerate import emit_accelerate
 from memplan.emit.deepspeed import emit_deepspeed
 from memplan.emit.hf import emit_hf
-from memplan.emit.layouts import emit_megatron, emit_torchtitan
 from memplan.emit.lightning import emit_lightning
+from memplan.emit.megatron import emit_megatron
 from memplan.emit.plan_yaml import emit_plan
 from memplan.emit.script import emit_torch
 from memplan.emit.torchrun import emit_torchrun
+from memplan.emit.torchtitan import emit_torchtitan
 from memplan.errors import BadInputError, MemplanError, UnreadableOutputError
 from memplan.plan import Plan
 from memplan.suggest import did_you_mean
@@ -115,7 +126,7 @@ FORMATS: dict[str, Format] = {
             filename="torchtitan.toml",
             description="torchtitan job config (TOML): parallelism degrees, batch sizes, AC",
             emitter=emit_torchtitan,
-            strategies=layouts.TORCHTITAN_STRATEGIES,
+            strategies=torchtitan.TORCHTITAN_STRATEGIES,
             layouts=True,
         ),
         Format(
@@ -123,7 +134,7 @@ FORMATS: dict[str, Format] = {
             filename="megatron_args.sh",
             description="Megatron-LM pretrain_gpt.py arguments (TP, PP, CP, SP, recompute)",
             emitter=emit_megatron,
-            strategies=layouts.MEGATRON_STRATEGIES,
+            strategies=megatron.MEGATRON_STRATEGIES,
             layouts=True,
         ),
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from memplan.parallel import Parallel
 from memplan.plan import Plan
 from memplan.units import format_bytes
 
@@ -21,7 +22,8 @@ _MAX_LAYERS_SHOWN = 8
 def batch_equation(plan: Plan) -> str:
     processes = "process" if plan.world_size == 1 else "processes"
     return (
-        f"micro-batch {plan.micro_batch_size} × {plan.accumulation_steps} accumulation steps × "
+        f"micro-batch {plan.micro_batch_size} × {plan.accumulation_steps} accumulation "
+        f"step{'' if plan.accumulation_steps == 1 else 's'} × "
         f"{plan.world_size} {processes} = effective batch {plan.target_batch}"
     )
 
@@ -126,3 +128,26 @@ def apply_snippet(model: str = "model", indent: str = "    ") -> list[str]:
         f"{indent}import memplan",
         f'{indent}memplan.apply({model}, memplan.load_plan("{PLAN_FILENAME}"))',
     ]
+
+
+def plan_layout(plan: Plan) -> Parallel:
+    """The plan's parallel layout; a plan without one is its strategy over the world."""
+    if plan.parallel is not None:
+        return plan.parallel
+    if plan.strategy == "ddp":
+        return Parallel(dp_replicate=plan.world_size)
+    return Parallel(dp_shard=plan.world_size)
+
+
+def plan_blocks(plan: Plan) -> int:
+    """How many checkpointable blocks the planned model has."""
+    fingerprint = plan.model_fingerprint
+    if fingerprint is not None and fingerprint.candidate_layers:
+        return len(fingerprint.candidate_layers)
+    return max(len(plan.checkpoint), 1)
+
+
+def comment_string(text: str) -> str:
+    """A string for a comment line: quoted and escaped, so no newline (or anything else in
+    a model path) ends the comment and writes a line of its own."""
+    return json.dumps(str(text))

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from memplan.emit import FORMATS, emit_all
 from memplan.errors import BadInputError, MemplanError
-from memplan.fileio import check_outputs, write_outputs
-from memplan.loader import relative_reference
+from memplan.files.io import check_outputs, write_outputs
+from memplan.model.reference import relative_reference
 from memplan.plan import Plan, plan_to_yaml
 
 

@@ -56,7 +56,7 @@ import yaml
 from memplan.wrap import wrap_for_plan
 from memplan.run.parallel import build_layout, data_rank, layout_to_run
 from memplan.errors import MemplanError
-from memplan.loader import load_model_file
+from memplan.model.loader import load_model_file
 from memplan.plan import plan_from_data
 
 SCRIPT = __SCRIPT_REPR__

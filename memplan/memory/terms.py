@@ -8,9 +8,9 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from memplan.errors import BadInputError
-from memplan.layer_values import layer_values, rounded_ints
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD, SELECTIVE
 from memplan.profile import Affine, Phase, Point, Profile, Segment
+from memplan.profile.arrays import layer_values, rounded_ints
 
 # Bound used where a layer has no segment of some kind: lower than any byte count.
 NO_BOUND = -(1 << 100)

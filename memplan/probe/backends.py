@@ -16,7 +16,8 @@ import torch
 
 from memplan.devices import DeviceSpec, load_device, local_gpu
 from memplan.errors import BadInputError, CannotMeasureError
-from memplan.loader import ModelFile, map_batch, move_batch
+from memplan.model.batch import map_batch, move_batch
+from memplan.model.loader import ModelFile
 from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention

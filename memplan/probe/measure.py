@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from memplan.errors import BadInputError, CannotMeasureError
-from memplan.loader import ModelFile, load_model_file
+from memplan.model.loader import ModelFile, load_model_file
 from memplan.modes import FULL, KEEP
 from memplan.probe.backends import make_backend
 from memplan.probe.tracker import resident_tensors

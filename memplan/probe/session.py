@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 import memplan
 import memplan.run
 from memplan.errors import CannotMeasureError
-from memplan.loader import ModelFile, batch_tensors
+from memplan.model.batch import batch_tensors
+from memplan.model.loader import ModelFile
 from memplan.probe.backends import Backend
 from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite

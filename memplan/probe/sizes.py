@@ -15,7 +15,7 @@ import torch
 
 from memplan.devices import local_gpu
 from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure, first_line
-from memplan.loader import batch_tensors
+from memplan.model.batch import batch_tensors
 from memplan.modes import SELECTIVE
 from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
 from memplan.probe.recorder import StepRecord

@@ -14,6 +14,7 @@ from typing import Any
 
 from memplan.devices import DeviceSpec, load_device
 from memplan.errors import BadInputError, CannotMeasureError, NoPlanFitsError
+from memplan.files.schema import load_yaml_file
 from memplan.plan import Plan, plan_from_data
 from memplan.profile import Profile, load_profile, profile_from_data
 from memplan.report.data import (
@@ -27,7 +28,6 @@ from memplan.report.data import (
     predicted_timeline,
     profile_report,
 )
-from memplan.schema import load_yaml_file
 
 __all__ = [
     "CheckPlots",
@@ -262,31 +262,14 @@ def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
 
 
 class CheckPlots:
-    """Keeps each check's profile and plan as ``memplan check`` solves them, to draw them in
-    the GitHub step summary. Pass ``solve`` as run_checks's ``solve_fn`` and call
-    ``on_check`` from its progress callback (it names the check being solved); a failing
-    check keeps the solver's closest plan."""
+    """Keeps each check's profile and plan (a failing check's closest plan), to draw them
+    in the GitHub step summary: pass ``keep`` as run_checks's ``on_plan``."""
 
     def __init__(self) -> None:
-        self.current: str | None = None
         self.plans: dict[str, tuple[Profile, Plan]] = {}
 
-    def on_check(self, name: str, what: str) -> None:
-        del what
-        self.current = name
-
-    def solve(self, profile: Profile, request: Any) -> Any:
-        from memplan.solver import solve
-
-        try:
-            result = solve(profile, request)
-        except NoPlanFitsError as exc:
-            if self.current is not None and exc.closest is not None:
-                self.plans.setdefault(self.current, (profile, exc.closest))
-            raise
-        if self.current is not None:
-            self.plans.setdefault(self.current, (profile, result.plan))
-        return result
+    def keep(self, name: str, profile: Profile, plan: Plan) -> None:
+        self.plans.setdefault(name, (profile, plan))
 
     def append_to(self, path: str | Path) -> int:
         """Append one section per kept check to ``path``; the number of images written."""
@@ -340,7 +323,7 @@ def check_output(path: Path) -> str:
 
 def write_report(report: Report, path: Path, *, force: bool = False) -> int:
     """Render and write atomically (never overwriting without ``force``); the bytes written."""
-    from memplan.fileio import write_bytes_atomic
+    from memplan.files.io import write_bytes_atomic
 
     body = render_report(report, check_output(path))
     write_bytes_atomic(path, body, force=force)

@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from memplan import layer_runs, memory, timing
+from memplan import memory, timing
 from memplan.devices import DeviceSpec
 from memplan.memory import Reserve, Sharding
 from memplan.modes import FULL, KEEP, OFFLOAD
 from memplan.plan import Plan
 from memplan.profile import Profile
+from memplan.report import runs
 from memplan.solver import Candidate
 
 KINDS = ("params", "grads", "optimizer", "activations", "transient", "reserve")
@@ -220,11 +221,11 @@ def predicted_timeline(
 
 def alike_layer_runs(
     profile: Profile, checkpointed: frozenset[int] | dict[int, str]
-) -> list[layer_runs.Run]:
+) -> list[runs.Run]:
     """Runs of consecutive layers alike in every measured number and in their mode."""
     modes = memory.layer_modes(profile, checkpointed)
     keys = [(replace(x, name=""), modes.get(i, KEEP)) for i, x in enumerate(profile.layers)]
-    return layer_runs.runs(keys)
+    return runs.runs(keys)
 
 
 def _highest_of_runs(
@@ -234,18 +235,18 @@ def _highest_of_runs(
     (10,000 identical blocks) become their first highest, labelled with the run; every
     other point is kept as it is. The step's peak is among them."""
     names = profile.layer_names
-    run_of: dict[int, layer_runs.Run] = {}
+    run_of: dict[int, runs.Run] = {}
     for run in alike_layer_runs(profile, checkpointed):
         if run.count > 1:
             run_of.update({i: run for i in range(run.start, run.stop)})
     out: list[tuple[Any, str | None]] = []
     group: list[Any] = []
-    group_run: layer_runs.Run | None = None
+    group_run: runs.Run | None = None
 
     def flush() -> None:
         if group:
             best = max(group, key=lambda p: p.allocated_bytes)  # first highest
-            label = layer_runs.run_label(names, group_run) if len(group) > 1 else None
+            label = runs.run_label(names, group_run) if len(group) > 1 else None
             out.append((best, label))
             group.clear()
 
@@ -300,8 +301,8 @@ def layer_rows(
     keys = [replace(row, name="") for row in rows]
     names = [row.name for row in rows]
     return tuple(
-        replace(rows[run.start], name=layer_runs.run_label(names, run), count=run.count)
-        for run in layer_runs.runs(keys)
+        replace(rows[run.start], name=runs.run_label(names, run), count=run.count)
+        for run in runs.runs(keys)
     )
 
 

@@ -40,6 +40,12 @@ import torch
 
 from memplan.errors import BadInputError
 from memplan.parallel import Parallel, stage_layers
+from memplan.run.pipeline import (
+    SkippedLayer,
+    check_pipeline_split,
+    make_stage_module,
+    pipeline_parts,
+)
 from memplan.run.tp_plan import tp_modules, tp_plan_for
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -138,11 +144,47 @@ def check_tp_divisible(net: torch.nn.Module, modules: dict[str, str], tp: int) -
             )
 
 
+HEAD_STYLES = ("colwise_gather_output", "colwise_rep")
+"""TP-plan styles of a head whose logits are gathered whole: the module loss parallel
+keeps sharded by vocabulary instead."""
+
+
+def loss_parallel_head(modules: dict[str, str], sequence_parallel: bool) -> tuple[str, Any]:
+    """The head (the one module of the TP plan with a gathered colwise style) and its style
+    under loss parallel: ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``,
+    the logits left a vocabulary-sharded DTensor for ``loss_parallel()`` (torchtitan's
+    ``apply_tp`` for the ``output`` projection, torchtitan/models/llama3/infra/parallelize.py
+    at v0.2.2; with sequence parallel its input is ``Shard(1)``, gathered by the style)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    heads = [name for name, style in modules.items() if style in HEAD_STYLES]
+    if len(heads) != 1:
+        raise BadInputError(
+            f"loss parallel shards the head's logits, but the TP plan has {len(heads)} "
+            f"gathered colwise heads ({', '.join(heads) or 'none'}).",
+            hint="Name the head once in TP_PLAN with style colwise_gather_output, or plan "
+            "without loss parallel.",
+        )
+    style = ColwiseParallel(
+        input_layouts=Shard(1) if sequence_parallel else Replicate(),
+        output_layouts=Shard(-1),
+        use_local_output=False,
+    )
+    return heads[0], style
+
+
 def apply_tp(
-    net: torch.nn.Module, tp_mesh: Any, declared: Any = None, *, sequence_parallel: bool = False
+    net: torch.nn.Module,
+    tp_mesh: Any,
+    declared: Any = None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> dict[str, str]:
     """Split ``net``'s TP-plan modules over ``tp_mesh`` (with ``sequence_parallel``, the
-    norms and the residual stream between the TP regions too); returns name -> style."""
+    norms and the residual stream between the TP regions too; with ``loss_parallel`` the
+    head's logits left sharded by vocabulary); returns name -> style."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = tp_modules(net, tp_plan_for(net, declared))
@@ -152,13 +194,18 @@ def apply_tp(
             hint="Check the module-name patterns of TP_PLAN against model.named_modules().",
         )
     check_tp_divisible(net, modules, tp_mesh.size())
+    head = loss_parallel_head(modules, sequence_parallel) if loss_parallel else None
     if not sequence_parallel:
         plan = {name: parallel_style(s) for name, s in modules.items()}
+        if head is not None:
+            plan[head[0]] = head[1]
         parallelize_module(net, tp_mesh, plan)
         return modules
     from memplan.run.sequence_parallel import sequence_parallel_plan
 
     plan, regions, norms = sequence_parallel_plan(net, modules)
+    if head is not None:
+        plan[head[0]] = head[1]
     parallelize_module(net, tp_mesh, plan)
     from memplan.run.sequence_parallel import gather_sequence
 
@@ -168,91 +215,6 @@ def apply_tp(
 
 
 # --------------------------------------------------------------------------- pipeline
-class _Skipped(torch.nn.Module):
-    """A layer of another pipeline stage: passes the hidden states through."""
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineParts:
-    """Where a decoder model's pipeline pieces live, by fully-qualified name."""
-
-    base: str
-    """The base model (called with ``input_ids`` or ``inputs_embeds``)."""
-    embed: str
-    layers: str
-    """The repeated block list (an ``nn.ModuleList``)."""
-    norm: str
-    head: str
-
-
-def pipeline_parts(net: torch.nn.Module) -> PipelineParts:
-    """A transformers decoder's pieces from its own pipeline plan (``base_model_pp_plan``:
-    embeddings, layers, norm; ``_pp_plan``: the head). Other models are refused."""
-    config = getattr(net, "config", None)
-    base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    prefix = getattr(net, "base_model_prefix", "") or ""
-    # an instance's _pp_plan also holds the base plan under the prefix: the rest is the head
-    own = {
-        name: value
-        for name, value in dict(getattr(net, "_pp_plan", None) or {}).items()
-        if not name.startswith(f"{prefix}.")
-    }
-    names = list(base_plan)
-    if (
-        len(names) != 3
-        or len(own) != 1
-        or not isinstance(getattr(net, prefix, None), torch.nn.Module)
-    ):
-        raise BadInputError(
-            f"memplan splits pipeline stages of Hugging Face decoder models (embeddings, "
-            f"layers, norm, head in their pipeline plan); {type(net).__name__} declares none.",
-            hint="Plan this model without pipeline parallelism (--pp 1).",
-        )
-    if getattr(config, "tie_word_embeddings", False):
-        raise BadInputError(
-            f"{type(net).__name__} ties its head to its embeddings, which sit on different "
-            "pipeline stages.",
-            hint="Set tie_word_embeddings false in the config, or plan with --pp 1.",
-        )
-    embed, layers, norm = (f"{prefix}.{n}" for n in names)
-    return PipelineParts(base=prefix, embed=embed, layers=layers, norm=norm, head=next(iter(own)))
-
-
-def _set(net: torch.nn.Module, name: str, value: torch.nn.Module | None) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(net.get_submodule(parent) if parent else net, leaf, value)
-
-
-def make_stage_module(
-    net: torch.nn.Module, parts: PipelineParts, layers: range, *, first: bool, last: bool
-) -> torch.nn.Module:
-    """``net`` pruned to one pipeline stage, in place: layers outside ``layers`` become
-    pass-throughs, the embeddings go unless ``first``, the norm and head unless ``last``.
-    Its forward takes token ids (first stage) or hidden states and returns hidden states,
-    or the logits on the last stage. Names of what stays are unchanged."""
-    block_list = net.get_submodule(parts.layers)
-    for index in range(len(block_list)):
-        if index not in layers:
-            block_list[index] = _Skipped()
-    if not first:
-        _set(net, parts.embed, None)
-    if not last:
-        _set(net, parts.norm, torch.nn.Identity())
-        _set(net, parts.head, None)
-    base = net.get_submodule(parts.base)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        key = "input_ids" if first else "inputs_embeds"
-        hidden = base(**{key: x}, use_cache=False).last_hidden_state
-        return net.get_submodule(parts.head)(hidden) if last else hidden
-
-    net.forward = forward  # type: ignore[method-assign]
-    return net
-
-
 def hf_causal_loss(net: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss the model computes from ``labels`` (transformers' ``loss_function``),
     as a function of (logits, labels) for the last pipeline stage."""
@@ -289,7 +251,7 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
         named = dict(module.named_modules())
         for name in plan.shard_units:
             unit = named.get(name)
-            if unit is not None and not isinstance(unit, _Skipped):
+            if unit is not None and not isinstance(unit, SkippedLayer):
                 fully_shard(unit, **options)
         fully_shard(module, **options)
         if parallel.pp == 1 and plan.grad_sync == "last_micro_step":
@@ -333,8 +295,9 @@ class Layout:
         (NaN on pipeline stages that compute none)."""
         if self.schedule is None:
             metrics: dict[str, Any] = {}
-            for batch in micro_batches:
-                metrics = self.accumulator.step(batch, loss_fn)
+            with self.loss_context():
+                for batch in micro_batches:
+                    metrics = self.accumulator.step(batch, loss_fn)
             return float(metrics.get("loss", float("nan")))
         device = self.mesh.device_type
         whole = {
@@ -354,6 +317,18 @@ class Layout:
         if not losses:
             return float("nan")
         return float(torch.stack([loss.detach() for loss in losses]).mean())
+
+    def loss_context(self) -> Any:
+        """``torch.distributed.tensor.parallel.loss_parallel()`` under loss parallel (the
+        cross-entropy over vocabulary-sharded logits, forward and backward, as torchtitan's
+        train context runs it), else nothing."""
+        import contextlib
+
+        if not self.parallel.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradient norm of the whole model (every TP shard and pipeline stage)
@@ -437,18 +412,30 @@ def build_layout(
             "ring-attention kernels for it).",
             hint="Verify a layout with cp 1, or run the emitted torchtitan config on GPUs.",
         )
+    if parallel.loss_parallel and parallel.pp > 1:
+        raise BadInputError(
+            "Loss parallel with pipeline stages is modelled but not run by memplan (the last "
+            "stage would hand the schedule's loss a vocabulary-sharded DTensor).",
+            hint="Verify the layout with --pp 1, or without loss parallel.",
+        )
     if parallel.sequence_parallel and parallel.pp > 1:
         raise BadInputError(
             "Sequence parallelism with pipeline stages is modelled but not run by memplan "
             "(a stage would send sequence-sharded hidden states).",
             hint="Verify the layout with --pp 1, or without --sequence-parallel.",
         )
+    if parallel.pp > 1:  # on the whole model, before TP splits it: every rank alike
+        check_pipeline_split(net, parallel.pp)
     rank = torch.distributed.get_rank()
     mesh = build_mesh(parallel, device.type)
     styles: dict[str, str] = {}
     if parallel.tp > 1:
         styles = apply_tp(
-            net, mesh["tp"], declared_tp_plan, sequence_parallel=parallel.sequence_parallel
+            net,
+            mesh["tp"],
+            declared_tp_plan,
+            sequence_parallel=parallel.sequence_parallel,
+            loss_parallel=parallel.loss_parallel,
         )
     placements = _placements(net)
     if parallel.pp == 1:

@@ -26,11 +26,11 @@ import torch
 
 from memplan import run
 from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure
-from memplan.loader import ModelFile, load_model_file
+from memplan.files.schema import to_data
+from memplan.model.loader import ModelFile, load_model_file
 from memplan.plan import Plan
 from memplan.probe.backends import make_backend
 from memplan.probe.tracker import resident_tensors
-from memplan.schema import to_data
 from memplan.timing import timing_caveat
 from memplan.units import format_bytes
 from memplan.verify.grad_check import (

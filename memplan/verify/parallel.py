@@ -23,24 +23,14 @@ from memplan.plan import Plan
 from memplan.probe.tracker import resident_tensors
 
 
-def parallel_of(plan: Plan, config: dict[str, Any]) -> Parallel | None:
-    """The layout a rank runs: the plan's ``parallel`` (or a test's override)."""
-    data = config.get("parallel")
-    if data:
-        return Parallel(**data)
-    return getattr(plan, "parallel", None)
-
-
-def rank_predictions(
-    plan: Plan, device: str, world: int, parallel: Parallel | None = None
-) -> tuple[int, ...]:
+def rank_predictions(plan: Plan, device: str, world: int) -> tuple[int, ...]:
     """Each rank's predicted peak under a pipeline layout (a rank's stage's peak, from the
     plan's ``predicted.stage_peak_bytes`` or, without it, from the profile the plan was
     solved from), as ``predicted_for_device`` adjusts it for ``device``; empty when every
     rank has the plan's prediction (no pipeline, or no per-stage figures to be had)."""
-    from memplan.memory.layout import stage_of_rank
+    from memplan.memory.parallel import stage_of_rank
 
-    layout = parallel or plan.parallel
+    layout = plan.parallel
     if layout is None or layout.pp == 1:
         return ()
     reserve = 0 if device == "cuda" else plan.predicted.breakdown.reserve
@@ -51,7 +41,7 @@ def rank_predictions(
     from pathlib import Path
 
     from memplan.errors import MemplanError
-    from memplan.memory.layout import layout_peaks
+    from memplan.memory.parallel import layout_peaks
     from memplan.profile import load_profile
 
     if not plan.profile or not Path(plan.profile).is_file():
@@ -76,7 +66,7 @@ def run_layout_rank(
     """Measure this rank's peak under ``parallel`` with ``tracker`` (a fresh
     memplan.verify.distributed.DistributedTracker); the dict ``_run_rank`` returns."""
     from memplan import run
-    from memplan.loader import load_model_file
+    from memplan.model.loader import load_model_file
     from memplan.run.parallel import build_layout, data_rank
     from memplan.verify.single import fingerprint_note
 
@@ -118,16 +108,19 @@ def run_layout_rank(
     }
     del layout, net
     if config["check_gradients"]:
-        error = layout_gradient_error(mf, plan, parallel, device, seed, rank)
-        out["gradient_error"] = layout_gradient_check(error, plan, parallel)
+        error, worst = layout_gradient_error(mf, plan, parallel, device, seed, rank)
+        out["gradient_error"] = layout_gradient_check(error, plan, parallel, worst)
     return out
 
 
-def layout_gradient_check(error: float | str, plan: Plan, parallel: Parallel) -> dict[str, Any]:
-    """``error`` (from :func:`layout_gradient_error`) as the JSON-ready plan check the
-    distributed verify reads from every rank (memplan.verify.distributed_grads): no batch
-    coupling is measured for a layout."""
-    from memplan.verify.grad_check import TOLERANCE, GradientCheck, coupling_skipped
+def layout_gradient_check(
+    error: float | str, plan: Plan, parallel: Parallel, worst: str | None = None
+) -> dict[str, Any]:
+    """``error`` (from :func:`layout_gradient_error`, with the parameter of that largest
+    difference, ``worst``) as the JSON-ready plan check the distributed verify reads from
+    every rank (memplan.verify.distributed_grads): no batch coupling is measured for a
+    layout."""
+    from memplan.verify.grad_check import TOLERANCE, GradientCheck, coupling_skipped, layer_of
 
     tol = TOLERANCE["fp32"]
     what = (
@@ -140,8 +133,17 @@ def layout_gradient_check(error: float | str, plan: Plan, parallel: Parallel) ->
     else:
         status = "pass" if error <= tol else "fail"  # NaN fails
         value = error if math.isfinite(error) else None
+        fingerprint = plan.model_fingerprint
+        layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
         check = GradientCheck(
-            status=status, relative_error=value, tolerance=tol, reason=what, precision="fp32"
+            status=status,
+            relative_error=value,
+            tolerance=tol,
+            reason=what,
+            precision="fp32",
+            worst_parameter=worst,
+            worst_parameter_error=value if worst is not None else None,
+            worst_layer=layer_of(worst, layers) if worst is not None else None,
         )
     effective = plan.micro_batch_size * plan.accumulation_steps * parallel.dp
     skipped = coupling_skipped(effective, "not measured for a parallel layout")
@@ -165,11 +167,11 @@ def _local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor
 
 def layout_gradient_error(
     mf: Any, plan: Plan, parallel: Parallel, device: torch.device, seed: int, rank: int
-) -> float | str:
+) -> tuple[float | str, str | None]:
     """max over this rank's parameters of max|g_rank − g_full| / max|g_full| (see the
-    module doc)."""
+    module doc), and the parameter where it is largest (None when not compared)."""
     from memplan import run
-    from memplan.loader import map_batch
+    from memplan.model.batch import map_batch
     from memplan.run.parallel import build_layout, data_rank
 
     k, micro, dp = plan.accumulation_steps, plan.micro_batch_size, parallel.dp
@@ -226,20 +228,23 @@ def layout_gradient_error(
     layout.optimizer.register_step_pre_hook(capture)
     with run.no_dropout():
         layout.train_step(mine, mf.loss)
-    worst = 0.0
+    worst, worst_name = 0.0, None
     for name, got in captured.items():
         ref = reference.get(name)
         if ref is None:
-            return math.inf
+            return f"{name} has a gradient under the layout but none in the reference", name
         if name in shards:
             ref = _local_slice(ref, *shards[name])
         if got.shape != ref.shape:
-            return f"{name}: gradient of shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
+            shapes = f"gradient of shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
+            return f"{name}: {shapes}", name
         if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
-            return math.nan
+            return math.nan, name
         scale = ref.abs().max().item()
         if scale > 0:
-            worst = max(worst, (got - ref).abs().max().item() / scale)
+            error = (got - ref).abs().max().item() / scale
+            if worst_name is None or error > worst:
+                worst, worst_name = error, name
     if not captured:
-        return "this rank holds no parameters with gradients"
-    return worst
+        return "this rank holds no parameters with gradients", None
+    return worst, worst_name

@@ -19,27 +19,19 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from memplan.errors import (
-    BadInputError,
     CannotMeasureError,
     Interrupted,
     MemplanError,
     ModelFileError,
 )
-from memplan.profile import DEFAULT_FACTORY, model_arg, split_model_arg
-from memplan.run.batch import (  # noqa: F401 - re-exported: batch helpers lived here
-    PASSED_THROUGH,
-    batch_tensors,
-    is_tensor_batch,
-    map_batch,
-    move_batch,
-    refused_batch_item,
-)
+from memplan.model.batch import batch_tensors, refused_batch_item
+from memplan.model.reference import DEFAULT_FACTORY, is_hf_reference, model_arg, split_model_arg
 
 
 def _user_location(exc: BaseException, path: Path) -> str:
@@ -86,7 +78,8 @@ def _args_text(args: tuple[Any, ...]) -> str:
     return f"({', '.join(ints)})" if args and len(ints) == len(args) else "()"
 
 
-_MEMPLAN_DIR = Path(__file__).resolve().parent
+_MEMPLAN_DIR = Path(__file__).resolve().parent.parent
+"""The memplan package (this module lives in memplan/model/): a frame in it is memplan's."""
 
 _call_observers: list[Callable[[str], None]] = []
 
@@ -191,7 +184,7 @@ class ModelFile:
     has_training_loss: bool = False
     has_make_optimizer: bool = False
     reference: str | None = None
-    """The ``hf:`` reference the model was built from (memplan.hf), else None."""
+    """The ``hf:`` reference the model was built from (memplan.model.hf), else None."""
     takes_seq_len: bool = False
     """Whether ``make_batch`` takes a second parameter, the sequence length (issue 13)."""
     seq_len: int | None = None
@@ -336,12 +329,6 @@ class ModelFile:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
 
 
-def is_hf_reference(text: str) -> bool:
-    from memplan.hf import is_hf_reference as check
-
-    return check(str(text))
-
-
 def load_model_file(
     spec: str | Path, factory: str | None = None, *, search_dir: str | Path | None = None
 ) -> ModelFile:
@@ -461,9 +448,9 @@ def contain_exits(model: str) -> Iterator[None]:
 
 
 def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
-    """An ``hf:`` reference (memplan.hf) as a ModelFile: its functions are made, not
+    """An ``hf:`` reference (memplan.model.hf) as a ModelFile: its functions are made, not
     imported. A relative config path that does not exist is looked up in ``search_dir``."""
-    from memplan import hf
+    from memplan.model import hf
 
     ref = hf.parse_reference(text)
     if search_dir is not None:
@@ -486,91 +473,3 @@ def _load_hf_reference(text: str, search_dir: str | Path | None) -> ModelFile:
         takes_seq_len=True,
         max_seq_len=getattr(module, "max_seq_len", None),
     )
-
-
-def model_reference(
-    text: str,
-    *,
-    task: str | None = None,
-    seq_len: int | None = None,
-    lora: str | None = None,
-    seq_lens: Sequence[int] = (),
-) -> str:
-    """The model argument of a command, with ``--task`` / ``--seq-len`` / ``--lora`` folded
-    into an ``hf:`` reference (one string that profiles, plans and scripts carry). Those
-    options are refused for a model file, which makes its own batches. With ``seq_lens``
-    (``--seq-lens``) a reference needs no length of its own: the shortest stands in."""
-    from memplan import hf
-
-    if hf.is_hf_reference(text):
-        return str(
-            hf.parse_reference(
-                text,
-                task=task,
-                seq_len=seq_len,
-                lora=lora,
-                default_seq_len=min(seq_lens) if seq_lens else None,
-            )
-        )
-    given = [
-        flag
-        for flag, value in (("--task", task), ("--seq-len", seq_len), ("--lora", lora))
-        if value is not None
-    ]
-    if given:
-        raise BadInputError(
-            f"{', '.join(given)} only apply to an hf: reference, not to the model file {text}.",
-            hint="A model file makes its own model and batches; drop the option, or write "
-            "hf:PATH_OR_ID to build a Hugging Face model from its config.",
-        )
-    return text
-
-
-def resolve_model_reference(text: str, base: Path) -> str:
-    """A model reference from a config file (memplan.yaml) with relative paths made
-    relative to ``base``, the config's folder: ``model.py``, ``model.py:factory`` or an
-    ``hf:`` reference with a local config. Raises ModelFileError naming what is missing."""
-    from memplan import hf
-
-    if hf.is_hf_reference(text):
-        return str(hf.resolve_against(hf.parse_reference(text), base))
-    path_text, factory = split_model_arg(text)
-    path = Path(path_text) if Path(path_text).is_absolute() else base / path_text
-    if not path.is_file():
-        raise ModelFileError(
-            f"names {text!r}, and {path} does not exist",
-            hint="Paths are relative to the config file.",
-        )
-    return str(path) if factory == DEFAULT_FACTORY else f"{path}:{factory}"
-
-
-def reference_path(text: str) -> Path:
-    """The file or folder a model reference reads: the model file, or an ``hf:``
-    reference's config source (a local directory or config.json, or a hub id)."""
-    from memplan import hf
-
-    if hf.is_hf_reference(text):
-        return Path(hf.parse_reference(text).source)
-    return Path(split_model_arg(text)[0])
-
-
-def relative_reference(text: str, folder: Path) -> str:
-    """``text`` with a relative local path rewritten relative to ``folder`` (where an
-    emitted script is written, which resolves paths against its own folder); absolute
-    paths, hub ids and paths that do not exist here are kept as they are."""
-    import os
-
-    from memplan import hf
-
-    if hf.is_hf_reference(text):
-        ref = hf.parse_reference(text)
-        local = ref.local_path()
-        if local is None or local.is_absolute() or not local.exists():
-            return text
-        return str(ref.with_source(os.path.relpath(local.resolve(), folder.resolve())))
-    path_text, factory = split_model_arg(text)
-    path = Path(path_text)
-    if path.is_absolute() or not path.exists():
-        return text
-    moved = os.path.relpath(path.resolve(), folder.resolve())
-    return moved if factory == DEFAULT_FACTORY else f"{moved}:{factory}"

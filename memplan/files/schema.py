@@ -20,8 +20,8 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from memplan import fast_yaml
 from memplan.errors import ProfileError, unreadable_output
+from memplan.files import fast_yaml
 from memplan.suggest import did_you_mean
 
 T = TypeVar("T")
@@ -116,7 +116,7 @@ def _refuse_anchors(text: str) -> None:
 def safe_load(text: str) -> Any:
     """``yaml.safe_load`` (the C loader when present), strictly: anchors, aliases, duplicate
     keys and non-scalar keys raise ``RefusedYAML`` (a ``yaml.YAMLError``). Text in
-    memplan.fast_yaml's layout (a profile memplan wrote) is read a line at a time with
+    memplan.files.fast_yaml's layout (a profile memplan wrote) is read a line at a time with
     ``json``, to the same data (it has no anchors, and a duplicate key sends it here)."""
     try:
         return fast_yaml.load(text)

@@ -32,7 +32,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory.layout import check_layout, layout_sharding, rank_profile, tp_measured
+from memplan.memory.parallel import (
+    check_layout,
+    layout_sharding,
+    loss_parallel_possible,
+    own_checkpoint,
+    rank_profile,
+    tp_measured,
+)
 from memplan.parallel import Parallel, Schedule, in_flight
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -64,6 +71,9 @@ class LayoutRequest:
     sequence_parallel: bool | None = None
     """None: on with TP in ``auto`` (less memory, the same bytes moved), off otherwise."""
     virtual_stages: int = 1
+    loss_parallel: bool | None = None
+    """None: on with TP where the model's TP plan splits its head (torchtitan's default,
+    Megatron's only way); False: logits gathered whole on every TP rank."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -121,6 +131,8 @@ def candidate_layouts(
                     continue
                 if tp > 1 and not tp_measured(profile):
                     continue
+                if pp > 1 and profile.pipeline_refused:
+                    continue  # the model cannot be split into stages memplan runs
                 if tp > 1 and profile.tp_degree_divides and profile.tp_degree_divides % tp:
                     continue  # it would split a head or a projection unevenly
 
@@ -131,6 +143,7 @@ def candidate_layouts(
                 if sp is None:  # the runtime runs SP without pipeline stages only
                     sp = ask.auto and tp > 1 and pp == 1
                 replicas = strategy == "ddp"
+                lp = ask.loss_parallel is not False and tp > 1
                 out.append(
                     Parallel(
                         dp_replicate=dp if replicas else 1,
@@ -141,6 +154,7 @@ def candidate_layouts(
                         sequence_parallel=sp and tp > 1,
                         schedule=ask.schedule if pp > 1 else "1f1b",
                         virtual_stages=ask.virtual_stages if pp > 1 else 1,
+                        loss_parallel=lp and loss_parallel_possible(profile),
                     )
                 )
     return out
@@ -176,18 +190,53 @@ def bubble_fraction(parallel: Parallel, m: int) -> float:
 
 
 _RANKS: dict[tuple, Profile] = {}
+_RANKS_OF: list[Profile] = []
+"""The profile ``_RANKS`` belongs to, held so that its identity cannot pass to another
+profile (an ``id`` alone can be reused once the first is collected)."""
 
 
-def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> Profile:
+def _rank_profile(
+    profile: Profile, parallel: Parallel, stage: int, m: int, all_full: bool = False
+) -> Profile:
     """``rank_profile``, which depends on the micro-batches only through the stage's
-    in-flight count: kept for the search of one profile (the last one asked)."""
+    in-flight count: kept for the search of one profile (the last one asked). ``all_full``:
+    every block of the stage fully checkpointed, in the waiting micro-batches too."""
+    if not _RANKS_OF or _RANKS_OF[0] is not profile:
+        _RANKS.clear()
+        _RANKS_OF[:] = [profile]
     k = in_flight(parallel, stage, m)
-    key = (id(profile), parallel, stage, k, min(k, m - 1))  # memory.layout's two phases
+    key = (parallel, stage, k, min(k, m - 1), all_full)  # memory.parallel's two phases
     if key not in _RANKS:
-        if _RANKS and next(iter(_RANKS))[0] != id(profile):
-            _RANKS.clear()
-        _RANKS[key] = rank_profile(profile, parallel, stage, m)
+        modes = None
+        if all_full:
+            names = rank_profile(profile, parallel, stage, m).layer_names
+            modes = dict.fromkeys(names, "full")
+        _RANKS[key] = rank_profile(profile, parallel, stage, m, modes)
     return _RANKS[key]
+
+
+def _solve_stage(
+    profile: Profile, request: SolveRequest, parallel: Parallel, stage: int, m: int
+) -> SolveResult | None:
+    """The stage's rank solved exactly over its modes, with waiting micro-batches charged
+    as ``rank_profile`` charges them without a map; and, with pipeline stages, once more
+    with every block fully checkpointed in every micro-batch in flight (what the stage
+    then holds, exactly): the faster that fits."""
+    rank = _rank_profile(profile, parallel, stage, m)
+    result = solve_if_fits(rank, request, explain=False)
+    full_allowed = request.modes is None or "full" in request.modes
+    if parallel.pp == 1 or not full_allowed or not rank.layers:
+        return result
+    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
+    forced = dataclasses.replace(
+        request, always_checkpoint=rank_full.layer_names, never_checkpoint=(), modes=("full",)
+    )
+    full = solve_if_fits(rank_full, forced, explain=False)
+    if full is None:
+        return result
+    if result is None or full.plan.predicted.step_seconds <= result.plan.predicted.step_seconds:
+        return full
+    return result
 
 
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
@@ -221,7 +270,7 @@ def evaluate_layout(
     for stage in range(parallel.pp):
         rank = _rank_profile(profile, parallel, stage, m)
         most_layers = max(most_layers, len(rank.layers))
-        result = solve_if_fits(rank, stage_request, explain=False)
+        result = _solve_stage(profile, stage_request, parallel, stage, m)
         if result is None:
             return None
         results.append(result)
@@ -254,6 +303,8 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
             "dimensions have that greatest common divisor).",
             hint=f"Choose --tp from {', '.join(map(str, _divisors(divides)))}.",
         )
+    if (ask.tp or 1) > 1 or (ask.pp or 1) > 1:  # a fixed degree the model cannot run
+        check_layout(profile, Parallel(tp=ask.tp or 1, pp=ask.pp or 1))
     layouts = candidate_layouts(profile, world, ask, strategy)
     if not layouts:
         raise BadInputError(
@@ -266,29 +317,68 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
         check_layout(profile, parallel)
     options = []
     for parallel in layouts:
-        dp = parallel.dp
-        if request.target_batch % dp:
-            continue
-        per_dp = request.target_batch // dp
-        for b in range(request.min_micro, per_dp + 1):
-            if per_dp % b or (request.max_micro is not None and b > request.max_micro):
-                continue
-            m = per_dp // b
-            if parallel.pp > 1 and (
-                m < parallel.pp or (parallel.virtual_stages > 1 and m % parallel.pp)
-            ):
-                continue  # torch's 1F1B schedules need at least pp micro-batches
+        for b, m in _micro_batches(request, parallel):
             option = evaluate_layout(profile, request, parallel, b, m)
             if option is not None:
                 options.append(option)
     return options
 
 
+def _micro_batches(request: SolveRequest, parallel: Parallel) -> list[tuple[int, int]]:
+    """Each (micro-batch, micro-batches per step) the layout can run the target at."""
+    out: list[tuple[int, int]] = []
+    dp = parallel.dp
+    if request.target_batch % dp:
+        return out
+    per_dp = request.target_batch // dp
+    for b in range(request.min_micro, per_dp + 1):
+        if per_dp % b or (request.max_micro is not None and b > request.max_micro):
+            continue
+        m = per_dp // b
+        if parallel.pp > 1 and (
+            m < parallel.pp or (parallel.virtual_stages > 1 and m % parallel.pp)
+        ):
+            continue  # torch's 1F1B schedules need at least pp micro-batches
+        out.append((b, m))
+    return out
+
+
+def least_layout_peak(
+    profile: Profile, request: SolveRequest, ask: LayoutRequest
+) -> tuple[int, Parallel, int] | None:
+    """The least per-rank peak any of the asked layouts needs at the target batch (each
+    stage at its least-memory plan, the layout at its worst stage), with that layout and
+    micro-batch; None when no layout runs the target at all."""
+    from memplan.solver.search import least_peak_bytes
+
+    strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    best: tuple[int, Parallel, int] | None = None
+    for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
+        world = layout_sharding(_strategy(request, parallel), parallel).world_size
+        for b, m in _micro_batches(request, parallel):
+            stage_request = dataclasses.replace(
+                request,
+                target_batch=b * m * world,
+                world_size=world,
+                strategy=_strategy(request, parallel),
+                min_micro=b,
+                max_micro=b,
+            )
+            peak = max(
+                least_peak_bytes(_rank_profile(profile, parallel, stage, m), stage_request)
+                for stage in range(parallel.pp)
+            )
+            if best is None or peak < best[0]:
+                best = (peak, parallel, b)
+    return best
+
+
 def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
     p = best.parallel
     out = [
         f"layout {p.describe()}: micro-batch {best.micro_batch}, {best.micro_batches} "
-        f"{'pipeline micro-batches' if p.pp > 1 else 'accumulation steps'} per step; worst "
+        f"{'pipeline micro-batch' if p.pp > 1 else 'accumulation step'}"
+        f"{'' if best.micro_batches == 1 else 'es' if p.pp > 1 else 's'} per step; worst "
         f"rank (stage {best.worst_stage}) {format_bytes(best.peak_bytes)}; step "
         f"{best.step_seconds * 1e3:.1f} ms" + (f", bubble {best.bubble:.0%}" if p.pp > 1 else "")
     ]
@@ -309,9 +399,14 @@ def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
             if dim == "tp"
             else "each rank holds fewer blocks; the bubble and the in-flight micro-batches grow with it"
         )
+        comm = (
+            f"its collectives add {extra * 1e3:+.1f} ms per step"
+            if abs(extra) >= 0.05e-3
+            else "its collectives take no time to the tenth of a millisecond"
+        )
         out.append(
-            f"{dim} {mine} over {dim} {theirs}: {what}; its collectives add "
-            f"{extra * 1e3:+.1f} ms per step; peak {format_bytes(best.peak_bytes)} vs "
+            f"{dim} {mine} over {dim} {theirs}: {what}; {comm}; peak "
+            f"{format_bytes(best.peak_bytes)} vs "
             f"{format_bytes(alt.peak_bytes)}, step {best.step_seconds * 1e3:.1f} vs "
             f"{alt.step_seconds * 1e3:.1f} ms ({alt.parallel.describe()}, micro-batch "
             f"{alt.micro_batch})"
@@ -324,8 +419,8 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
     with the layout's step time."""
     worst = option.stages[option.worst_stage].plan
     checkpoint = {}
-    for stage in option.stages:
-        checkpoint.update(stage.plan.checkpoint)
+    for index, stage in enumerate(option.stages):  # each rank's own blocks (interleaving)
+        checkpoint.update(own_checkpoint(profile, option.parallel, index, stage.plan.checkpoint))
     order = {name: i for i, name in enumerate(profile.layer_names)}
     checkpoint = dict(sorted(checkpoint.items(), key=lambda kv: order[kv[0]]))
     fingerprint = worst.model_fingerprint
@@ -345,7 +440,6 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
         accumulation_steps=option.micro_batches,
         parallel=p,
         checkpoint=checkpoint,
-        checkpoint_layers=None,
         shard_units=profile.layer_names if worst.strategy == "fsdp" else (),
         model_fingerprint=fingerprint,
         predicted=dataclasses.replace(
@@ -379,10 +473,18 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         )
     options = _options(profile, request, ask)
     if not options:
+        least = least_layout_peak(profile, request, ask)
+        needs = (
+            f" The least peak any of them needs is {format_bytes(least[0])} per rank "
+            f"({least[1].describe()}, micro-batch {least[2]})."
+            if least
+            else ""
+        )
         raise NoPlanFitsError(
-            f"no layout of {request.world_size} ranks fits {request.budget_bytes / 2**30:.2f} "
-            f"GiB per rank at target batch {request.target_batch}.",
+            f"no layout of {request.world_size} ranks fits {format_bytes(request.budget_bytes)} "
+            f"per rank at target batch {request.target_batch}.{needs}",
             hint="Try --layout auto, more ranks, a larger --pp or --tp, or a smaller target.",
+            min_peak_bytes=least[0] if least else None,
         )
     best = min(options, key=lambda o: (o.step_seconds, o.peak_bytes))
     return LayoutResult(

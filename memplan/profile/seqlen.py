@@ -42,7 +42,7 @@ attention scores ``s²``); without FLOPs, by tokens. Times per micro-step (overh
 the optimizer step do not change with the length.
 
 Peaks are non-decreasing in ``S`` when every fit has non-negative coefficients, so the
-longest length that has a plan is found by bisection over multiples (memplan.seqplan).
+longest length that has a plan is found by bisection over multiples (memplan.solver.seqlen).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-"""The layout engines' configs (issue 25): torchtitan's job TOML and Megatron-LM's arguments.
+"""torchtitan's job config (``--format torchtitan``, issue 25).
+
+The layout engines' configs (issue 25): torchtitan's job TOML and Megatron-LM's arguments.
 
 **torchtitan** (``--format torchtitan``): field names as torchtitan's ``JobConfig`` defines
 them (pytorch/torchtitan ``torchtitan/config/job_config.py`` at 000204a4: ``[parallelism]``
@@ -13,41 +15,32 @@ always shards the norms by sequence (SequenceParallel), so a plan without SP is 
 with a comment saying so. torchtitan checkpoints the same modules in every block; a plan
 whose blocks differ is written as the nearest every-N-th choice that checkpoints at least
 as many blocks (more memory saved, not less), and the comment names the plan's own.
-
-**Megatron-LM** (``--format megatron``): ``pretrain_gpt.py`` arguments from
-``megatron/training/arguments.py``: ``--tensor-model-parallel-size``,
-``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
-``--num-layers-per-virtual-pipeline-stage``, ``--micro-batch-size``,
-``--global-batch-size``, ``--recompute-granularity full|selective``,
-``--recompute-method block`` with ``--recompute-num-layers`` (the first N blocks of each
-stage: memplan's choice also favours the earliest blocks), ``--use-distributed-optimizer``
-for sharded optimizer state, ``--use-torch-fsdp2`` for FSDP.
 """
 
 from __future__ import annotations
 
 import json
 
+from memplan.emit._common import comment_string, plan_blocks, plan_layout
 from memplan.modes import FULL, SELECTIVE
-from memplan.parallel import Parallel, stage_layers
+from memplan.parallel import stage_layers
 from memplan.plan import Plan
 
 TORCHTITAN_STRATEGIES = frozenset({"ddp", "fsdp"})
 """torchtitan replicates (DDP) or shards with FSDP2; it has no optimizer-only sharding."""
-MEGATRON_STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
-"""Megatron-LM: DDP, its distributed optimizer (ZeRO-1), FSDP2."""
 
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 """memplan's schedule -> torch.distributed.pipelining's class name less ``Schedule``
 (what torchtitan's ``pipeline_parallel_schedule`` takes)."""
 
 
-def _layout(plan: Plan) -> Parallel:
-    if plan.parallel is not None:
-        return plan.parallel
-    if plan.strategy == "ddp":
-        return Parallel(dp_replicate=plan.world_size)
-    return Parallel(dp_shard=plan.world_size)
+def _every(n: int) -> str:
+    """1 -> "every block", 2 -> "every 2nd block", 3 -> "every 3rd block", 11 -> "every
+    11th block"."""
+    if n == 1:
+        return "every block"
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"every {n}{suffix} block"
 
 
 def _every_nth(plan: Plan, n_blocks: int) -> int:
@@ -57,19 +50,6 @@ def _every_nth(plan: Plan, n_blocks: int) -> int:
     if count == 0:
         return 0
     return max(1, n_blocks // count)
-
-
-def _blocks(plan: Plan) -> int:
-    fingerprint = plan.model_fingerprint
-    if fingerprint is not None and fingerprint.candidate_layers:
-        return len(fingerprint.candidate_layers)
-    return max(len(plan.checkpoint), 1)
-
-
-def _quoted(text: str) -> str:
-    """A string for a comment line: quoted and escaped, so no newline (or anything else in
-    a model path) ends the comment and writes a line of its own."""
-    return json.dumps(str(text))
 
 
 def _toml(value: object) -> str:
@@ -82,10 +62,12 @@ def _toml(value: object) -> str:
 
 def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
     """torchtitan's job config (TOML) for ``plan``."""
-    p = _layout(plan)
+    p = plan_layout(plan)
     modes = set(plan.checkpoint.values())
-    n_blocks = _blocks(plan)
-    notes = [f"memplan plan for {_quoted(model_path)}: {p.describe()}, strategy {plan.strategy}"]
+    n_blocks = plan_blocks(plan)
+    notes = [
+        f"memplan plan for {comment_string(model_path)}: {p.describe()}, strategy {plan.strategy}"
+    ]
     if not plan.checkpoint:
         ac = {"mode": "none"}
     elif modes == {FULL} and len(plan.checkpoint) == n_blocks:
@@ -97,7 +79,7 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         ac = {"mode": "selective", "selective_ac_option": str(nth)}
         notes.append(
             f"the plan checkpoints {len(plan.checkpoint)} of {n_blocks} blocks "
-            f"({', '.join(sorted(modes))}); torchtitan checkpoints every {nth}-th block fully"
+            f"({', '.join(sorted(modes))}); torchtitan checkpoints {_every(nth)} fully"
         )
     if p.tp > 1 and not p.sequence_parallel:
         notes.append("torchtitan's Llama TP always shards the norms by sequence (SP)")
@@ -115,6 +97,8 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         "pipeline_parallel_degree": p.pp,
         "context_parallel_degree": p.cp,
     }
+    if p.tp > 1:  # torchtitan's loss parallel is on unless disabled (JobConfig.Parallelism)
+        parallelism["disable_loss_parallel"] = not p.loss_parallel
     if p.pp > 1:
         parallelism["pipeline_parallel_schedule"] = _SCHEDULES[p.schedule]
         parallelism["pipeline_parallel_microbatch_size"] = plan.micro_batch_size
@@ -134,56 +118,3 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         lines += ["", f"[{section}]"]
         lines += [f"{key} = {_toml(value)}" for key, value in fields.items()]
     return "\n".join(lines) + "\n"
-
-
-def megatron_args(plan: Plan) -> list[str]:
-    """Megatron-LM's arguments for ``plan`` (module docstring)."""
-    p = _layout(plan)
-    args = [
-        f"--tensor-model-parallel-size {p.tp}",
-        f"--pipeline-model-parallel-size {p.pp}",
-        f"--context-parallel-size {p.cp}",
-        f"--micro-batch-size {plan.micro_batch_size}",
-        f"--global-batch-size {plan.target_batch}",
-    ]
-    if p.sequence_parallel:
-        args.append("--sequence-parallel")
-    if p.virtual_stages > 1:
-        layers = stage_layers(_blocks(plan), p.stages)
-        args.append(f"--num-layers-per-virtual-pipeline-stage {len(layers[0])}")
-    if plan.strategy == "zero1":
-        args.append("--use-distributed-optimizer")
-    if plan.strategy == "fsdp":
-        args.append("--use-torch-fsdp2")
-    modes = set(plan.checkpoint.values())
-    if modes == {SELECTIVE}:
-        args.append("--recompute-granularity selective")
-    elif plan.checkpoint:
-        per_stage = stage_layers(_blocks(plan), p.stages)
-        names = (
-            plan.model_fingerprint.candidate_layers
-            if plan.model_fingerprint and plan.model_fingerprint.candidate_layers
-            else tuple(plan.checkpoint)
-        )
-        most = max(
-            sum(1 for j in stage if j < len(names) and names[j] in plan.checkpoint)
-            for stage in per_stage
-        )
-        args += [
-            "--recompute-granularity full",
-            "--recompute-method block",
-            f"--recompute-num-layers {max(most, 1)}",
-        ]
-    return args
-
-
-def emit_megatron(plan: Plan, *, model_path: str) -> str:
-    """A shell snippet: ``MEMPLAN_ARGS`` for ``pretrain_gpt.py``."""
-    p = _layout(plan)
-    body = " \\\n    ".join(megatron_args(plan))
-    return (
-        f"# memplan plan for {_quoted(model_path)}: {p.describe()}, strategy {plan.strategy}\n"
-        f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage)\n"
-        f"# Launch with {p.world_size} ranks: torchrun ... pretrain_gpt.py $MEMPLAN_ARGS <model args>\n"
-        f'MEMPLAN_ARGS="{body}"\n'
-    )

@@ -34,15 +34,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from memplan import fast_yaml
-from memplan.errors import ProfileError
-from memplan.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
+from memplan.model.reference import ModelRef
 
 PROFILE_SCHEMA_VERSION = 2
-"""2: optional ``seq_len`` and ``seq`` (a probe over sequence lengths, memplan.seqlen).
+"""2: optional ``seq_len`` and ``seq`` (a probe over sequence lengths, memplan.profile.seqlen).
 1 (still read, unchanged): neither."""
 
 Device = Literal["cpu", "cuda", "meta"]
@@ -225,40 +222,6 @@ class Environment:
     plans that run under the engine's mixed-precision policy; see ``MixedPrecision``."""
 
 
-DEFAULT_FACTORY = "build_model"
-"""The factory a model reference without ``:factory`` names."""
-
-
-def split_model_arg(text: str) -> tuple[str, str]:
-    """``"model.py:other_factory"`` → ``("model.py", "other_factory")``; no suffix → the
-    default factory. A colon that is part of the path (``C:\\x.py``) is not a selector.
-    The one parser of the ``path:factory`` model reference; ``model_arg`` writes it."""
-    head, sep, tail = text.rpartition(":")
-    if sep and tail.isidentifier() and head and not head.endswith(("\\", "/")):
-        return head, tail
-    return text, DEFAULT_FACTORY
-
-
-def model_arg(path: str, factory: str = DEFAULT_FACTORY) -> str:
-    """The model reference as a user types it: ``path``, or ``path:factory`` when the
-    factory is not the default."""
-    return path if factory == DEFAULT_FACTORY else f"{path}:{factory}"
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ModelRef:
-    path: str
-    """The model file as given on the command line."""
-    factory: str = DEFAULT_FACTORY
-    sha256: str = ""
-    """Of the model file's bytes, so `check` can tell a changed model from a stale profile."""
-
-    @property
-    def spec(self) -> str:
-        """The model argument as a user would type it (``path`` or ``path:factory``)."""
-        return model_arg(self.path, self.factory)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Totals:
     params_trainable_bytes: int
@@ -302,10 +265,21 @@ class Profile:
     """Candidate layers not traced themselves: each is identical to an earlier one (same
     class, parameter shapes and dtypes, input shapes) and reuses its measurement; see
     ``memplan.probe.dedup``. Empty for a full probe."""
+    extrapolated_layers: tuple[str, ...] = ()
+    """Candidate layers whose numbers no probe measured: a meta probe proved them copies of
+    one block (memplan.probe.sameness), probed the model with their run cut to 4, 5 and 6
+    blocks, and derived them (and the whole profile) from those probes
+    (memplan.probe.repeats). Empty: every layer was measured (no profile written before
+    memplan recorded this field was extrapolated unless ``deduplicated_layers`` lists the
+    run's middle blocks)."""
+    extrapolation_declined: str | None = None
+    """Why a meta probe that found a run of look-alike blocks did not take the shortcut
+    and measured every block (the blocks were not shown to be the same, or the short probes
+    did not extrapolate exactly). None: no such run, or the shortcut was taken."""
     seq_len: int | None = None
     """Tokens per sample of the batches these numbers describe: the length probed (the
     longest one, with ``seq``), or the length a profile was evaluated at
-    (``memplan.seqlen.profile_at``). None: the model file's own batches."""
+    (``memplan.profile.seqlen.profile_at``). None: the model file's own batches."""
     seq: SeqGrid | None = None
     """The probe at several sequence lengths (``memplan probe --seq-lens``); None: one."""
     max_seq_len: int | None = None
@@ -325,6 +299,14 @@ class Profile:
     """Tensors made outside the candidate layers and passed to several of them; segments
     name those the plain run holds (``Segment.shared_live``). Empty: none, or a profile
     written before memplan recorded them (its savings then charge each layer its own)."""
+    pipeline_refused: str | None = None
+    """Why memplan cannot run this model under pipeline stages (no pipeline plan, tied
+    embeddings, or a split whose stages do not compute the model's forward:
+    ``memplan.run.parallel.pipeline_refusal``); None: it can, or not known (an older
+    profile). ``solve`` plans no ``pp > 1`` for it."""
+    tp_refused: str | None = None
+    """Why memplan cannot run this model under tensor parallelism (no TP plan, or its blocks
+    fail under one); None: it can, or not known. ``solve`` plans no ``tp > 1`` for it."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:
@@ -357,7 +339,7 @@ class Profile:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SeqGrid:
-    """A profile per probed sequence length, for ``memplan.seqlen`` to fit across lengths.
+    """A profile per probed sequence length, for ``memplan.profile.seqlen`` to fit across lengths.
     Each holds the same layers, segments and timeline points in the same order (point i of
     a segment is the same op at every length), pruned together: a point is dropped only
     where its fit in ``(b, s)`` is dominated at every ``b, s >= 0``."""
@@ -376,223 +358,6 @@ class SeqGrid:
             raise ValueError("profiles must hold one profile per length")
         if any(p.seq is not None for p in self.profiles):
             raise ValueError("profiles must not nest another seq grid")
-
-
-def _check_version(data: dict, source: str) -> None:
-    version = data.get("schema_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise ProfileError(
-            f"{source}: 'schema_version' is missing or not an integer; "
-            "this is not a memplan profile.",
-            hint="Write one with `memplan probe model.py -o FILE`.",
-        )
-    if version > PROFILE_SCHEMA_VERSION:
-        raise ProfileError(
-            f"{source} has schema_version {version}, newer than this memplan understands "
-            f"({PROFILE_SCHEMA_VERSION}).",
-            hint="Upgrade memplan, or probe the model again.",
-        )
-    if version == 1:  # schema 1 is schema 2 without seq_len and seq
-        data["schema_version"] = PROFILE_SCHEMA_VERSION
-        return
-    if version < PROFILE_SCHEMA_VERSION:  # migrations by version go here as the schema moves
-        raise ProfileError(
-            f"{source} has schema_version {version}, which is no longer read.",
-            hint="Probe the model again.",
-        )
-
-
-def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
-    _check_version(data, source)
-    profile = from_data(Profile, data, source=source, path="profile")
-    problem = profile_problem(profile)
-    if problem is not None:
-        raise ProfileError(
-            f"{source}: field '{problem[0]}' {problem[1]}.",
-            hint="A probe never writes that: the file was edited or corrupted; probe the "
-            "model again.",
-        )
-    return profile
-
-
-# Affine quantities that may be negative: a checkpoint can keep more than the plain run
-# (savings < 0, e.g. LoRA inputs), a fixed part can free more than it keeps (the loss:
-# saved_bytes < 0 in examples/ci/baselines/gpt.profile.yaml) and a recompute can be
-# measured as cheaper than noise. The rest are sizes, times and FLOPs.
-_SIGNED_AFFINE = {
-    "savings_bytes",
-    "recompute_seconds",
-    "saved_bytes",
-    # selective keeps every matmul output, also those the plain run does not keep (a
-    # frozen LoRA base, a U-Net skip): its savings can be negative, measured.
-    "selective_savings_bytes",
-    "selective_recompute_seconds",
-}
-_COUNT_FIELDS = (
-    "params_trainable_bytes",
-    "params_frozen_bytes",
-    "buffer_bytes",
-    "cached_bytes",
-    "grad_bytes",
-    "optimizer_state_bytes",
-)
-
-
-_SIZE_AFFINE_BYTES = ("input_bytes", "output_bytes", "saved_bytes")
-"""A layer's byte quantities that are tensor sizes, proportional to the micro-batch: the
-solver evaluates them at every micro-batch from 1 up (extrapolating past the probed sizes),
-so each fit must be non-negative there: a slope >= 0 and a value >= 0 at 1 sample. (The
-transients are peaks of an allocator's workspace and are measured with small negative
-slopes, e.g. -32 B per sample on CPU: they are held to >= 0 at the probed sizes.)"""
-
-
-def _affine_problem(profile: Profile) -> tuple[str, str] | None:
-    """A byte fit negative over the sizes the solver uses (b >= 1), savings growing faster
-    than what the layer keeps, or full savings shrinking faster than its inputs grow (all a
-    full checkpoint keeps). Selective savings have no floor: selective keeps every matmul's
-    output, also those the plain run frees (a frozen LoRA base's: docs/design.md)."""
-    for i, layer in enumerate(profile.layers):
-        path = f"profile.layers[{i}]"
-        for name in _SIZE_AFFINE_BYTES:
-            fit: Affine = getattr(layer, name)
-            if fit.slope < 0:
-                return f"{path}.{name}.slope", f"is {fit.slope:.4g}, negative bytes per sample"
-            if fit.at(1) < 0:
-                return f"{path}.{name}", f"is negative at micro-batch 1 ({fit.at(1):.4g})"
-        for name in ("savings_bytes", "selective_savings_bytes"):
-            fit_or_none: Affine | None = getattr(layer, name)
-            if fit_or_none is None:
-                continue
-            if fit_or_none.slope > layer.saved_bytes.slope:
-                return (
-                    f"{path}.{name}.slope",
-                    f"is {fit_or_none.slope:.4g} bytes per sample, more than the "
-                    f"{layer.saved_bytes.slope:.4g} its saved_bytes grow by",
-                )
-            if name == "savings_bytes" and fit_or_none.slope < -layer.input_bytes.slope:
-                return (
-                    f"{path}.{name}.slope",
-                    f"is {fit_or_none.slope:.4g} bytes per sample: full checkpointing would keep "
-                    f"more per sample than the layer's inputs ({layer.input_bytes.slope:.4g})",
-                )
-    return None
-
-
-def _grid_problem(profile: Profile) -> tuple[str, str] | None:
-    """A seq grid whose sub-profiles do not describe one model at its lengths, in order."""
-    grid = profile.seq
-    if grid is None:
-        return None
-    if profile.seq_len is not None and profile.seq_len not in grid.seq_lens:
-        return "profile.seq_len", f"is {profile.seq_len}, not one of seq.seq_lens {grid.seq_lens}"
-    for i, (length, inner) in enumerate(zip(grid.seq_lens, grid.profiles, strict=True)):
-        path = f"profile.seq.profiles[{i}]"
-        if inner.seq_len is not None and inner.seq_len != length:
-            return f"{path}.seq_len", f"is {inner.seq_len}, but seq.seq_lens[{i}] is {length}"
-        if (inner.model.path, inner.model.factory) != (profile.model.path, profile.model.factory):
-            return f"{path}.model", f"names {inner.model.spec}, not {profile.model.spec}"
-        if inner.layer_names != profile.layer_names:
-            return f"{path}.layers", "name other layers than the profile's"
-        if inner.max_seq_len != profile.max_seq_len:
-            return f"{path}.max_seq_len", f"is {inner.max_seq_len}, not {profile.max_seq_len}"
-    # Memory grows with the length: a longer sequence never keeps fewer bytes per sample.
-    for i in range(1, len(grid.profiles)):
-        shorter, longer = grid.profiles[i - 1], grid.profiles[i]
-        for j, (a, b) in enumerate(zip(shorter.layers, longer.layers, strict=True)):
-            if b.saved_bytes.slope < a.saved_bytes.slope:
-                return (
-                    f"profile.seq.profiles[{i}].layers[{j}].saved_bytes.slope",
-                    f"is {b.saved_bytes.slope:.4g} at {grid.seq_lens[i]} tokens, less than "
-                    f"{a.saved_bytes.slope:.4g} at {grid.seq_lens[i - 1]} tokens",
-                )
-    return None
-
-
-def profile_problem(profile: Profile) -> tuple[str, str] | None:
-    """``(field path, what is wrong)`` for the first value no measurement can produce —
-    negative bytes or times, an empty timeline, a byte fit negative at sizes the solver
-    uses, a seq grid out of order or of another model — else None. The schema has
-    already refused NaN, infinity and absurd magnitudes."""
-    if profile.seq is not None:
-        for i, inner in enumerate(profile.seq.profiles):
-            problem = profile_problem(inner)
-            if problem is not None:
-                return problem[0].replace("profile.", f"profile.seq.profiles[{i}].", 1), problem[1]
-    if profile.max_seq_len is not None:
-        if profile.max_seq_len < 1:
-            return "profile.max_seq_len", f"is {profile.max_seq_len}, not a length"
-        if profile.seq_len is not None and profile.seq_len > profile.max_seq_len:
-            return "profile.seq_len", f"is {profile.seq_len}, past max_seq_len"
-    problem = _grid_problem(profile) or _affine_problem(profile)
-    if problem is not None:
-        return problem
-    sizes = profile.micro_batches
-    largest = max(sizes)
-    parts = [("profile.totals", profile.totals)]
-    parts += [(f"profile.layers[{i}]", layer) for i, layer in enumerate(profile.layers)]
-    parts += [(f"profile.fixed[{i}]", part) for i, part in enumerate(profile.fixed)]
-    for path, part in parts:
-        for name in _COUNT_FIELDS:
-            value = getattr(part, name, 0)
-            if value < 0:
-                return f"{path}.{name}", f"is {value}, a negative number of bytes"
-        if path == "profile.totals":
-            continue
-        for name in part.__slots__:
-            value = getattr(part, name)
-            if isinstance(value, Affine) and name not in _SIGNED_AFFINE:
-                at = value.at(largest)
-                if at < 0:
-                    return (
-                        f"{path}.{name}",
-                        f"is negative at micro-batch {largest} ({at:.4g})",
-                    )
-    for name in ("optimizer_step_peak_bytes", "optimizer_step_seconds", "step_fixed_seconds"):
-        at = getattr(profile, name).at(largest)
-        if at < 0:
-            return f"profile.{name}", f"is negative at micro-batch {largest} ({at:.4g})"
-    for name in ("allocator_reserve_bytes", "context_bytes"):
-        value = getattr(profile, name)
-        if value is not None and value < 0:
-            return f"profile.{name}", f"is {value}, a negative number of bytes"
-    for phase, segments in profile.timeline.items():
-        if not segments:
-            return f"profile.timeline.{phase}", "is empty (no live-byte points were recorded)"
-        for j, seg in enumerate(segments):
-            for kind in ("points", "ckpt_points"):
-                for point in getattr(seg, kind):
-                    low = min(point_at(point, b) for b in sizes)
-                    if low < 0:
-                        return (
-                            f"profile.timeline.{phase}[{j}].{kind}",
-                            f"holds a negative live-byte count ({low:.4g})",
-                        )
-    return None
-
-
-def load_profile(path: str | Path) -> Profile:
-    """Read a profile YAML (``yaml.safe_load`` only; unknown keys rejected with a hint)."""
-    with gc_paused():
-        data = load_yaml_file(path, what="profile")
-        if "target_batch" in data:
-            raise ProfileError(
-                f"{path} is a plan, not a profile.",
-                hint="Pass the profile written by `memplan probe`.",
-            )
-        return profile_from_data(data, source=str(path))
-
-
-WRITTEN = "<the profile memplan made>"  # the source a read-back names: no file yet
-
-
-def profile_to_yaml(profile: Profile) -> str:
-    """The profile's YAML (fast_yaml: 10,000 layers in seconds), read back as a file is
-    (``schema.read_back``): every writer takes its text from here, so a profile memplan
-    would refuse is exit 3 and never written."""
-    text = fast_yaml.dump(to_data(profile))
-    with gc_paused():
-        read_back(text, "profile", lambda data: profile_from_data(data, source=WRITTEN))
-    return text
 
 
 def is_finite_affine(value: Affine) -> bool:

@@ -1,7 +1,7 @@
 """Plan the sequence length: a plan at a length, the longest length with a plan, packed
 batches in tokens (docs/design.md, "Sequence length"). No torch here.
 
-A plan at ``S`` tokens is the ordinary solve on ``memplan.seqlen.profile_at(profile, S)``.
+A plan at ``S`` tokens is the ordinary solve on ``memplan.profile.seqlen.profile_at(profile, S)``.
 Peaks do not shrink as the length grows (every accepted fit has non-negative
 coefficients), so the longest length that has a plan is found by doubling, then bisection,
 over the steps (multiples of ``--seq-multiple``). Each answer also names the first step
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from memplan.errors import NoPlanFitsError
 from memplan.profile import Profile
-from memplan.seqlen import (
+from memplan.profile.seqlen import (
     DEFAULT_SEQ_MULTIPLE,
     MAX_SEQ_LEN,
     SeqLenError,

@@ -1,0 +1,74 @@
+"""Megatron-LM's arguments (``--format megatron``, issue 25).
+
+**Megatron-LM** (``--format megatron``): ``pretrain_gpt.py`` arguments from
+``megatron/training/arguments.py``: ``--tensor-model-parallel-size``,
+``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
+``--num-layers-per-virtual-pipeline-stage``, ``--micro-batch-size``,
+``--global-batch-size``, ``--recompute-granularity full|selective``,
+``--recompute-method block`` with ``--recompute-num-layers`` (the first N blocks of each
+stage: memplan's choice also favours the earliest blocks), ``--use-distributed-optimizer``
+for sharded optimizer state, ``--use-torch-fsdp2`` for FSDP.
+"""
+
+from __future__ import annotations
+
+from memplan.emit._common import comment_string, plan_blocks, plan_layout
+from memplan.modes import SELECTIVE
+from memplan.parallel import stage_layers
+from memplan.plan import Plan
+
+MEGATRON_STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
+"""Megatron-LM: DDP, its distributed optimizer (ZeRO-1), FSDP2."""
+
+
+def megatron_args(plan: Plan) -> list[str]:
+    """Megatron-LM's arguments for ``plan`` (module docstring)."""
+    p = plan_layout(plan)
+    args = [
+        f"--tensor-model-parallel-size {p.tp}",
+        f"--pipeline-model-parallel-size {p.pp}",
+        f"--context-parallel-size {p.cp}",
+        f"--micro-batch-size {plan.micro_batch_size}",
+        f"--global-batch-size {plan.target_batch}",
+    ]
+    if p.sequence_parallel:
+        args.append("--sequence-parallel")
+    if p.virtual_stages > 1:
+        layers = stage_layers(plan_blocks(plan), p.stages)
+        args.append(f"--num-layers-per-virtual-pipeline-stage {len(layers[0])}")
+    if plan.strategy == "zero1":
+        args.append("--use-distributed-optimizer")
+    if plan.strategy == "fsdp":
+        args.append("--use-torch-fsdp2")
+    modes = set(plan.checkpoint.values())
+    if modes == {SELECTIVE}:
+        args.append("--recompute-granularity selective")
+    elif plan.checkpoint:
+        per_stage = stage_layers(plan_blocks(plan), p.stages)
+        names = (
+            plan.model_fingerprint.candidate_layers
+            if plan.model_fingerprint and plan.model_fingerprint.candidate_layers
+            else tuple(plan.checkpoint)
+        )
+        most = max(
+            sum(1 for j in stage if j < len(names) and names[j] in plan.checkpoint)
+            for stage in per_stage
+        )
+        args += [
+            "--recompute-granularity full",
+            "--recompute-method block",
+            f"--recompute-num-layers {max(most, 1)}",
+        ]
+    return args
+
+
+def emit_megatron(plan: Plan, *, model_path: str) -> str:
+    """A shell snippet: ``MEMPLAN_ARGS`` for ``pretrain_gpt.py``."""
+    p = plan_layout(plan)
+    body = " \\\n    ".join(megatron_args(plan))
+    return (
+        f"# memplan plan for {comment_string(model_path)}: {p.describe()}, strategy {plan.strategy}\n"
+        f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage)\n"
+        f"# Launch with {p.world_size} ranks: torchrun ... pretrain_gpt.py $MEMPLAN_ARGS <model args>\n"
+        f'MEMPLAN_ARGS="{body}"\n'
+    )

@@ -1,0 +1,233 @@
+"""Reading and writing a profile: the one strict YAML path (schema-versioned, unknown keys
+refused) and the rules a probe's output always keeps, checked on every read
+(``profile_problem``). No torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from memplan.errors import ProfileError
+from memplan.files import fast_yaml
+from memplan.files.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
+from memplan.profile.data import PROFILE_SCHEMA_VERSION, Affine, Profile, point_at
+
+
+def _check_version(data: dict, source: str) -> None:
+    version = data.get("schema_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ProfileError(
+            f"{source}: 'schema_version' is missing or not an integer; "
+            "this is not a memplan profile.",
+            hint="Write one with `memplan probe model.py -o FILE`.",
+        )
+    if version > PROFILE_SCHEMA_VERSION:
+        raise ProfileError(
+            f"{source} has schema_version {version}, newer than this memplan understands "
+            f"({PROFILE_SCHEMA_VERSION}).",
+            hint="Upgrade memplan, or probe the model again.",
+        )
+    if version == 1:  # schema 1 is schema 2 without seq_len and seq
+        data["schema_version"] = PROFILE_SCHEMA_VERSION
+        return
+    if version < PROFILE_SCHEMA_VERSION:  # migrations by version go here as the schema moves
+        raise ProfileError(
+            f"{source} has schema_version {version}, which is no longer read.",
+            hint="Probe the model again.",
+        )
+
+
+def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
+    _check_version(data, source)
+    profile = from_data(Profile, data, source=source, path="profile")
+    problem = profile_problem(profile)
+    if problem is not None:
+        raise ProfileError(
+            f"{source}: field '{problem[0]}' {problem[1]}.",
+            hint="A probe never writes that: the file was edited or corrupted; probe the "
+            "model again.",
+        )
+    return profile
+
+
+# Affine quantities that may be negative: a checkpoint can keep more than the plain run
+# (savings < 0, e.g. LoRA inputs), a fixed part can free more than it keeps (the loss:
+# saved_bytes < 0 in examples/ci/baselines/gpt.profile.yaml) and a recompute can be
+# measured as cheaper than noise. The rest are sizes, times and FLOPs.
+_SIGNED_AFFINE = {
+    "savings_bytes",
+    "recompute_seconds",
+    "saved_bytes",
+    # selective keeps every matmul output, also those the plain run does not keep (a
+    # frozen LoRA base, a U-Net skip): its savings can be negative, measured.
+    "selective_savings_bytes",
+    "selective_recompute_seconds",
+}
+_COUNT_FIELDS = (
+    "params_trainable_bytes",
+    "params_frozen_bytes",
+    "buffer_bytes",
+    "cached_bytes",
+    "grad_bytes",
+    "optimizer_state_bytes",
+)
+
+
+_SIZE_AFFINE_BYTES = ("input_bytes", "output_bytes", "saved_bytes")
+"""A layer's byte quantities that are tensor sizes, proportional to the micro-batch: the
+solver evaluates them at every micro-batch from 1 up (extrapolating past the probed sizes),
+so each fit must be non-negative there: a slope >= 0 and a value >= 0 at 1 sample. (The
+transients are peaks of an allocator's workspace and are measured with small negative
+slopes, e.g. -32 B per sample on CPU: they are held to >= 0 at the probed sizes.)"""
+
+
+def _affine_problem(profile: Profile) -> tuple[str, str] | None:
+    """A byte fit negative over the sizes the solver uses (b >= 1), savings growing faster
+    than what the layer keeps, or full savings shrinking faster than its inputs grow (all a
+    full checkpoint keeps). Selective savings have no floor: selective keeps every matmul's
+    output, also those the plain run frees at once (a frozen LoRA base's, in bf16:
+    docs/design.md, "The profile")."""
+    for i, layer in enumerate(profile.layers):
+        path = f"profile.layers[{i}]"
+        for name in _SIZE_AFFINE_BYTES:
+            fit: Affine = getattr(layer, name)
+            if fit.slope < 0:
+                return f"{path}.{name}.slope", f"is {fit.slope:.4g}, negative bytes per sample"
+            if fit.at(1) < 0:
+                return f"{path}.{name}", f"is negative at micro-batch 1 ({fit.at(1):.4g})"
+        for name in ("savings_bytes", "selective_savings_bytes"):
+            fit_or_none: Affine | None = getattr(layer, name)
+            if fit_or_none is None:
+                continue
+            if fit_or_none.slope > layer.saved_bytes.slope:
+                return (
+                    f"{path}.{name}.slope",
+                    f"is {fit_or_none.slope:.4g} bytes per sample, more than the "
+                    f"{layer.saved_bytes.slope:.4g} its saved_bytes grow by",
+                )
+            if name == "savings_bytes" and fit_or_none.slope < -layer.input_bytes.slope:
+                return (
+                    f"{path}.{name}.slope",
+                    f"is {fit_or_none.slope:.4g} bytes per sample: full checkpointing would keep "
+                    f"more per sample than the layer's inputs ({layer.input_bytes.slope:.4g})",
+                )
+    return None
+
+
+def _grid_problem(profile: Profile) -> tuple[str, str] | None:
+    """A seq grid whose sub-profiles do not describe one model at its lengths, in order."""
+    grid = profile.seq
+    if grid is None:
+        return None
+    if profile.seq_len is not None and profile.seq_len not in grid.seq_lens:
+        return "profile.seq_len", f"is {profile.seq_len}, not one of seq.seq_lens {grid.seq_lens}"
+    for i, (length, inner) in enumerate(zip(grid.seq_lens, grid.profiles, strict=True)):
+        path = f"profile.seq.profiles[{i}]"
+        if inner.seq_len is not None and inner.seq_len != length:
+            return f"{path}.seq_len", f"is {inner.seq_len}, but seq.seq_lens[{i}] is {length}"
+        if (inner.model.path, inner.model.factory) != (profile.model.path, profile.model.factory):
+            return f"{path}.model", f"names {inner.model.spec}, not {profile.model.spec}"
+        if inner.layer_names != profile.layer_names:
+            return f"{path}.layers", "name other layers than the profile's"
+        if inner.max_seq_len != profile.max_seq_len:
+            return f"{path}.max_seq_len", f"is {inner.max_seq_len}, not {profile.max_seq_len}"
+    # Memory grows with the length: a longer sequence never keeps fewer bytes per sample.
+    for i in range(1, len(grid.profiles)):
+        shorter, longer = grid.profiles[i - 1], grid.profiles[i]
+        for j, (a, b) in enumerate(zip(shorter.layers, longer.layers, strict=True)):
+            if b.saved_bytes.slope < a.saved_bytes.slope:
+                return (
+                    f"profile.seq.profiles[{i}].layers[{j}].saved_bytes.slope",
+                    f"is {b.saved_bytes.slope:.4g} at {grid.seq_lens[i]} tokens, less than "
+                    f"{a.saved_bytes.slope:.4g} at {grid.seq_lens[i - 1]} tokens",
+                )
+    return None
+
+
+def profile_problem(profile: Profile) -> tuple[str, str] | None:
+    """``(field path, what is wrong)`` for the first value no measurement can produce —
+    negative bytes or times, an empty timeline, a byte fit negative at sizes the solver
+    uses, a seq grid out of order or of another model — else None. The schema has
+    already refused NaN, infinity and absurd magnitudes."""
+    if profile.seq is not None:
+        for i, inner in enumerate(profile.seq.profiles):
+            problem = profile_problem(inner)
+            if problem is not None:
+                return problem[0].replace("profile.", f"profile.seq.profiles[{i}].", 1), problem[1]
+    if profile.max_seq_len is not None:
+        if profile.max_seq_len < 1:
+            return "profile.max_seq_len", f"is {profile.max_seq_len}, not a length"
+        if profile.seq_len is not None and profile.seq_len > profile.max_seq_len:
+            return "profile.seq_len", f"is {profile.seq_len}, past max_seq_len"
+    problem = _grid_problem(profile) or _affine_problem(profile)
+    if problem is not None:
+        return problem
+    sizes = profile.micro_batches
+    largest = max(sizes)
+    parts = [("profile.totals", profile.totals)]
+    parts += [(f"profile.layers[{i}]", layer) for i, layer in enumerate(profile.layers)]
+    parts += [(f"profile.fixed[{i}]", part) for i, part in enumerate(profile.fixed)]
+    for path, part in parts:
+        for name in _COUNT_FIELDS:
+            value = getattr(part, name, 0)
+            if value < 0:
+                return f"{path}.{name}", f"is {value}, a negative number of bytes"
+        if path == "profile.totals":
+            continue
+        for name in part.__slots__:
+            value = getattr(part, name)
+            if isinstance(value, Affine) and name not in _SIGNED_AFFINE:
+                at = value.at(largest)
+                if at < 0:
+                    return (
+                        f"{path}.{name}",
+                        f"is negative at micro-batch {largest} ({at:.4g})",
+                    )
+    for name in ("optimizer_step_peak_bytes", "optimizer_step_seconds", "step_fixed_seconds"):
+        at = getattr(profile, name).at(largest)
+        if at < 0:
+            return f"profile.{name}", f"is negative at micro-batch {largest} ({at:.4g})"
+    for name in ("allocator_reserve_bytes", "context_bytes"):
+        value = getattr(profile, name)
+        if value is not None and value < 0:
+            return f"profile.{name}", f"is {value}, a negative number of bytes"
+    for phase, segments in profile.timeline.items():
+        if not segments:
+            return f"profile.timeline.{phase}", "is empty (no live-byte points were recorded)"
+        for j, seg in enumerate(segments):
+            for kind in ("points", "ckpt_points"):
+                for point in getattr(seg, kind):
+                    low = min(point_at(point, b) for b in sizes)
+                    if low < 0:
+                        return (
+                            f"profile.timeline.{phase}[{j}].{kind}",
+                            f"holds a negative live-byte count ({low:.4g})",
+                        )
+    return None
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile YAML (``yaml.safe_load`` only; unknown keys rejected with a hint)."""
+    with gc_paused():
+        data = load_yaml_file(path, what="profile")
+        if "target_batch" in data:
+            raise ProfileError(
+                f"{path} is a plan, not a profile.",
+                hint="Pass the profile written by `memplan probe`.",
+            )
+        return profile_from_data(data, source=str(path))
+
+
+WRITTEN = "<the profile memplan made>"
+"""The source a read-back names: the text is not in a file yet."""
+
+
+def profile_to_yaml(profile: Profile) -> str:
+    """The profile's YAML (memplan.files.fast_yaml: a 10,000-layer profile in seconds), read
+    back as ``load_profile`` reads a file (``files.schema.read_back``): every writer of a
+    profile takes its text from here, so a profile memplan would refuse (its schema, or
+    ``profile_problem``) is ``UnreadableOutputError`` (exit 3, naming the field) and is
+    never written."""
+    text = fast_yaml.dump(to_data(profile))
+    with gc_paused():
+        read_back(text, "profile", lambda data: profile_from_data(data, source=WRITTEN))
+    return text
