@@ -100,6 +100,9 @@ def probe(
             on_progress=on_progress,
             mixed_precision=mixed_precision,
         )
+    # The text first: a profile memplan would refuse to read back is exit 3 before anything
+    # is shown or written (memplan.profile.profile_to_yaml).
+    text = profile_to_yaml(profile)
     if as_json:
         render.print_json(to_data(profile))
     else:
@@ -119,5 +122,5 @@ def probe(
         if profile.extrapolation_declined:
             render.info(f"every block was measured: {profile.extrapolation_declined}")
     if output is not None:
-        write_text_atomic(output, profile_to_yaml(profile), force=force)
+        write_text_atomic(output, text, force=force)
         render.info(f"wrote {output}")

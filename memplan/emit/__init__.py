@@ -32,7 +32,7 @@ from memplan.emit.plan_yaml import emit_plan
 from memplan.emit.script import emit_torch
 from memplan.emit.torchrun import emit_torchrun
 from memplan.emit.torchtitan import emit_torchtitan
-from memplan.errors import BadInputError, MemplanError
+from memplan.errors import BadInputError, MemplanError, UnreadableOutputError
 from memplan.plan import Plan
 from memplan.suggest import did_you_mean
 
@@ -192,6 +192,8 @@ def emit_all(plan: Plan, formats: list[str], model_path: str | None = None) -> E
     for fmt in formats:
         try:
             filename, text = emit(plan, fmt, model_path)
+        except UnreadableOutputError:
+            raise  # memplan's own failure (exit 3), not a format that cannot write the plan
         except MemplanError as exc:
             refused.append((fmt, exc))
             continue
