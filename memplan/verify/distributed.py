@@ -49,6 +49,7 @@ import torch
 
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 from memplan.files.schema import to_data
+from memplan.parallel import pipeline_refusal
 from memplan.plan import Plan
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
@@ -376,7 +377,56 @@ def _resolve_device(plan: Plan, device: str | None, world: int) -> str:
                 f"{world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}.",
                 hint="Verify with fewer ranks (a plan solved for them), or on CPU.",
             )
+    elif world > (most := startable_cpu_ranks()):
+        raise BadInputError(
+            f"verify would start {world:,} ranks; this machine can start at most {most:,} "
+            f"(its available memory at {RANK_BYTES // 2**20} MiB per rank, and its process "
+            "limit).",
+            hint="Verify a plan solved for fewer ranks (--world-size), or run it on its cluster.",
+        )
     return chosen
+
+
+RANK_BYTES = 256 * 2**20
+"""The least one CPU rank takes: a Python process with torch imported and a gloo group up
+(its resident size before the model is built)."""
+
+
+def startable_cpu_ranks() -> int:
+    """How many CPU ranks this machine can start: its available memory over ``RANK_BYTES``,
+    within the process limit (RLIMIT_NPROC); at least 2."""
+    available = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        try:
+            available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = 2 * RANK_BYTES
+    most = available // RANK_BYTES
+    with contextlib.suppress(ImportError, OSError, ValueError):
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY:
+            most = min(most, soft)
+    return max(2, most)
+
+
+def _check_pipeline(plan: Plan) -> None:
+    """A plan with pipeline stages for a model memplan cannot split (memplan.parallel's
+    rule, the one ``solve`` follows), refused before any rank starts."""
+    layout, fingerprint = plan.parallel, plan.model_fingerprint
+    if layout is None or layout.pp == 1 or fingerprint is None:
+        return
+    why = pipeline_refusal(plan.model, fingerprint.hf_blocks)
+    if why is not None:
+        raise BadInputError(
+            f"The plan has {layout.pp} pipeline stages: {why}.",
+            hint="Solve it again with --pp 1 (memplan solve no longer plans such stages).",
+        )
 
 
 def _failure(folder: Path, world: int, what: str) -> MemplanError:
@@ -436,6 +486,7 @@ def verify_distributed(
         )
     if plan.strategy == "fsdp" and not plan.shard_units:
         raise BadInputError("The fsdp plan names no shard_units.", hint="Solve it again.")
+    _check_pipeline(plan)
     chosen = _resolve_device(plan, device, world)
     progress = on_progress or (lambda done, total, what: None)
     import torch.multiprocessing as mp
