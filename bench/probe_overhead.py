@@ -47,8 +47,8 @@ print(json.dumps({
 def _plain_step_seconds(device: str, batch_size: int, repeats: int = 3) -> float:
     import torch
 
+    from memplan.model.batch import move_batch
     from memplan.model.loader import load_model_file
-    from memplan.run.batch import move_batch
 
     mf = load_model_file(str(GPT))
     model = mf.build_model().to(device)

@@ -98,7 +98,7 @@ def memtracker_peak_bytes(case: zc.Case, micro: int, accumulation: int, layers) 
     optimizer-step transients) as ops return them."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from memplan.run.batch import batch_tensors
+    from memplan.model.batch import batch_tensors
 
     trainer = zc.Trainer(case=case, micro=micro, accumulation=accumulation, layers=tuple(layers))
     with trainer.checkpointing():

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from memplan import memory
+from memplan.model.batch import move_batch
 from memplan.model.loader import load_model_file
 from memplan.probe import MeasuredRun, measure_training_peak, probe_model
 from memplan.profile import Profile
-from memplan.run.batch import move_batch
 from memplan.run.checkpoint import checkpointed
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,21 +20,53 @@ alone is the rule memplan used before modes existed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from memplan.errors import BadInputError
 
 Mode = Literal["keep", "selective", "full", "offload"]
-MODES: tuple[Mode, ...] = ("keep", "selective", "full", "offload")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModeSpec:
+    """One per-layer mode: everything about it that is not how it runs (memplan.run),
+    what it costs in bytes (memplan.memory) or seconds (memplan.timing)."""
+
+    name: Mode
+    tie_rank: int
+    """Its place in the tie-break among plans of equal time and equal number of non-keep
+    layers: at the earliest layer where two plans differ, the smaller rank wins."""
+    label: str
+    """How a table shows a layer in this mode."""
+
+
+MODE_SPECS: tuple[ModeSpec, ...] = (
+    ModeSpec(name="keep", tie_rank=3, label="kept"),
+    ModeSpec(name="selective", tie_rank=1, label="selective"),
+    ModeSpec(name="full", tie_rank=0, label="checkpointed (full)"),
+    ModeSpec(name="offload", tie_rank=2, label="offloaded"),
+)
+"""The modes, in the order ``--modes`` lists them. Adding one: a spec here, how it runs
+(memplan.run.checkpoint), what the probe measures for it (memplan.probe), its bytes
+(memplan.memory.terms) and seconds (memplan.timing), and when a solve may offer it
+(memplan.solver.options); the tie key below widens by itself."""
+
+MODES: tuple[Mode, ...] = tuple(spec.name for spec in MODE_SPECS)
+SPEC: dict[str, ModeSpec] = {spec.name: spec for spec in MODE_SPECS}
 KEEP: Mode = "keep"
 FULL: Mode = "full"
 SELECTIVE: Mode = "selective"
 OFFLOAD: Mode = "offload"
 
-TIE_DIGIT: dict[str, int] = {"full": 0, "selective": 1, "offload": 2, "keep": 3}
+TIE_DIGIT: dict[str, int] = {spec.name: spec.tie_rank for spec in MODE_SPECS}
 """A layer's digit in the solver's tie key: a smaller digit at the earliest differing
 layer wins."""
-TIE_BITS = 2
+TIE_BITS = max(1, (len(MODE_SPECS) - 1).bit_length())
+"""Bits per layer in the solver's tie key: enough for every mode's rank, so a fifth mode
+widens the key instead of spilling into the next layer's digit."""
+if sorted(TIE_DIGIT.values()) != list(range(len(MODE_SPECS))):
+    raise AssertionError("modes.MODE_SPECS: tie ranks must be 0 .. len(MODE_SPECS) - 1")
 
 SAVE_OPS = (
     "mm",
@@ -71,12 +103,3 @@ def parse_modes(text: str | tuple[str, ...] | list[str]) -> tuple[Mode, ...]:
         )
     chosen = set(items) | {KEEP}
     return tuple(m for m in MODES if m in chosen)
-
-
-def describe_mode(mode: str) -> str:
-    return {
-        "keep": "kept",
-        "selective": "selective checkpointing (matmul/conv/attention outputs kept)",
-        "full": "full checkpointing (recomputed in backward)",
-        "offload": "offloaded to host memory",
-    }[mode]

@@ -8,6 +8,7 @@ A plan without a layout (``Plan.parallel is None``) is today's data parallelism:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -15,6 +16,34 @@ Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 """Pipeline schedules: GPipe (all forwards, then all backwards), 1F1B (the first stage holds
 up to pp micro-batches in flight), interleaved 1F1B (``virtual_stages`` stages per rank)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Dimension:
+    """One parallel dimension: a degree of ``Parallel`` and what it divides."""
+
+    field: str
+    """The ``Parallel`` field holding its degree."""
+    label: str
+    """How a summary names it (``Parallel.describe``)."""
+    splits: str
+    """What its ranks divide among them."""
+
+
+DIMENSIONS: tuple[Dimension, ...] = (
+    Dimension(field="dp_replicate", label="replicas", splits="samples (whole replicas)"),
+    Dimension(
+        field="dp_shard",
+        label="shards",
+        splits="samples, and parameters, gradients and optimizer state",
+    ),
+    Dimension(field="tp", label="tp", splits="the projections' weights and activations"),
+    Dimension(field="pp", label="pp", splits="the blocks, as pipeline stages"),
+    Dimension(field="cp", label="cp", splits="the sequence"),
+)
+"""The dimensions in torchtitan's ``ParallelDims`` order; their degrees multiply to the
+world size. Adding one: its field on ``Parallel`` and an entry here, then the files
+docs/design.md lists under "What a new piece touches"."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,9 +66,14 @@ class Parallel:
     """Pipeline schedule (only meaningful with ``pp`` > 1)."""
     virtual_stages: int = 1
     """Stages per pipeline rank; more than 1 only with ``interleaved_1f1b``."""
+    loss_parallel: bool = False
+    """With ``tp``: the head's logits and the cross-entropy stay sharded by vocabulary over
+    the TP ranks (torchtitan's ``loss_parallel``, on unless
+    ``parallelism.disable_loss_parallel``; Megatron's vocab-parallel cross-entropy, always)
+    instead of gathered whole on every rank. Off in plans written before it."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "virtual_stages"):
+        for name in (*(d.field for d in DIMENSIONS), "virtual_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
@@ -49,6 +83,8 @@ class Parallel:
             )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel needs tp > 1")
+        if self.loss_parallel and self.tp == 1:
+            raise ValueError("parallel.loss_parallel needs tp > 1")
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ValueError("parallel.virtual_stages > 1 needs schedule interleaved_1f1b")
 
@@ -59,7 +95,7 @@ class Parallel:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        return math.prod(getattr(self, d.field) for d in DIMENSIONS)
 
     @property
     def stages(self) -> int:
@@ -71,7 +107,8 @@ class Parallel:
         dp = f"dp {self.dp}"
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f" ({self.dp_replicate} replicas × {self.dp_shard} shards)"
-        parts = [dp, f"tp {self.tp}" + (" + SP" if self.sequence_parallel else "")]
+        tp = f"tp {self.tp}" + (" + SP" if self.sequence_parallel else "")
+        parts = [dp, tp + (" + loss parallel" if self.loss_parallel else "")]
         parts.append(f"pp {self.pp}" + (f" ({self.schedule})" if self.pp > 1 else ""))
         parts.append(f"cp {self.cp}")
         return " × ".join(parts)

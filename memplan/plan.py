@@ -3,14 +3,15 @@ every emitted config and for ``verify``. No torch here."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
 from memplan.errors import ProfileError
-from memplan.files.schema import dump_yaml, from_data, load_yaml_file
+from memplan.files.schema import dump_yaml, from_data, load_yaml_file, to_data
 from memplan.modes import FULL, KEEP, MODES, Mode
 from memplan.parallel import Parallel
 from memplan.profile import MixedPrecision, Precision
@@ -87,12 +88,6 @@ class ModelFingerprint:
     (``Profile.hf_blocks``); empty for a model that is not a transformers model."""
 
 
-class _DerivedNames(tuple):
-    """``Plan.checkpoint_layers`` as derived from ``checkpoint`` (a tuple that knows it)."""
-
-    __slots__ = ()
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Plan:
     schema_version: int = PLAN_SCHEMA_VERSION
@@ -109,10 +104,6 @@ class Plan:
     checkpoint: dict[str, Mode] = field(default_factory=dict)
     """Fully-qualified module name -> mode (``selective``, ``full`` or ``offload``; see
     memplan.modes) for every layer not kept, in layer order."""
-    checkpoint_layers: tuple[str, ...] | None = None
-    """The names in ``checkpoint`` (derived: always a tuple once built). Given (schema 1
-    callers, ``dataclasses.replace(plan, checkpoint_layers=...)``), it names the layers not
-    kept, each in its mode from ``checkpoint``, else ``full``. Not written to plan files."""
     shard_units: tuple[str, ...] = ()
     """For ``fsdp``: modules to ``fully_shard`` one by one (the probe's candidate layers),
     before the root. Empty otherwise."""
@@ -181,21 +172,12 @@ class Plan:
                 "mixed_precision 'params' needs precision bf16 or fp16 and strategy fsdp, got "
                 f"{self.precision} and {self.strategy}"
             )
-        given = self.checkpoint_layers
-        if given is not None and len(set(given)) != len(given):
-            raise ValueError("checkpoint_layers has duplicates")
         bad = {name: mode for name, mode in self.checkpoint.items() if mode not in MODES}
         if bad:
             name, mode = next(iter(bad.items()))
             raise ValueError(f"checkpoint.{name}: mode {mode!r} is not one of {', '.join(MODES)}")
         modes = {name: mode for name, mode in self.checkpoint.items() if mode != KEEP}
-        if given is not None and not isinstance(given, _DerivedNames):
-            # Given as a list (schema 1 callers, ``replace(plan, checkpoint_layers=...)``):
-            # the list names the layers; a layer keeps its mode from ``checkpoint``, else full.
-            # (A derived list, passed back by ``replace(plan, checkpoint=...)``, is not.)
-            modes = {name: modes.get(name, FULL) for name in given}
         object.__setattr__(self, "checkpoint", modes)
-        object.__setattr__(self, "checkpoint_layers", _DerivedNames(modes))
         if self.budget_bytes < 1:
             raise ValueError("budget_bytes must be positive")
 
@@ -209,6 +191,19 @@ class Plan:
     def samples_per_second(self) -> float:
         step = self.predicted.step_seconds
         return self.target_batch / step if step > 0 else float("inf")
+
+    @property
+    def checkpoint_layers(self) -> tuple[str, ...]:
+        """The layers not kept (the names in ``checkpoint``), in layer order."""
+        return tuple(self.checkpoint)
+
+    def with_checkpoint_layers(self, names: Iterable[str]) -> Plan:
+        """This plan with exactly ``names`` not kept, each in its mode from ``checkpoint``,
+        else ``full`` (how schema 1 plans and ``--json`` output name the layers)."""
+        names = tuple(names)
+        if len(set(names)) != len(names):
+            raise ValueError("checkpoint_layers has duplicates")
+        return replace(self, checkpoint={n: self.checkpoint.get(n, FULL) for n in names})
 
     def layers_in(self, mode: str) -> tuple[str, ...]:
         """The layers in ``mode`` (not ``keep``), in layer order."""
@@ -232,11 +227,21 @@ _PlanDumper.add_representer(
 )
 
 
+def plan_to_data(plan: Plan) -> dict[str, Any]:
+    """The plan as ``--json`` prints it: the file's fields, with the derived
+    ``checkpoint_layers`` after ``checkpoint``."""
+    data: dict[str, Any] = {}
+    for key, value in to_data(plan).items():
+        data[key] = value
+        if key == "checkpoint":
+            data["checkpoint_layers"] = list(plan.checkpoint_layers)
+    return data
+
+
 def plan_to_yaml(plan: Plan) -> str:
     """The plan file: schema 2, layers under ``checkpoint:`` one per line
     (``checkpoint_layers`` is derived and not written)."""
     data = yaml.safe_load(dump_yaml(plan))
-    del data["checkpoint_layers"]
     if data.get("seq_len") is None:
         data.pop("seq_len", None)
     if data.get("parallel") is None:
@@ -251,8 +256,6 @@ def _migrate(data: dict, version: int, source: str) -> dict:
     """Plan data of an older schema as the current one: schema 1's ``checkpoint_layers``
     (every layer fully checkpointed) becomes ``checkpoint: {layer: full}``."""
     if version >= PLAN_SCHEMA_VERSION:
-        # ``checkpoint_layers`` may come along (plans as JSON carry the derived list); as in
-        # the dataclass, a list names the layers, each in its mode from ``checkpoint``.
         return data
     data = dict(data)
     layers = data.pop("checkpoint_layers", None) or []
@@ -284,7 +287,19 @@ def plan_from_data(data: dict, *, source: str = "<plan>") -> Plan:
             f"memplan understands ({PLAN_SCHEMA_VERSION}).",
             hint="Upgrade memplan.",
         )
-    plan = from_data(Plan, _migrate(data, version, source), source=source, path="plan")
+    data = dict(_migrate(data, version, source))
+    # ``--json`` output carries the derived list too: it names the layers not kept, each in
+    # its mode from ``checkpoint`` (``Plan.with_checkpoint_layers``).
+    named = data.pop("checkpoint_layers", None)
+    if named is not None and (
+        not isinstance(named, list) or not all(isinstance(n, str) for n in named)
+    ):
+        raise ProfileError(f"{source}: field 'plan.checkpoint_layers' must be a list of names.")
+    if named is not None and len(set(named)) != len(named):
+        raise ProfileError(f"{source}: field 'plan.checkpoint_layers' has duplicates.")
+    plan = from_data(Plan, data, source=source, path="plan")
+    if named is not None:
+        plan = plan.with_checkpoint_layers(named)
     problem = plan_problem(plan)
     if problem is not None:
         raise ProfileError(

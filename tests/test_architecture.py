@@ -1,6 +1,6 @@
 """The shape of the code base (#11, #24): the import graph of memplan has no circle (lazy
 imports inside functions count too), rich is imported only under memplan/render, torch only
-in the three torch wings (probe/, run/, verify/) and loader, hf and devices, no import runs
+in the three torch wings (probe/, run/, verify/), model/{loader,hf,batch} and devices, no import runs
 against the layering, no private name crosses a module boundary, "did you mean" lives in
 one file, and no module under memplan/ grows past 600 lines."""
 
@@ -12,9 +12,15 @@ MAX_LINES = 600
 # Over the 600-line bar and being reworked elsewhere; listed so that the debt is visible.
 OVER_LIMIT_FOR_NOW: set[str] = set()
 
-# The torch wings, and the three root modules that may import torch (lazily or not).
+# The torch wings, and the model boundary's and device modules that may import torch (lazily
+# or not).
 WINGS = ("memplan.probe", "memplan.run", "memplan.verify")
-TORCH_FILES = {"memplan.model.loader", "memplan.model.hf", "memplan.devices"}
+TORCH_FILES = {
+    "memplan.model.loader",
+    "memplan.model.hf",
+    "memplan.model.batch",
+    "memplan.devices",
+}
 # Above the core: the commands and the CI gate run the wings.
 APPS = ("memplan.cli", "memplan.check")
 # memplan.wrap is where emitted scripts import wrap_for_plan from (a re-export of

@@ -233,7 +233,7 @@ def fake_plan(peak: int, budget: int, *, micro: int, target: int, ckpt: int) -> 
         target_batch=target,
         micro_batch_size=micro,
         accumulation_steps=target // micro,
-        checkpoint_layers=tuple(f"h.{i}" for i in range(ckpt)),
+        checkpoint=dict.fromkeys((f"h.{i}" for i in range(ckpt)), "full"),
         budget_bytes=budget,
         predicted=Prediction(
             peak_bytes=peak,

@@ -78,7 +78,7 @@ def plan_for(strategy: str, *, micro: int = 3, k: int = 2, world: int = 2, **kwa
         "accumulation_steps": k,
         "world_size": world,
         "strategy": strategy,
-        "checkpoint_layers": ("blocks.1",),
+        "checkpoint": {"blocks.1": "full"},
         "shard_units": ("blocks.0", "blocks.1", "blocks.2") if strategy == "fsdp" else (),
         "budget_bytes": 1 << 30,
         "model": "tiny.py",
@@ -199,7 +199,7 @@ def test_fsdp_mixed_precision_plans_verify_within_1_percent(width, accumulation,
     base = solve(profile, request).plan
     assert (base.mixed_precision, base.accumulation_steps) == ("params", accumulation)
     for sync in syncs:
-        plan = dataclasses.replace(base, grad_sync=sync, checkpoint_layers=("blocks.1",))
+        plan = dataclasses.replace(base.with_checkpoint_layers(("blocks.1",)), grad_sync=sync)
         peak = memory.plan_peak(profile, plan)
         plan = dataclasses.replace(
             plan, predicted=dataclasses.replace(plan.predicted, peak_bytes=peak.peak_bytes)

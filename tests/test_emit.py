@@ -37,7 +37,7 @@ PLAN = Plan(
     micro_batch_size=8,
     accumulation_steps=4,
     world_size=2,
-    checkpoint_layers=("transformer.h.0", "transformer.h.1", "transformer.h.2"),
+    checkpoint=dict.fromkeys(("transformer.h.0", "transformer.h.1", "transformer.h.2"), "full"),
     precision="bf16",
     device="cuda",
     budget_bytes=24 * GiB,
@@ -127,9 +127,9 @@ def test_hf_fields_and_checkpointing_decision() -> None:
     # a subset of the candidates: still all-or-nothing false
     assert _hf_data(PLAN, candidate_layers=LAYERS)["gradient_checkpointing"] is False
     # every candidate checkpointed: Trainer's own flag matches the plan
-    full = replace(PLAN, checkpoint_layers=LAYERS)
+    full = PLAN.with_checkpoint_layers(LAYERS)
     assert _hf_data(full, candidate_layers=LAYERS)["gradient_checkpointing"] is True
-    none = replace(PLAN, checkpoint_layers=(), precision="fp16")
+    none = replace(PLAN.with_checkpoint_layers(()), precision="fp16")
     data = _hf_data(none)
     assert data["gradient_checkpointing"] is False and data["fp16"] is True and not data["bf16"]
     assert "memplan.apply" not in emit_hf(none, model_path="m.py")
@@ -137,8 +137,8 @@ def test_hf_fields_and_checkpointing_decision() -> None:
 
 HF_PLANS = [
     PLAN,
-    replace(PLAN, checkpoint_layers=LAYERS, precision="fp32"),
-    replace(PLAN, checkpoint_layers=LAYERS, precision="fp16"),
+    replace(PLAN.with_checkpoint_layers(LAYERS), precision="fp32"),
+    replace(PLAN.with_checkpoint_layers(LAYERS), precision="fp16"),
     replace(PLAN, target_batch=6, micro_batch_size=3, accumulation_steps=2, world_size=1),
     replace(PLAN, device="cpu", precision="bf16"),
 ]
@@ -301,8 +301,11 @@ def _small_plan(**changes) -> Plan:
         world_size=1,
         device="cpu",
         precision="fp32",
-        checkpoint_layers=("blocks.0", "blocks.1"),
+        checkpoint={"blocks.0": "full", "blocks.1": "full"},
     )
+    layers = changes.pop("checkpoint_layers", None)
+    if layers is not None:
+        base = base.with_checkpoint_layers(layers)
     return replace(base, **changes)
 
 

@@ -285,7 +285,7 @@ def test_reading_a_profile_pauses_the_collector_and_restores_it(tmp_path):
         return real(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("memplan.profile.from_data", spy)
+        patch.setattr("memplan.profile.read.from_data", spy)
         assert gc.isenabled()
         load_profile(path)
         assert gc.isenabled() and seen == [False]

@@ -29,7 +29,7 @@ def hand_plan(model: str, *, micro: int = 2, k: int = 3, layers=BLOCKS, **extra)
         target_batch=micro * k * extra.get("world_size", 1),
         micro_batch_size=micro,
         accumulation_steps=k,
-        checkpoint_layers=tuple(layers),
+        checkpoint=dict.fromkeys(layers, "full"),
         budget_bytes=1 << 30,
         predicted=Prediction(
             peak_bytes=1 << 20,

@@ -175,7 +175,8 @@ def test_a_plan_with_more_stages_than_blocks_is_refused_on_load(pp):
 
 
 def test_verify_refuses_more_ranks_than_the_machine_can_start_before_starting_any():
-    from memplan.verify.distributed import startable_cpu_ranks, verify_distributed
+    from memplan.verify.distributed import verify_distributed
+    from memplan.verify.rank_lifetime import startable_cpu_ranks
 
     most = startable_cpu_ranks()
     data = _layout_plan_data()

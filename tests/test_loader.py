@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from memplan.errors import EXIT_BAD_INPUT, ModelFileError
+from memplan.model.batch import move_batch
 from memplan.model.loader import load_model_file
 from memplan.model.reference import split_model_arg
-from memplan.run.batch import move_batch
 
 GOOD = """
 import torch

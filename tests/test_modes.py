@@ -91,10 +91,13 @@ def test_a_list_next_to_the_mapping_names_the_layers(tmp_path):
 
 
 def test_old_callers_naming_layers_get_full_and_replace_keeps_modes():
-    p = plan(checkpoint_layers=("a", "b"))
+    p = plan().with_checkpoint_layers(("a", "b"))
     assert p.checkpoint == {"a": "full", "b": "full"}
-    q = dataclasses.replace(plan(checkpoint={"a": "selective"}), checkpoint_layers=("a", "b"))
+    q = plan(checkpoint={"a": "selective"}).with_checkpoint_layers(("a", "b"))
     assert q.checkpoint == {"a": "selective", "b": "full"}
+    assert q.checkpoint_layers == ("a", "b")
+    with pytest.raises(ValueError, match="duplicates"):
+        plan().with_checkpoint_layers(("a", "a"))
 
 
 def test_parse_modes():
@@ -431,3 +434,15 @@ def _report_stub():
 
     fields = {f.name: None for f in dataclasses.fields(Report)}
     return Report(**fields)
+
+
+def test_the_tie_key_has_room_for_every_mode_and_a_fifth_widens_it():
+    from memplan import modes
+
+    # every rank fits in TIE_BITS, the ranks are a permutation, and the width is derived
+    assert sorted(modes.TIE_DIGIT.values()) == list(range(len(modes.MODES)))
+    assert max(modes.TIE_DIGIT.values()) < 1 << modes.TIE_BITS
+    assert max(1, (len(modes.MODE_SPECS) - 1).bit_length()) == modes.TIE_BITS
+    # with a fifth mode the rank 4 needs 3 bits: a fixed 2 would spill into the next layer
+    assert (5 - 1).bit_length() == 3 > 2
+    assert [modes.SPEC[m].name for m in modes.MODES] == list(modes.MODES)

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.files.schema import to_data
+from memplan.model.batch import move_batch
 from memplan.model.loader import load_model_file
 from memplan.probe import measure_training_peak, probe_model
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.profile import Profile, point_at
-from memplan.run.batch import move_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = Path(__file__).resolve().parent / "models"

@@ -17,10 +17,10 @@ from memplan import memory
 from memplan.cli import app
 from memplan.emit import emit_hf
 from memplan.errors import ModelFileError
+from memplan.model.batch import refused_batch_item
 from memplan.model.loader import load_model_file
 from memplan.plan import ModelFingerprint
 from memplan.probe import measure_training_peak, probe_model
-from memplan.run.batch import refused_batch_item
 
 RETURN_LOSS = """
 import torch

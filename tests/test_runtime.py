@@ -63,7 +63,7 @@ def fake_plan(k: int, micro: int = 2, precision: str = "fp32", layers=()) -> Sim
         micro_batch_size=micro,
         world_size=1,
         precision=precision,
-        checkpoint_layers=tuple(layers),
+        checkpoint=dict.fromkeys(layers, "full"),
     )
 
 

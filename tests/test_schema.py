@@ -50,7 +50,7 @@ def tiny_plan() -> Plan:
         target_batch=64,
         micro_batch_size=16,
         accumulation_steps=4,
-        checkpoint_layers=("h.0",),
+        checkpoint={"h.0": "full"},
         budget_bytes=1000,
         predicted=Prediction(
             peak_bytes=900,

@@ -54,6 +54,7 @@ ProbeFn = Callable[[ProbeRequest], Profile]
 SolveFn = Callable[[Profile, SolveRequest], SolveResult]
 LeastPeakFn = Callable[[Profile, SolveRequest], LeastPeak]
 ProgressFn = Callable[[str, str], None]
+PlanFn = Callable[[str, Profile, Plan], None]
 """``on_check(name, what)``: called as each check starts probing and solving."""
 
 
@@ -63,6 +64,7 @@ def run_checks(
     only: Sequence[str] | None = None,
     update_baseline: bool = False,
     on_check: ProgressFn | None = None,
+    on_plan: PlanFn | None = None,
     probe_fn: ProbeFn = probe_isolated,
     solve_fn: SolveFn = solve,
     least_peak_fn: LeastPeakFn = least_peak,
@@ -83,6 +85,8 @@ def run_checks(
     after the comparison with the old one; every baseline target is checked first
     (``check_baseline_target``), so a bad one stops the run before anything is probed. A
     check whose probe fails becomes an ``error`` result; the other checks still run.
+    ``on_plan(name, profile, plan)`` is told each solved check's plan (the closest plan of
+    a failing one), for whoever draws them (the step summary's pictures).
     ``probe_fn``, ``solve_fn`` and ``least_peak_fn`` may be replaced (tests do)."""
     if not isinstance(config, CheckConfig):
         config = load_config(config)
@@ -128,6 +132,7 @@ def run_checks(
                     c,
                     update_baseline=update_baseline,
                     on_check=on_check,
+                    on_plan=on_plan,
                     probe_fn=shared_probe,
                     solve_fn=solve_fn,
                     least_peak_fn=least_peak_fn,
@@ -194,6 +199,7 @@ def run_check(
     *,
     update_baseline: bool = False,
     on_check: ProgressFn | None = None,
+    on_plan: PlanFn | None = None,
     probe_fn: ProbeFn = probe_isolated,
     solve_fn: SolveFn = solve,
     least_peak_fn: LeastPeakFn = least_peak,
@@ -236,6 +242,8 @@ def run_check(
             solve_seconds=time.perf_counter() - started,
         )
     solve_seconds = time.perf_counter() - started
+    if on_plan is not None and plan is not None:
+        on_plan(spec.name, profile, plan)
 
     growth: tuple[Growth, ...] = ()
     note = ""

@@ -77,17 +77,14 @@ def check(
     if junit is not None:
         check_output(junit, force=force)  # now, not after minutes of probing
     plots = _step_summary_plots()
-    hooks = {"solve_fn": plots.solve} if plots is not None else {}
-    with check_progress(
-        loaded, only, also=plots.on_check if plots else None, quiet=as_json
-    ) as on_check:
+    with check_progress(loaded, only, quiet=as_json) as on_check:
         report = run_checks(
             loaded,
             only=only,
             update_baseline=update_baseline,
             on_check=on_check,
+            on_plan=plots.keep if plots is not None else None,
             timeout_s=timeout or None,
-            **hooks,
         )
     if as_json:
         render.stdout.out(to_json(report), highlight=False)

@@ -26,6 +26,7 @@ from memplan.emit.files import plan_targets
 from memplan.errors import MemplanError, NoPlanFitsError
 from memplan.files.schema import to_data
 from memplan.memory import DEFAULT_MARGIN
+from memplan.plan import plan_to_data
 from memplan.profile import load_profile
 from memplan.profile.seqlen import parse_seq_len
 from memplan.units import parse_size
@@ -233,11 +234,13 @@ def _show_result(result: SolveResult, *, as_json: bool) -> None:
             }
             for o in result.layouts
         ]
-        render.print_json({"feasible": True, "plan": to_data(plan), "layouts": rows})
+        render.print_json({"feasible": True, "plan": plan_to_data(plan), "layouts": rows})
     elif as_json:
         rows = [dict(to_data(cand)) for cand in result.candidates]
         extra = {"seq": to_data(dataclasses.replace(seq, result=None))} if seq else {}
-        render.print_json({"feasible": True, "plan": to_data(plan), "candidates": rows, **extra})
+        render.print_json(
+            {"feasible": True, "plan": plan_to_data(plan), "candidates": rows, **extra}
+        )
     else:
         render.show_plan(plan)
         if not result.layouts:

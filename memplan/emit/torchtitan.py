@@ -88,6 +88,8 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         "pipeline_parallel_degree": p.pp,
         "context_parallel_degree": p.cp,
     }
+    if p.tp > 1:  # torchtitan's loss parallel is on unless disabled (JobConfig.Parallelism)
+        parallelism["disable_loss_parallel"] = not p.loss_parallel
     if p.pp > 1:
         parallelism["pipeline_parallel_schedule"] = _SCHEDULES[p.schedule]
         parallelism["pipeline_parallel_microbatch_size"] = plan.micro_batch_size

@@ -4,7 +4,7 @@ peak any checkpoint set reaches. No torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,7 +29,7 @@ from memplan.memory.terms import (
 from memplan.memory.tops import held_layout, segment_tops_bytes, segment_tops_float
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD
 from memplan.plan import Plan
-from memplan.profile import Profile
+from memplan.profile import Profile, Segment
 
 # --------------------------------------------------------------------------- bounds
 _INFEASIBLE = 1 << 100
@@ -140,60 +140,29 @@ def step_bounds(
     charge = shared_charge_bytes(profile, micro_batch)
     # Each phase's segment tops in each mode at once (memory.tops), then the maxima by held
     # (in arrays where there is no shared input to add segment by segment).
+    bound_of = {KEEP: plain, FULL: ckpt, **others}
     if (
         sharding == SINGLE
         and not shared
-        and _held_maxima(
-            profile, micro_batch, accumulation_steps, none, {KEEP: plain, FULL: ckpt, **others}
-        )
+        and _held_maxima(profile, micro_batch, accumulation_steps, none, bound_of)
     ):
         pass
-    elif sharding == SINGLE:  # no adjustment: one tight loop per phase
-        for phase in phases_for(accumulation_steps):
-            segments = profile.timeline[phase]
-            keep_tops = segment_tops_bytes(segments, micro_batch, KEEP)
-            full_tops = segment_tops_bytes(segments, micro_batch, FULL)
-            extra_tops = [(others[m], segment_tops_bytes(segments, micro_batch, m)) for m in extra]
-            for index, (segment, top, full_top) in enumerate(
-                zip(segments, keep_tops, full_tops, strict=True)
-            ):
-                h = segment.held
-                if segment.active == "none":
-                    if top > none[h]:
-                        none[h] = top
-                    continue
-                if top > plain[h]:
-                    plain[h] = top
-                own = shared_own_bytes(profile, segment, micro_batch) if shared else 0
-                if full_top + own > ckpt[h]:
-                    ckpt[h] = full_top + own
-                for bound, mode_tops in extra_tops:
-                    if mode_tops[index] + own > bound[h]:
-                        bound[h] = mode_tops[index] + own
-    tops: dict[tuple[str, str], list[int]] = {}
-    for phase, index, segment, adjust in (
-        () if sharding == SINGLE else rank_segments(profile, accumulation_steps, sharding)
-    ):
-        if (phase, KEEP) not in tops:
-            segments = profile.timeline[phase]
-            for m in (KEEP, FULL, *extra):
-                tops[(phase, m)] = segment_tops_bytes(segments, micro_batch, m)
-        h = segment.held
-        top = tops[(phase, KEEP)][index] + adjust
-        if segment.active == "none":
-            if top > none[h]:
-                none[h] = top
-        else:
-            if top > plain[h]:
-                plain[h] = top
+    else:
+        tops: dict[str, dict[str, list[int]]] = {}
+        for phase, index, segment, adjust in _step_segments(profile, accumulation_steps, sharding):
+            if phase not in tops:
+                segments = profile.timeline[phase]
+                tops[phase] = {m: segment_tops_bytes(segments, micro_batch, m) for m in bound_of}
+            h = segment.held
+            top = tops[phase][KEEP][index] + adjust
+            if segment.active == "none":
+                none[h] = max(none[h], top)
+                continue
+            plain[h] = max(plain[h], top)
             adjust += shared_own_bytes(profile, segment, micro_batch) if shared else 0
-            top = tops[(phase, FULL)][index] + adjust
-            if top > ckpt[h]:
-                ckpt[h] = top
-            for m in extra:
-                top = tops[(phase, m)][index] + adjust
-                if top > others[m][h]:
-                    others[m][h] = top
+            for m, bound in bound_of.items():
+                if m != KEEP:
+                    bound[h] = max(bound[h], tops[phase][m][index] + adjust)
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,
@@ -208,6 +177,19 @@ def step_bounds(
         host_bytes=offload_host_bytes(profile, micro_batch) if OFFLOAD in modes else (),
         host_limit_bytes=host_limit_bytes,
     )
+
+
+def _step_segments(
+    profile: Profile, accumulation_steps: int, sharding: Sharding
+) -> Iterator[tuple[str, int, Segment, int]]:
+    """Every segment of the step's phases with the bytes a rank adds to it: none on a
+    single device, the strategy's adjustment otherwise (memory.sharding)."""
+    if sharding != SINGLE:
+        yield from rank_segments(profile, accumulation_steps, sharding)
+        return
+    for phase in phases_for(accumulation_steps):
+        for index, segment in enumerate(profile.timeline[phase]):
+            yield phase, index, segment, 0
 
 
 def _held_maxima(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
@@ -46,19 +47,19 @@ from memplan.memory.budget import reserve_for
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.sharding import Sharding
 from memplan.memory.terms import grads_at_bytes
+from memplan.memory.vocab import (
+    LOSS_PART,
+    first_stage_part,
+    is_head,
+    loss_parallel_cap,
+    loss_parallel_possible,
+    loss_parallel_whole_bytes,
+    tp_measured,
+    vocab_split,
+)
 from memplan.parallel import Parallel, in_flight, stage_layers
 from memplan.plan import Plan, Strategy
 from memplan.profile import Affine, FixedPart, Layer, Point, Profile, Segment, Totals
-
-FIRST_STAGE_HINTS = ("embed", "wte", "wpe", "tok", "pos")
-"""A fixed part whose name contains one of these runs before the blocks (first stage); the
-others (final norm, head, loss) run after them (last stage). Fixed parts carry no position
-in the profile, so the split is by name."""
-
-
-def _first_stage_part(part: FixedPart) -> bool:
-    name = part.name.lower()
-    return any(hint in name for hint in FIRST_STAGE_HINTS)
 
 
 def _scale(value: Affine, factor: float) -> Affine:
@@ -69,13 +70,6 @@ def _scale(value: Affine, factor: float) -> Affine:
 
 def _sub(a: Affine, b: Affine) -> Affine:
     return Affine(intercept=a.intercept - b.intercept, slope=a.slope - b.slope)
-
-
-def tp_measured(profile: Profile) -> bool:
-    """Whether the probe measured every block's TP split (a model with a TP plan)."""
-    return bool(profile.layers) and all(
-        layer.tp_saved_fraction is not None for layer in profile.layers
-    )
 
 
 SP_GATHERED_INPUTS = 2
@@ -160,13 +154,15 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
 def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
     params = part.params_trainable_bytes + part.params_frozen_bytes
     r = _state_ratio(params, part.tp_sharded_bytes, parallel.tp)
+    vocab = parallel.loss_parallel and (is_head(part) or part.name == LOSS_PART)
+    saved = 1.0 / parallel.cp / (parallel.tp if vocab else 1)
     return dataclasses.replace(
         part,
         params_trainable_bytes=math.ceil(part.params_trainable_bytes * r),
         params_frozen_bytes=math.ceil(part.params_frozen_bytes * r),
         grad_bytes=math.ceil(part.grad_bytes * r),
         optimizer_state_bytes=math.ceil(part.optimizer_state_bytes * r),
-        saved_bytes=_scale(part.saved_bytes, 1.0 / parallel.cp),
+        saved_bytes=_scale(part.saved_bytes, saved),
         tp_sharded_bytes=math.ceil(part.tp_sharded_bytes / parallel.tp),
     )
 
@@ -181,18 +177,23 @@ class _Frame:
     held_full: Point
     held_rank: Point
     offset: Point
+    whole: Point | None = None
+    """Loss parallel, after the blocks: the bytes of the rest that stay whole on a TP rank
+    (``loss_parallel_whole_bytes``); what exceeds them is the vocabulary's, at most
+    ``cap`` per sample, times ``vocab``."""
+    vocab: float = 1.0
+    cap: float = math.inf
 
     def move(self, point: Point) -> Point:
         rest0 = point[0] - self.base_full - self.held_full[0]
         rest1 = point[1] - self.held_full[1]
+        if self.whole is not None:
+            rest0 = vocab_split(rest0, self.whole[0], self.vocab)
+            rest1 = vocab_split(rest1, self.whole[1], self.vocab, self.cap)
         return (
             self.base_rank + self.held_rank[0] + self.cur * rest0 + self.offset[0],
             self.held_rank[1] + self.cur * rest1 + self.offset[1],
         )
-
-
-LOSS_PART = "(loss)"
-"""The probe's name for the loss computed outside the model's modules (memplan.probe.assemble)."""
 
 
 def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
@@ -201,9 +202,10 @@ def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
     ``fwd_cache``), where a plain step lets the loss free it. Measured: the bytes the loss
     frees (the negative ``saved_bytes`` of the probe's ``(loss)`` part, the logits)."""
     freed = Affine.zero()
+    vocab = 1.0 / parallel.tp if parallel.loss_parallel else 1.0
     for part in profile.fixed:
         if part.name == LOSS_PART and part.saved_bytes.slope < 0:
-            freed = _scale(part.saved_bytes, -1.0 / parallel.cp)
+            freed = _scale(part.saved_bytes, -vocab / parallel.cp)
     return freed
 
 
@@ -267,25 +269,86 @@ def check_layout(profile: Profile, parallel: Parallel) -> None:
             hint="Probe again with this memplan (a model with a TP plan is measured under TP "
             "2 on a fake process group), or add TP_PLAN to the model file, or use --tp 1.",
         )
+    if parallel.loss_parallel and not loss_parallel_possible(profile):
+        raise BadInputError(
+            f"loss parallel keeps the logits sharded by vocabulary, but the TP plan of "
+            f"{profile.model.spec} does not split its head.",
+            hint="Add the head (e.g. 'lm_head': 'colwise_gather_output') to the model's "
+            "TP_PLAN and probe again, or plan without loss parallel.",
+        )
 
 
-def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches: int) -> Profile:
-    """One rank of pipeline stage ``stage`` (0-based) as a profile of its own (see the
-    module docstring), for ``micro_batches`` pipeline micro-batches per step. With
-    interleaved 1F1B the rank's ``virtual_stages`` chunks are taken together."""
-    check_layout(profile, parallel)
-    n = len(profile.layers)
+def stage_blocks(n: int, parallel: Parallel, stage: int) -> tuple[range, tuple[int, ...]]:
+    """The blocks ``rank_profile`` models for pipeline rank ``stage`` (a contiguous run) and
+    the rank's own blocks, in the same order. Interleaved 1F1B gives a rank ``v`` chunks
+    that are not contiguous; they are modelled as one run of as many blocks, ending the
+    model on the last rank (exact for identical blocks, the case interleaving is for): the
+    run's ``i``-th block stands in for the rank's ``i``-th own block."""
     chunks = stage_layers(n, parallel.stages)
     mine = [chunks[stage + v * parallel.pp] for v in range(parallel.virtual_stages)]
     first, last = stage == 0, stage == parallel.pp - 1
-    # Interleaved: the rank's chunks are not contiguous; they are modelled as one run of as
-    # many blocks, ending the model on the last rank (exact for identical blocks, the case
-    # interleaving is for; the run's names stand in for the rank's own).
     count = sum(len(chunk) for chunk in mine)
     start = n - count if last else mine[0].start
     if not first and not last:
         start = min(start, n - count)
-    stage_range = range(start, start + count)
+    return range(start, start + count), tuple(j for chunk in mine for j in chunk)
+
+
+def stage_checkpoint(
+    profile: Profile, parallel: Parallel, stage: int, checkpoint: Mapping[str, str]
+) -> dict[str, str]:
+    """A plan's checkpoint modes for the blocks of pipeline rank ``stage``, under the names
+    ``rank_profile`` gives them (the stand-in run's, with interleaving)."""
+    names = profile.layer_names
+    run, own = stage_blocks(len(names), parallel, stage)
+    return {
+        names[j]: checkpoint[names[o]]
+        for j, o in zip(run, own, strict=True)
+        if names[o] in checkpoint
+    }
+
+
+def own_checkpoint(
+    profile: Profile, parallel: Parallel, stage: int, checkpoint: Mapping[str, str]
+) -> dict[str, str]:
+    """The inverse of ``stage_checkpoint``: a stage solve's modes (stand-in names) under the
+    names of the rank's own blocks, so a plan's ``checkpoint:`` covers every block."""
+    names = profile.layer_names
+    run, own = stage_blocks(len(names), parallel, stage)
+    return {
+        names[o]: checkpoint[names[j]]
+        for j, o in zip(run, own, strict=True)
+        if names[j] in checkpoint
+    }
+
+
+def _mode_savings(layer: Layer, mode: str) -> Affine:
+    """One micro-batch's savings of a rank's block in ``mode`` (offload frees what full
+    checkpointing frees, memplan.modes)."""
+    value = layer.selective_savings_bytes if mode == "selective" else layer.savings_bytes
+    return value if value is not None else Affine.zero()
+
+
+def rank_profile(
+    profile: Profile,
+    parallel: Parallel,
+    stage: int,
+    micro_batches: int,
+    modes: Mapping[str, str] | None = None,
+) -> Profile:
+    """One rank of pipeline stage ``stage`` (0-based) as a profile of its own (see the
+    module docstring), for ``micro_batches`` pipeline micro-batches per step. With
+    interleaved 1F1B the rank's ``virtual_stages`` chunks are taken together.
+
+    ``modes`` (the rank's blocks by ``rank_profile``'s names, ``stage_checkpoint``): the
+    micro-batches waiting in the pipeline keep only what each block's mode keeps, and the
+    profile is exact for that checkpoint map. Without it (the layout search, which does
+    not know the map yet) a waiting micro-batch is charged its un-checkpointed bytes less
+    the savings of the blocks the current one holds: never less than with ``modes``."""
+    check_layout(profile, parallel)
+    n = len(profile.layers)
+    first, last = stage == 0, stage == parallel.pp - 1
+    stage_range, _ = stage_blocks(n, parallel, stage)
     forwards = in_flight(parallel, stage, micro_batches)
     k = max(1, math.ceil(forwards / parallel.virtual_stages))
     # Later micro-batches' backwards (gradients resident) start with one fewer in flight
@@ -294,11 +357,12 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
     ks = {"no_grads": k, "grads_resident": k_resident}
     # A checkpointed block frees its savings in each held micro-batch; the fewer of the two
     # phases' counts is taken (never more saved than there is).
-    layers = [_rank_layer(profile.layers[j], parallel, min(ks.values())) for j in stage_range]
+    k_savings = 1 if modes is not None else min(ks.values())
+    layers = [_rank_layer(profile.layers[j], parallel, k_savings) for j in stage_range]
     fixed = [
         _rank_fixed(part, parallel)
         for part in profile.fixed
-        if (first and _first_stage_part(part)) or (last and not _first_stage_part(part))
+        if (first and first_stage_part(part)) or (last and not first_stage_part(part))
     ]
     totals = _rank_totals(profile, layers, fixed)
     f = [activation_factor(layer, parallel) for layer in profile.layers]
@@ -309,6 +373,15 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
             intercept=stage_saved.intercept + f[j] * saved[j].intercept,
             slope=stage_saved.slope + f[j] * saved[j].slope,
         )
+    if modes is not None:  # each waiting micro-batch keeps only what the modes keep
+        names = profile.layer_names
+        for j, layer in zip(stage_range, layers, strict=True):
+            if names[j] in modes:
+                freed = _mode_savings(layer, modes[names[j]])
+                stage_saved = Affine(
+                    intercept=stage_saved.intercept - freed.intercept,
+                    slope=stage_saved.slope - freed.slope,
+                )
     received = profile.layers[stage_range.start].input_bytes if not first else Affine.zero()
     input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
@@ -347,6 +420,9 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
         for phase, rows in kept.items()
     }
     state_full = _state_bytes(profile)
+    lp_whole = loss_parallel_whole_bytes(profile)
+    whole = (lp_whole.intercept, lp_whole.slope)
+    cap = loss_parallel_cap(profile, lp_whole) if parallel.loss_parallel else math.inf
     draft = dataclasses.replace(
         profile,
         layers=tuple(layers),
@@ -365,6 +441,7 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
             base_rank = state_rank + grads_at_bytes(draft, phase, new_index)
             h = seg.held
             cur = f[h] if seg.active != "none" else 1.0 / parallel.cp
+            after_blocks = seg.active == "none" and h == n
             frame = _Frame(
                 base_full,
                 base_rank,
@@ -372,6 +449,9 @@ def rank_profile(profile: Profile, parallel: Parallel, stage: int, micro_batches
                 full_prefix[h],
                 rank_prefix[h],
                 offsets.get(phase, offsets["no_grads"]),
+                whole if after_blocks and parallel.loss_parallel else None,
+                1.0 / parallel.tp,
+                cap,
             )
             out.append(
                 dataclasses.replace(
@@ -452,9 +532,9 @@ def stage_peak(
 ) -> StagePeak:
     """The predicted peak of one rank of pipeline stage ``stage`` under ``plan``."""
     parallel = plan_layout(plan)
-    rank = rank_profile(profile, parallel, stage, plan.accumulation_steps)
-    names = set(rank.layer_names)
-    chosen = {name: mode for name, mode in plan.checkpoint.items() if name in names}
+    chosen = stage_checkpoint(profile, parallel, stage, plan.checkpoint)
+    modes = chosen if parallel.pp > 1 else None
+    rank = rank_profile(profile, parallel, stage, plan.accumulation_steps, modes)
     peak = step_peak(
         rank,
         plan.micro_batch_size,

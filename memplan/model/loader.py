@@ -30,8 +30,8 @@ from memplan.errors import (
     MemplanError,
     ModelFileError,
 )
+from memplan.model.batch import batch_tensors, refused_batch_item
 from memplan.model.reference import DEFAULT_FACTORY, is_hf_reference, model_arg, split_model_arg
-from memplan.run.batch import batch_tensors, refused_batch_item
 
 
 def _user_location(exc: BaseException, path: Path) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from memplan.devices import DeviceSpec, load_device, local_gpu
 from memplan.errors import BadInputError, CannotMeasureError
+from memplan.model.batch import map_batch, move_batch
 from memplan.model.loader import ModelFile
 from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
@@ -23,7 +24,6 @@ from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.meta_kernels import CONV_TARGET
 from memplan.probe.tracker import LiveTracker, Roofline
-from memplan.run.batch import map_batch, move_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_META_SPEC = "h100-80gb"

@@ -14,13 +14,13 @@ from torch.utils._python_dispatch import _disable_current_modes
 import memplan
 import memplan.run
 from memplan.errors import CannotMeasureError
+from memplan.model.batch import batch_tensors
 from memplan.model.loader import ModelFile
 from memplan.probe.backends import Backend
 from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
 from memplan.probe.tracker import LiveTracker, kept_tensors, resident_tensors
-from memplan.run.batch import batch_tensors
 
 _MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 

@@ -100,7 +100,7 @@ def mirror_batch(cpu_batch: Any) -> Any:
     as twin. Tensors sharing a CPU storage share one meta storage of the same bytes, at the
     same strides and offsets: the meta probe counts what the cpu probe counts, and a view
     of the twin runs wherever the meta view does."""
-    from memplan.run.batch import map_batch
+    from memplan.model.batch import map_batch
 
     bases: dict[tuple[int, int], torch.Tensor] = {}
 

@@ -15,11 +15,11 @@ import torch
 
 from memplan.devices import local_gpu
 from memplan.errors import BadInputError, checkpointing_failure, first_line
+from memplan.model.batch import batch_tensors
 from memplan.modes import SELECTIVE
 from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
 from memplan.probe.recorder import StepRecord
 from memplan.probe.session import Run, Session, SizeRuns
-from memplan.run.batch import batch_tensors
 from memplan.run.checkpoint import checkpointed, in_mode
 from memplan.units import format_bytes
 

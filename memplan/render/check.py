@@ -90,11 +90,10 @@ def check_progress(
     config: CheckConfig,
     only: Sequence[str] | None,
     *,
-    also: Callable[[str, str], None] | None = None,
     quiet: bool = False,
 ) -> Iterator[Callable[[str, str], None]]:
-    """A progress bar over the selected checks, driven by ``run_checks``'s ``on_check``
-    (which is passed on to ``also`` too); silent with ``quiet`` (``--json``)."""
+    """A progress bar over the selected checks, driven by ``run_checks``'s ``on_check``;
+    silent with ``quiet`` (``--json``)."""
     total = sum(1 for c in config.checks if not only or c.name in only)
     with progress("memplan check", quiet=quiet) as on_progress:
         done: list[str] = []
@@ -103,7 +102,5 @@ def check_progress(
             if name not in done:
                 done.append(name)
             on_progress(len(done) - 1, total, f"{name}: {what}")
-            if also is not None:
-                also(name, what)
 
         yield on_check

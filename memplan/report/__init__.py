@@ -294,31 +294,14 @@ def summary_markdown(name: str, profile: Profile, plan: Plan) -> str:
 
 
 class CheckPlots:
-    """Keeps each check's profile and plan as ``memplan check`` solves them, to draw them in
-    the GitHub step summary. Pass ``solve`` as run_checks's ``solve_fn`` and call
-    ``on_check`` from its progress callback (it names the check being solved); a failing
-    check keeps the solver's closest plan."""
+    """Keeps each check's profile and plan (a failing check's closest plan), to draw them
+    in the GitHub step summary: pass ``keep`` as run_checks's ``on_plan``."""
 
     def __init__(self) -> None:
-        self.current: str | None = None
         self.plans: dict[str, tuple[Profile, Plan]] = {}
 
-    def on_check(self, name: str, what: str) -> None:
-        del what
-        self.current = name
-
-    def solve(self, profile: Profile, request: Any) -> Any:
-        from memplan.solver import solve
-
-        try:
-            result = solve(profile, request)
-        except NoPlanFitsError as exc:
-            if self.current is not None and exc.closest is not None:
-                self.plans.setdefault(self.current, (profile, exc.closest))
-            raise
-        if self.current is not None:
-            self.plans.setdefault(self.current, (profile, result.plan))
-        return result
+    def keep(self, name: str, profile: Profile, plan: Plan) -> None:
+        self.plans.setdefault(name, (profile, plan))
 
     def append_to(self, path: str | Path) -> int:
         """Append one section per kept check to ``path``; the number of images written."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import html
 import re
 
+from memplan.modes import SPEC
 from memplan.report.data import Report
 from memplan.units import format_bytes, format_seconds
 
@@ -32,14 +33,6 @@ def _clean_svg(svg: str) -> str:
     return _METADATA.sub("", svg)
 
 
-_CHOICE = {
-    "keep": "kept",
-    "full": "checkpointed (full)",
-    "selective": "selective",
-    "offload": "offloaded",
-}
-
-
 def _layer_table(report: Report) -> str:
     rows = []
     for row in report.layers:
@@ -50,7 +43,7 @@ def _layer_table(report: Report) -> str:
             f"<td>{format_bytes(row.held_bytes)}</td>"
             f"<td>{format_bytes(row.savings_bytes)}</td>"
             f"<td>{format_seconds(row.recompute_seconds)}</td>"
-            f"<td>{_CHOICE.get(row.mode, html.escape(row.mode))}</td></tr>"
+            f"<td>{(SPEC[row.mode].label if row.mode in SPEC else html.escape(row.mode))}</td></tr>"
         )
     return (
         '<table id="layers"><thead><tr><th>layer</th><th>type</th>'

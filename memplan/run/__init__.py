@@ -1,9 +1,8 @@
 """The torch wing that runs a plan: checkpointing by module name (``apply`` / ``remove``,
 memplan.run.checkpoint), gradient accumulation (``Accumulator``), the training state that
 checkpointing must switch off (memplan.run.training_state), the data-parallel wrapping
-(memplan.run.wrap), a parallel layout (memplan.run.parallel) and a batch's shapes
-(memplan.run.batch, which the loader uses). It imports neither the probe nor verify: both
-build on it. Names are loaded on first use, so ``memplan.run.batch`` costs no torch import."""
+(memplan.run.wrap) and a parallel layout (memplan.run.parallel). It imports neither the
+probe nor verify: both build on it. Names are loaded on first use."""
 
 from __future__ import annotations
 

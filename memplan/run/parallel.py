@@ -138,11 +138,47 @@ def check_tp_divisible(net: torch.nn.Module, modules: dict[str, str], tp: int) -
             )
 
 
+HEAD_STYLES = ("colwise_gather_output", "colwise_rep")
+"""TP-plan styles of a head whose logits are gathered whole: the module loss parallel
+keeps sharded by vocabulary instead."""
+
+
+def loss_parallel_head(modules: dict[str, str], sequence_parallel: bool) -> tuple[str, Any]:
+    """The head (the one module of the TP plan with a gathered colwise style) and its style
+    under loss parallel: ``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)``,
+    the logits left a vocabulary-sharded DTensor for ``loss_parallel()`` (torchtitan's
+    ``apply_tp`` for the ``output`` projection, torchtitan/models/llama3/infra/parallelize.py
+    at v0.2.2; with sequence parallel its input is ``Shard(1)``, gathered by the style)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    heads = [name for name, style in modules.items() if style in HEAD_STYLES]
+    if len(heads) != 1:
+        raise BadInputError(
+            f"loss parallel shards the head's logits, but the TP plan has {len(heads)} "
+            f"gathered colwise heads ({', '.join(heads) or 'none'}).",
+            hint="Name the head once in TP_PLAN with style colwise_gather_output, or plan "
+            "without loss parallel.",
+        )
+    style = ColwiseParallel(
+        input_layouts=Shard(1) if sequence_parallel else Replicate(),
+        output_layouts=Shard(-1),
+        use_local_output=False,
+    )
+    return heads[0], style
+
+
 def apply_tp(
-    net: torch.nn.Module, tp_mesh: Any, declared: Any = None, *, sequence_parallel: bool = False
+    net: torch.nn.Module,
+    tp_mesh: Any,
+    declared: Any = None,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
 ) -> dict[str, str]:
     """Split ``net``'s TP-plan modules over ``tp_mesh`` (with ``sequence_parallel``, the
-    norms and the residual stream between the TP regions too); returns name -> style."""
+    norms and the residual stream between the TP regions too; with ``loss_parallel`` the
+    head's logits left sharded by vocabulary); returns name -> style."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     modules = tp_modules(net, tp_plan_for(net, declared))
@@ -152,13 +188,18 @@ def apply_tp(
             hint="Check the module-name patterns of TP_PLAN against model.named_modules().",
         )
     check_tp_divisible(net, modules, tp_mesh.size())
+    head = loss_parallel_head(modules, sequence_parallel) if loss_parallel else None
     if not sequence_parallel:
         plan = {name: parallel_style(s) for name, s in modules.items()}
+        if head is not None:
+            plan[head[0]] = head[1]
         parallelize_module(net, tp_mesh, plan)
         return modules
     from memplan.run.sequence_parallel import sequence_parallel_plan
 
     plan, regions, norms = sequence_parallel_plan(net, modules)
+    if head is not None:
+        plan[head[0]] = head[1]
     parallelize_module(net, tp_mesh, plan)
     from memplan.run.sequence_parallel import gather_sequence
 
@@ -333,8 +374,9 @@ class Layout:
         (NaN on pipeline stages that compute none)."""
         if self.schedule is None:
             metrics: dict[str, Any] = {}
-            for batch in micro_batches:
-                metrics = self.accumulator.step(batch, loss_fn)
+            with self.loss_context():
+                for batch in micro_batches:
+                    metrics = self.accumulator.step(batch, loss_fn)
             return float(metrics.get("loss", float("nan")))
         device = self.mesh.device_type
         whole = {
@@ -354,6 +396,18 @@ class Layout:
         if not losses:
             return float("nan")
         return float(torch.stack([loss.detach() for loss in losses]).mean())
+
+    def loss_context(self) -> Any:
+        """``torch.distributed.tensor.parallel.loss_parallel()`` under loss parallel (the
+        cross-entropy over vocabulary-sharded logits, forward and backward, as torchtitan's
+        train context runs it), else nothing."""
+        import contextlib
+
+        if not self.parallel.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradient norm of the whole model (every TP shard and pipeline stage)
@@ -437,6 +491,12 @@ def build_layout(
             "ring-attention kernels for it).",
             hint="Verify a layout with cp 1, or run the emitted torchtitan config on GPUs.",
         )
+    if parallel.loss_parallel and parallel.pp > 1:
+        raise BadInputError(
+            "Loss parallel with pipeline stages is modelled but not run by memplan (the last "
+            "stage would hand the schedule's loss a vocabulary-sharded DTensor).",
+            hint="Verify the layout with --pp 1, or without loss parallel.",
+        )
     if parallel.sequence_parallel and parallel.pp > 1:
         raise BadInputError(
             "Sequence parallelism with pipeline stages is modelled but not run by memplan "
@@ -448,7 +508,11 @@ def build_layout(
     styles: dict[str, str] = {}
     if parallel.tp > 1:
         styles = apply_tp(
-            net, mesh["tp"], declared_tp_plan, sequence_parallel=parallel.sequence_parallel
+            net,
+            mesh["tp"],
+            declared_tp_plan,
+            sequence_parallel=parallel.sequence_parallel,
+            loss_parallel=parallel.loss_parallel,
         )
     placements = _placements(net)
     if parallel.pp == 1:

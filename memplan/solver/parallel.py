@@ -32,7 +32,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from memplan.errors import BadInputError, NoPlanFitsError
-from memplan.memory.parallel import check_layout, layout_sharding, rank_profile, tp_measured
+from memplan.memory.parallel import (
+    check_layout,
+    layout_sharding,
+    loss_parallel_possible,
+    own_checkpoint,
+    rank_profile,
+    tp_measured,
+)
 from memplan.parallel import Parallel, in_flight, pipeline_refusal
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -106,6 +113,7 @@ def candidate_layouts(
                 if sp is None:  # the runtime runs SP without pipeline stages only
                     sp = ask.auto and tp > 1 and pp == 1
                 replicas = strategy == "ddp"
+                lp = ask.loss_parallel is not False and tp > 1
                 out.append(
                     Parallel(
                         dp_replicate=dp if replicas else 1,
@@ -116,6 +124,7 @@ def candidate_layouts(
                         sequence_parallel=sp and tp > 1,
                         schedule=ask.schedule if pp > 1 else "1f1b",
                         virtual_stages=ask.virtual_stages if pp > 1 else 1,
+                        loss_parallel=lp and loss_parallel_possible(profile),
                     )
                 )
     return out
@@ -151,18 +160,53 @@ def bubble_fraction(parallel: Parallel, m: int) -> float:
 
 
 _RANKS: dict[tuple, Profile] = {}
+_RANKS_OF: list[Profile] = []
+"""The profile ``_RANKS`` belongs to, held so that its identity cannot pass to another
+profile (an ``id`` alone can be reused once the first is collected)."""
 
 
-def _rank_profile(profile: Profile, parallel: Parallel, stage: int, m: int) -> Profile:
+def _rank_profile(
+    profile: Profile, parallel: Parallel, stage: int, m: int, all_full: bool = False
+) -> Profile:
     """``rank_profile``, which depends on the micro-batches only through the stage's
-    in-flight count: kept for the search of one profile (the last one asked)."""
+    in-flight count: kept for the search of one profile (the last one asked). ``all_full``:
+    every block of the stage fully checkpointed, in the waiting micro-batches too."""
+    if not _RANKS_OF or _RANKS_OF[0] is not profile:
+        _RANKS.clear()
+        _RANKS_OF[:] = [profile]
     k = in_flight(parallel, stage, m)
-    key = (id(profile), parallel, stage, k, min(k, m - 1))  # memory.layout's two phases
+    key = (parallel, stage, k, min(k, m - 1), all_full)  # memory.parallel's two phases
     if key not in _RANKS:
-        if _RANKS and next(iter(_RANKS))[0] != id(profile):
-            _RANKS.clear()
-        _RANKS[key] = rank_profile(profile, parallel, stage, m)
+        modes = None
+        if all_full:
+            names = rank_profile(profile, parallel, stage, m).layer_names
+            modes = dict.fromkeys(names, "full")
+        _RANKS[key] = rank_profile(profile, parallel, stage, m, modes)
     return _RANKS[key]
+
+
+def _solve_stage(
+    profile: Profile, request: SolveRequest, parallel: Parallel, stage: int, m: int
+) -> SolveResult | None:
+    """The stage's rank solved exactly over its modes, with waiting micro-batches charged
+    as ``rank_profile`` charges them without a map; and, with pipeline stages, once more
+    with every block fully checkpointed in every micro-batch in flight (what the stage
+    then holds, exactly): the faster that fits."""
+    rank = _rank_profile(profile, parallel, stage, m)
+    result = solve_if_fits(rank, request, explain=False)
+    full_allowed = request.modes is None or "full" in request.modes
+    if parallel.pp == 1 or not full_allowed or not rank.layers:
+        return result
+    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
+    forced = dataclasses.replace(
+        request, always_checkpoint=rank_full.layer_names, never_checkpoint=(), modes=("full",)
+    )
+    full = solve_if_fits(rank_full, forced, explain=False)
+    if full is None:
+        return result
+    if result is None or full.plan.predicted.step_seconds <= result.plan.predicted.step_seconds:
+        return full
+    return result
 
 
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
@@ -196,7 +240,7 @@ def evaluate_layout(
     for stage in range(parallel.pp):
         rank = _rank_profile(profile, parallel, stage, m)
         most_layers = max(most_layers, len(rank.layers))
-        result = solve_if_fits(rank, stage_request, explain=False)
+        result = _solve_stage(profile, stage_request, parallel, stage, m)
         if result is None:
             return None
         results.append(result)
@@ -338,8 +382,8 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
     with the layout's step time."""
     worst = option.stages[option.worst_stage].plan
     checkpoint = {}
-    for stage in option.stages:
-        checkpoint.update(stage.plan.checkpoint)
+    for index, stage in enumerate(option.stages):  # each rank's own blocks (interleaving)
+        checkpoint.update(own_checkpoint(profile, option.parallel, index, stage.plan.checkpoint))
     order = {name: i for i, name in enumerate(profile.layer_names)}
     checkpoint = dict(sorted(checkpoint.items(), key=lambda kv: order[kv[0]]))
     fingerprint = worst.model_fingerprint
@@ -359,7 +403,6 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
         accumulation_steps=option.micro_batches,
         parallel=p,
         checkpoint=checkpoint,
-        checkpoint_layers=None,
         shard_units=profile.layer_names if worst.strategy == "fsdp" else (),
         model_fingerprint=fingerprint,
         predicted=dataclasses.replace(

@@ -47,6 +47,9 @@ class LayoutRequest:
     sequence_parallel: bool | None = None
     """None: on with TP in ``auto`` (less memory, the same bytes moved), off otherwise."""
     virtual_stages: int = 1
+    loss_parallel: bool | None = None
+    """None: on with TP where the model's TP plan splits its head (torchtitan's default,
+    Megatron's only way); False: logits gathered whole on every TP rank."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -84,6 +87,7 @@ def layout_request(
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     sequence_parallel: bool | None = None,
+    loss_parallel: bool | None = None,
 ) -> LayoutRequest | None:
     """The layout asked for by ``--layout``, ``--tp``, ``--pp``, ``--cp`` and the pipeline
     options, validated; None for data parallelism alone (no degree, no ``--layout``)."""
@@ -104,6 +108,7 @@ def layout_request(
         schedule=schedule,  # type: ignore[arg-type]
         sequence_parallel=sequence_parallel,
         virtual_stages=virtual_stages,
+        loss_parallel=loss_parallel,
     )
 
 

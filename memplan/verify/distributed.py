@@ -50,13 +50,13 @@ import torch
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 from memplan.files.schema import to_data
 from memplan.parallel import pipeline_refusal
-from memplan.plan import Plan
+from memplan.plan import Plan, plan_to_data
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
 from memplan.verify.distributed_grads import gradient_check, gradient_error
 from memplan.verify.grad_check import BatchCoupling
-from memplan.verify.parallel import parallel_of, rank_predictions, run_layout_rank
-from memplan.verify.rank_lifetime import RunFolder, die_with_parent
+from memplan.verify.parallel import rank_predictions, run_layout_rank
+from memplan.verify.rank_lifetime import RANK_BYTES, RunFolder, die_with_parent, startable_cpu_ranks
 from memplan.verify.single import (
     GradientCheck,
     Verdict,
@@ -269,9 +269,9 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
 
 def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     from memplan import run
+    from memplan.model.batch import map_batch
     from memplan.model.loader import load_model_file
     from memplan.plan import plan_from_data
-    from memplan.run.batch import map_batch
     from memplan.verify.single import fingerprint_note
 
     dist = torch.distributed
@@ -288,7 +288,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         timeout=timedelta(seconds=float(config["timeout_s"])),
     )
     plan = plan_from_data(config["plan"], source="plan")
-    parallel = parallel_of(plan, config)
+    parallel = plan.parallel
     if parallel is not None and (parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1):
         return run_layout_rank(rank, config, plan, parallel, DistributedTracker(record=False))
     mf = load_model_file(config["model"]).at_seq_len(plan.seq_len)
@@ -387,34 +387,6 @@ def _resolve_device(plan: Plan, device: str | None, world: int) -> str:
     return chosen
 
 
-RANK_BYTES = 256 * 2**20
-"""The least one CPU rank takes: a Python process with torch imported and a gloo group up
-(its resident size before the model is built)."""
-
-
-def startable_cpu_ranks() -> int:
-    """How many CPU ranks this machine can start: its available memory over ``RANK_BYTES``,
-    within the process limit (RLIMIT_NPROC); at least 2."""
-    available = None
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    if available is None:
-        try:
-            available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            available = 2 * RANK_BYTES
-    most = available // RANK_BYTES
-    with contextlib.suppress(ImportError, OSError, ValueError):
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
-        if soft != resource.RLIM_INFINITY:
-            most = min(most, soft)
-    return max(2, most)
-
-
 def _check_pipeline(plan: Plan) -> None:
     """A plan with pipeline stages for a model memplan cannot split (memplan.parallel's
     rule, the one ``solve`` follows), refused before any rank starts."""
@@ -429,8 +401,9 @@ def _check_pipeline(plan: Plan) -> None:
         )
 
 
-def _failure(folder: Path, world: int, what: str) -> MemplanError:
-    """The clearest account of a failed run: the first rank that wrote an error."""
+def _failure(folder: Path, world: int, what: str) -> MemplanError | None:
+    """The clearest account of a failed run: the first rank that wrote an error (None when
+    no rank did)."""
     for rank in range(world):
         path = folder / f"rank{rank}.json"
         if path.is_file():
@@ -445,7 +418,7 @@ def _failure(folder: Path, world: int, what: str) -> MemplanError:
                     hint=f"The run stopped ({what}) and the other ranks were killed. "
                     f"Its traceback ends:\n{tail}",
                 )
-    return CannotMeasureError(f"The distributed run failed: {what}.")
+    return None
 
 
 def verify_distributed(
@@ -461,12 +434,48 @@ def verify_distributed(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_progress: Callable[[int, int, str], None] | None = None,
     record_timeline: bool = False,
-    parallel: Any = None,
 ) -> DistributedVerifyResult:
     """Run ``plan`` on ``world_size`` processes (default: the plan's) and measure each rank;
     see the module doc. Raises ``BadInputError`` for a plan it cannot run here and
     ``CannotMeasureError`` when a rank fails, dies or times out."""
     world = plan.world_size if world_size is None else world_size
+    _check_runnable(plan, world, steps)
+    chosen = _resolve_device(plan, device, world)
+    config = {
+        "parent_pid": os.getpid(),
+        "world_size": world,
+        "device": chosen,
+        "port": free_port(),
+        "timeout_s": timeout_s,
+        "plan": plan_to_data(plan),
+        "model": model,
+        "seed": seed,
+        "steps": steps,
+        "check_gradients": check_gradients,
+        "record_timeline": record_timeline,
+    }
+    raw = _run_ranks(config, on_progress or (lambda done, total, what: None))
+    grad, couple = gradient_check(
+        plan, [r.get("gradient_error") for r in raw], check_gradients, world
+    )
+    return DistributedVerifyResult(
+        plan=plan,
+        device=chosen,
+        backend="nccl" if chosen == "cuda" else "gloo",
+        world_size=world,
+        steps=steps,
+        predicted_peak_bytes=predicted_for_device(plan, chosen)[0],
+        ranks=tuple(_rank_result(r) for r in raw),
+        tolerance=tolerance,
+        gradient_check=grad,
+        batch_coupling=couple,
+        predicted_step_seconds=plan.predicted.step_seconds,
+        predicted_rank_peaks=rank_predictions(plan, chosen, world),
+    )
+
+
+def _check_runnable(plan: Plan, world: int, steps: int) -> None:
+    """Refuse (BadInputError) a plan this engine cannot run on ``world`` ranks."""
     if world != plan.world_size:
         raise BadInputError(
             f"The plan is for {plan.world_size} rank(s), not {world}: per-rank memory and the "
@@ -487,36 +496,27 @@ def verify_distributed(
     if plan.strategy == "fsdp" and not plan.shard_units:
         raise BadInputError("The fsdp plan names no shard_units.", hint="Solve it again.")
     _check_pipeline(plan)
-    chosen = _resolve_device(plan, device, world)
-    progress = on_progress or (lambda done, total, what: None)
+
+
+def _run_ranks(
+    config: dict[str, Any], progress: Callable[[int, int, str], None]
+) -> list[dict[str, Any]]:
+    """Start ``config["world_size"]`` ranks on this machine, wait for them (or the time
+    limit), and return what each wrote; a failed run raises its clearest account."""
     import torch.multiprocessing as mp
 
-    from memplan.files.schema import to_data
-
+    world, timeout_s = config["world_size"], config["timeout_s"]
     with RunFolder() as run:  # the ranks and this folder end with us: memplan.rank_lifetime
         folder = run.path
-        config = {
-            "folder": str(folder),
-            "parent_pid": os.getpid(),
-            "world_size": world,
-            "device": chosen,
-            "port": free_port(),
-            "timeout_s": timeout_s,
-            "plan": to_data(plan),
-            "model": model,
-            "seed": seed,
-            "steps": steps,
-            "check_gradients": check_gradients,
-            "record_timeline": record_timeline,
-            "parallel": to_data(parallel) if parallel is not None else None,
-        }
+        config = {**config, "folder": str(folder)}
         env = {"MASTER_ADDR": "127.0.0.1"}
         interface = _loopback_interface()
-        if interface and chosen == "cpu":
+        if interface and config["device"] == "cpu":
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
         saved = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
-        progress(0, 1, f"starting {world} ranks ({'nccl' if chosen == 'cuda' else 'gloo'})")
+        backend = "nccl" if config["device"] == "cuda" else "gloo"
+        progress(0, 1, f"starting {world} ranks ({backend})")
         try:
             context = mp.start_processes(
                 _worker, args=(config,), nprocs=world, join=False, start_method="spawn"
@@ -539,17 +539,20 @@ def verify_distributed(
                         "--timeout for a slow model.",
                     )
         except mp.ProcessRaisedException as exc:
-            raise _failure(folder, world, f"rank {exc.error_index} raised") from exc
+            what = f"rank {exc.error_index} raised"
+            raise (
+                _failure(folder, world, what)
+                or CannotMeasureError(f"The distributed run failed: {what}.")
+            ) from exc
         except mp.ProcessExitedException as exc:
             how = (
                 f"rank {exc.error_index} was killed by signal {exc.signal_name}"
                 if exc.signal_name
                 else f"rank {exc.error_index} exited with code {exc.exit_code}"
             )
-            error = _failure(folder, world, how)
-            if error.message.startswith("The distributed run failed"):
-                error = CannotMeasureError(f"A rank died: {how}.")
-            raise error from exc
+            raise (
+                _failure(folder, world, how) or CannotMeasureError(f"A rank died: {how}.")
+            ) from exc
         finally:
             for process in context.processes:
                 if process.is_alive():
@@ -557,35 +560,18 @@ def verify_distributed(
                     process.join(5)
             run.ranks_ended()
         progress(1, 1, "done")
-        raw = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+        return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
-    grad, couple = gradient_check(
-        plan, [r.get("gradient_error") for r in raw], check_gradients, world
-    )
-    return DistributedVerifyResult(
-        plan=plan,
-        device=chosen,
-        backend="nccl" if chosen == "cuda" else "gloo",
-        world_size=world,
-        steps=steps,
-        predicted_peak_bytes=predicted_for_device(plan, chosen)[0],
-        ranks=tuple(
-            RankResult(
-                rank=r["rank"],
-                peak_bytes=r["peak_bytes"],
-                tracker_peak_bytes=r["tracker_peak_bytes"],
-                step_seconds=r["step_seconds"],
-                effective_batch=r["effective_batch"],
-                cuda_max_allocated_bytes=r["cuda_max_allocated_bytes"],
-                cuda_max_reserved_bytes=r["cuda_max_reserved_bytes"],
-                timeline=tuple(tuple(piece) for piece in r.get("timeline", ())),
-                timeline_forward_ops=tuple(r.get("timeline_forward_ops", ())),
-            )
-            for r in raw
-        ),
-        tolerance=tolerance,
-        gradient_check=grad,
-        batch_coupling=couple,
-        predicted_step_seconds=plan.predicted.step_seconds,
-        predicted_rank_peaks=rank_predictions(plan, chosen, world, parallel),
+
+def _rank_result(r: dict[str, Any]) -> RankResult:
+    return RankResult(
+        rank=r["rank"],
+        peak_bytes=r["peak_bytes"],
+        tracker_peak_bytes=r["tracker_peak_bytes"],
+        step_seconds=r["step_seconds"],
+        effective_batch=r["effective_batch"],
+        cuda_max_allocated_bytes=r["cuda_max_allocated_bytes"],
+        cuda_max_reserved_bytes=r["cuda_max_reserved_bytes"],
+        timeline=tuple(tuple(piece) for piece in r.get("timeline", ())),
+        timeline_forward_ops=tuple(r.get("timeline_forward_ops", ())),
     )

@@ -23,24 +23,14 @@ from memplan.plan import Plan
 from memplan.probe.tracker import resident_tensors
 
 
-def parallel_of(plan: Plan, config: dict[str, Any]) -> Parallel | None:
-    """The layout a rank runs: the plan's ``parallel`` (or a test's override)."""
-    data = config.get("parallel")
-    if data:
-        return Parallel(**data)
-    return getattr(plan, "parallel", None)
-
-
-def rank_predictions(
-    plan: Plan, device: str, world: int, parallel: Parallel | None = None
-) -> tuple[int, ...]:
+def rank_predictions(plan: Plan, device: str, world: int) -> tuple[int, ...]:
     """Each rank's predicted peak under a pipeline layout (a rank's stage's peak, from the
     plan's ``predicted.stage_peak_bytes`` or, without it, from the profile the plan was
     solved from), as ``predicted_for_device`` adjusts it for ``device``; empty when every
     rank has the plan's prediction (no pipeline, or no per-stage figures to be had)."""
     from memplan.memory.parallel import stage_of_rank
 
-    layout = parallel or plan.parallel
+    layout = plan.parallel
     if layout is None or layout.pp == 1:
         return ()
     reserve = 0 if device == "cuda" else plan.predicted.breakdown.reserve
@@ -169,7 +159,7 @@ def layout_gradient_error(
     """max over this rank's parameters of max|g_rank − g_full| / max|g_full| (see the
     module doc)."""
     from memplan import run
-    from memplan.run.batch import map_batch
+    from memplan.model.batch import map_batch
     from memplan.run.parallel import build_layout, data_rank
 
     k, micro, dp = plan.accumulation_steps, plan.micro_batch_size, parallel.dp

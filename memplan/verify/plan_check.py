@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from memplan import run
+from memplan.model.batch import map_batch
 from memplan.model.loader import ModelFile
 from memplan.plan import Plan
-from memplan.run.batch import map_batch
 from memplan.verify.grad_check import (
     TOLERANCE,
     BatchCoupling,

@@ -1,0 +1,91 @@
+"""Loss parallel (issue 31): which bytes after the blocks a TP rank keeps whole and which
+it holds sharded by vocabulary when the head's logits and the cross-entropy stay sharded
+over the TP ranks (``Parallel.loss_parallel``). No torch. Used by memplan.memory.parallel."""
+
+from __future__ import annotations
+
+import math
+
+from memplan.profile import Affine, FixedPart, Profile
+
+FIRST_STAGE_HINTS = ("embed", "wte", "wpe", "tok", "pos")
+"""A fixed part whose name contains one of these runs before the blocks (first stage); the
+others (final norm, head, loss) run after them (last stage). Fixed parts carry no position
+in the profile, so the split is by name."""
+
+
+def first_stage_part(part: FixedPart) -> bool:
+    name = part.name.lower()
+    return any(hint in name for hint in FIRST_STAGE_HINTS)
+
+
+def tp_measured(profile: Profile) -> bool:
+    """Whether the probe measured every block's TP split (a model with a TP plan)."""
+    return bool(profile.layers) and all(
+        layer.tp_saved_fraction is not None for layer in profile.layers
+    )
+
+
+def vocab_split(rest: float, whole: float, vocab: float, cap: float = math.inf) -> float:
+    return min(rest, whole) + min(max(rest - whole, 0.0), cap) * vocab
+
+
+def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
+    """The most vocabulary-sized bytes per sample a TP rank holds under loss parallel,
+    before dividing by ``tp``: the whole-logits run's most, less one gradient of the
+    log-softmax's size. torch's loss parallel fuses the NLL and log-softmax backwards into
+    one (``_nll_loss_and_log_softmax_backward``, torch/distributed/tensor/parallel/loss.py,
+    torch 2.13: one ``zeros_like`` gradient, its log-softmax backward a pass-through), where
+    the plain path holds NLL's gradient beside log-softmax's. The log-softmax runs in fp32
+    (the loss upcasts bf16 logits), so that gradient is the head's output (``saved_bytes``,
+    the logits) times 4 / the logits' element size. Measured: 4 logits-sized fp32 tensors at
+    the whole-logits peak, 3 shards under loss parallel (tiny HF Llama, vocabulary 8192)."""
+    most = 0.0
+    for segments in profile.timeline.values():
+        for seg in segments:
+            if seg.active == "none" and seg.held == len(profile.layers):
+                held = sum(layer.saved_bytes.slope for layer in profile.layers)
+                most = max(most, *(p[1] - held - whole.slope for p in seg.points))
+    logits = sum(max(p.saved_bytes.slope, 0.0) for p in profile.fixed if is_head(p))
+    element = 2 if profile.environment.precision in ("bf16", "fp16") else 4
+    return max(most - logits * 4 / element, 0.0)
+
+
+LOSS_PART = "(loss)"
+"""The probe's name for the loss computed outside the model's modules (memplan.probe.assemble)."""
+
+
+def is_head(part: FixedPart) -> bool:
+    """A fixed part after the blocks whose weight TP splits (the output projection to the
+    vocabulary, colwise): the part loss parallel keeps sharded."""
+    return not first_stage_part(part) and part.name != LOSS_PART and part.tp_sharded_bytes > 0
+
+
+def loss_parallel_possible(profile: Profile) -> bool:
+    """Whether the model's TP plan splits its head (a colwise output projection), so the
+    logits can stay sharded by vocabulary (``Parallel.loss_parallel``)."""
+    return tp_measured(profile) and any(is_head(part) for part in profile.fixed)
+
+
+def loss_parallel_whole_bytes(profile: Profile) -> Affine:
+    """Under loss parallel, what stays whole on a TP rank once the blocks have run (per
+    sample and fixed): the last block's output and what the parts after the blocks other
+    than the head and the loss keep (the final norm's saved bytes; its output is the head's
+    input, which the colwise head keeps whole, ``Replicate``). The rest of those segments'
+    bytes are the logits, their fp32 copy, the log-softmax and the logits' gradient, all
+    vocabulary-sized, which torchtitan's ``loss_parallel`` (torch.distributed.tensor.parallel
+    .loss, ``_log_softmax_handler`` and ``_nll_loss_forward_handler``: a log-softmax and NLL
+    over the local vocabulary shard, the max and sum all-reduced) and Megatron's
+    ``vocab_parallel_cross_entropy`` (megatron/core/tensor_parallel/cross_entropy.py) hold as
+    ``1/tp`` shards. Measured on 4 gloo ranks (docs/design.md)."""
+    out = Affine.zero()
+    if profile.layers:
+        out = profile.layers[-1].output_bytes
+    for part in profile.fixed:
+        if first_stage_part(part) or part.name == LOSS_PART or is_head(part):
+            continue
+        out = Affine(
+            intercept=out.intercept + max(part.saved_bytes.intercept, 0.0),
+            slope=out.slope + max(part.saved_bytes.slope, 0.0),
+        )
+    return out
