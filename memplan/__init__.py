@@ -1,8 +1,9 @@
 """memplan: a memory planner and auto-tuner for PyTorch training.
 
 The core (profile, memory, timing, solver, plan, emit) imports neither torch nor rich. The
-run-time helpers that do (``apply``, ``remove``, ``Accumulator``: memplan.run) are loaded
-on first use."""
+run-time helpers that do (``apply``, ``remove``, ``Accumulator``: memplan.run) and
+``plan_model`` (memplan.integrations.api: plan a live model from a training script) are
+loaded on first use; no training framework is imported by ``import memplan``."""
 
 from __future__ import annotations
 
@@ -14,8 +15,16 @@ from memplan.plan import Plan, load_plan
 from memplan.profile import Profile, load_profile
 
 _RUNTIME = {"apply", "remove", "Accumulator"}
+_INTEGRATIONS = {"plan_model", "profile_model"}
 
-__all__ = ["Plan", "Profile", "load_plan", "load_profile", "__version__", *sorted(_RUNTIME)]
+__all__ = [
+    "Plan",
+    "Profile",
+    "load_plan",
+    "load_profile",
+    "__version__",
+    *sorted(_RUNTIME | _INTEGRATIONS),
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -23,4 +32,8 @@ def __getattr__(name: str) -> Any:
         from memplan import run
 
         return getattr(run, name)
+    if name in _INTEGRATIONS:
+        from memplan.integrations import api
+
+        return getattr(api, name)
     raise AttributeError(f"module 'memplan' has no attribute {name!r}")

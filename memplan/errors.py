@@ -55,6 +55,11 @@ class ModelFileError(BadInputError):
     """model.py is missing, does not import, or breaks the model-file contract."""
 
 
+class MissingExtraError(BadInputError, ImportError):
+    """An integration's framework (transformers, lightning, accelerate) is not installed;
+    the message names the memplan extra that installs it."""
+
+
 class ProfileError(BadInputError):
     """A profile or plan YAML file is unreadable, corrupted, of a future version, or has
     unknown keys."""

@@ -153,13 +153,15 @@ def in_flight(parallel: Parallel, stage: int, micro_batches: int) -> int:
     return min(m * v, warmup)
 
 
-def pipeline_refusal(model: str, hf_blocks: tuple[str, ...] | list[str]) -> str | None:
-    """Why memplan cannot run ``model`` in pipeline stages, or None when it can. memplan's
-    runtime splits a model into stages by the pipeline plan of a Hugging Face decoder for
-    causal language modelling (``memplan.run.parallel.pipeline_parts``: embeddings, layers,
-    norm and head); the solver and ``verify`` ask this of a profile's or a plan's model
-    (its reference and its ``hf_blocks``, empty for a model that is not a transformers
-    model) so that no plan with pipeline stages is offered, or run, for another model."""
+def pipeline_refusal_by_kind(model: str, hf_blocks: tuple[str, ...] | list[str]) -> str | None:
+    """Why memplan cannot run ``model`` in pipeline stages, judged by its kind, or None when
+    it may. memplan's runtime splits a model into stages by the pipeline plan of a Hugging
+    Face decoder for causal language modelling (``memplan.run.pipeline.pipeline_refusal``,
+    which the probe records as ``Profile.pipeline_refused``); where that verdict is not
+    recorded (a profile written before memplan recorded it, and every plan), the solver and
+    ``verify`` ask this of the model's reference and its ``hf_blocks`` (empty for a model
+    that is not a transformers model), so that no plan with pipeline stages is offered, or
+    run, for a model that is not one."""
     what = "memplan splits pipeline stages of Hugging Face decoder models only (by their "
     what += "pipeline plan: embeddings, layers, norm, head)"
     if not hf_blocks:

@@ -246,6 +246,8 @@ def plan_to_yaml(plan: Plan) -> str:
         data.pop("seq_len", None)
     if data.get("parallel") is None:
         data.pop("parallel", None)
+    elif not data["parallel"].get("loss_parallel"):
+        data["parallel"].pop("loss_parallel", None)  # the default: plans read as before
     if not data["predicted"].get("stage_peak_bytes"):
         data["predicted"].pop("stage_peak_bytes", None)
     data["checkpoint"] = _BlockMap(data["checkpoint"] or {})

@@ -1,8 +1,10 @@
-"""The shape of the code base (#11, #24): the import graph of memplan has no circle (lazy
-imports inside functions count too), rich is imported only under memplan/render, torch only
-in the three torch wings (probe/, run/, verify/), model/{loader,hf,batch} and devices, no import runs
-against the layering, no private name crosses a module boundary, "did you mean" lives in
-one file, and no module under memplan/ grows past 600 lines."""
+"""The shape of the code base (#11, #24, #32): the import graph of memplan has no circle
+(lazy imports inside functions count too), rich is imported only under memplan/render, torch
+only in the four torch wings (probe/, run/, verify/, integrations/), model/{loader,hf,batch}
+and devices, the training frameworks (transformers, lightning, accelerate) only in
+integrations/ (and transformers in hf), no import runs against the layering, no private
+name crosses a module boundary, "did you mean" lives in one file, and no module under
+memplan/ grows past 600 lines."""
 
 import ast
 from pathlib import Path
@@ -14,7 +16,19 @@ OVER_LIMIT_FOR_NOW: set[str] = set()
 
 # The torch wings, and the model boundary's and device modules that may import torch (lazily
 # or not).
-WINGS = ("memplan.probe", "memplan.run", "memplan.verify")
+# integrations/ (issue 32) is the top wing: it drives probe/, run/ and the solver from a
+# user's training script, and nothing in memplan but the lazy re-export in memplan imports it.
+WINGS = ("memplan.probe", "memplan.run", "memplan.verify", "memplan.integrations")
+INTEGRATIONS = ("memplan.integrations",)
+# The training frameworks an integration drives: optional, so only integrations/ imports
+# them (transformers also memplan.model.hf, which builds hf: references from configs).
+FRAMEWORKS = {
+    "lightning": INTEGRATIONS,
+    "pytorch_lightning": INTEGRATIONS,
+    "accelerate": INTEGRATIONS,
+    "transformers": (*INTEGRATIONS, "memplan.model.hf"),
+    "trl": INTEGRATIONS,
+}
 TORCH_FILES = {
     "memplan.model.loader",
     "memplan.model.hf",
@@ -135,13 +149,19 @@ def torch_users() -> set[str]:
 
 
 def layering_violations(edges: dict[str, set[str]]) -> list[str]:
-    """Imports that run against the layering: run/ importing probe/ or verify/, and a core
-    module (anything outside the wings, the apps and the torch files) importing a wing."""
+    """Imports that run against the layering: run/ importing probe/ or verify/, a core
+    module (anything outside the wings, the apps and the torch files) importing a wing, and
+    anything but integrations/ itself and memplan's lazy re-export importing integrations/."""
     out = []
     for module, targets in sorted(edges.items()):
         for target in sorted(targets):
             if _in(module, ("memplan.run",)) and _in(target, ("memplan.probe", "memplan.verify")):
                 out.append(f"{module} → {target}")
+            elif _in(target, INTEGRATIONS) and not (
+                _in(module, INTEGRATIONS) or module == "memplan"
+            ):
+                out.append(f"{module} → {target}")
+                continue
             core = not _in(module, WINGS + APPS) and module not in TORCH_FILES | COMPATIBILITY
             if core and _in(target, WINGS):
                 out.append(f"{module} → {target}")
@@ -157,6 +177,22 @@ def test_torch_only_in_the_wings_and_three_files():
     )
 
 
+def test_frameworks_only_in_the_integrations():
+    users = {
+        module_name(p): _imported_top_level(p) & set(FRAMEWORKS) for p in PACKAGE.rglob("*.py")
+    }
+    outside = sorted(
+        f"{module} imports {framework}"
+        for module, frameworks in users.items()
+        for framework in frameworks
+        if not _in(module, FRAMEWORKS[framework])
+    )
+    assert outside == [], outside
+    # The check sees real imports: the integrations do import the frameworks.
+    assert "lightning" in users["memplan.integrations.lightning"]
+    assert "transformers" in users["memplan.integrations.hf"]
+
+
 def test_no_import_runs_against_the_layering():
     assert layering_violations(graph()) == []
 
@@ -165,7 +201,11 @@ def test_the_layering_check_finds_a_violation():
     edges = graph()
     edges["memplan.run.checkpoint"] = edges["memplan.run.checkpoint"] | {"memplan.probe.tracker"}
     edges["memplan.solver.search"] = edges["memplan.solver.search"] | {"memplan.verify"}
+    edges["memplan.probe.runner"] = edges["memplan.probe.runner"] | {"memplan.integrations.api"}
+    edges["memplan.cli.solve"] = edges["memplan.cli.solve"] | {"memplan.integrations.hf"}
     assert layering_violations(edges) == [
+        "memplan.cli.solve → memplan.integrations.hf",
+        "memplan.probe.runner → memplan.integrations.api",
         "memplan.run.checkpoint → memplan.probe.tracker",
         "memplan.solver.search → memplan.verify",
     ]

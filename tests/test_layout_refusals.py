@@ -20,7 +20,7 @@ from memplan.cli import app
 from memplan.errors import BadInputError, ProfileError
 from memplan.files.schema import to_data
 from memplan.model.reference import ModelRef
-from memplan.parallel import pipeline_refusal
+from memplan.parallel import pipeline_refusal_by_kind
 from memplan.plan import plan_from_data, plan_to_yaml
 from memplan.profile import profile_to_yaml
 from memplan.report import report_for_plan
@@ -64,10 +64,10 @@ def test_pipeline_stages_are_never_planned_for_a_model_memplan_cannot_split():
 
 
 def test_pipeline_rule_reads_the_reference_and_the_transformers_blocks():
-    assert pipeline_refusal("model.py", ()) is not None
-    assert pipeline_refusal("model.py", ("model.layers.0",)) is None  # a file building one
-    assert pipeline_refusal("hf:cfg?task=causal-lm&seq-len=8", ("model.layers.0",)) is None
-    why = pipeline_refusal("hf:cfg?task=seq-cls&seq-len=8", ("model.layers.0",))
+    assert pipeline_refusal_by_kind("model.py", ()) is not None
+    assert pipeline_refusal_by_kind("model.py", ("model.layers.0",)) is None  # a file building one
+    assert pipeline_refusal_by_kind("hf:cfg?task=causal-lm&seq-len=8", ("model.layers.0",)) is None
+    why = pipeline_refusal_by_kind("hf:cfg?task=seq-cls&seq-len=8", ("model.layers.0",))
     assert why is not None and "seq-cls" in why
 
 

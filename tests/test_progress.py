@@ -57,3 +57,31 @@ def test_solve_prints_no_progress_when_stderr_is_not_a_terminal(monkeypatch):
     result = runner.invoke(app, ["solve", BASELINE, "--budget", "80GiB", "--target-batch", "64"])
     assert result.exit_code == 0, result.output
     assert "memplan solve" not in buffer.getvalue()
+
+
+def test_off_a_terminal_plain_lines_say_where_the_time_goes(monkeypatch):
+    # issue 37: a probe of 10-16 minutes piped to a log printed nothing until the end
+    import time
+
+    buffer = _console(monkeypatch, terminal=False)
+    monkeypatch.setenv("MEMPLAN_PROGRESS_SECONDS", "0.2")
+    with render.progress("probing") as on_progress:
+        on_progress(1, 3, "b=1: traced")
+        time.sleep(1.1)
+        on_progress(2, 3, "b=2: traced")
+        time.sleep(0.5)
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) >= 4
+    assert lines[0].startswith("probing: ") and "now b=1: traced (1/3) for" in lines[0]
+    assert "longest steps: b=1: traced 1." in lines[-2] or "b=2: traced" in lines[-2]
+    assert (
+        lines[-1].startswith("probing: ") and ", done; longest steps: b=1: traced 1." in (lines[-1])
+    )
+    assert "\x1b[" not in buffer.getvalue()  # plain text for a log
+
+
+def test_off_a_terminal_a_short_run_prints_nothing(monkeypatch):
+    buffer = _console(monkeypatch, terminal=False)
+    with render.progress("probing") as on_progress:
+        on_progress(1, 3, "b=1: traced")
+    assert buffer.getvalue() == ""

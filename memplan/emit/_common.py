@@ -22,7 +22,8 @@ _MAX_LAYERS_SHOWN = 8
 def batch_equation(plan: Plan) -> str:
     processes = "process" if plan.world_size == 1 else "processes"
     return (
-        f"micro-batch {plan.micro_batch_size} × {plan.accumulation_steps} accumulation steps × "
+        f"micro-batch {plan.micro_batch_size} × {plan.accumulation_steps} accumulation "
+        f"step{'' if plan.accumulation_steps == 1 else 's'} × "
         f"{plan.world_size} {processes} = effective batch {plan.target_batch}"
     )
 

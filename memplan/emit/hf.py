@@ -32,22 +32,30 @@ DEEPSPEED_FILENAME = "ds_config.json"
 """The deepspeed format's file name (memplan.emit.FORMATS), referenced by ``deepspeed:``."""
 
 
+def trainer_checkpointing(plan: Plan, candidate_layers: Sequence[str] | None = None) -> bool:
+    """Whether the plan is exactly what Trainer's all-or-nothing ``gradient_checkpointing``
+    does: full checkpointing of every block ``gradient_checkpointing_enable()`` checkpoints
+    (``candidate_layers``, default the plan's ``model_fingerprint.hf_blocks``) and of no
+    other layer. Any other plan needs ``memplan.apply``."""
+    layers = set(plan.checkpoint_layers)
+    if candidate_layers is None and plan.model_fingerprint is not None:
+        candidate_layers = plan.model_fingerprint.hf_blocks or None
+    all_full = all(mode == "full" for mode in plan.checkpoint.values())
+    return (
+        bool(layers)
+        and all_full
+        and candidate_layers is not None
+        and layers == set(candidate_layers)
+    )
+
+
 def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | None = None) -> str:
     """TrainingArguments YAML. ``candidate_layers``: the blocks Trainer's own
     ``gradient_checkpointing`` would checkpoint (default: the plan's
     ``model_fingerprint.hf_blocks``); when the plan fully checkpoints exactly those, it is
     switched on instead of asking for ``memplan.apply``."""
     layers = set(plan.checkpoint_layers)
-    if candidate_layers is None and plan.model_fingerprint is not None:
-        candidate_layers = plan.model_fingerprint.hf_blocks or None
-    # Trainer's gradient_checkpointing is full checkpointing of every block: only then.
-    all_full = all(mode == "full" for mode in plan.checkpoint.values())
-    all_layers = (
-        bool(layers)
-        and all_full
-        and candidate_layers is not None
-        and layers == set(candidate_layers)
-    )
+    all_layers = trainer_checkpointing(plan, candidate_layers)
     notes = [*summary(plan, model_path=model_path), ""]
     notes += ["Load: HfArgumentParser((TrainingArguments,)).parse_yaml_file(this_file)"]
     if plan.world_size > 1:

@@ -34,6 +34,15 @@ _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved
 (what torchtitan's ``pipeline_parallel_schedule`` takes)."""
 
 
+def _every(n: int) -> str:
+    """1 -> "every block", 2 -> "every 2nd block", 3 -> "every 3rd block", 11 -> "every
+    11th block"."""
+    if n == 1:
+        return "every block"
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"every {n}{suffix} block"
+
+
 def _every_nth(plan: Plan, n_blocks: int) -> int:
     """The largest N such that checkpointing every N-th block covers as many blocks as the
     plan checkpoints (0: none)."""
@@ -70,7 +79,7 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         ac = {"mode": "selective", "selective_ac_option": str(nth)}
         notes.append(
             f"the plan checkpoints {len(plan.checkpoint)} of {n_blocks} blocks "
-            f"({', '.join(sorted(modes))}); torchtitan checkpoints every {nth}-th block fully"
+            f"({', '.join(sorted(modes))}); torchtitan checkpoints {_every(nth)} fully"
         )
     if p.tp > 1 and not p.sequence_parallel:
         notes.append("torchtitan's Llama TP always shards the norms by sequence (SP)")

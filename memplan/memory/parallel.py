@@ -262,6 +262,17 @@ def check_layout(profile: Profile, parallel: Parallel) -> None:
             "to split into stages.",
             hint="Use a pipeline degree (× virtual stages) of at most the number of blocks.",
         )
+    if parallel.pp > 1 and profile.pipeline_refused:
+        raise BadInputError(
+            f"pipeline stages (pp {parallel.pp}): {profile.pipeline_refused}",
+            hint="Plan with --pp 1 (memplan verify and the emitted scripts would refuse it).",
+        )
+    if parallel.tp > 1 and profile.tp_refused:
+        raise BadInputError(
+            f"tensor parallelism (tp {parallel.tp}): {profile.tp_refused}",
+            hint="Plan with --tp 1, or add TP_PLAN to the model file (module-name patterns "
+            "to colwise/rowwise).",
+        )
     if parallel.tp > 1 and not tp_measured(profile):
         raise BadInputError(
             f"the profile of {profile.model.spec} has no tensor-parallel measurement, so "

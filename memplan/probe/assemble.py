@@ -186,14 +186,9 @@ def _layer(
         "bwd_transient_bytes": fits.bytes_fit(lambda r: _bwd_transient(r, j)),
         "recompute_transient_bytes": fits.bytes_fit(lambda r: _bwd_transient(r, j, True)),
     }
+    # Recorded, not warned: solve says so when a plan extrapolates from such a layer (a
+    # micro-batch outside the probed sizes), the one case where it changes what to do.
     is_affine = all(f.residual <= AFFINE_TOLERANCE for f in byte_fits.values())
-    if not is_affine:
-        worst = max(byte_fits, key=lambda k: byte_fits[k].residual)
-        warnings.append(
-            f"layer {name}: {worst} is not affine in the micro-batch "
-            f"(residual {byte_fits[worst].residual:.1%}); do not trust "
-            "extrapolation from it."
-        )
     sel_timed = all(t.selective_seconds is not None for t in fits.timed)
     return Layer(
         name=name,

@@ -16,6 +16,7 @@ the Profile.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import gc
@@ -26,13 +27,19 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, CannotMeasureError, MemplanError, checkpointing_failure
+from memplan.errors import (
+    BadInputError,
+    CannotMeasureError,
+    MemplanError,
+    checkpointing_failure,
+)
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.assemble import assemble
 from memplan.probe.backends import make_backend
 from memplan.probe.dedup import ForwardMisses
 from memplan.probe.expand import NotLinear, expand, same_profile
 from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
+from memplan.probe.sameness import Declined, shared_state, traced_reason
 from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
 from memplan.probe.sizes import (
     TIMING_REPEATS,
@@ -56,7 +63,7 @@ Progress = Callable[[int, int, str], None]
 
 # ------------------------------------------------------------------------------ entry
 def probe_model(
-    model_file_path: str,
+    model_file_path: str | ModelFile,
     *,
     device: str = "auto",
     micro_batches: Sequence[int] = (1, 2, 4),
@@ -67,7 +74,8 @@ def probe_model(
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
 ) -> Profile:
-    """Measure ``model_file_path`` per layer and return its Profile (see profile.py). On
+    """Measure ``model_file_path`` (or a loaded ModelFile: memplan.integrations.api builds
+    one around a live model) per layer and return its Profile (see profile.py). On
     meta, identical blocks reuse their representative's meta results unless
     ``reuse_identical`` is False (memplan.probe.dedup)."""
     sizes = sorted(set(int(b) for b in micro_batches))
@@ -87,15 +95,22 @@ def probe_model(
         if on_progress is not None:
             on_progress(done, total, what)
 
-    model_file = load_model_file(model_file_path)
+    model_file = (
+        model_file_path
+        if isinstance(model_file_path, ModelFile)
+        else load_model_file(model_file_path)
+    )
     try:
+        declined = None
         if device == "meta" and reuse_identical:
             derived = _probe_repeats(
                 model_file, sizes, precision, layers, device_profile, tick, mixed_precision
             )
-            if derived is not None:
+            if isinstance(derived, Profile):
                 return derived
-        return probe_sizes(
+            if derived is not None:
+                declined = derived.reason
+        profile = probe_sizes(
             model_file,
             sizes,
             device,
@@ -106,6 +121,9 @@ def probe_model(
             mixed_precision,
             reuse_identical,
         )
+        if declined is not None:
+            profile = dataclasses.replace(profile, extrapolation_declined=declined)
+        return profile
     except Exception as exc:
         known = checkpointing_failure(exc, model_file.spec)
         if known is None:
@@ -121,43 +139,62 @@ def _probe_repeats(
     device_profile: str | None,
     tick: Callable[[str], None],
     mixed_precision: str,
-) -> Profile | None:
+) -> Profile | Declined | None:
     """A long run of identical blocks probed at three short lengths and the rest derived
-    (memplan.probe.repeats); None when the model has no such run, or its short probes do
-    not extrapolate exactly (the caller probes it in full)."""
+    (memplan.probe.repeats); None when the model has no run of look-alike blocks, and
+    ``Declined`` (with the reason) when memplan cannot show that its blocks are the same
+    (memplan.probe.sameness) or its short probes do not extrapolate exactly: the caller then
+    probes every block. Failures are not declines: they surface as they would in a full
+    probe (memplan's own as exit 3 naming the op)."""
     backend = make_backend("meta", precision, device_profile, mixed_precision, True)
     model = backend.build(model_file)
     names, _ = resolve_layers(model, layers)
     repeat = longest_run(model, names)
     if repeat is None:
         return None
+    reason = shared_state(model, repeat)
+    if reason is not None:
+        return Declined(reason)
+    whole = copy.deepcopy(model)  # traced (a forward may fill caches); the probes cut `model`
     shrink(model, repeat, LENGTHS[-1])  # built once: 10,000 blocks take seconds to build
     longest = dataclasses.replace(repeat, length=LENGTHS[-1])
-    short = []
+    cuts = [
+        (shrunk_copy(model, longest, length), dataclasses.replace(repeat, length=length))
+        for length in LENGTHS
+    ]
+    reason = traced_reason(model_file, backend, whole, repeat, sizes[0], cuts)
+    del whole, cuts
+    if reason is not None:
+        return Declined(reason)
+    short = [
+        probe_sizes(
+            model_file,
+            sizes,
+            "meta",
+            precision,
+            layers,
+            device_profile,
+            tick if k == 0 else lambda what: None,
+            mixed_precision,
+            True,
+            prune=False,
+            build=functools.partial(shrunk_copy, model, longest, length),
+        )
+        for k, length in enumerate(LENGTHS)
+    ]
+    a = repeat.first
     try:
-        for k, length in enumerate(LENGTHS):
-            short.append(
-                probe_sizes(
-                    model_file,
-                    sizes,
-                    "meta",
-                    precision,
-                    layers,
-                    device_profile,
-                    tick if k == 0 else lambda what: None,
-                    mixed_precision,
-                    True,
-                    prune=False,
-                    build=functools.partial(shrunk_copy, model, longest, length),
-                )
-            )
-        a = repeat.first
         check = expand(short[0], short[1], a, LENGTHS[2], short[2].layer_names, prune=False)
-        if not same_profile(check, short[2]):
-            return None
+    except NotLinear as exc:
+        return Declined(f"the probes of 4 and 5 blocks do not extrapolate ({exc})")
+    if not same_profile(check, short[2]):
+        return Declined(
+            "the probe of 6 blocks differs from what the probes of 4 and 5 blocks predict"
+        )
+    try:
         return expand(short[0], short[1], a, repeat.length, names, prune=True)
-    except (NotLinear, MemplanError, RuntimeError, ValueError, TypeError, IndexError):
-        return None  # the full probe runs it again, and reports what fails there
+    except NotLinear as exc:
+        return Declined(f"the probes of 4 and 5 blocks do not extrapolate ({exc})")
 
 
 def probe_sizes(
@@ -269,16 +306,32 @@ def probe_sizes(
 
 
 def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str], None]) -> Profile:
-    """The profile with what tensor parallelism divides (memplan.probe.tp_measure); a model
-    whose blocks cannot run under TP keeps its profile, with a warning saying why."""
+    """The profile with what tensor parallelism divides (memplan.probe.tp_measure) and
+    whether pipeline stages can split the model (``Profile.pipeline_refused``); a model
+    without a TP plan, or whose blocks cannot run under one, records why in
+    ``Profile.tp_refused`` (and the latter in a warning)."""
     from memplan.probe.tp_measure import declared_plan, measure_tp
+    from memplan.run.pipeline import pipeline_refusal
+    from memplan.run.tp_plan import tp_plan_for
 
+    profile = dataclasses.replace(profile, pipeline_refused=pipeline_refusal(session.model))
     try:
         declared = declared_plan(session.model_file.module, session.model)
+        tp_plan_for(session.model, declared)
+    except BadInputError as exc:  # no TP plan: nothing to measure
+        return dataclasses.replace(profile, tp_refused=exc.message.strip().splitlines()[0])
+    try:
         measured = measure_tp(session, profile, size, declared)
     except Exception as exc:
-        note = f"Tensor parallelism was not measured ({type(exc).__name__}: {exc}); plans with --tp > 1 are refused."
-        return dataclasses.replace(profile, warnings=(*profile.warnings, note))
+        # what failed, without a model-file hint that blames the batch: the batch ran the
+        # whole probe; here the blocks run again under TP 2 on a fake process group
+        said = exc.message if isinstance(exc, MemplanError) else str(exc)
+        said = (said.strip().splitlines() or [""])[0]
+        why = f"its blocks failed under its TP plan ({type(exc).__name__}: {said})"
+        note = f"Tensor parallelism was not measured: {why}; plans with --tp > 1 are refused."
+        return dataclasses.replace(
+            profile, warnings=(*profile.warnings, note), tp_refused=f"{why}."
+        )
     if measured is not profile:
         tick("measured the blocks under TP 2 (fake process group)")
     return measured

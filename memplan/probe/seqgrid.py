@@ -13,14 +13,14 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from memplan.errors import BadInputError, checkpointing_failure
-from memplan.model.loader import load_model_file
+from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.runner import Progress, probe_sizes
 from memplan.profile import Profile
 from memplan.profile.seqlen import grid_profile
 
 
 def probe_seq_grid(
-    model_file_path: str,
+    model_file_path: str | ModelFile,
     seq_lens: Sequence[int],
     *,
     device: str = "auto",
@@ -42,7 +42,11 @@ def probe_seq_grid(
             f"micro_batches {tuple(micro_batches)} must hold at least two distinct positive sizes.",
             hint="For example 1,2,4: affine fits need two sizes; three give a residual.",
         )
-    model_file = load_model_file(model_file_path)
+    model_file = (
+        model_file_path
+        if isinstance(model_file_path, ModelFile)
+        else load_model_file(model_file_path)
+    )
     bound = [model_file.at_seq_len(s) for s in lens]  # exit 2 before any probing
     per_length = 2 + (7 + (device != "meta")) * len(sizes) + 2
     total = per_length * len(lens)

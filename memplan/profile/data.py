@@ -265,6 +265,17 @@ class Profile:
     """Candidate layers not traced themselves: each is identical to an earlier one (same
     class, parameter shapes and dtypes, input shapes) and reuses its measurement; see
     ``memplan.probe.dedup``. Empty for a full probe."""
+    extrapolated_layers: tuple[str, ...] = ()
+    """Candidate layers whose numbers no probe measured: a meta probe proved them copies of
+    one block (memplan.probe.sameness), probed the model with their run cut to 4, 5 and 6
+    blocks, and derived them (and the whole profile) from those probes
+    (memplan.probe.repeats). Empty: every layer was measured (no profile written before
+    memplan recorded this field was extrapolated unless ``deduplicated_layers`` lists the
+    run's middle blocks)."""
+    extrapolation_declined: str | None = None
+    """Why a meta probe that found a run of look-alike blocks did not take the shortcut
+    and measured every block (the blocks were not shown to be the same, or the short probes
+    did not extrapolate exactly). None: no such run, or the shortcut was taken."""
     seq_len: int | None = None
     """Tokens per sample of the batches these numbers describe: the length probed (the
     longest one, with ``seq``), or the length a profile was evaluated at
@@ -288,6 +299,14 @@ class Profile:
     """Tensors made outside the candidate layers and passed to several of them; segments
     name those the plain run holds (``Segment.shared_live``). Empty: none, or a profile
     written before memplan recorded them (its savings then charge each layer its own)."""
+    pipeline_refused: str | None = None
+    """Why memplan cannot run this model under pipeline stages (no pipeline plan, tied
+    embeddings, or a split whose stages do not compute the model's forward:
+    ``memplan.run.parallel.pipeline_refusal``); None: it can, or not known (an older
+    profile). ``solve`` plans no ``pp > 1`` for it."""
+    tp_refused: str | None = None
+    """Why memplan cannot run this model under tensor parallelism (no TP plan, or its blocks
+    fail under one); None: it can, or not known. ``solve`` plans no ``tp > 1`` for it."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:

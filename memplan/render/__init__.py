@@ -105,10 +105,17 @@ def info(message: str) -> None:
 def progress(description: str, *, quiet: bool = False) -> Iterator[Callable[[int, int, str], None]]:
     """A progress bar on stderr driven by the library's ``on_progress(done, total, what)``
     callbacks (a phase with no count: call it with total 0 or never), showing what it is
-    doing and the elapsed time. Silent (the callback does nothing) with ``quiet`` (``--json``)
-    or when stderr is not a terminal, so logs and pipes stay clean."""
-    if quiet or not console.is_terminal:
+    doing and the elapsed time. Silent (the callback does nothing) with ``quiet`` (``--json``).
+    When stderr is not a terminal (a log, a pipe): a plain line every
+    ``MEMPLAN_PROGRESS_SECONDS`` (default 60) while it runs, and one at the end of a run that
+    printed any, saying what it is doing and where the time went (``_plain_progress``); a
+    run shorter than that prints nothing."""
+    if quiet:
         yield lambda done, total, what: None
+        return
+    if not console.is_terminal:
+        with _plain_progress(description) as update:
+            yield update
         return
     bar = Progress(
         TextColumn("[bold]{task.description}"),
@@ -127,6 +134,71 @@ def progress(description: str, *, quiet: bool = False) -> Iterator[Callable[[int
 
     with bar:
         yield update
+
+
+PLAIN_PROGRESS_SECONDS = 60.0
+"""Seconds between plain progress lines off a terminal (``MEMPLAN_PROGRESS_SECONDS``)."""
+
+
+@contextlib.contextmanager
+def _plain_progress(description: str) -> Iterator[Callable[[int, int, str], None]]:
+    """Plain progress lines on stderr off a terminal: a timer thread prints, every
+    ``PLAIN_PROGRESS_SECONDS``, the elapsed time, the phase it is in (and for how long) and
+    the phases that took longest so far; a last line when it ends, if any was printed."""
+    import threading
+    import time
+
+    try:
+        every = float(os.environ.get("MEMPLAN_PROGRESS_SECONDS", PLAIN_PROGRESS_SECONDS))
+    except ValueError:
+        every = PLAIN_PROGRESS_SECONDS
+    start = time.monotonic()
+    state: dict[str, Any] = {"what": "", "count": "", "since": start, "printed": False}
+    spent: dict[str, float] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def slowest() -> str:
+        top = sorted(spent.items(), key=lambda kv: -kv[1])[:3]
+        return ", ".join(f"{what} {format_seconds(secs)}" for what, secs in top if secs >= 1)
+
+    def line(now: float, done: bool) -> str:
+        head = f"{description}: {format_seconds(now - start)}"
+        if done:
+            text = f"{head}, done"
+        else:
+            where = state["what"] or "starting"
+            count = f" ({state['count']})" if state["count"] else ""
+            text = f"{head} so far; now {where}{count} for {format_seconds(now - state['since'])}"
+        top = slowest()
+        return f"{text}; longest steps: {top}" if top else text
+
+    def update(done: int, total: int, what: str) -> None:
+        now = time.monotonic()
+        with lock:
+            if what != state["what"]:
+                if state["what"]:
+                    key = state["what"]
+                    spent[key] = spent.get(key, 0.0) + now - state["since"]
+                state["what"], state["since"] = what, now
+            state["count"] = f"{done}/{total}" if total else ""
+
+    def tick() -> None:
+        while not stop.wait(every):
+            with lock:
+                console.print(Text(line(time.monotonic(), False)), soft_wrap=True)
+                state["printed"] = True
+
+    thread = threading.Thread(target=tick, name="memplan-progress", daemon=True)
+    thread.start()
+    try:
+        yield update
+    finally:
+        stop.set()
+        thread.join()
+        update(0, 0, "")
+        if state["printed"]:
+            console.print(Text(line(time.monotonic(), True)), soft_wrap=True)
 
 
 # ---------------------------------------------------------------- profile
@@ -292,6 +364,20 @@ def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> No
     slow = _selective_note(profile)
     if slow:
         console.print(Text(f"note: {slow}"))
+    loose = [layer.name for layer in profile.layers if not layer.affine]
+    if loose:
+        console.print(
+            Text(
+                f"note: {len(loose)} of {len(profile.layers)} layers' bytes are not affine in "
+                f"the micro-batch (e.g. {loose[0]}); solve warns when a plan's micro-batch lies "
+                "outside the probed sizes, where they would be extrapolated"
+            )
+        )
+    if profile.hf_blocks and (profile.tp_refused or profile.pipeline_refused):
+        # a transformers model: layouts are what a user may plan next
+        for what, why in (("--tp", profile.tp_refused), ("--pp", profile.pipeline_refused)):
+            if why:
+                console.print(Text(f"note: solve refuses {what} > 1: {why}"))
 
 
 def _selective_note(profile: Profile) -> str:

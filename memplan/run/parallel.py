@@ -40,6 +40,12 @@ import torch
 
 from memplan.errors import BadInputError
 from memplan.parallel import Parallel, stage_layers
+from memplan.run.pipeline import (
+    SkippedLayer,
+    check_pipeline_split,
+    make_stage_module,
+    pipeline_parts,
+)
 from memplan.run.tp_plan import tp_modules, tp_plan_for
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -209,91 +215,6 @@ def apply_tp(
 
 
 # --------------------------------------------------------------------------- pipeline
-class _Skipped(torch.nn.Module):
-    """A layer of another pipeline stage: passes the hidden states through."""
-
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return hidden_states
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PipelineParts:
-    """Where a decoder model's pipeline pieces live, by fully-qualified name."""
-
-    base: str
-    """The base model (called with ``input_ids`` or ``inputs_embeds``)."""
-    embed: str
-    layers: str
-    """The repeated block list (an ``nn.ModuleList``)."""
-    norm: str
-    head: str
-
-
-def pipeline_parts(net: torch.nn.Module) -> PipelineParts:
-    """A transformers decoder's pieces from its own pipeline plan (``base_model_pp_plan``:
-    embeddings, layers, norm; ``_pp_plan``: the head). Other models are refused."""
-    config = getattr(net, "config", None)
-    base_plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    prefix = getattr(net, "base_model_prefix", "") or ""
-    # an instance's _pp_plan also holds the base plan under the prefix: the rest is the head
-    own = {
-        name: value
-        for name, value in dict(getattr(net, "_pp_plan", None) or {}).items()
-        if not name.startswith(f"{prefix}.")
-    }
-    names = list(base_plan)
-    if (
-        len(names) != 3
-        or len(own) != 1
-        or not isinstance(getattr(net, prefix, None), torch.nn.Module)
-    ):
-        raise BadInputError(
-            f"memplan splits pipeline stages of Hugging Face decoder models (embeddings, "
-            f"layers, norm, head in their pipeline plan); {type(net).__name__} declares none.",
-            hint="Plan this model without pipeline parallelism (--pp 1).",
-        )
-    if getattr(config, "tie_word_embeddings", False):
-        raise BadInputError(
-            f"{type(net).__name__} ties its head to its embeddings, which sit on different "
-            "pipeline stages.",
-            hint="Set tie_word_embeddings false in the config, or plan with --pp 1.",
-        )
-    embed, layers, norm = (f"{prefix}.{n}" for n in names)
-    return PipelineParts(base=prefix, embed=embed, layers=layers, norm=norm, head=next(iter(own)))
-
-
-def _set(net: torch.nn.Module, name: str, value: torch.nn.Module | None) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(net.get_submodule(parent) if parent else net, leaf, value)
-
-
-def make_stage_module(
-    net: torch.nn.Module, parts: PipelineParts, layers: range, *, first: bool, last: bool
-) -> torch.nn.Module:
-    """``net`` pruned to one pipeline stage, in place: layers outside ``layers`` become
-    pass-throughs, the embeddings go unless ``first``, the norm and head unless ``last``.
-    Its forward takes token ids (first stage) or hidden states and returns hidden states,
-    or the logits on the last stage. Names of what stays are unchanged."""
-    block_list = net.get_submodule(parts.layers)
-    for index in range(len(block_list)):
-        if index not in layers:
-            block_list[index] = _Skipped()
-    if not first:
-        _set(net, parts.embed, None)
-    if not last:
-        _set(net, parts.norm, torch.nn.Identity())
-        _set(net, parts.head, None)
-    base = net.get_submodule(parts.base)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        key = "input_ids" if first else "inputs_embeds"
-        hidden = base(**{key: x}, use_cache=False).last_hidden_state
-        return net.get_submodule(parts.head)(hidden) if last else hidden
-
-    net.forward = forward  # type: ignore[method-assign]
-    return net
-
-
 def hf_causal_loss(net: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss the model computes from ``labels`` (transformers' ``loss_function``),
     as a function of (logits, labels) for the last pipeline stage."""
@@ -330,7 +251,7 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
         named = dict(module.named_modules())
         for name in plan.shard_units:
             unit = named.get(name)
-            if unit is not None and not isinstance(unit, _Skipped):
+            if unit is not None and not isinstance(unit, SkippedLayer):
                 fully_shard(unit, **options)
         fully_shard(module, **options)
         if parallel.pp == 1 and plan.grad_sync == "last_micro_step":
@@ -503,6 +424,8 @@ def build_layout(
             "(a stage would send sequence-sharded hidden states).",
             hint="Verify the layout with --pp 1, or without --sequence-parallel.",
         )
+    if parallel.pp > 1:  # on the whole model, before TP splits it: every rank alike
+        check_pipeline_split(net, parallel.pp)
     rank = torch.distributed.get_rank()
     mesh = build_mesh(parallel, device.type)
     styles: dict[str, str] = {}

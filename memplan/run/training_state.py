@@ -5,7 +5,9 @@ Face model's key/value cache (``disable_kv_cache``) and dropout of every kind
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,21 +52,34 @@ def kv_cache_note(changed: Sequence[str]) -> str | None:
 class _NoDropout(TorchDispatchMode):
     """Every dropout draws no mask while active, fused ones included.
 
-    Seen at the level of aten ops (a ``TorchDispatchMode``), which autograd keeps active
-    while activation checkpointing recomputes a layer inside the backward (a
-    ``TorchFunctionMode`` is not: the recompute ran with dropout on). It covers what an
-    ``nn.Dropout`` module search misses: functional ``F.dropout`` (Hugging Face attention
-    dropout), ``nn.MultiheadAttention``'s dropout, ``scaled_dot_product_attention``'s
-    ``dropout_p`` (fused kernels take it as an argument) and stochastic depth. On CPU a
-    dropout is ``bernoulli_`` then a scale (ATen ``Dropout.cpp``, ``_dropout_impl``): the
-    mask is made all ones, so what is left is the deterministic ``1 / (1 - p)`` scale, the
-    same in every run. Fused kernels (``native_dropout``, the attention kernels) get
-    probability 0. The model stays in training mode, so checkpointing still runs."""
+        Seen at the level of aten ops (a ``TorchDispatchMode``), which autograd keeps active
+        while activation checkpointing recomputes a layer inside the backward (a
+        ``TorchFunctionMode`` is not: the recompute ran with dropout on). It covers what an
+        ``nn.Dropout`` module search misses: functional ``F.dropout`` (Hugging Face attention
+        dropout), ``nn.MultiheadAttention``'s dropout, ``scaled_dot_product_attention``'s
+        ``dropout_p`` (fused kernels take it as an argument) and stochastic depth (a
+    ``bernoulli_`` mask, or ``floor(keep_prob + torch.rand(...))`` as Hugging Face's
+    ``drop_path`` draws it: that floor is made all ones). On CPU a
+        dropout is ``bernoulli_`` then a scale (ATen ``Dropout.cpp``, ``_dropout_impl``): the
+        mask is made all ones, so what is left is the deterministic ``1 / (1 - p)`` scale, the
+        same in every run. Fused kernels (``native_dropout``, the attention kernels) get
+        probability 0. The model stays in training mode, so checkpointing still runs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = 0
         """Dropout ops it neutralised (for the caller to report)."""
+        self._uniform: dict[int, weakref.ref] = {}
+        """``rand`` outputs, then ``keep + rand`` sums: the mask of a drop-path written as
+        ``floor(keep_prob + torch.rand(...))`` (Hugging Face's ``drop_path``)."""
+
+    def _mark(self, t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            self._uniform[id(t)] = weakref.ref(t)
+
+    def _marked(self, t: Any) -> bool:
+        ref = self._uniform.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return ref is not None and ref() is t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = dict(kwargs or {})
@@ -75,6 +90,22 @@ class _NoDropout(TorchDispatchMode):
         if name == "bernoulli":
             self.seen += 1
             return torch.ones_like(args[0])
+        if name in ("floor", "floor_") and args and self._marked(args[0]):
+            # drop-path's mask floor(keep + U[0, 1)): all ones, the 1 / keep scale stays
+            self.seen += 1
+            return args[0].fill_(1) if name == "floor_" else torch.ones_like(args[0])
+        if name in ("rand", "rand_like"):
+            out = func(*args, **kwargs)
+            self._mark(out)
+            return out
+        if name in ("add", "add_") and len(args) >= 2 and any(map(self._marked, args[:2])):
+            other = args[1] if self._marked(args[0]) else args[0]
+            out = func(*args, **kwargs)
+            if isinstance(other, float | int) or (
+                isinstance(other, torch.Tensor) and other.numel() == 1
+            ):
+                self._mark(out)
+            return out
         for index, arg in enumerate(func._schema.arguments):
             if arg.name == "dropout_p" or (arg.name == "p" and "dropout" in name):
                 if arg.name in kwargs:

@@ -40,7 +40,7 @@ from memplan.memory.parallel import (
     rank_profile,
     tp_measured,
 )
-from memplan.parallel import Parallel, in_flight, pipeline_refusal
+from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.batches import divisors, micro_batch_sizes, split_error
@@ -87,8 +87,9 @@ def candidate_layouts(
     n = len(profile.layers)
     every = divisors(world) if ask.auto else [1]  # by factorisation: a prime world is quick
     tps = [ask.tp] if ask.tp else [t for t in every if t <= ask.gpus_per_node]
-    # memplan runs pipeline stages of Hugging Face decoders only (memplan.parallel)
-    split = pipeline_refusal(profile.model.spec, profile.hf_blocks) is None
+    # memplan runs pipeline stages of Hugging Face decoders only: the probe's verdict where
+    # recorded (pipeline_refused, below), else the model's kind (memplan.parallel)
+    split = pipeline_refusal_by_kind(profile.model.spec, profile.hf_blocks) is None
     pps = [ask.pp] if ask.pp else [p for p in every if p == 1 or (split and p <= n)]
     cps = [ask.cp] if ask.cp else [1]
     out = []
@@ -103,6 +104,8 @@ def candidate_layouts(
                     continue
                 if tp > 1 and not tp_measured(profile):
                     continue
+                if pp > 1 and profile.pipeline_refused:
+                    continue  # the model cannot be split into stages memplan runs
                 if tp > 1 and profile.tp_degree_divides and profile.tp_degree_divides % tp:
                     continue  # it would split a head or a projection unevenly
 
@@ -273,7 +276,13 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
             "dimensions have that greatest common divisor).",
             hint=f"Choose --tp from {', '.join(map(str, divisors(divides)))}.",
         )
-    if ask.pp and ask.pp > 1 and (why := pipeline_refusal(profile.model.spec, profile.hf_blocks)):
+    if (ask.tp or 1) > 1 or (ask.pp or 1) > 1:  # a fixed degree the model cannot run
+        check_layout(profile, Parallel(tp=ask.tp or 1, pp=ask.pp or 1))
+    if (
+        ask.pp
+        and ask.pp > 1
+        and (why := pipeline_refusal_by_kind(profile.model.spec, profile.hf_blocks))
+    ):
         raise BadInputError(f"--pp {ask.pp}: {why}.", hint="Plan this model with --pp 1.")
     layouts = candidate_layouts(profile, world, ask, strategy)
     if not layouts:
@@ -337,16 +346,47 @@ def _splits(request: SolveRequest, parallel: Parallel) -> list[tuple[int, int]]:
         if parallel.pp > 1 and (
             m < parallel.pp or (parallel.virtual_stages > 1 and m % parallel.pp)
         ):
-            continue
+            continue  # torch's 1F1B schedules need at least pp micro-batches
         out.append((b, m))
     return out
+
+
+def least_layout_peak(
+    profile: Profile, request: SolveRequest, ask: LayoutRequest
+) -> tuple[int, Parallel, int] | None:
+    """The least per-rank peak any of the asked layouts needs at the target batch (each
+    stage at its least-memory plan, the layout at its worst stage), with that layout and
+    micro-batch; None when no layout runs the target at all."""
+    from memplan.solver.search import least_peak_bytes
+
+    strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    best: tuple[int, Parallel, int] | None = None
+    for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
+        world = layout_sharding(_strategy(request, parallel), parallel).world_size
+        for b, m in _splits(request, parallel):
+            stage_request = dataclasses.replace(
+                request,
+                target_batch=b * m * world,
+                world_size=world,
+                strategy=_strategy(request, parallel),
+                min_micro=b,
+                max_micro=b,
+            )
+            peak = max(
+                least_peak_bytes(_rank_profile(profile, parallel, stage, m), stage_request)
+                for stage in range(parallel.pp)
+            )
+            if best is None or peak < best[0]:
+                best = (peak, parallel, b)
+    return best
 
 
 def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
     p = best.parallel
     out = [
         f"layout {p.describe()}: micro-batch {best.micro_batch}, {best.micro_batches} "
-        f"{'pipeline micro-batches' if p.pp > 1 else 'accumulation steps'} per step; worst "
+        f"{'pipeline micro-batch' if p.pp > 1 else 'accumulation step'}"
+        f"{'' if best.micro_batches == 1 else 'es' if p.pp > 1 else 's'} per step; worst "
         f"rank (stage {best.worst_stage}) {format_bytes(best.peak_bytes)}; step "
         f"{best.step_seconds * 1e3:.1f} ms" + (f", bubble {best.bubble:.0%}" if p.pp > 1 else "")
     ]
@@ -367,9 +407,14 @@ def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
             if dim == "tp"
             else "each rank holds fewer blocks; the bubble and the in-flight micro-batches grow with it"
         )
+        comm = (
+            f"its collectives add {extra * 1e3:+.1f} ms per step"
+            if abs(extra) >= 0.05e-3
+            else "its collectives take no time to the tenth of a millisecond"
+        )
         out.append(
-            f"{dim} {mine} over {dim} {theirs}: {what}; its collectives add "
-            f"{extra * 1e3:+.1f} ms per step; peak {format_bytes(best.peak_bytes)} vs "
+            f"{dim} {mine} over {dim} {theirs}: {what}; {comm}; peak "
+            f"{format_bytes(best.peak_bytes)} vs "
             f"{format_bytes(alt.peak_bytes)}, step {best.step_seconds * 1e3:.1f} vs "
             f"{alt.step_seconds * 1e3:.1f} ms ({alt.parallel.describe()}, micro-batch "
             f"{alt.micro_batch})"
@@ -436,10 +481,18 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         )
     options = _options(profile, request, ask)
     if not options:
+        least = least_layout_peak(profile, request, ask)
+        needs = (
+            f" The least peak any of them needs is {format_bytes(least[0])} per rank "
+            f"({least[1].describe()}, micro-batch {least[2]})."
+            if least
+            else ""
+        )
         raise NoPlanFitsError(
-            f"no layout of {request.world_size} ranks fits {request.budget_bytes / 2**30:.2f} "
-            f"GiB per rank at target batch {request.target_batch}.",
+            f"no layout of {request.world_size} ranks fits {format_bytes(request.budget_bytes)} "
+            f"per rank at target batch {request.target_batch}.{needs}",
             hint="Try --layout auto, more ranks, a larger --pp or --tp, or a smaller target.",
+            min_peak_bytes=least[0] if least else None,
         )
     best = min(options, key=lambda o: (o.step_seconds, o.peak_bytes))
     return LayoutResult(

@@ -180,7 +180,7 @@ class SolveRequest:
         if (self.target_batch is None) == (self.tokens_per_batch is None):
             raise SolveRequestError(
                 "Give the effective batch once: --target-batch (samples) or --tokens-per-batch "
-                "(tokens, with --seq-len)."
+                "(tokens, with --seq-len); in Python target_batch or tokens_per_batch."
             )
         if self.layout is not None and (
             self.seq_len is not None or self.tokens_per_batch is not None

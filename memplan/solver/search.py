@@ -153,6 +153,12 @@ def solve_batch(profile: Profile, request: SolveRequest) -> SolveResult:
     return result
 
 
+def least_peak_bytes(profile: Profile, request: SolveRequest) -> int:
+    """The least peak any plan of ``request`` (budget aside) reaches on ``profile``."""
+    options = [o for o in _setup(profile, request, ignore_budget=True).options if o.allowed]
+    return min(o.peak.peak_bytes for o in options)
+
+
 def solve_if_fits(
     profile: Profile, request: SolveRequest, *, explain: bool = True
 ) -> SolveResult | None:

@@ -49,7 +49,7 @@ import torch
 
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 from memplan.files.schema import to_data
-from memplan.parallel import pipeline_refusal
+from memplan.parallel import pipeline_refusal_by_kind
 from memplan.plan import Plan, plan_to_data
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
@@ -393,7 +393,7 @@ def _check_pipeline(plan: Plan) -> None:
     layout, fingerprint = plan.parallel, plan.model_fingerprint
     if layout is None or layout.pp == 1 or fingerprint is None:
         return
-    why = pipeline_refusal(plan.model, fingerprint.hf_blocks)
+    why = pipeline_refusal_by_kind(plan.model, fingerprint.hf_blocks)
     if why is not None:
         raise BadInputError(
             f"The plan has {layout.pp} pipeline stages: {why}.",

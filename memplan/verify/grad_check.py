@@ -181,25 +181,34 @@ def judge(
 
 
 # ---------------------------------------------------------------------------- coupling
-def coupling_cause(model: torch.nn.Module) -> str:
-    """The likely reason a model's loss couples the samples of a batch."""
-    if any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+UNKNOWN_CAUSE = (
+    "unknown (no BatchNorm, no router loss, and the loss alone does not couple the samples)"
+)
+
+
+def coupling_cause(model: torch.nn.Module, loss_couples: bool | None = None) -> str:
+    """Why a model's micro-batches differ from one batch, from evidence only: a BatchNorm
+    in training mode (statistics per micro-batch), a router's auxiliary loss switched on
+    (``output_router_logits``), or ``loss_couples`` (measured: in eval mode without
+    dropout, one batch's loss is not the mean of its micro-batches' losses, an in-batch
+    term such as a contrastive loss); else unknown. A parameter's or a class's name is no
+    evidence (a Swin-v2 ``logit_scale`` scales its attention, not a CLIP loss)."""
+    if any(
+        isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training for m in model.modules()
+    ):
         return "BatchNorm: its statistics are computed per micro-batch"
     config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False) or any(
-        "moe" in type(m).__name__.lower() or "router" in type(m).__name__.lower()
-        for m in model.modules()
-    ):
+    if getattr(config, "output_router_logits", False) is True:
         return (
             "an MoE auxiliary (load-balancing) loss: it is computed over the micro-batch's tokens"
         )
-    names = {n.rpartition(".")[2] for n, _ in model.named_parameters()}
-    if "logit_scale" in names or "contrastive" in type(model).__name__.lower():
-        return "a contrastive loss: every pair in the batch is in the loss"
-    return (
-        "a loss that couples the samples of a batch (contrastive or in-batch negatives, "
-        "normalised over the batch, or batch statistics)"
-    )
+    if loss_couples:
+        return (
+            "an in-batch loss term (contrastive pairs, or a normalisation over the batch): "
+            "without dropout and in eval mode, one batch's loss is not the mean of its "
+            "micro-batches' losses"
+        )
+    return UNKNOWN_CAUSE
 
 
 def coupling(
@@ -211,6 +220,7 @@ def coupling(
     effective_batch: int,
     k: int,
     micro_size: int,
+    loss_couples: bool | None = None,
 ) -> BatchCoupling:
     """The batch-coupling verdict: the textbook gradient of k micro-batches against one
     batch of the effective size."""
@@ -224,7 +234,7 @@ def coupling(
         status="differs",
         relative_error=error,
         effective_batch=effective_batch,
-        cause=coupling_cause(model),
+        cause=coupling_cause(model, loss_couples),
         reason=what,
     )
 
@@ -265,6 +275,21 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def seed_all(seed: int) -> None:
+    """Seed every random source a model's forward may draw from alike: torch's, Python's
+    ``random`` and numpy's global generator (transformers' SpecAugment draws its masks from
+    numpy), so that the plan's run and the textbook run see the same randomness outside
+    the checkpointed layers too."""
+    import random
+    import sys
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
 def textbook(
     model: torch.nn.Module,
     loss_fn: Any,
@@ -280,7 +305,7 @@ def textbook(
     averaging)."""
     model.zero_grad(set_to_none=True)
     for piece, seed in zip(pieces, seeds, strict=True):
-        torch.manual_seed(seed)
+        seed_all(seed)
         with autocast() if autocast is not None else contextlib.nullcontext():
             loss = loss_fn(model, piece)
         (loss / k).backward()

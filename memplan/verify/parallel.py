@@ -108,16 +108,19 @@ def run_layout_rank(
     }
     del layout, net
     if config["check_gradients"]:
-        error = layout_gradient_error(mf, plan, parallel, device, seed, rank)
-        out["gradient_error"] = layout_gradient_check(error, plan, parallel)
+        error, worst = layout_gradient_error(mf, plan, parallel, device, seed, rank)
+        out["gradient_error"] = layout_gradient_check(error, plan, parallel, worst)
     return out
 
 
-def layout_gradient_check(error: float | str, plan: Plan, parallel: Parallel) -> dict[str, Any]:
-    """``error`` (from :func:`layout_gradient_error`) as the JSON-ready plan check the
-    distributed verify reads from every rank (memplan.verify.distributed_grads): no batch
-    coupling is measured for a layout."""
-    from memplan.verify.grad_check import TOLERANCE, GradientCheck, coupling_skipped
+def layout_gradient_check(
+    error: float | str, plan: Plan, parallel: Parallel, worst: str | None = None
+) -> dict[str, Any]:
+    """``error`` (from :func:`layout_gradient_error`, with the parameter of that largest
+    difference, ``worst``) as the JSON-ready plan check the distributed verify reads from
+    every rank (memplan.verify.distributed_grads): no batch coupling is measured for a
+    layout."""
+    from memplan.verify.grad_check import TOLERANCE, GradientCheck, coupling_skipped, layer_of
 
     tol = TOLERANCE["fp32"]
     what = (
@@ -130,8 +133,17 @@ def layout_gradient_check(error: float | str, plan: Plan, parallel: Parallel) ->
     else:
         status = "pass" if error <= tol else "fail"  # NaN fails
         value = error if math.isfinite(error) else None
+        fingerprint = plan.model_fingerprint
+        layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
         check = GradientCheck(
-            status=status, relative_error=value, tolerance=tol, reason=what, precision="fp32"
+            status=status,
+            relative_error=value,
+            tolerance=tol,
+            reason=what,
+            precision="fp32",
+            worst_parameter=worst,
+            worst_parameter_error=value if worst is not None else None,
+            worst_layer=layer_of(worst, layers) if worst is not None else None,
         )
     effective = plan.micro_batch_size * plan.accumulation_steps * parallel.dp
     skipped = coupling_skipped(effective, "not measured for a parallel layout")
@@ -155,9 +167,9 @@ def _local_slice(full: torch.Tensor, mesh: Any, placements: Any) -> torch.Tensor
 
 def layout_gradient_error(
     mf: Any, plan: Plan, parallel: Parallel, device: torch.device, seed: int, rank: int
-) -> float | str:
+) -> tuple[float | str, str | None]:
     """max over this rank's parameters of max|g_rank − g_full| / max|g_full| (see the
-    module doc)."""
+    module doc), and the parameter where it is largest (None when not compared)."""
     from memplan import run
     from memplan.model.batch import map_batch
     from memplan.run.parallel import build_layout, data_rank
@@ -216,20 +228,23 @@ def layout_gradient_error(
     layout.optimizer.register_step_pre_hook(capture)
     with run.no_dropout():
         layout.train_step(mine, mf.loss)
-    worst = 0.0
+    worst, worst_name = 0.0, None
     for name, got in captured.items():
         ref = reference.get(name)
         if ref is None:
-            return math.inf
+            return f"{name} has a gradient under the layout but none in the reference", name
         if name in shards:
             ref = _local_slice(ref, *shards[name])
         if got.shape != ref.shape:
-            return f"{name}: gradient of shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
+            shapes = f"gradient of shape {tuple(got.shape)}, reference {tuple(ref.shape)}"
+            return f"{name}: {shapes}", name
         if not (bool(torch.isfinite(ref).all()) and bool(torch.isfinite(got).all())):
-            return math.nan
+            return math.nan, name
         scale = ref.abs().max().item()
         if scale > 0:
-            worst = max(worst, (got - ref).abs().max().item() / scale)
+            error = (got - ref).abs().max().item() / scale
+            if worst_name is None or error > worst:
+                worst, worst_name = error, name
     if not captured:
-        return "this rank holds no parameters with gradients"
-    return worst
+        return "this rank holds no parameters with gradients", None
+    return worst, worst_name

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import torch
 
 from memplan import run
+from memplan.errors import first_line
 from memplan.model.batch import map_batch
 from memplan.model.loader import ModelFile
 from memplan.plan import Plan
@@ -23,10 +25,13 @@ from memplan.verify.grad_check import (
     GradientCheck,
     StepCapture,
     coupling,
+    coupling_cause,
     coupling_skipped,
     default_dtype,
     judge,
     layer_set_failure,
+    relative_error,
+    seed_all,
     step_count_failure,
     textbook,
     to_dtype,
@@ -59,7 +64,10 @@ def check_gradients(
         except Exception as exc:  # the model does not run (or fit) in float64: use fp32
             # (a model file that fails for another reason fails again, in fp32, and is
             # reported as such)
-            note = f" (float64 failed with {type(exc).__name__}: compared in fp32)"
+            note = (
+                f" (compared in fp32: in float64 the model failed with {type(exc).__name__}: "
+                f"{first_line(exc)[:200]})"
+            )
         grad, couple = _fits(mf, plan, device, seed, full)
         return _with_reason(grad, grad.reason + note), couple
     return _fits(mf, plan, device, seed, full)
@@ -125,7 +133,7 @@ def _check(
 
 
 def _build(mf: ModelFile, device: torch.device, seed: int, dtype: torch.dtype | None) -> Any:
-    torch.manual_seed(seed)
+    seed_all(seed)
     net = mf.build_model().to(device)
     if dtype is not None:
         net = net.to(dtype)
@@ -155,7 +163,7 @@ def _plan_run(
     capture = StepCapture(optimizer, net)
     acc = run.Accumulator(net, optimizer, plan, device=device)
     for piece, seed in zip(pieces, seeds, strict=True):
-        torch.manual_seed(seed)
+        seed_all(seed)
         acc.step(piece, mf.loss)
     return capture.grads, step_count_failure(capture.calls, len(pieces), tol, precision)
 
@@ -173,6 +181,21 @@ def _localise(
     those whose run differs from the plain one (their recompute is not their forward)."""
     k = len(pieces)
     reference = textbook(build(), mf.loss, pieces, seeds, k=k, autocast=autocast)
+    again = textbook(build(), mf.loss, pieces, seeds, k=k, autocast=autocast)
+    unrepeatable = judge(
+        again, reference, tolerance=check.tolerance, layers=[], what="", precision=""
+    )
+    if unrepeatable.status == "fail":  # no layer's fault: the model is not repeatable
+        return dataclasses.replace(
+            check,
+            status="skipped",
+            worst_layer=None,
+            reason="not judged: two runs of the same micro-batches without checkpointing, "
+            "each after the same seeds (torch, numpy, Python random), differ by "
+            f"{unrepeatable.relative_error:.2e} themselves: the model draws randomness from "
+            "a source memplan does not seed, or keeps state between runs, outside the "
+            "checkpointed layers (no layer is at fault)",
+        )
     modes = list(run.layer_modes(plan).items())
     differ = []
     for name, mode in modes[:MAX_LAYERS_TRIED]:
@@ -222,14 +245,46 @@ def _coupling(
             micro_grads = textbook(net, mf.loss, pieces, seeds, k=k, autocast=autocast)
             net = build()  # afresh: a model may keep state across calls
             batch_grads = textbook(net, mf.loss, [full], seeds[:1], k=1, autocast=autocast)
+            result = coupling(
+                micro_grads,
+                batch_grads,
+                model=net,
+                tolerance=tol,
+                effective_batch=effective,
+                k=k,
+                micro_size=micro,
+            )
+            if result.status != "differs":
+                return result
+            # Evidence before a cause: randomness beyond dropout (other seeds, other
+            # gradients: SpecAugment's masks, a drop-path memplan does not recognise) makes
+            # the comparison meaningless; else is the loss itself coupled?
+            other = [seed + 1_000 for seed in seeds]
+            reseeded = textbook(build(), mf.loss, pieces, other, k=k, autocast=autocast)
+            random = relative_error(reseeded, micro_grads)
+            if not (math.isfinite(random) and random <= tol):
+                return coupling_skipped(
+                    effective,
+                    "not measured: with dropout off the model's gradients still depend on the "
+                    f"random seed (by {random:.1e}): its training forward draws random numbers "
+                    "beyond dropout (e.g. SpecAugment masking, or a stochastic depth memplan "
+                    "does not recognise), so micro-batches and one batch draw differently",
+                )
+            couples = _loss_couples(build(), mf, pieces, full, autocast, tol)
+            return dataclasses.replace(result, cause=coupling_cause(net, couples))
     except torch.OutOfMemoryError:
         return coupling_skipped(effective, f"one batch of {effective} does not fit this device")
-    return coupling(
-        micro_grads,
-        batch_grads,
-        model=net,
-        tolerance=tol,
-        effective_batch=effective,
-        k=k,
-        micro_size=micro,
-    )
+
+
+def _loss_couples(
+    net: torch.nn.Module, mf: ModelFile, pieces: list[Any], full: Any, autocast: Any, tol: float
+) -> bool:
+    """In eval mode and without gradients, is one batch's loss other than the mean of its
+    micro-batches' losses (an in-batch loss term)? BatchNorm uses its running statistics
+    there, so only the loss itself can couple the samples."""
+    net.eval()
+    with torch.no_grad(), autocast() if autocast is not None else contextlib.nullcontext():
+        parts = torch.stack([mf.loss(net, piece).detach().double() for piece in pieces])
+        whole = mf.loss(net, full).detach().double()
+    diff = float((parts.mean() - whole).abs())
+    return not diff <= tol * max(float(whole.abs()), 1e-12)

@@ -1,0 +1,297 @@
+"""memplan.plan_model on a live model (issue 32): planning leaves the model, its optimizer
+and the RNG states as they were; the plan trains in a plain loop (memplan.Accumulator) and
+through Accelerate to the same weights as the full batch, within the budget; careless use
+is a clear error before any probing or training; frameworks stay optional."""
+
+import copy
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from integration_models import (
+    TARGET,
+    blocks_model,
+    data,
+    max_difference,
+    mse,
+    sgd,
+    state_digest,
+    tightest_budget,
+    tracked_peak,
+)
+
+import memplan
+from memplan.errors import BadInputError, ModelFileError, NoPlanFitsError
+from memplan.integrations.api import profile_model, solve_profile
+from memplan.plan import load_plan
+
+STEPS = 3
+
+
+def batches(x, y):
+    return lambda n: (x[torch.arange(n) % len(x)], y[torch.arange(n) % len(y)])
+
+
+@pytest.fixture(scope="module")
+def planned():
+    """One probe of a model mid-training (gradients held, optimizer state, one module in
+    eval mode), with its state hashed before and after."""
+    model = blocks_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = data(TARGET)
+    mse(model, (x, y)).backward()
+    optimizer.step()
+    mse(model, (x, y)).backward()  # gradients held at planning time
+    model.blocks[1].eval()
+    before = state_digest(model, optimizer)
+    profile = profile_model(model, (x, y), loss_fn=mse, optimizer=optimizer)
+    after = state_digest(model, optimizer)
+    model.blocks[1].train()
+    return profile, before, after
+
+
+def test_planning_leaves_model_optimizer_and_rng_as_they_were(planned):
+    profile, before, after = planned
+    assert before == after
+    assert len(profile.layers) == 3 and profile.device == "cpu"
+    adam = profile.totals.optimizer_state_bytes - 2 * profile.totals.params_trainable_bytes
+    assert 0 <= adam <= 8 * 8  # exp_avg and exp_avg_sq, and one step counter per tensor
+
+
+def accumulation_plan(profile):
+    """The plan for TARGET under the tightest budget where the full batch does not fit."""
+    whole = solve_profile(profile, budget=10**9, target_batch=TARGET, modes="keep")
+    assert whole.micro_batch_size == TARGET
+    budget = math.floor((whole.predicted.peak_bytes - 1) / (1 - whole.margin))
+    return solve_profile(profile, budget=budget, target_batch=TARGET, modes="keep"), budget
+
+
+def reference_weights(steps: int = STEPS):
+    model = blocks_model()
+    optimizer = sgd(model.parameters())
+    x, y = data(TARGET * steps)
+    for s in range(steps):
+        optimizer.zero_grad()
+        mse(model, (x[s * TARGET : (s + 1) * TARGET], y[s * TARGET : (s + 1) * TARGET])).backward()
+        optimizer.step()
+    return model
+
+
+def test_plain_pytorch_accumulator_matches_the_full_batch_within_the_budget(planned):
+    plan, budget = accumulation_plan(planned[0])
+    assert plan.accumulation_steps > 1
+    assert plan.micro_batch_size * plan.accumulation_steps == TARGET
+    model = blocks_model()
+    optimizer = sgd(model.parameters())
+    memplan.apply(model, plan)
+    acc = memplan.Accumulator(model, optimizer, plan)
+    x, y = data(TARGET * STEPS)
+    seen = []
+
+    def train():
+        for start in range(0, TARGET * STEPS, plan.micro_batch_size):
+            index = torch.arange(start, start + plan.micro_batch_size)
+            out = acc.step((x[index], y[index]), mse)
+            if out["stepped"]:
+                seen.append(out["effective_batch"])
+
+    peak = tracked_peak(train, model, optimizer)
+    assert seen == [TARGET] * STEPS
+    assert peak <= budget
+    assert max_difference(model, reference_weights()) < 1e-12
+
+
+def test_accelerate_pattern_matches_the_full_batch_within_the_budget(planned):
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    from memplan.integrations.accelerate import accelerator, prepare_model
+
+    plan = solve_profile(planned[0], budget=10**9, target_batch=TARGET, max_micro=8)
+    budget = tightest_budget(plan)
+    assert (plan.micro_batch_size, plan.accumulation_steps) == (8, 4)
+    model = prepare_model(blocks_model(), plan)
+    optimizer = sgd(model.parameters())
+    x, y = data(TARGET * STEPS)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=plan.micro_batch_size
+    )
+    try:
+        acc = accelerator(plan, cpu=True)
+        assert isinstance(acc, accelerate.Accelerator)
+        assert acc.gradient_accumulation_steps == plan.accumulation_steps
+        model, optimizer, loader = acc.prepare(model, optimizer, loader)
+        steps = []
+
+        def train():
+            for batch in loader:
+                with acc.accumulate(model):
+                    acc.backward(mse(model, batch))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    if acc.sync_gradients:
+                        steps.append(1)
+
+        peak = tracked_peak(train, model, optimizer)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    assert len(steps) == STEPS
+    assert peak <= budget
+    assert max_difference(model, reference_weights()) < 1e-12
+
+
+def test_plan_model_writes_every_format_and_leaves_the_model(tmp_path):
+    model = blocks_model()
+    x, y = data(TARGET)
+    before = state_digest(model)
+    plan = memplan.plan_model(
+        model,
+        batches(x, y),
+        loss_fn=mse,
+        budget="64MiB",
+        target_batch=TARGET,
+        max_micro=8,
+        output=tmp_path / "plan.yaml",
+        formats="hf,torch,deepspeed,accelerate,lightning,torchrun",
+    )
+    assert state_digest(model) == before
+    assert (plan.micro_batch_size, plan.accumulation_steps) == (8, 4)
+    assert load_plan(tmp_path / "plan.yaml") == plan
+    written = sorted(p.name for p in tmp_path.iterdir())
+    assert "hf_training_args.yaml" in written and "ds_config.json" in written
+    assert len(written) == 7
+    assert "gradient_accumulation_steps: 4" in (tmp_path / "hf_training_args.yaml").read_text()
+
+
+def test_a_budget_below_every_plan_is_a_clear_error(planned):
+    with pytest.raises(NoPlanFitsError, match=r"No plan .* fits") as caught:
+        solve_profile(planned[0], budget="64KiB", target_batch=TARGET)
+    assert caught.value.min_peak_bytes > 64 * 1024
+
+
+@pytest.mark.parametrize(
+    ("budget", "match"),
+    [
+        (0, "positive"),
+        (-5, "positive"),
+        (float("nan"), "positive"),
+        (True, "budget must be"),
+        ("lots", "lots"),
+        ("auto", None),
+    ],
+)
+def test_bad_budgets_fail_before_probing(budget, match, monkeypatch):
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(memplan.integrations.api, "profile_model", no_probe)
+    x, y = data(4)
+    if match is None:  # auto on the CPU: the host's available memory, then the probe
+        with pytest.raises(AssertionError, match="probed"):
+            memplan.plan_model(blocks_model(), (x, y), loss_fn=mse, budget=budget, target_batch=4)
+        return
+    with pytest.raises(BadInputError, match=match):
+        memplan.plan_model(blocks_model(), (x, y), loss_fn=mse, budget=budget, target_batch=4)
+
+
+def test_careless_inputs_are_clear_errors():
+    x, y = data(4)
+    frozen = blocks_model().requires_grad_(False)
+    with pytest.raises(BadInputError, match="no trainable parameters"):
+        memplan.plan_model(frozen, (x, y), loss_fn=mse, budget="1GiB", target_batch=4)
+    with torch.device("meta"):
+        on_meta = blocks_model()
+    with pytest.raises(BadInputError, match=r"on meta.*device='meta'"):
+        memplan.plan_model(
+            on_meta, (x, y), loss_fn=mse, budget="1GiB", target_batch=4, device="cpu"
+        )
+    with pytest.raises(BadInputError, match="target_batch"):
+        memplan.plan_model(blocks_model(), (x, y), loss_fn=mse, budget="1GiB")
+    with pytest.raises(BadInputError, match="batch must be a batch"):
+        memplan.plan_model(blocks_model(), "data.csv", loss_fn=mse, budget="1GiB", target_batch=4)
+
+
+def test_a_batch_function_that_raises_names_the_users_line():
+    def broken(n):
+        raise ValueError("no such shard")  # the line the error names
+
+    line = broken.__code__.co_firstlineno + 1
+    with pytest.raises(ModelFileError, match=rf"test_integrations_api.py:{line}: .*no such shard"):
+        memplan.plan_model(blocks_model(), broken, loss_fn=mse, budget="1GiB", target_batch=4)
+
+
+def test_a_loss_that_trains_the_live_model_is_caught():
+    live = blocks_model()
+
+    def sloppy(model, batch):
+        return mse(live, batch)  # the live model, not the copy it was given
+
+    x, y = data(4)
+    with pytest.raises(BadInputError, match="changed the live model"):
+        memplan.plan_model(live, (x, y), loss_fn=sloppy, budget="1GiB", target_batch=4)
+
+
+def test_a_model_on_meta_plans_on_meta_without_a_factory():
+    with torch.device("meta"):
+        on_meta = blocks_model()
+    x, y = data(4)
+    from_model = memplan.plan_model(on_meta, (x, y), loss_fn=mse, budget="1GiB", target_batch=8)
+    from_factory = memplan.plan_model(
+        blocks_model, (x, y), loss_fn=mse, budget="1GiB", target_batch=8, device="meta"
+    )
+    assert from_model.predicted.peak_bytes == from_factory.predicted.peak_bytes
+    assert from_model.model_fingerprint == from_factory.model_fingerprint
+    assert all(p.is_meta for p in on_meta.parameters())
+
+
+def test_import_memplan_imports_no_framework():
+    code = (
+        "import sys, memplan, memplan.integrations; memplan.Plan; "
+        "print(sorted(m for m in ('torch', 'transformers', 'lightning', 'accelerate') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("blocked", "code", "extra"),
+    [
+        ("lightning", "import memplan.integrations.lightning", "memplan[lightning]"),
+        (
+            "transformers",
+            "from memplan.integrations.hf import plan_trainer; plan_trainer(None, budget=1)",
+            "memplan[hf]",
+        ),
+        (
+            "accelerate",
+            "from memplan.integrations.accelerate import accelerator; accelerator(None)",
+            "memplan[accelerate]",
+        ),
+    ],
+)
+def test_a_missing_framework_names_its_extra(blocked, code, extra):
+    script = (
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "from memplan.errors import MissingExtraError\n"
+        f"try:\n    {code}\nexcept MissingExtraError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert extra in out.stdout and blocked in out.stdout
+
+
+def test_copy_keeps_tied_weights_tied():
+    from memplan.integrations.live import planning_copy
+
+    model = blocks_model()
+    model.out.weight = model.inp.weight.__class__(torch.zeros(1, 32, dtype=torch.float64))
+    model.extra = torch.nn.Linear(32, 1).double()
+    model.extra.weight = model.out.weight
+    twin = planning_copy(model)
+    assert twin.extra.weight is twin.out.weight and twin.out.weight is not model.out.weight
+    meta = planning_copy(copy.deepcopy(model), "meta")
+    assert meta.extra.weight is meta.out.weight and meta.out.weight.is_meta
