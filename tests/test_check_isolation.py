@@ -80,16 +80,18 @@ def test_over_budget_outranks_a_broken_model(tmp_path):
 def test_check_json_piped_ends_with_the_check_when_the_model_leaves_processes(tmp_path):
     # `memplan check --json | cat`: the pipe ends when every holder of memplan's stdout has
     # closed it. The model forks a grandchild and a setsid daemon that sleep for 60 s; the
-    # fork server and resource tracker memplan starts must not hold stdout either.
+    # fork server and resource tracker memplan starts must not hold stdout either. (stderr
+    # goes to a file: the daemon, which left memplan's process group, keeps its stderr.)
     config = tmp_path / "memplan.yaml"
     config.write_text(yaml.safe_dump({"checks": [entry("forks", str(MODELS / "check_forks.py"))]}))
-    script = f"{sys.executable} -m memplan.cli check --config {config} --json | cat"
+    err = tmp_path / "err.txt"
+    script = f"{sys.executable} -m memplan.cli check --config {config} --json 2>{err} | cat"
     env = {**os.environ, "MEMPLAN_TEST_FORK_SLEEP": "60"}
     start = time.monotonic()
     proc = subprocess.run(
-        ["bash", "-c", script], capture_output=True, text=True, env=env, timeout=200
+        ["bash", "-c", script], stdout=subprocess.PIPE, text=True, env=env, timeout=200
     )
     took = time.monotonic() - start
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0, err.read_text()
     assert json.loads(proc.stdout)["checks"][0]["status"] == "pass"
     assert took < 45, f"the pipe stayed open {took:.0f} s, past the check"
