@@ -349,7 +349,27 @@ def plan_problem(plan: Plan) -> tuple[str, str] | None:
         return "plan.seq_len", f"is {plan.seq_len}, not a length from 1 to {2**24} tokens"
     if plan.model_fingerprint is not None and plan.model_fingerprint.parameter_bytes < 0:
         return "plan.model_fingerprint.parameter_bytes", "is negative"
-    return _checkpoint_problem(plan)
+    return _layout_problem(plan) or _checkpoint_problem(plan)
+
+
+def _layout_problem(plan: Plan) -> tuple[str, str] | None:
+    """A layout ``solve`` never writes: more pipeline stages (× virtual stages) than the
+    model has blocks to split among them (each stage holds at least one block)."""
+    layout, fingerprint = plan.parallel, plan.model_fingerprint
+    if layout is None or layout.pp == 1 or fingerprint is None:
+        return None
+    blocks = len(fingerprint.candidate_layers)
+    if layout.stages > blocks:
+        stages = (
+            f"{layout.pp} × {layout.virtual_stages} virtual"
+            if layout.virtual_stages > 1
+            else str(layout.pp)
+        )
+        return "plan.parallel.pp", (
+            f"is {stages} pipeline stages, but the model has {blocks} blocks to split "
+            "among them (solve plans at most one stage per block)"
+        )
+    return None
 
 
 def _checkpoint_problem(plan: Plan) -> tuple[str, str] | None:

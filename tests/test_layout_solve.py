@@ -21,7 +21,10 @@ from memplan.solver.parallel import LayoutRequest, bubble_fraction, solve_layout
 
 
 def _tp_profile(n: int = 8, fraction: float = 0.75):
+    """A chain of ``n`` blocks with a TP measurement, as of a transformers decoder (its
+    ``hf_blocks`` named), which memplan can split into pipeline stages."""
     profile = uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
+    profile = dataclasses.replace(profile, hf_blocks=profile.layer_names)
     layers = tuple(
         dataclasses.replace(
             layer, tp_saved_fraction=fraction, tp_sharded_bytes=layer.params_trainable_bytes

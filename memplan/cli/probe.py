@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from memplan.cli.base import run_command
 from memplan.cli.options import (
+    DeviceProfileOption,
+    ForceOption,
+    JsonOption,
     LoraOption,
     ModelArgument,
+    OutputOption,
     SeqLenOption,
     TaskOption,
     parse_micro_batches,
@@ -53,17 +56,10 @@ def probe(
     layers: Annotated[
         str | None, typer.Option(help="Glob of checkpoint candidates, e.g. 'transformer.h.*'.")
     ] = None,
-    device_profile: Annotated[
-        str | None,
-        typer.Option("--device-profile", help="GPU spec to time a meta probe against."),
-    ] = None,
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="Write the profile YAML.")
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the profile as JSON on stdout.")
-    ] = False,
+    device_profile: DeviceProfileOption = None,
+    output: OutputOption = None,
+    force: ForceOption = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Measure a model per layer (memory and time) and write a profile."""
     from memplan import render
