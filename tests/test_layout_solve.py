@@ -108,7 +108,7 @@ def test_degrees_that_do_not_divide_the_world_are_refused_with_what_to_do():
 def test_torchtitan_toml_parses_and_names_the_degrees_and_batches():
     profile = _tp_profile()
     plan = solve_layout(profile, _request(1 << 30), LayoutRequest(tp=2, pp=2)).plan
-    _, text = emit(plan, "torchtitan", "m.py")
+    _, text = emit(plan, "torchtitan-toml", "m.py")
     data = tomllib.loads(text)
     par = data["parallelism"]
     assert par["tensor_parallel_degree"] == 2 and par["pipeline_parallel_degree"] == 2
@@ -157,12 +157,13 @@ def test_cli_solves_a_layout_and_writes_torchtitan(tmp_path):
             "-o",
             str(out / "plan.yaml"),
             "--format",
-            "torchtitan",
+            "torchtitan,torchtitan-toml",
         ],
     )
     assert result.exit_code == 0, result.output
     data = tomllib.loads((out / "torchtitan.toml").read_text())
     assert data["parallelism"]["tensor_parallel_degree"] == 2
+    assert "--parallelism.tensor_parallel_degree 2 " in (out / "torchtitan_args.sh").read_text()
     bad = CliRunner().invoke(
         app,
         [
