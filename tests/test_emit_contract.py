@@ -82,10 +82,14 @@ EXPECTED = {  # what each format must say for each strategy it claims
     # A data-parallel plan (world 2): torchtitan replicates (DDP) or shards (FSDP2); it has
     # no optimizer-only sharding, so it refuses ZeRO-1.
     "torchtitan": {
-        "ddp": lambda text: "--parallelism.data_parallel_replicate_degree 2 " in text
-        and "--parallelism.data_parallel_shard_degree 1 " in text,
-        "fsdp": lambda text: "--parallelism.data_parallel_shard_degree 2 " in text
-        and "--parallelism.data_parallel_replicate_degree 1 " in text,
+        "ddp": lambda text: (
+            "--parallelism.data_parallel_replicate_degree 2 " in text
+            and "--parallelism.data_parallel_shard_degree 1 " in text
+        ),
+        "fsdp": lambda text: (
+            "--parallelism.data_parallel_shard_degree 2 " in text
+            and "--parallelism.data_parallel_replicate_degree 1 " in text
+        ),
     },
     "torchtitan-toml": {
         "ddp": lambda d: d["parallelism"]["data_parallel_replicate_degree"] == 2,

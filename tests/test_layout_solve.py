@@ -105,6 +105,23 @@ def test_degrees_that_do_not_divide_the_world_are_refused_with_what_to_do():
         solve_layout(_tp_profile(), _request(1 << 30), LayoutRequest(tp=3))
 
 
+def test_fixed_tp_on_a_profile_without_a_tp_measurement_says_so_and_how_to_get_one(tmp_path):
+    # issue 31: not "no layout fits the asked degrees", whose reasons all hold
+    plain = uniform_chain(8, saved=[4000] * 8, output=[400] * 8).profile()
+    assert all(layer.tp_saved_fraction is None for layer in plain.layers)
+    path = tmp_path / "p.yaml"
+    path.write_text(profile_to_yaml(plain))
+    for extra in ([], ["--pp", "2"], ["--layout", "auto"]):
+        args = ["solve", str(path), "--budget", "1GiB", "--target-batch", "32", "--tp", "2"]
+        result = CliRunner().invoke(app, [*args, "--world-size", "8", *extra])
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2, result.output
+        assert "has no tensor-parallel measurement" in out
+        assert "no layout" not in out
+        assert "memplan probe" in out and "TP_PLAN" in out and "base_model_tp_plan" in out
+    assert solve_layout(_tp_profile(), _request(1 << 30), LayoutRequest(tp=2)).plan.parallel.tp == 2
+
+
 def test_torchtitan_toml_parses_and_names_the_degrees_and_batches():
     profile = _tp_profile()
     plan = solve_layout(profile, _request(1 << 30), LayoutRequest(tp=2, pp=2)).plan
