@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from memplan.errors import EXIT_BAD_INPUT, EXIT_CANNOT_MEASURE, MemplanError, exit_code_of
+from memplan.probe.settings import ProbeSettings
 from memplan.profile import Profile
 
 # Imported once by the fork server, so every child starts with them: torch and the probe,
@@ -48,14 +49,10 @@ _PRELOAD = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeRequest:
-    """The arguments of ``memplan.probe.probe_model`` for one check."""
+    """One check's probe: the model, how to probe it, and its time limit."""
 
     model_arg: str
-    device: str
-    precision: str
-    layers: str | None = None
-    device_profile: str | None = None
-    micro_batches: tuple[int, ...] | None = None
+    settings: ProbeSettings
     seq_len: int | None = None
     """Tokens per sample (``make_batch(batch_size, seq_len)``); None: the file's own."""
     timeout_s: float | None = field(default=None, compare=False)
@@ -95,15 +92,17 @@ def _probe(request: ProbeRequest, on_progress: Callable[[int, int, str], None]) 
         from memplan.probe.seqgrid import probe_seq_grid
 
         probe_model = functools.partial(probe_seq_grid, seq_lens=(request.seq_len,))
-    sizes = {} if request.micro_batches is None else {"micro_batches": request.micro_batches}
+    s = request.settings
     return probe_model(
         request.model_arg,
-        device=request.device,
-        precision=request.precision,
-        layers=request.layers,
-        device_profile=request.device_profile,
+        device=s.device,
+        micro_batches=s.micro_batches,
+        precision=s.precision,
+        layers=s.layers,
+        device_profile=s.device_profile,
+        mixed_precision=s.mixed_precision,
+        reuse_identical=s.reuse_identical,
         on_progress=on_progress,
-        **sizes,
     )
 
 

@@ -104,11 +104,20 @@ def probe(
         render.print_json(to_data(profile))
     else:
         render.show_profile(profile)
-        if profile.deduplicated_layers:
+        if profile.extrapolated_layers:
+            render.info(
+                f"{len(profile.extrapolated_layers)} of {len(profile.layers)} layers "
+                f"({profile.extrapolated_layers[0]} … {profile.extrapolated_layers[-1]}) were "
+                "derived, not measured: their blocks were shown to be one block repeated, and "
+                "the model was probed with the run cut to 4, 5 and 6 blocks"
+            )
+        elif profile.deduplicated_layers:
             render.info(
                 f"{len(profile.deduplicated_layers)} of {len(profile.layers)} layers are "
                 "identical to an earlier one and reused its meta measurements"
             )
+        if profile.extrapolation_declined:
+            render.info(f"every block was measured: {profile.extrapolation_declined}")
     if output is not None:
         write_text_atomic(output, profile_to_yaml(profile), force=force)
         render.info(f"wrote {output}")
