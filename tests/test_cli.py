@@ -264,3 +264,23 @@ def test_formats_help_lists_every_registered_format():
 
     listed = FORMATS_HELP.removeprefix("Comma-separated: ").rstrip(".").split(", ")
     assert listed == list(FORMATS)
+
+
+@pytest.mark.parametrize("command", ["probe", "solve", "verify", "report", "show", "check"])
+def test_help_at_80_columns_names_every_option_whole(command):
+    import typer.main
+
+    click_command = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    names = [
+        name
+        for param in click_command.params
+        for name in (*param.opts, *param.secondary_opts)
+        if name.startswith("--")
+    ]
+    assert names  # the command has long options, and each is shown whole
+    missing = [name for name in names if name not in result.output]
+    assert missing == [], missing
+    assert max(len(line) for line in result.output.splitlines()) <= 80
