@@ -110,3 +110,28 @@ def test_alike_neighbours_share_one_row():
     text = piped(render.profile_table(spec.profile(), width=render.PIPED_WIDTH))
     names = row_names(text)
     assert any("× " in n for n in names) and len(names) < 10
+
+
+def test_a_loss_that_frees_more_than_it_keeps_reads_as_frees_not_a_negative_size():
+    import dataclasses
+
+    from memplan.profile import Affine, FixedPart
+
+    profile = uniform_chain(4).profile()
+    loss = FixedPart(
+        name="(loss)",
+        module_type="training_loss",
+        params_trainable_bytes=0,
+        params_frozen_bytes=0,
+        grad_bytes=0,
+        optimizer_state_bytes=0,
+        saved_bytes=Affine(intercept=0.0, slope=-65536.0),
+        fwd_seconds=Affine.zero(),
+        bwd_seconds=Affine.zero(),
+        fwd_flops=Affine.zero(),
+    )
+    profile = dataclasses.replace(profile, fixed=(*profile.fixed, loss))
+    text = piped(render.profile_table(profile, width=render.PIPED_WIDTH))
+    row = next(line for line in text.splitlines() if "(loss)" in line)
+    assert "frees 64.0KiB" in row
+    assert "-64.0KiB" not in row

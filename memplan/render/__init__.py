@@ -205,6 +205,12 @@ def _plain_progress(description: str) -> Iterator[Callable[[int, int, str], None
 
 
 # ---------------------------------------------------------------- profile
+def _saved_short(value: float) -> str:
+    """Saved bytes of a fixed part: the loss can free more per sample than it keeps (the
+    logits it consumes), which reads as ``frees 1.0MiB``, not as a negative size."""
+    return f"frees {_short_bytes(-value)}" if value < 0 else _short_bytes(value)
+
+
 def _short_bytes(value: float) -> str:
     """Compact binary size for wide tables, its unit named: ``5.0MiB``, ``640B``."""
     sign = "-" if value < 0 else ""
@@ -306,7 +312,7 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
             {
                 "layer": f"[italic]{escape(part.name)}[/italic]",
                 **state(part),
-                "saved/s": _short_bytes(part.saved_bytes.slope),
+                "saved/s": _saved_short(part.saved_bytes.slope),
             }
         )
     rows = []
