@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
-
 from memplan.plan import Plan, load_plan
 from memplan.profile import Profile, load_profile
+from memplan.version import __version__
 
 _RUNTIME = {"apply", "remove", "Accumulator"}
 _INTEGRATIONS = {"plan_model", "profile_model"}

@@ -67,7 +67,7 @@ def to_json_data(report: CheckReport) -> dict[str, JsonValue]:
 
     ``plan`` is the plan a passing check would use, or the closest plan of a failing one.
     """
-    from memplan import __version__
+    from memplan.version import __version__
 
     checks: list[JsonValue] = []
     for r in report.results:

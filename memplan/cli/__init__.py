@@ -16,11 +16,11 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan import __version__
 from memplan.cli import check, probe, report, show, solve, verify
 from memplan.cli.base import state as _state
 from memplan.cli.options import FORMATS_HELP
 from memplan.errors import Interrupted
+from memplan.version import __version__
 
 __all__ = ["FORMATS_HELP", "app", "main"]
 

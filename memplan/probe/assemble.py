@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-import memplan
 from memplan.probe.alignment import (
     backward_seconds,
     consistent_runs,
@@ -36,6 +35,7 @@ from memplan.profile import (
     SharedInput,
     Totals,
 )
+from memplan.version import __version__
 
 AFFINE_TOLERANCE = 0.01
 """A byte quantity whose fit misses a measured size by more than 1% is flagged non-affine."""
@@ -349,7 +349,7 @@ def _environment(session: Session) -> Environment:
     first_param = next(session.model.parameters())
     return Environment(
         torch_version=str(torch.__version__),
-        memplan_version=memplan.__version__,
+        memplan_version=__version__,
         device=backend.device,  # type: ignore[arg-type]
         device_name=backend.device_name(),
         device_capacity_bytes=backend.capacity_bytes(),

@@ -48,12 +48,12 @@ from typing import Any
 import torch
 from torch import nn
 
-import memplan.run
 from memplan.errors import MemplanError, ModelFileError, first_line, internal_failure
 from memplan.model.loader import ModelFile
 from memplan.probe.backends import Backend
 from memplan.probe.repeats import Repeat
 from memplan.probe.tracker import LiveTracker
+from memplan.run.training_state import disable_kv_cache
 
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
 _SIMPLE += (torch.memory_format,)
@@ -491,7 +491,7 @@ def _trace(
     size: int,
     refs: dict[str, tuple],
 ) -> _Tracer:
-    memplan.run.disable_kv_cache(model)  # as the probe's session does
+    disable_kv_cache(model)  # as the probe's session does
     tracer = _Tracer(run_blocks(model, repeat), repeat, backend)
     tracer.refs = refs
     tracer.install()

@@ -11,8 +11,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-import memplan
-import memplan.run
 from memplan.errors import CannotMeasureError
 from memplan.model.batch import batch_tensors
 from memplan.model.loader import ModelFile
@@ -21,6 +19,12 @@ from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
 from memplan.probe.tracker import LiveTracker, kept_tensors, resident_tensors
+from memplan.run.training_state import (
+    disable_kv_cache,
+    disable_layerdrop,
+    kv_cache_note,
+    layerdrop_note,
+)
 
 _MODULE_SLOTS = ("_parameters", "_buffers", "_modules")
 
@@ -206,9 +210,9 @@ def open_session(
     identical blocks was cut short: memplan.probe.repeats)."""
     model = backend.build(model_file) if build is None else build()
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
-    cache_note = memplan.run.kv_cache_note(memplan.run.disable_kv_cache(model))
+    cache_note = kv_cache_note(disable_kv_cache(model))
     # LayerDrop draws the layers of each step: the probe measures the step with every layer.
-    layerdrop_note = memplan.run.layerdrop_note(memplan.run.disable_layerdrop(model))
+    skipping_note = layerdrop_note(disable_layerdrop(model))
     optimizer = model_file.make_optimizer(model)
     names, deeper_note = resolve_layers(model, layers)
     modules = dict(model.named_modules())
@@ -226,7 +230,7 @@ def open_session(
         layers=[modules[n] for n in names],
         part_names=parts,
         recorder=recorder,
-        warnings=[note for note in (cache_note, layerdrop_note, deeper_note) if note],
+        warnings=[note for note in (cache_note, skipping_note, deeper_note) if note],
     )
     session.kept_at_start = tuple(session.kept_tensors())
     return session
