@@ -593,6 +593,13 @@ class LayoutPeaks:
         return self.stages[stage_of_rank(self.parallel, rank)].peak
 
 
+def communicators(parallel: Parallel) -> int:
+    """NCCL communicators a rank of ``parallel`` belongs to: one per dimension of two or
+    more ranks (data-parallel replicate and shard, tensor, pipeline, context)."""
+    sizes = (parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, parallel.cp)
+    return sum(1 for size in sizes if size > 1)
+
+
 def plan_layout(plan: Plan) -> Parallel:
     """The plan's layout; a plan without one is data parallelism over its world size."""
     if plan.parallel is not None:
@@ -613,13 +620,14 @@ def stage_peak(
     chosen = stage_checkpoint(profile, parallel, stage, plan.checkpoint)
     modes = chosen if parallel.pp > 1 else None
     rank = rank_profile(profile, parallel, stage, plan.accumulation_steps, modes)
+    sharding = layout_sharding(plan.strategy, parallel, plan.grad_sync)
     peak = step_peak(
         rank,
         plan.micro_batch_size,
         chosen,
         plan.accumulation_steps,
-        reserve=reserve_for(profile, device_spec),
-        sharding=layout_sharding(plan.strategy, parallel, plan.grad_sync),
+        reserve=reserve_for(rank, device_spec, sharding, communicators(parallel)),
+        sharding=sharding,
     )
     forwards = in_flight(parallel, stage, plan.accumulation_steps)
     return StagePeak(
