@@ -111,7 +111,7 @@ def test_pipeline_buffers_are_one_per_micro_batch_as_torch_allocates_them():
     # stage but the first and a gradient receive buffer per micro-batch on every stage but
     # the last (stage.py _setup_forward_recv_info, _create_grad_recv_info); the received
     # inputs' gradients stay in .grad until the next step.
-    from memplan.memory.parallel import pipeline_buffers
+    from memplan.memory.pipeline import pipeline_buffers
 
     profile = _profile(8)  # output 400 B per sample per block
     m, b = 6, 2
