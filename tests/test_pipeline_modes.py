@@ -227,3 +227,23 @@ def test_pp2_with_full_and_selective_checkpointing_within_three_percent_on_four_
         assert len(measured) == 4
         for want, got in zip(predicted, measured, strict=True):
             assert abs(want / got - 1) < 0.03, (mode, predicted, measured)
+
+
+def test_fsdp_pipeline_stages_keep_every_unit_gathered_as_torchtitan_shards_them():
+    # torchtitan (fsdp.py get_fsdp_reshard_after_forward_policy) and memplan's runtime do
+    # not reshard after forward under pipeline stages: a stage's units stay whole all step.
+    from memplan.memory import Sharding, fsdp_gathered_bytes
+    from memplan.memory.parallel import layout_sharding
+
+    profile = _profile(6)
+    assert layout_sharding("fsdp", Parallel(pp=2, dp_shard=2)).reshard_after_forward is False
+    assert layout_sharding("fsdp", Parallel(dp_shard=4)).reshard_after_forward is True
+    kept = Sharding(strategy="fsdp", world_size=2, reshard_after_forward=False)
+    default = Sharding(strategy="fsdp", world_size=2)
+    segments = profile.timeline["no_grads"]
+    first_fwd = next(i for i, s in enumerate(segments) if s.active == "fwd")
+    units = sum(layer.params_trainable_bytes for layer in profile.layers)
+    root = profile.totals.params_trainable_bytes - units
+    assert fsdp_gathered_bytes(profile, kept, "no_grads", first_fwd) == root + units
+    one = root + profile.layers[0].params_trainable_bytes
+    assert fsdp_gathered_bytes(profile, default, "no_grads", first_fwd) == one

@@ -495,7 +495,12 @@ def layout_sharding(
     world = parallel.dp if strategy == "ddp" else parallel.dp_shard
     if strategy == "ddp" and parallel.pp > 1:
         world = 1
-    return Sharding(strategy=strategy, world_size=world, grad_sync=grad_sync)
+    return Sharding(
+        strategy=strategy,
+        world_size=world,
+        grad_sync=grad_sync,
+        reshard_after_forward=parallel.pp == 1,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

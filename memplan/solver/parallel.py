@@ -265,6 +265,7 @@ def evaluate_layout(
         strategy=strategy,
         min_micro=b,
         max_micro=b,
+        reshard_after_forward=parallel.pp == 1,
     )
     results = []
     most_layers = 0
