@@ -105,6 +105,27 @@ class InternalError(CannotMeasureError):
     exit_code = EXIT_CANNOT_MEASURE
 
 
+class UnreadableOutputError(CannotMeasureError):
+    """A profile or plan memplan made would be refused when read back (its YAML, the
+    schema, or ``profile_problem``/``plan_problem``): memplan's own failure, never the
+    user's. Raised by the writers' text functions (``profile_to_yaml``, ``plan_to_yaml``)
+    before any file is written, so no command leaves a file that memplan then calls
+    edited or corrupted."""
+
+    exit_code = EXIT_CANNOT_MEASURE
+
+
+def unreadable_output(what: str, problem: str) -> UnreadableOutputError:
+    """The error for a ``what`` (``profile``/``plan``) memplan made whose read-back says
+    ``problem`` (naming the field)."""
+    return UnreadableOutputError(
+        f"memplan made a {what} that it would refuse to read back: {problem}. It was not "
+        f"written: this is memplan's failure, not the model file's",
+        hint="Report this message with the model file. Probing other --micro-batches may "
+        "measure around it meanwhile.",
+    )
+
+
 def first_line(exc: BaseException, default: str = "") -> str:
     """The first line of ``exc``'s message (``default`` when it has none): what an error
     of memplan's quotes of another."""

@@ -151,3 +151,24 @@ def in_flight(parallel: Parallel, stage: int, micro_batches: int) -> int:
     v = parallel.virtual_stages
     warmup = (parallel.pp - stage - 1) * 2 + (v - 1) * parallel.pp + 1
     return min(m * v, warmup)
+
+
+def pipeline_refusal_by_kind(model: str, hf_blocks: tuple[str, ...] | list[str]) -> str | None:
+    """Why memplan cannot run ``model`` in pipeline stages, judged by its kind, or None when
+    it may. memplan's runtime splits a model into stages by the pipeline plan of a Hugging
+    Face decoder for causal language modelling (``memplan.run.pipeline.pipeline_refusal``,
+    which the probe records as ``Profile.pipeline_refused``); where that verdict is not
+    recorded (a profile written before memplan recorded it, and every plan), the solver and
+    ``verify`` ask this of the model's reference and its ``hf_blocks`` (empty for a model
+    that is not a transformers model), so that no plan with pipeline stages is offered, or
+    run, for a model that is not one."""
+    what = "memplan splits pipeline stages of Hugging Face decoder models only (by their "
+    what += "pipeline plan: embeddings, layers, norm, head)"
+    if not hf_blocks:
+        return f"{what}; {model} is not a Hugging Face transformers model"
+    if model.startswith("hf:"):
+        query = model.partition("?")[2]
+        task = dict(part.partition("=")[::2] for part in query.split("&") if part).get("task")
+        if task is not None and task != "causal-lm":
+            return f"{what}; {model} is a {task} model, not a causal-LM decoder"
+    return None

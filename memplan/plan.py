@@ -11,7 +11,7 @@ from typing import Any, Literal
 import yaml
 
 from memplan.errors import ProfileError
-from memplan.files.schema import dump_yaml, from_data, load_yaml_file, to_data
+from memplan.files.schema import dump_yaml, from_data, load_yaml_file, read_back, to_data
 from memplan.modes import FULL, KEEP, MODES, Mode
 from memplan.parallel import Parallel
 from memplan.profile import MixedPrecision, Precision
@@ -238,9 +238,22 @@ def plan_to_data(plan: Plan) -> dict[str, Any]:
     return data
 
 
+WRITTEN = "<the plan memplan made>"
+"""The source a read-back names: the text is not in a file yet."""
+
+
 def plan_to_yaml(plan: Plan) -> str:
     """The plan file: schema 2, layers under ``checkpoint:`` one per line
-    (``checkpoint_layers`` is derived and not written)."""
+    (``checkpoint_layers`` is derived and not written), read back as ``load_plan`` reads a
+    file: every writer of a plan (``solve -o``, the ``plan`` format, the scripts that embed
+    it) takes its text from here, so one that would be refused is exit 3 and never written
+    (``files.schema.read_back``)."""
+    text = _plan_text(plan)
+    read_back(text, "plan", lambda data: plan_from_data(data, source=WRITTEN))
+    return text
+
+
+def _plan_text(plan: Plan) -> str:
     data = yaml.safe_load(dump_yaml(plan))
     if data.get("seq_len") is None:
         data.pop("seq_len", None)
@@ -336,7 +349,27 @@ def plan_problem(plan: Plan) -> tuple[str, str] | None:
         return "plan.seq_len", f"is {plan.seq_len}, not a length from 1 to {2**24} tokens"
     if plan.model_fingerprint is not None and plan.model_fingerprint.parameter_bytes < 0:
         return "plan.model_fingerprint.parameter_bytes", "is negative"
-    return _checkpoint_problem(plan)
+    return _layout_problem(plan) or _checkpoint_problem(plan)
+
+
+def _layout_problem(plan: Plan) -> tuple[str, str] | None:
+    """A layout ``solve`` never writes: more pipeline stages (× virtual stages) than the
+    model has blocks to split among them (each stage holds at least one block)."""
+    layout, fingerprint = plan.parallel, plan.model_fingerprint
+    if layout is None or layout.pp == 1 or fingerprint is None:
+        return None
+    blocks = len(fingerprint.candidate_layers)
+    if layout.stages > blocks:
+        stages = (
+            f"{layout.pp} × {layout.virtual_stages} virtual"
+            if layout.virtual_stages > 1
+            else str(layout.pp)
+        )
+        return "plan.parallel.pp", (
+            f"is {stages} pipeline stages, but the model has {blocks} blocks to split "
+            "among them (solve plans at most one stage per block)"
+        )
+    return None
 
 
 def _checkpoint_problem(plan: Plan) -> tuple[str, str] | None:

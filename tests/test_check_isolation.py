@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -74,3 +75,23 @@ def test_over_budget_outranks_a_broken_model(tmp_path):
     assert [c["status"] for c in data["checks"]] == ["error", "fail"]
     suite = ET.parse(junit).getroot().find("testsuite")
     assert (suite.get("failures"), suite.get("errors")) == ("1", "1")
+
+
+def test_check_json_piped_ends_with_the_check_when_the_model_leaves_processes(tmp_path):
+    # `memplan check --json | cat`: the pipe ends when every holder of memplan's stdout has
+    # closed it. The model forks a grandchild and a setsid daemon that sleep for 60 s; the
+    # fork server and resource tracker memplan starts must not hold stdout either. (stderr
+    # goes to a file: the daemon, which left memplan's process group, keeps its stderr.)
+    config = tmp_path / "memplan.yaml"
+    config.write_text(yaml.safe_dump({"checks": [entry("forks", str(MODELS / "check_forks.py"))]}))
+    err = tmp_path / "err.txt"
+    script = f"{sys.executable} -m memplan.cli check --config {config} --json 2>{err} | cat"
+    env = {**os.environ, "MEMPLAN_TEST_FORK_SLEEP": "60"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "-c", script], stdout=subprocess.PIPE, text=True, env=env, timeout=200
+    )
+    took = time.monotonic() - start
+    assert proc.returncode == 0, err.read_text()
+    assert json.loads(proc.stdout)["checks"][0]["status"] == "pass"
+    assert took < 45, f"the pipe stayed open {took:.0f} s, past the check"

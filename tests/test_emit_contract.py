@@ -82,6 +82,16 @@ EXPECTED = {  # what each format must say for each strategy it claims
     # A data-parallel plan (world 2): torchtitan replicates (DDP) or shards (FSDP2); it has
     # no optimizer-only sharding, so it refuses ZeRO-1.
     "torchtitan": {
+        "ddp": lambda text: (
+            "--parallelism.data_parallel_replicate_degree 2 " in text
+            and "--parallelism.data_parallel_shard_degree 1 " in text
+        ),
+        "fsdp": lambda text: (
+            "--parallelism.data_parallel_shard_degree 2 " in text
+            and "--parallelism.data_parallel_replicate_degree 1 " in text
+        ),
+    },
+    "torchtitan-toml": {
         "ddp": lambda d: d["parallelism"]["data_parallel_replicate_degree"] == 2,
         "fsdp": lambda d: d["parallelism"]["data_parallel_shard_degree"] == 2,
     },
@@ -96,9 +106,9 @@ EXPECTED = {  # what each format must say for each strategy it claims
 def _parse(fmt: str, text: str):
     if fmt == "deepspeed":
         return json.loads(text)
-    if fmt in ("torch", "torchrun", "megatron"):
+    if fmt in ("torch", "torchrun", "megatron", "torchtitan"):
         return text
-    if fmt == "torchtitan":
+    if fmt == "torchtitan-toml":
         return tomllib.loads(text)
     return yaml.safe_load(text)
 

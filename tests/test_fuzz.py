@@ -79,10 +79,10 @@ def _plan(model: str, layers: list[str]) -> Plan:
 def _keys(fmt: str, text: str):
     if fmt == "deepspeed":
         return sorted(json.loads(text))
-    if fmt == "megatron":  # one assignment, then comments
+    if fmt in ("megatron", "torchtitan"):  # comments, then one assignment
         lines = [line for line in text.splitlines() if line and not line.startswith("#")]
         return sorted(line.split()[0] for line in lines)
-    if fmt == "torchtitan":
+    if fmt == "torchtitan-toml":
         return sorted(
             f"{section}.{key}" for section, fields in tomllib.loads(text).items() for key in fields
         )

@@ -21,7 +21,10 @@ from memplan.solver.parallel import LayoutRequest, bubble_fraction, solve_layout
 
 
 def _tp_profile(n: int = 8, fraction: float = 0.75):
+    """A chain of ``n`` blocks with a TP measurement, as of a transformers decoder (its
+    ``hf_blocks`` named), which memplan can split into pipeline stages."""
     profile = uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
+    profile = dataclasses.replace(profile, hf_blocks=profile.layer_names)
     layers = tuple(
         dataclasses.replace(
             layer, tp_saved_fraction=fraction, tp_sharded_bytes=layer.params_trainable_bytes
@@ -105,10 +108,27 @@ def test_degrees_that_do_not_divide_the_world_are_refused_with_what_to_do():
         solve_layout(_tp_profile(), _request(1 << 30), LayoutRequest(tp=3))
 
 
+def test_fixed_tp_on_a_profile_without_a_tp_measurement_says_so_and_how_to_get_one(tmp_path):
+    # issue 31: not "no layout fits the asked degrees", whose reasons all hold
+    plain = uniform_chain(8, saved=[4000] * 8, output=[400] * 8).profile()
+    assert all(layer.tp_saved_fraction is None for layer in plain.layers)
+    path = tmp_path / "p.yaml"
+    path.write_text(profile_to_yaml(plain))
+    for extra in ([], ["--pp", "2"], ["--layout", "auto"]):
+        args = ["solve", str(path), "--budget", "1GiB", "--target-batch", "32", "--tp", "2"]
+        result = CliRunner().invoke(app, [*args, "--world-size", "8", *extra])
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2, result.output
+        assert "has no tensor-parallel measurement" in out
+        assert "no layout" not in out
+        assert "memplan probe" in out and "TP_PLAN" in out and "base_model_tp_plan" in out
+    assert solve_layout(_tp_profile(), _request(1 << 30), LayoutRequest(tp=2)).plan.parallel.tp == 2
+
+
 def test_torchtitan_toml_parses_and_names_the_degrees_and_batches():
     profile = _tp_profile()
     plan = solve_layout(profile, _request(1 << 30), LayoutRequest(tp=2, pp=2)).plan
-    _, text = emit(plan, "torchtitan", "m.py")
+    _, text = emit(plan, "torchtitan-toml", "m.py")
     data = tomllib.loads(text)
     par = data["parallelism"]
     assert par["tensor_parallel_degree"] == 2 and par["pipeline_parallel_degree"] == 2
@@ -157,12 +177,13 @@ def test_cli_solves_a_layout_and_writes_torchtitan(tmp_path):
             "-o",
             str(out / "plan.yaml"),
             "--format",
-            "torchtitan",
+            "torchtitan,torchtitan-toml",
         ],
     )
     assert result.exit_code == 0, result.output
     data = tomllib.loads((out / "torchtitan.toml").read_text())
     assert data["parallelism"]["tensor_parallel_degree"] == 2
+    assert "--parallelism.tensor_parallel_degree 2 " in (out / "torchtitan_args.sh").read_text()
     bad = CliRunner().invoke(
         app,
         [

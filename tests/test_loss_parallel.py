@@ -117,5 +117,5 @@ def test_torchtitan_toml_says_whether_loss_parallel_is_on():
             model="m",
             parallel=layout,
         )
-        _, text = emit(plan, "torchtitan", "m.py")
+        _, text = emit(plan, "torchtitan-toml", "m.py")
         assert tomllib.loads(text)["parallelism"]["disable_loss_parallel"] is (not on)

@@ -16,7 +16,10 @@ from memplan.solver.parallel import LayoutRequest, solve_layout
 
 
 def _profile(n: int):
-    return uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
+    """A chain of ``n`` blocks, as of a transformers decoder (``hf_blocks`` named): a model
+    memplan splits into pipeline stages."""
+    profile = uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
+    return dataclasses.replace(profile, hf_blocks=profile.layer_names)
 
 
 def test_interleaved_stand_ins_map_to_every_rank_block_once():

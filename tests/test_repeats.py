@@ -54,7 +54,7 @@ def make_batch(batch_size):
 def _bytes_equal(derived, full):
     """Every byte field equal, seconds within 1e-9 (virtual times fitted in another order)."""
     assert same_profile(derived, full)
-    strip = {"deduplicated_layers": ()}
+    strip = {"deduplicated_layers": (), "extrapolated_layers": ()}
     a = dataclasses.replace(derived, **strip)
     b = dataclasses.replace(full, **strip)
     assert a.timeline == b.timeline  # bytes only: equal to the last byte
@@ -73,6 +73,8 @@ def test_ten_identical_blocks_derive_the_full_probes_profile():
     _bytes_equal(derived, full)
     # blocks 0, 1, 2 and 9 measured in the 4-block probe; 3..8 copy block 2
     assert derived.deduplicated_layers == tuple(f"blocks.{i}" for i in range(3, 9))
+    assert derived.extrapolated_layers == derived.deduplicated_layers
+    assert derived.extrapolation_declined is None and full.extrapolated_layers == ()
     # hand count: each block holds its input (4 floats = 16 B per sample) for backward
     assert [x.saved_bytes.slope for x in derived.layers] == [16.0] * 10
 

@@ -16,6 +16,7 @@ from memplan.devices import load_device
 from memplan.errors import BadInputError
 from memplan.memory import DEFAULT_MARGIN
 from memplan.model.reference import model_arg, split_model_arg
+from memplan.probe.settings import ProbeSettings
 from memplan.solver import SolveRequest, least_peak
 from memplan.units import parse_budget
 
@@ -89,10 +90,9 @@ def probe_least_peak(
     profile = probe_isolated(
         ProbeRequest(
             model_arg=model,
-            device=device,
-            precision=precision,
-            device_profile=device_profile,
-            layers=layers,
+            settings=ProbeSettings(
+                device=device, precision=precision, device_profile=device_profile, layers=layers
+            ),
         )
     )
     spec = load_device(device_profile) if device_profile else None

@@ -25,11 +25,12 @@ import sys
 import time
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
 from memplan.errors import EXIT_BAD_INPUT, EXIT_CANNOT_MEASURE, MemplanError, exit_code_of
+from memplan.probe.settings import ProbeSettings
 from memplan.profile import Profile
 
 # Imported once by the fork server, so every child starts with them: torch and the probe,
@@ -48,14 +49,10 @@ _PRELOAD = [
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeRequest:
-    """The arguments of ``memplan.probe.probe_model`` for one check."""
+    """One check's probe: the model, how to probe it, and its time limit."""
 
     model_arg: str
-    device: str
-    precision: str
-    layers: str | None = None
-    device_profile: str | None = None
-    micro_batches: tuple[int, ...] | None = None
+    settings: ProbeSettings
     seq_len: int | None = None
     """Tokens per sample (``make_batch(batch_size, seq_len)``); None: the file's own."""
     timeout_s: float | None = field(default=None, compare=False)
@@ -95,15 +92,17 @@ def _probe(request: ProbeRequest, on_progress: Callable[[int, int, str], None]) 
         from memplan.probe.seqgrid import probe_seq_grid
 
         probe_model = functools.partial(probe_seq_grid, seq_lens=(request.seq_len,))
-    sizes = {} if request.micro_batches is None else {"micro_batches": request.micro_batches}
+    s = request.settings
     return probe_model(
         request.model_arg,
-        device=request.device,
-        precision=request.precision,
-        layers=request.layers,
-        device_profile=request.device_profile,
+        device=s.device,
+        micro_batches=s.micro_batches,
+        precision=s.precision,
+        layers=s.layers,
+        device_profile=s.device_profile,
+        mixed_precision=s.mixed_precision,
+        reuse_identical=s.reuse_identical,
         on_progress=on_progress,
-        **sizes,
     )
 
 
@@ -173,9 +172,35 @@ def _start(process: multiprocessing.process.BaseProcess) -> None:
     main = sys.modules["__main__"]
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
-        process.start()
+        with _stdout_withheld():
+            process.start()
     finally:
         sys.modules["__main__"] = main
+
+
+@contextlib.contextmanager
+def _stdout_withheld() -> Iterator[None]:
+    """File descriptor 1 on /dev/null while processes start: the fork server and the resource
+    tracker that the first start launches (and that live on while any process they served
+    lives, such as one the model forked) never hold memplan's stdout, so `memplan check
+    --json | cat` ends when memplan does. The children write to stderr anyway."""
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        sys.__stdout__.flush()  # type: ignore[union-attr]
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to withhold
+        yield
+        return
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 1)
+        finally:
+            os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def start_fork_server() -> None:
@@ -238,6 +263,8 @@ def probe_isolated(request: ProbeRequest) -> Profile:
         process.join(timeout=10)
         if process.is_alive():  # sent its result, then would not end (a thread it started)
             _kill(process)
+        else:  # what the model started in the child's process group ends with the probe
+            _kill_group(process)
     if timed_out:
         raise IsolatedProbeError(
             f"{request.model_arg}: the probe did not finish within the check's timeout of "
@@ -282,6 +309,15 @@ def _receive(receive: Connection) -> object:
         return None
     except Exception:
         return b""
+
+
+def _kill_group(process: multiprocessing.process.BaseProcess) -> None:
+    """SIGKILL what is left of the finished child's process group (the child made it with
+    ``setsid``; a process the model forked stays in it unless it left on purpose)."""
+    pid = process.pid
+    if pid is not None and process.exitcode is not None:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
 
 
 def _kill(process: multiprocessing.process.BaseProcess) -> None:

@@ -46,6 +46,7 @@ from memplan.errors import (
 )
 from memplan.files.schema import from_data
 from memplan.plan import Plan
+from memplan.probe.settings import ProbeSettings
 from memplan.profile import Profile
 from memplan.solver import LeastPeak, SolveRequest, SolveResult, least_peak, solve
 
@@ -181,14 +182,18 @@ def probe_request(check: ResolvedCheck, timeout_s: float | None = None) -> Probe
     """How ``check`` probes its model: the key under which identical probes are shared
     (its ``timeout:``, else ``timeout_s``, goes along but is not part of the key)."""
     spec = check.spec
-    sizes = None if spec.micro_batches is None else tuple(sorted(set(spec.micro_batches)))
-    return ProbeRequest(
-        model_arg=check.model_arg,
+    settings = ProbeSettings(
         device=spec.device,
         precision=spec.precision,
         layers=spec.layers,
         device_profile=spec.device_profile,
-        micro_batches=sizes,
+    )
+    if spec.micro_batches is not None:
+        sizes = tuple(sorted(set(spec.micro_batches)))
+        settings = dataclasses.replace(settings, micro_batches=sizes)
+    return ProbeRequest(
+        model_arg=check.model_arg,
+        settings=settings,
         seq_len=spec.seq_len,
         timeout_s=spec.timeout if spec.timeout is not None else timeout_s,
     )

@@ -9,6 +9,7 @@ module builds the app, registers them in ``--help`` order and handles signals.""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 from typing import Annotated, Any
@@ -61,6 +62,31 @@ for _command in (
 check.register(app)
 
 
+def _open_standard_streams() -> None:
+    """A closed stdin, stdout or stderr (``2>&-``) opened on /dev/null: otherwise the next
+    file memplan opens takes its number, and whatever writes to that stream (a warning from
+    native code, a model's print under --json) writes into that file; and
+    ``sys.__stderr__``, None then, made a writer like the others."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    for name in ("stdin", "stdout", "stderr"):
+        if getattr(sys, name) is None:
+            stream = open(  # noqa: SIM115 - the process's own stream, for its lifetime
+                {"stdin": 0, "stdout": 1, "stderr": 2}[name],
+                "r" if name == "stdin" else "w",
+                closefd=False,
+                encoding="utf-8",
+            )
+            setattr(sys, name, stream)
+            setattr(sys, f"__{name}__", stream)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise Interrupted(signum)
 
@@ -71,6 +97,7 @@ def main() -> None:
     130 for Ctrl-C, 143 for SIGTERM."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
+    _open_standard_streams()
     try:
         app()
     except (Interrupted, KeyboardInterrupt) as exc:

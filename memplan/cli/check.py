@@ -18,6 +18,14 @@ import typer
 
 from memplan.check.config import DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S
 from memplan.cli.base import run_command
+from memplan.cli.options import (
+    BudgetOption,
+    DeviceProfileOption,
+    ForceOption,
+    JsonOption,
+    OutputOption,
+    TargetBatchOption,
+)
 
 if TYPE_CHECKING:
     from memplan.report import CheckPlots
@@ -28,9 +36,7 @@ def check(
         Path,
         typer.Option("--config", "-c", help="The checks file (paths in it are relative to it)."),
     ] = Path("memplan.yaml"),
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")
-    ] = False,
+    as_json: JsonOption = False,
     junit: Annotated[
         Path | None,
         typer.Option("--junit", help="Write a JUnit XML report (one testcase per check)."),
@@ -42,7 +48,7 @@ def check(
         list[str] | None,
         typer.Option("--only", help="Run only the check with this name (repeatable)."),
     ] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing --junit file.")] = False,
+    force: ForceOption = False,
     timeout: Annotated[
         float,
         typer.Option(
@@ -109,21 +115,11 @@ def _step_summary_plots() -> CheckPlots | None:
 
 def init_check(
     model: Annotated[str, typer.Argument(help="Model file (model.py or model.py:factory).")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="Where to write it.")] = Path(
-        "memplan.yaml"
-    ),
-    budget: Annotated[
-        str | None,
-        typer.Option(
-            help="Budget (24GiB, or 80% with --device-profile). Default: probe the "
-            "model and allow 25% above its minimum peak."
-        ),
-    ] = None,
-    target_batch: Annotated[int, typer.Option("--target-batch", help="Effective batch.")] = 32,
+    output: OutputOption = Path("memplan.yaml"),
+    budget: BudgetOption = None,
+    target_batch: TargetBatchOption = 32,
     device: Annotated[str, typer.Option(help="How CI probes: meta, cpu or cuda.")] = "meta",
-    device_profile: Annotated[
-        str | None, typer.Option("--device-profile", help="GPU spec, e.g. rtx4090.")
-    ] = None,
+    device_profile: DeviceProfileOption = None,
     precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "fp32",
     name: Annotated[
         str | None, typer.Option(help="Check name (default: the model's stem).")
@@ -135,9 +131,11 @@ def init_check(
         str | None,
         typer.Option(help="Checkpoint candidates: comma-separated globs of module names."),
     ] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
+    force: ForceOption = False,
 ) -> None:
-    """Write a starter memplan.yaml for `memplan check`."""
+    """Write a starter memplan.yaml for `memplan check`.
+
+    Without --budget it probes the model and allows 25% above its minimum peak."""
     from memplan import render
     from memplan.check import make_starter
     from memplan.files.io import check_output, write_text_atomic

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -35,6 +36,40 @@ SeqLenOption = Annotated[
 LoraOption = Annotated[
     str | None,
     typer.Option(help="hf: references: peft LoRA, e.g. r=16,alpha=32,targets=q_proj,v_proj."),
+]
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print the result as one JSON object on stdout.")
+]
+ForceOption = Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")]
+DeviceProfileOption = Annotated[
+    str | None,
+    typer.Option(
+        "--device-profile",
+        help="GPU spec (see `memplan devices`): to plan for, or to time a meta probe against.",
+    ),
+]
+OutputOption = Annotated[
+    Path | None,
+    typer.Option(
+        "-o", "--output", help="The file to write: the profile, plan, report or memplan.yaml."
+    ),
+]
+BudgetOption = Annotated[
+    str | None,
+    typer.Option(
+        "--budget", help="Memory per rank: 24GiB, 512MiB, bytes, 80% (of device memory) or auto."
+    ),
+]
+TargetBatchOption = Annotated[
+    int | None, typer.Option("--target-batch", help="Effective batch size (samples).")
+]
+WorldSizeOption = Annotated[
+    int | None,
+    typer.Option(
+        "--world-size",
+        help="Ranks (all of them, with a layout); verify: default the plan's, and more than 1 "
+        "starts real processes.",
+    ),
 ]
 
 
@@ -93,7 +128,7 @@ def _fd1_to_stderr() -> Iterator[None]:
     try:
         yield
     finally:
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # None: 2>&-
             sys.__stderr__.flush()  # type: ignore[union-attr]
         os.dup2(saved, 1)
         os.close(saved)

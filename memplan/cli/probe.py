@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from memplan.cli.base import run_command
 from memplan.cli.options import (
+    DeviceProfileOption,
+    ForceOption,
+    JsonOption,
     LoraOption,
     ModelArgument,
+    OutputOption,
     SeqLenOption,
     TaskOption,
     parse_micro_batches,
@@ -53,17 +56,10 @@ def probe(
     layers: Annotated[
         str | None, typer.Option(help="Glob of checkpoint candidates, e.g. 'transformer.h.*'.")
     ] = None,
-    device_profile: Annotated[
-        str | None,
-        typer.Option("--device-profile", help="GPU spec to time a meta probe against."),
-    ] = None,
-    output: Annotated[
-        Path | None, typer.Option("-o", "--output", help="Write the profile YAML.")
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the profile as JSON on stdout.")
-    ] = False,
+    device_profile: DeviceProfileOption = None,
+    output: OutputOption = None,
+    force: ForceOption = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Measure a model per layer (memory and time) and write a profile."""
     from memplan import render
@@ -100,15 +96,27 @@ def probe(
             on_progress=on_progress,
             mixed_precision=mixed_precision,
         )
+    # The text first: a profile memplan would refuse to read back is exit 3 before anything
+    # is shown or written (memplan.profile.profile_to_yaml).
+    text = profile_to_yaml(profile)
     if as_json:
         render.print_json(to_data(profile))
     else:
         render.show_profile(profile)
-        if profile.deduplicated_layers:
+        if profile.extrapolated_layers:
+            render.info(
+                f"{len(profile.extrapolated_layers)} of {len(profile.layers)} layers "
+                f"({profile.extrapolated_layers[0]} … {profile.extrapolated_layers[-1]}) were "
+                "derived, not measured: their blocks were shown to be one block repeated, and "
+                "the model was probed with the run cut to 4, 5 and 6 blocks"
+            )
+        elif profile.deduplicated_layers:
             render.info(
                 f"{len(profile.deduplicated_layers)} of {len(profile.layers)} layers are "
                 "identical to an earlier one and reused its meta measurements"
             )
+        if profile.extrapolation_declined:
+            render.info(f"every block was measured: {profile.extrapolation_declined}")
     if output is not None:
-        write_text_atomic(output, profile_to_yaml(profile), force=force)
+        write_text_atomic(output, text, force=force)
         render.info(f"wrote {output}")

@@ -8,28 +8,27 @@ from typing import Annotated
 import typer
 
 from memplan.cli.base import run_command
+from memplan.cli.options import (
+    BudgetOption,
+    DeviceProfileOption,
+    ForceOption,
+    OutputOption,
+    TargetBatchOption,
+)
 
 
 @run_command
 def report(
     file: Annotated[Path, typer.Argument(metavar="PROFILE|PLAN", help="A plan or profile YAML.")],
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="report.html (a page) or report.png.")
-    ],
+    output: OutputOption,
     profile_path: Annotated[
         Path | None,
         typer.Option("--profile", help="The plan's profile, if not where the plan says."),
     ] = None,
-    target_batch: Annotated[
-        int | None, typer.Option("--target-batch", help="With a profile: solve for this batch.")
-    ] = None,
-    budget: Annotated[
-        str | None, typer.Option(help="With a profile: the budget to solve against.")
-    ] = None,
-    device_profile: Annotated[
-        str | None, typer.Option("--device-profile", help="With a profile: GPU to plan for.")
-    ] = None,
-    force: Annotated[bool, typer.Option(help="Overwrite an existing output file.")] = False,
+    target_batch: TargetBatchOption = None,
+    budget: BudgetOption = None,
+    device_profile: DeviceProfileOption = None,
+    force: ForceOption = False,
 ) -> None:
     """Draw where the peak is: predicted memory over one step, candidates, layer choices."""
     from memplan import render

@@ -9,13 +9,14 @@ from typing import Annotated
 import typer
 
 from memplan.cli.base import run_command
+from memplan.cli.options import JsonOption
 from memplan.files.schema import load_yaml_file, to_data
 
 
 @run_command
 def show(
     file: Annotated[Path, typer.Argument(help="A profile or plan YAML.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print it as JSON on stdout.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Render a profile or plan file again."""
     from memplan import render
@@ -38,7 +39,7 @@ def show(
 
 @run_command
 def devices(
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """List the GPU specs memplan can plan for (profiles/devices/)."""
     from memplan import render

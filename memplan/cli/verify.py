@@ -10,9 +10,11 @@ import typer
 
 from memplan.cli.base import run_command
 from memplan.cli.options import (
+    JsonOption,
     LoraOption,
     SeqLenOption,
     TaskOption,
+    WorldSizeOption,
     finite,
     running_user_code,
 )
@@ -48,13 +50,7 @@ def verify(
         str | None, typer.Option(help="cpu or cuda (default: the plan's device).")
     ] = None,
     tolerance: Annotated[float, typer.Option(help="Largest |peak error| that passes.")] = 0.05,
-    world_size: Annotated[
-        int | None,
-        typer.Option(
-            "--world-size",
-            help="Ranks to run (default: the plan's); more than 1 starts real processes.",
-        ),
-    ] = None,
+    world_size: WorldSizeOption = None,
     timeout: Annotated[
         float, typer.Option(help="Seconds the multi-process run may take before it is killed.")
     ] = 300.0,
@@ -66,9 +62,7 @@ def verify(
             "with one batch of the effective size.",
         ),
     ] = True,
-    as_json: Annotated[
-        bool, typer.Option("--json", help="Print the result as JSON on stdout.")
-    ] = False,
+    as_json: JsonOption = False,
     report_path: Annotated[
         Path | None,
         typer.Option("--report", help="Also write report.html/.png: measured over predicted."),

@@ -31,8 +31,8 @@ from memplan.emit.megatron import emit_megatron
 from memplan.emit.plan_yaml import emit_plan
 from memplan.emit.script import emit_torch
 from memplan.emit.torchrun import emit_torchrun
-from memplan.emit.torchtitan import emit_torchtitan
-from memplan.errors import BadInputError, MemplanError
+from memplan.emit.torchtitan import emit_torchtitan, emit_torchtitan_toml
+from memplan.errors import BadInputError, MemplanError, UnreadableOutputError
 from memplan.plan import Plan
 from memplan.suggest import did_you_mean
 
@@ -51,6 +51,7 @@ __all__ = [
     "emit_torch",
     "emit_torchrun",
     "emit_torchtitan",
+    "emit_torchtitan_toml",
 ]
 
 
@@ -123,9 +124,19 @@ FORMATS: dict[str, Format] = {
         ),
         Format(
             name="torchtitan",
-            filename="torchtitan.toml",
-            description="torchtitan job config (TOML): parallelism degrees, batch sizes, AC",
+            filename="torchtitan_args.sh",
+            description=f"torchtitan {torchtitan.RELEASE} train arguments (--module, --config, "
+            "parallelism, batch sizes, seq_len, AC class)",
             emitter=emit_torchtitan,
+            strategies=torchtitan.TORCHTITAN_STRATEGIES,
+            layouts=True,
+        ),
+        Format(
+            name="torchtitan-toml",
+            filename="torchtitan.toml",
+            description=f"torchtitan {torchtitan.TOML_RELEASES} job config (TOML, "
+            "--job.config_file)",
+            emitter=emit_torchtitan_toml,
             strategies=torchtitan.TORCHTITAN_STRATEGIES,
             layouts=True,
         ),
@@ -192,6 +203,8 @@ def emit_all(plan: Plan, formats: list[str], model_path: str | None = None) -> E
     for fmt in formats:
         try:
             filename, text = emit(plan, fmt, model_path)
+        except UnreadableOutputError:
+            raise  # memplan's own failure (exit 3), not a format that cannot write the plan
         except MemplanError as exc:
             refused.append((fmt, exc))
             continue

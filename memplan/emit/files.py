@@ -63,7 +63,9 @@ def plan_targets(
 
 def write_plan_files(plan: Plan, targets: PlanTargets, *, force: bool) -> WrittenFiles:
     """Write ``plan`` to every target whose format can write its strategy (scripts name the
-    model relative to their own folder); the others come back in ``refused``."""
+    model relative to their own folder); the others come back in ``refused``. A plan that
+    would not read back is exit 3 before any file is written (``plan_to_yaml``)."""
+    plan_text = plan_to_yaml(plan)
     emitted = emit_all(
         plan,
         [fmt for _, fmt in targets.targets if fmt is not None],
@@ -71,7 +73,7 @@ def write_plan_files(plan: Plan, targets: PlanTargets, *, force: bool) -> Writte
     )
     texts = {fmt: text for fmt, _, text in emitted.files}
     outputs = [
-        (path, plan_to_yaml(plan) if fmt is None else texts[fmt])
+        (path, plan_text if fmt is None else texts[fmt])
         for path, fmt in targets.targets
         if fmt is None or fmt in texts
     ]

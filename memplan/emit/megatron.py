@@ -4,7 +4,9 @@
 ``megatron/training/arguments.py``: ``--tensor-model-parallel-size``,
 ``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
 ``--num-layers-per-virtual-pipeline-stage``, ``--micro-batch-size``,
-``--global-batch-size``, ``--recompute-granularity full|selective``,
+``--global-batch-size``, ``--seq-length`` (a plan made at a sequence length; Megatron's
+``validate_args`` then asserts ``--max-position-embeddings`` ≥ it, a model argument the
+snippet leaves to the user and names in a comment), ``--recompute-granularity full|selective``,
 ``--recompute-method block`` with ``--recompute-num-layers`` (the first N blocks of each
 stage: memplan's choice also favours the earliest blocks), ``--use-distributed-optimizer``
 for sharded optimizer state, ``--use-torch-fsdp2`` for FSDP.
@@ -31,6 +33,8 @@ def megatron_args(plan: Plan) -> list[str]:
         f"--micro-batch-size {plan.micro_batch_size}",
         f"--global-batch-size {plan.target_batch}",
     ]
+    if plan.seq_len is not None:
+        args.append(f"--seq-length {plan.seq_len}")
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     if p.virtual_stages > 1:
@@ -66,9 +70,16 @@ def emit_megatron(plan: Plan, *, model_path: str) -> str:
     """A shell snippet: ``MEMPLAN_ARGS`` for ``pretrain_gpt.py``."""
     p = plan_layout(plan)
     body = " \\\n    ".join(megatron_args(plan))
+    seq = (
+        f"# Sequence length {plan.seq_len}: give --max-position-embeddings >= {plan.seq_len} "
+        "with the model args (Megatron's validate_args asserts it)\n"
+        if plan.seq_len is not None
+        else ""
+    )
     return (
         f"# memplan plan for {comment_string(model_path)}: {p.describe()}, strategy {plan.strategy}\n"
         f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage)\n"
+        f"{seq}"
         f"# Launch with {p.world_size} ranks: torchrun ... pretrain_gpt.py $MEMPLAN_ARGS <model args>\n"
         f'MEMPLAN_ARGS="{body}"\n'
     )

@@ -1,25 +1,52 @@
-"""torchtitan's job config (``--format torchtitan``, issue 25).
+"""torchtitan's configs (``--format torchtitan`` and ``--format torchtitan-toml``; issues 25, 31).
 
-The layout engines' configs (issue 25): torchtitan's job TOML and Megatron-LM's arguments.
+**torchtitan 0.3.x** (``--format torchtitan``, the release on the package index): it reads no
+job TOML (``--job.config_file`` is refused with "--module is required"). ``python -m
+torchtitan.train`` takes ``--module`` (a model package, e.g. ``llama3``) and ``--config`` (a
+function of that package's ``config_registry`` returning a ``Trainer.Config``), then
+overrides parsed by tyro (torchtitan/config/manager.py ``ConfigManager.parse_args``), named
+as torchtitan 0.3.0 names them: ``--parallelism.`` ``data_parallel_replicate_degree``,
+``data_parallel_shard_degree``, ``tensor_parallel_degree``, ``enable_sequence_parallel``
+(``no_enable_sequence_parallel``), ``pipeline_parallel_degree``,
+``pipeline_parallel_schedule``, ``pipeline_parallel_microbatch_size``,
+``pipeline_parallel_layers_per_stage``, ``context_parallel_degree`` (torchtitan/config/
+configs.py ``ParallelismConfig``); ``--training.`` ``local_batch_size``,
+``global_batch_size``, ``seq_len`` and ``disable_cuda_graphs`` (``TrainingConfig``; a
+pipelined ``Trainer.Config`` is refused without the last). Activation checkpointing is a
+config class chosen by a tyro subcommand (torchtitan/distributed/activation_checkpoint.py
+``ActivationCheckpointingConfig``): ``activation_checkpoint:full`` (``FullAC``: every
+block), ``activation_checkpoint:selective`` (``SelectiveAC``: per-op, every block),
+``activation_checkpoint:memory-budget`` (``MemoryBudgetAC``: the compiler's partitioner;
+memplan never plans it) and ``activation_checkpoint:none``. 0.3 applies one policy to every
+block (no every-N-th option), and always shards the head's logits and the loss by
+vocabulary under TP (models/common/decoder_sharding.py: the ``lm_head`` output is
+``Shard(-1)``; components/loss.py ``_LossParallelCrossEntropy``): there is no
+``disable_loss_parallel`` any more. The model's shape is not a command-line field
+(``Trainer.Config.model_spec`` is ``tyro.conf.Suppress``): it comes from ``--config`` alone,
+so the output names a Llama 3 config only when the plan's model is that config (same block
+count and parameter count), and otherwise the closest one with what differs, in a comment.
 
-**torchtitan** (``--format torchtitan``): field names as torchtitan's ``JobConfig`` defines
-them (pytorch/torchtitan ``torchtitan/config/job_config.py`` at 000204a4: ``[parallelism]``
-``data_parallel_replicate_degree``, ``data_parallel_shard_degree``,
+**torchtitan 0.1.0 to 0.2.2** (``--format torchtitan-toml``): the job TOML those releases read
+with ``--job.config_file`` (their ``JobConfig``: torchtitan/config_manager.py in 0.1.0,
+torchtitan/config/job_config.py in 0.2.x; every key written here is in all of them):
+``[parallelism]`` ``data_parallel_replicate_degree``, ``data_parallel_shard_degree``,
 ``tensor_parallel_degree``, ``pipeline_parallel_degree``, ``pipeline_parallel_schedule``,
-``pipeline_parallel_microbatch_size``, ``context_parallel_degree``; ``[training]``
-``local_batch_size`` (per data-parallel rank per step; with PP split into micro-batches of
-``pipeline_parallel_microbatch_size``), ``global_batch_size`` (more than local × dp means
-gradient accumulation), ``seq_len``; ``[activation_checkpoint]`` ``mode`` (selective, full,
-none) and ``selective_ac_option`` ("op", or "N": every N-th block)). torchtitan's Llama TP
-always shards the norms by sequence (SequenceParallel), so a plan without SP is written
-with a comment saying so. torchtitan checkpoints the same modules in every block; a plan
-whose blocks differ is written as the nearest every-N-th choice that checkpoints at least
-as many blocks (more memory saved, not less), and the comment names the plan's own.
+``pipeline_parallel_microbatch_size``, ``context_parallel_degree``,
+``disable_loss_parallel``; ``[training]`` ``local_batch_size`` (per data-parallel rank per
+step; with PP split into micro-batches of ``pipeline_parallel_microbatch_size``),
+``global_batch_size`` (more than local × dp means gradient accumulation), ``seq_len``;
+``[activation_checkpoint]`` ``mode`` (selective, full, none) and ``selective_ac_option``
+("op", or "N": every N-th block). torchtitan's Llama TP always shards the norms by sequence
+(SequenceParallel), so a plan without SP is written with a comment saying so. A plan whose
+blocks differ is written as the nearest every-N-th choice that checkpoints at least as many
+blocks (more memory saved, not less), and the comment names the plan's own.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import dataclass
 
 from memplan.emit._common import comment_string, plan_blocks, plan_layout
 from memplan.modes import FULL, SELECTIVE
@@ -28,6 +55,12 @@ from memplan.plan import Plan
 
 TORCHTITAN_STRATEGIES = frozenset({"ddp", "fsdp"})
 """torchtitan replicates (DDP) or shards with FSDP2; it has no optimizer-only sharding."""
+
+TOML_RELEASES = "0.1.0 to 0.2.2"
+"""The torchtitan releases that read ``--job.config_file`` with the keys written below."""
+RELEASE = "0.3.0"
+"""The torchtitan release ``--format torchtitan`` writes for (tests load the output with its
+``ConfigManager``)."""
 
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 """memplan's schedule -> torch.distributed.pipelining's class name less ``Schedule``
@@ -60,8 +93,8 @@ def _toml(value: object) -> str:
     return json.dumps(str(value))  # a TOML basic string: JSON's escapes are TOML's
 
 
-def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
-    """torchtitan's job config (TOML) for ``plan``."""
+def emit_torchtitan_toml(plan: Plan, *, model_path: str) -> str:
+    """torchtitan 0.1.0 to 0.2.2's job config (TOML) for ``plan`` (module docstring)."""
     p = plan_layout(plan)
     modes = set(plan.checkpoint.values())
     n_blocks = plan_blocks(plan)
@@ -105,7 +138,11 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         if p.virtual_stages > 1:
             layers = stage_layers(n_blocks, p.stages)
             parallelism["pipeline_parallel_layers_per_stage"] = len(layers[0])
-    lines = [f"# {note}" for note in notes]
+    lines = [
+        f"# torchtitan {TOML_RELEASES} job config: train with --job.config_file <this file>. "
+        "torchtitan 0.3 reads no TOML: use --format torchtitan."
+    ]
+    lines += [f"# {note}" for note in notes]
     lines.append(
         f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage), step "
         f"{plan.predicted.step_seconds:.3f} s"
@@ -118,3 +155,157 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         lines += ["", f"[{section}]"]
         lines += [f"{key} = {_toml(value)}" for key, value in fields.items()]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- torchtitan 0.3
+
+
+@dataclass(frozen=True, slots=True)
+class NamedConfig:
+    """A Llama 3 config of torchtitan 0.3.0's ``torchtitan.models.llama3.config_registry``."""
+
+    name: str
+    blocks: int
+    parameters: int
+    """Parameters of the model it builds (counted on meta in tests/test_emit_torchtitan.py)."""
+
+
+LLAMA3_CONFIGS: tuple[NamedConfig, ...] = (
+    NamedConfig("llama3_debugmodel", 6, 6_163_712),
+    NamedConfig("llama3_8b", 32, 8_030_261_248),
+    NamedConfig("llama3_70b", 80, 70_553_706_496),
+    NamedConfig("llama3_405b", 126, 405_853_388_800),
+)
+_SAME_PARAMETERS = 0.01
+"""How close the plan's parameter count must be to a config's for the config to be the
+plan's model (its parameter bytes at 4 or 2 bytes a parameter, fp32 or bf16)."""
+
+
+def _named_config(plan: Plan, n_blocks: int) -> tuple[NamedConfig, bool]:
+    """The Llama 3 config closest to the plan's model (block count first, then parameter
+    count), and whether it is the plan's model: the same block count and parameters."""
+    fingerprint = plan.model_fingerprint
+    param_bytes = fingerprint.parameter_bytes if fingerprint is not None else 0
+
+    def param_gap(config: NamedConfig) -> float:
+        if param_bytes <= 0:
+            return math.inf
+        return min(abs(param_bytes / (e * config.parameters) - 1) for e in (4, 2))
+
+    def distance(config: NamedConfig) -> tuple[float, float]:
+        return (abs(math.log(n_blocks / config.blocks)), param_gap(config))
+
+    best = min(LLAMA3_CONFIGS, key=distance)
+    same = best.blocks == n_blocks and param_gap(best) <= _SAME_PARAMETERS
+    return best, same
+
+
+def _ac_subcommand(plan: Plan, n_blocks: int) -> tuple[str, list[str]]:
+    """torchtitan 0.3's activation-checkpointing subcommand for ``plan``, and notes where it
+    is not the plan's own choice."""
+    modes = set(plan.checkpoint.values())
+    every = len(plan.checkpoint) == n_blocks
+    if not plan.checkpoint:
+        return "none", []
+    if modes == {FULL} and every:
+        return "full", []
+    if modes == {SELECTIVE} and every:
+        return "selective", [
+            "SelectiveAC also recomputes every second matmul that memplan's selective mode "
+            "keeps: torchtitan holds no more than planned, and recomputes more"
+        ]
+    return "full", [
+        f"the plan checkpoints {len(plan.checkpoint)} of {n_blocks} blocks "
+        f"({', '.join(sorted(modes))}); torchtitan {RELEASE} applies one policy to every "
+        "block, so FullAC checkpoints every block: no more memory than planned, more "
+        "recompute (memplan.apply on your own model runs the plan's choice)"
+    ]
+
+
+def torchtitan_args(plan: Plan) -> list[str]:
+    """The arguments of ``python -m torchtitan.train`` (torchtitan 0.3.0) for ``plan``, one
+    option and its value an item; the last is the activation-checkpointing subcommand."""
+    p = plan_layout(plan)
+    n_blocks = plan_blocks(plan)
+    config, _ = _named_config(plan, n_blocks)
+    args = [
+        "--module llama3",
+        f"--config {config.name}",
+        f"--parallelism.data_parallel_replicate_degree {p.dp_replicate}",
+        f"--parallelism.data_parallel_shard_degree {p.dp_shard}",
+        f"--parallelism.tensor_parallel_degree {p.tp}",
+        f"--parallelism.pipeline_parallel_degree {p.pp}",
+        f"--parallelism.context_parallel_degree {p.cp}",
+    ]
+    if p.tp > 1:
+        sp = "enable" if p.sequence_parallel else "no_enable"
+        args.append(f"--parallelism.{sp}_sequence_parallel")
+    if p.pp > 1:
+        args += [
+            f"--parallelism.pipeline_parallel_schedule {_SCHEDULES[p.schedule]}",
+            f"--parallelism.pipeline_parallel_microbatch_size {plan.micro_batch_size}",
+        ]
+        if p.virtual_stages > 1:
+            layers = stage_layers(n_blocks, p.stages)
+            args.append(f"--parallelism.pipeline_parallel_layers_per_stage {len(layers[0])}")
+        args.append("--training.disable_cuda_graphs")
+    local = plan.micro_batch_size * (plan.accumulation_steps if p.pp > 1 else 1)
+    args += [
+        f"--training.local_batch_size {local}",
+        f"--training.global_batch_size {plan.target_batch}",
+    ]
+    if plan.seq_len is not None:
+        args.append(f"--training.seq_len {plan.seq_len}")
+    args.append(f"activation_checkpoint:{_ac_subcommand(plan, n_blocks)[0]}")
+    return args
+
+
+def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
+    """A shell snippet for torchtitan 0.3.0: ``TORCHTITAN_ARGS`` for ``python -m
+    torchtitan.train`` (module docstring), with what differs from the plan in comments."""
+    p = plan_layout(plan)
+    n_blocks = plan_blocks(plan)
+    config, same = _named_config(plan, n_blocks)
+    notes = [
+        f"memplan plan for {comment_string(model_path)}: {p.describe()}, strategy {plan.strategy}",
+        f"predicted peak per rank {plan.predicted.peak_bytes} B (worst stage), step "
+        f"{plan.predicted.step_seconds:.3f} s",
+        f"torchtitan {RELEASE} (--module/--config plus overrides; it reads no job TOML: "
+        f"for torchtitan {TOML_RELEASES} use --format torchtitan-toml)",
+    ]
+    fingerprint = plan.model_fingerprint
+    size = (
+        f"{fingerprint.parameter_bytes} parameter bytes"
+        if fingerprint is not None
+        else "parameters unknown"
+    )
+    if same:
+        notes.append(
+            f"model: {config.name} ({config.blocks} blocks, {config.parameters} parameters), "
+            "as planned"
+        )
+    else:
+        notes.append(
+            f"model: no torchtitan config is the planned model ({n_blocks} blocks, {size}); "
+            f"the closest is {config.name} ({config.blocks} blocks, {config.parameters} "
+            "parameters), which this command trains. torchtitan takes the model's shape from "
+            "--config alone: register your model's Trainer.Config in a config_registry module "
+            "and pass --module <that module> --config <its function> instead"
+        )
+    notes += _ac_subcommand(plan, n_blocks)[1]
+    if p.tp > 1 and not p.loss_parallel:
+        notes.append(
+            f"torchtitan {RELEASE} always shards the logits and loss by vocabulary under TP "
+            "(loss parallel); the plan charged them whole, so torchtitan holds less"
+        )
+    if p.pp > 1:
+        notes.append(
+            "stage boundaries are torchtitan's (pipeline_parallel_first/last_stage_less_layers); "
+            "memplan planned contiguous stages, the later ones a block longer where they differ"
+        )
+    notes.append(
+        f"launch with {p.world_size} ranks: torchrun --nproc_per_node <gpus per node> "
+        "-m torchtitan.train $TORCHTITAN_ARGS"
+    )
+    body = " \\\n    ".join(torchtitan_args(plan))
+    return "".join(f"# {note}\n" for note in notes) + f'TORCHTITAN_ARGS="{body}"\n'

@@ -20,7 +20,7 @@ from typing import Any, Literal, TypeVar, Union
 
 import yaml
 
-from memplan.errors import ProfileError
+from memplan.errors import ProfileError, unreadable_output
 from memplan.files import fast_yaml
 from memplan.suggest import did_you_mean
 
@@ -478,6 +478,22 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def read_back(text: str, what: str, read: Callable[[Any], Any]) -> None:
+    """Read ``text``, a ``what`` (``profile``/``plan``) memplan made, as its loader reads a
+    file (``safe_load``, then ``read``: the schema and the problem rules). A refusal is
+    memplan's own failure, never the user's: ``UnreadableOutputError`` (exit 3) naming the
+    field, raised before the caller writes anything."""
+    try:
+        read(safe_load(text))
+    except ProfileError as exc:
+        problem = exc.message  # "<the profile memplan made>: field ..." less the source
+        if problem.startswith("<") and ">" in problem:
+            problem = problem.split(">", 1)[1].lstrip(": ")
+        raise unreadable_output(what, problem.rstrip(".")) from exc
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
+        raise unreadable_output(what, f"its YAML does not read back ({exc})") from exc
 
 
 def load_yaml_file(path: str | Path, *, what: str) -> dict[str, Any]:

@@ -113,32 +113,22 @@ class _Ask:
     """A checked request, ready to solve a profile and write the files asked for."""
 
     request: Any
+    """The ``memplan.solver.SolveRequest``: batch, length and layout included."""
     targets: Any
-    length: int | None
-    seq: bool
-    tokens_per_batch: int | None
-    seq_multiple: int
-    layout: Any
     force: bool
     device_profile: str | None
 
+    @property
+    def length(self) -> int | None:
+        """The sequence length asked for (None: none, or ``max``)."""
+        seq_len = self.request.seq_len
+        return seq_len if isinstance(seq_len, int) else None
+
     def finish(self, profile: Profile) -> Plan:
         from memplan.emit.files import write_plan_files
+        from memplan.solver import solve
 
-        length = self.length
-        if self.tokens_per_batch is not None and length is None and self.seq:
-            if profile.seq_len is None:
-                raise BadInputError("tokens_per_batch needs the length of a sample: give seq_len.")
-            length = profile.seq_len
-        plan = _solve(
-            profile,
-            self.request,
-            layout=self.layout,
-            seq=self.seq,
-            length=length,
-            multiple=self.seq_multiple,
-            tokens_per_batch=self.tokens_per_batch,
-        )
+        plan = solve(profile, self.request).plan  # the one entry point, as `memplan solve`
         if self.targets is not None:
             written = write_plan_files(plan, self.targets, force=self.force)
             if written.refused:
@@ -189,19 +179,13 @@ def _ask(
             Path(out_dir) if out_dir is not None else None,
             force=force,
         )
-    if (target_batch is None) == (tokens_per_batch is None):
-        raise BadInputError(
-            "Give the effective batch once: target_batch (samples) or tokens_per_batch "
-            "(tokens, with seq_len)."
-        )
-    if layout is not None and (seq_len is not None or tokens_per_batch is not None):
-        raise BadInputError(
-            "seq_len and tokens_per_batch are not yet planned with a parallel layout.",
-            hint="Probe at the length you train at and solve the layout without them.",
-        )
     spec = _device_spec(device_profile)
     request = SolveRequest(
-        target_batch=target_batch or 1,  # with tokens_per_batch, set per length
+        target_batch=target_batch,
+        tokens_per_batch=tokens_per_batch,
+        seq_len=_seq_length(seq_len),
+        seq_multiple=seq_multiple,
+        layout=layout,
         budget_bytes=budget_bytes(budget, device, spec),
         world_size=world_size,
         strategy=strategy,
@@ -217,17 +201,7 @@ def _ask(
         modes=modes if modes is None or isinstance(modes, str) else ",".join(modes),
         host_memory_bytes=_host_memory(host_memory),
     )
-    return _Ask(
-        request=request,
-        targets=targets,
-        length=_seq_length(seq_len),
-        seq=seq_len is not None or tokens_per_batch is not None,
-        tokens_per_batch=tokens_per_batch,
-        seq_multiple=seq_multiple,
-        layout=layout,
-        force=force,
-        device_profile=device_profile,
-    )
+    return _Ask(request=request, targets=targets, force=force, device_profile=device_profile)
 
 
 def profile_model(
@@ -348,36 +322,13 @@ def _host_memory(value: str | int | None) -> int | None:
     return parse_size(str(value), what="host_memory")
 
 
-def _seq_length(seq_len: int | str | None) -> int | None:
+def _seq_length(seq_len: int | str | None) -> int | str | None:
+    """``seq_len`` as a SolveRequest takes it: tokens, or ``"max"``."""
     from memplan.profile.seqlen import parse_seq_len
 
     if seq_len is None:
         return None
-    return parse_seq_len(str(seq_len), flag="seq_len")
-
-
-def _solve(
-    profile: Profile,
-    request: Any,
-    *,
-    layout: Any,
-    seq: bool,
-    length: int | None,
-    multiple: int,
-    tokens_per_batch: int | None,
-) -> Plan:
-    """The solve ``memplan solve`` runs for these options (cli/solve.py)."""
-    from memplan.solver import solve
-    from memplan.solver.parallel import solve_layout
-    from memplan.solver.seqlen import solve_seq
-
-    if layout is not None:
-        return solve_layout(profile, request, layout).plan
-    if not seq:
-        return solve(profile, request).plan
-    return solve_seq(
-        profile, request, length, multiple=multiple, tokens_per_batch=tokens_per_batch
-    ).result.plan
+    return parse_seq_len(str(seq_len), flag="seq_len") or "max"
 
 
 def _caller_file() -> Path:

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from memplan.errors import BadInputError
+from memplan.model.batch import map_batch
 from memplan.model.loader import ModelFile, takes_seq_len
 from memplan.model.reference import DEFAULT_FACTORY
 from memplan.run.accumulate import samples_in
-from memplan.run.batch import map_batch
 from memplan.run.checkpoint import remove
 
 __all__ = [

@@ -268,8 +268,11 @@ def check_layout(profile: Profile, parallel: Parallel) -> None:
         raise BadInputError(
             f"the profile of {profile.model.spec} has no tensor-parallel measurement, so "
             "memplan cannot tell which bytes TP divides.",
-            hint="Probe again with this memplan (a model with a TP plan is measured under TP "
-            "2 on a fake process group), or add TP_PLAN to the model file, or use --tp 1.",
+            hint="Probe the model again (memplan probe, --device cpu or meta: no flag needed): "
+            "a model with a TP plan is measured under TP 2 on a fake process group. A model "
+            "has one when its transformers config declares base_model_tp_plan (Llama, Qwen2, "
+            "Mistral, …) or its model file defines TP_PLAN or tp_plan(model) (module-name "
+            "patterns to colwise/rowwise). Or plan with --tp 1.",
         )
     if parallel.loss_parallel and not loss_parallel_possible(profile):
         raise BadInputError(

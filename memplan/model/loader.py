@@ -78,7 +78,8 @@ def _args_text(args: tuple[Any, ...]) -> str:
     return f"({', '.join(ints)})" if args and len(ints) == len(args) else "()"
 
 
-_MEMPLAN_DIR = Path(__file__).resolve().parent
+_MEMPLAN_DIR = Path(__file__).resolve().parent.parent
+"""The memplan package (this module lives in memplan/model/): a frame in it is memplan's."""
 
 _call_observers: list[Callable[[str], None]] = []
 

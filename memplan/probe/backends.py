@@ -23,6 +23,7 @@ from memplan.probe.dedup import MetaOpCache
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.meta_kernels import CONV_TARGET
+from memplan.probe.settings import ProbeSettings
 from memplan.probe.tracker import LiveTracker, Roofline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -217,6 +218,17 @@ def make_backend(
         spec=spec,
         mixed_precision=mixed_precision,
         reuse_identical=reuse_identical,
+    )
+
+
+def backend_for(settings: ProbeSettings) -> Backend:
+    """The backend a probe with ``settings`` measures on."""
+    return make_backend(
+        settings.device,
+        settings.precision,
+        settings.device_profile,
+        mixed_precision=settings.mixed_precision,
+        reuse_identical=settings.reuse_identical,
     )
 
 

@@ -195,7 +195,16 @@ def expand(p4: Profile, p5: Profile, a: int, n: int, names: Sequence[str], prune
     rest = {
         f.name: _lin(getattr(p4, f.name), getattr(p5, f.name), t)
         for f in dataclasses.fields(Profile)
-        if f.name not in ("layers", "timeline", "deduplicated_layers", "seq", "shared_inputs")
+        if f.name
+        not in (
+            "layers",
+            "timeline",
+            "deduplicated_layers",
+            "extrapolated_layers",
+            "extrapolation_declined",
+            "seq",
+            "shared_inputs",
+        )
     }
     return Profile(
         **rest,
@@ -203,6 +212,7 @@ def expand(p4: Profile, p5: Profile, a: int, n: int, names: Sequence[str], prune
         layers=tuple(layers),
         timeline=timeline,
         deduplicated_layers=tuple(names[a + 3 : a + n - 1]),
+        extrapolated_layers=tuple(names[a + 3 : a + n - 1]),
     )
 
 
@@ -253,7 +263,7 @@ def _close(x: Any, y: Any) -> bool:
 def same_profile(predicted: Profile, measured: Profile) -> bool:
     """Equal bytes, seconds within 1e-9, fit residuals aside; names and derived-layer lists
     aside (a cut model's layers are named by their cut positions)."""
-    strip = {"deduplicated_layers": ()}
+    strip = {"deduplicated_layers": (), "extrapolated_layers": ()}
     a = dataclasses.replace(predicted, **strip)
     b = dataclasses.replace(measured, **strip)
     if len(a.layers) != len(b.layers):

@@ -1,7 +1,10 @@
 """A long run of identical blocks is probed at three short lengths and the rest derived.
 
-A stack of ``n`` identical blocks (same class, parameter and buffer shapes and dtypes,
-hyper-parameters: :func:`signature`) runs the same ops ``n`` times, and every quantity a
+Blocks that look identical (same class, parameter and buffer shapes and dtypes,
+hyper-parameters: :func:`signature`) may still differ in what they run; the shortcut is
+taken only for a run memplan.probe.sameness proves to be one block repeated (its state,
+and a traced forward of every block), and declined, with a reason, otherwise. A stack of
+``n`` identical blocks runs the same ops ``n`` times, and every quantity a
 profile holds is linear in ``n``: each held block adds its saved bytes to every later
 point, each block's parameters, gradients and optimizer state add theirs, each block's
 forward and backward look like its neighbour's. So the run is cut to ``r`` = 4, 5 and 6 of
@@ -12,11 +15,11 @@ predicted from the 4- and 5-block ones must equal the measured one (bytes exactl
 to 1e-9), or the model is probed in full. The first two blocks of the run and its last are
 measured in their own right (the first sees an input that may need no gradient, the last
 feeds whatever follows); the blocks between copy the run's third block, and the profile
-lists them as derived (``Profile.deduplicated_layers``).
+lists them as derived (``Profile.extrapolated_layers``, and ``deduplicated_layers``).
 
 Only the longest run is cut, and only one of at least :data:`MIN_RUN` blocks whose
 container (``nn.ModuleList``/``nn.Sequential``) iterates them: a model that indexes its
-blocks by a fixed count fails the short probe and is probed in full.
+blocks by a fixed count fails the traced cut model and is probed in full.
 """
 
 from __future__ import annotations

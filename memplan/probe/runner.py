@@ -16,6 +16,7 @@ the Profile.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import gc
@@ -26,14 +27,21 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, CannotMeasureError, MemplanError, checkpointing_failure
+from memplan.errors import (
+    BadInputError,
+    CannotMeasureError,
+    MemplanError,
+    checkpointing_failure,
+)
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.assemble import assemble
-from memplan.probe.backends import make_backend
+from memplan.probe.backends import backend_for
 from memplan.probe.dedup import ForwardMisses
 from memplan.probe.expand import NotLinear, expand, same_profile
 from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
+from memplan.probe.sameness import Declined, shared_state, traced_reason
 from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
+from memplan.probe.settings import ProbeSettings
 from memplan.probe.sizes import (
     TIMING_REPEATS,
     available_bytes,
@@ -72,6 +80,15 @@ def probe_model(
     meta, identical blocks reuse their representative's meta results unless
     ``reuse_identical`` is False (memplan.probe.dedup)."""
     sizes = sorted(set(int(b) for b in micro_batches))
+    settings = ProbeSettings(
+        device=device,
+        micro_batches=tuple(sizes),
+        precision=precision,
+        layers=layers,
+        device_profile=device_profile,
+        mixed_precision=mixed_precision,
+        reuse_identical=reuse_identical,
+    )
     if len(sizes) < 2 or sizes[0] < 1:
         raise BadInputError(
             f"micro_batches {tuple(micro_batches)} must hold at least two distinct positive sizes.",
@@ -94,23 +111,17 @@ def probe_model(
         else load_model_file(model_file_path)
     )
     try:
+        declined = None
         if device == "meta" and reuse_identical:
-            derived = _probe_repeats(
-                model_file, sizes, precision, layers, device_profile, tick, mixed_precision
-            )
-            if derived is not None:
+            derived = _probe_repeats(model_file, settings, tick)
+            if isinstance(derived, Profile):
                 return derived
-        return probe_sizes(
-            model_file,
-            sizes,
-            device,
-            precision,
-            layers,
-            device_profile,
-            tick,
-            mixed_precision,
-            reuse_identical,
-        )
+            if derived is not None:
+                declined = derived.reason
+        profile = probe_sizes(model_file, settings, tick)
+        if declined is not None:
+            profile = dataclasses.replace(profile, extrapolation_declined=declined)
+        return profile
     except Exception as exc:
         known = checkpointing_failure(exc, model_file.spec)
         if known is None:
@@ -119,68 +130,72 @@ def probe_model(
 
 
 def _probe_repeats(
-    model_file: ModelFile,
-    sizes: list[int],
-    precision: str,
-    layers: str | None,
-    device_profile: str | None,
-    tick: Callable[[str], None],
-    mixed_precision: str,
-) -> Profile | None:
+    model_file: ModelFile, settings: ProbeSettings, tick: Callable[[str], None]
+) -> Profile | Declined | None:
     """A long run of identical blocks probed at three short lengths and the rest derived
-    (memplan.probe.repeats); None when the model has no such run, or its short probes do
-    not extrapolate exactly (the caller probes it in full)."""
-    backend = make_backend("meta", precision, device_profile, mixed_precision, True)
+    (memplan.probe.repeats); None when the model has no run of look-alike blocks, and
+    ``Declined`` (with the reason) when memplan cannot show that its blocks are the same
+    (memplan.probe.sameness) or its short probes do not extrapolate exactly: the caller then
+    probes every block. Failures are not declines: they surface as they would in a full
+    probe (memplan's own as exit 3 naming the op)."""
+    backend = backend_for(settings)  # meta, identical blocks reused: the caller's settings
     model = backend.build(model_file)
-    names, _ = resolve_layers(model, layers)
+    names, _ = resolve_layers(model, settings.layers)
     repeat = longest_run(model, names)
     if repeat is None:
         return None
+    reason = shared_state(model, repeat)
+    if reason is not None:
+        return Declined(reason)
+    whole = copy.deepcopy(model)  # traced (a forward may fill caches); the probes cut `model`
     shrink(model, repeat, LENGTHS[-1])  # built once: 10,000 blocks take seconds to build
     longest = dataclasses.replace(repeat, length=LENGTHS[-1])
-    short = []
+    cuts = [
+        (shrunk_copy(model, longest, length), dataclasses.replace(repeat, length=length))
+        for length in LENGTHS
+    ]
+    reason = traced_reason(model_file, backend, whole, repeat, settings.micro_batches[0], cuts)
+    del whole, cuts
+    if reason is not None:
+        return Declined(reason)
+    short = [
+        probe_sizes(
+            model_file,
+            settings,
+            tick if k == 0 else lambda what: None,
+            prune=False,
+            build=functools.partial(shrunk_copy, model, longest, length),
+        )
+        for k, length in enumerate(LENGTHS)
+    ]
+    a = repeat.first
     try:
-        for k, length in enumerate(LENGTHS):
-            short.append(
-                probe_sizes(
-                    model_file,
-                    sizes,
-                    "meta",
-                    precision,
-                    layers,
-                    device_profile,
-                    tick if k == 0 else lambda what: None,
-                    mixed_precision,
-                    True,
-                    prune=False,
-                    build=functools.partial(shrunk_copy, model, longest, length),
-                )
-            )
-        a = repeat.first
         check = expand(short[0], short[1], a, LENGTHS[2], short[2].layer_names, prune=False)
-        if not same_profile(check, short[2]):
-            return None
+    except NotLinear as exc:
+        return Declined(f"the probes of 4 and 5 blocks do not extrapolate ({exc})")
+    if not same_profile(check, short[2]):
+        return Declined(
+            "the probe of 6 blocks differs from what the probes of 4 and 5 blocks predict"
+        )
+    try:
         return expand(short[0], short[1], a, repeat.length, names, prune=True)
-    except (NotLinear, MemplanError, RuntimeError, ValueError, TypeError, IndexError):
-        return None  # the full probe runs it again, and reports what fails there
+    except NotLinear as exc:
+        return Declined(f"the probes of 4 and 5 blocks do not extrapolate ({exc})")
 
 
 def probe_sizes(
     model_file: ModelFile,
-    sizes: list[int],
-    device: str,
-    precision: str,
-    layers: str | None,
-    device_profile: str | None,
+    settings: ProbeSettings,
     tick: Callable[[str], None],
-    mixed_precision: str,
-    reuse_identical: bool,
     *,
     prune: bool = True,
     build: Callable[[], torch.nn.Module] | None = None,
 ) -> Profile:
-    backend = make_backend(device, precision, device_profile, mixed_precision, reuse_identical)
-    session = open_session(model_file, backend, layers, build)
+    """One profile of ``model_file`` at each of ``settings.micro_batches`` (sorted, two at
+    least); ``build`` makes the model instead of the file's factory (the shortcut's cuts)."""
+    sizes = list(settings.micro_batches)
+    backend = backend_for(settings)
+    session = open_session(model_file, backend, settings.layers, build)
     if not session.layer_names:
         session.warnings.append(
             "No repeated blocks (an nn.ModuleList/nn.Sequential of "

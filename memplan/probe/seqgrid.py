@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from memplan.errors import BadInputError, checkpointing_failure
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.runner import Progress, probe_sizes
+from memplan.probe.settings import ProbeSettings
 from memplan.profile import Profile
 from memplan.profile.seqlen import grid_profile
 
@@ -48,6 +49,15 @@ def probe_seq_grid(
         else load_model_file(model_file_path)
     )
     bound = [model_file.at_seq_len(s) for s in lens]  # exit 2 before any probing
+    settings = ProbeSettings(
+        device=device,
+        micro_batches=tuple(sizes),
+        precision=precision,
+        layers=layers,
+        device_profile=device_profile,
+        mixed_precision=mixed_precision,
+        reuse_identical=reuse_identical,
+    )
     per_length = 2 + (7 + (device != "meta")) * len(sizes) + 2
     total = per_length * len(lens)
     done = 0
@@ -64,18 +74,7 @@ def probe_seq_grid(
     profiles = []
     for s, mf in zip(lens, bound, strict=True):
         try:
-            profile = probe_sizes(
-                mf,
-                sizes,
-                device,
-                precision,
-                layers,
-                device_profile,
-                ticker(s),
-                mixed_precision,
-                reuse_identical,
-                prune=len(lens) == 1,
-            )
+            profile = probe_sizes(mf, settings, ticker(s), prune=len(lens) == 1)
         except Exception as exc:
             known = checkpointing_failure(exc, mf.spec)
             if known is None:

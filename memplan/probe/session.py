@@ -207,6 +207,8 @@ def open_session(
     model = backend.build(model_file) if build is None else build()
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
     cache_note = memplan.run.kv_cache_note(memplan.run.disable_kv_cache(model))
+    # LayerDrop draws the layers of each step: the probe measures the step with every layer.
+    layerdrop_note = memplan.run.layerdrop_note(memplan.run.disable_layerdrop(model))
     optimizer = model_file.make_optimizer(model)
     names, deeper_note = resolve_layers(model, layers)
     modules = dict(model.named_modules())
@@ -224,7 +226,7 @@ def open_session(
         layers=[modules[n] for n in names],
         part_names=parts,
         recorder=recorder,
-        warnings=[note for note in (cache_note, deeper_note) if note],
+        warnings=[note for note in (cache_note, layerdrop_note, deeper_note) if note],
     )
     session.kept_at_start = tuple(session.kept_tensors())
     return session

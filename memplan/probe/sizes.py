@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, checkpointing_failure, first_line
+from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure, first_line
 from memplan.model.batch import batch_tensors
 from memplan.modes import SELECTIVE
 from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
@@ -232,6 +232,35 @@ def try_selective(session: Session, size: int) -> None:
         session.zero_grad()
 
 
+def _modules_run(session: Session, run: Run) -> set[str]:
+    """The candidate layers and fixed parts whose forward ``run`` saw."""
+    record = run.record
+    assert record is not None
+    return {session.layer_names[i] for i in record.layer_order} | set(record.parts)
+
+
+def refuse_random_layers(session: Session, size: int, first: Run, second: Run, what: str) -> None:
+    """Raise when two micro-steps of the same batch on the same weights (no optimizer step
+    between them) ran different modules: layers skipped at random in training (LayerDrop
+    that memplan.run.disable_layerdrop did not find, a hand-written stochastic depth that
+    skips whole blocks). No profile fits a step whose layers are drawn: each probed size
+    would hold other layers, and the fits read as corrupted (negative bytes per sample)."""
+    one, two = _modules_run(session, first), _modules_run(session, second)
+    if one == two:
+        return
+    differ = sorted(one ^ two)
+    shown = ", ".join(differ[:4]) + (", …" if len(differ) > 4 else "")
+    raise CannotMeasureError(
+        f"{session.model_file.spec}: two {what} micro-steps of the same batch of {size} on "
+        f"the same weights ran different modules ({shown} ran in one and not the other): "
+        "the model skips layers at random in training (LayerDrop, or a stochastic depth "
+        "that skips whole blocks), so no profile describes its step",
+        hint="Switch the random skipping off in build_model (for Hugging Face models "
+        "memplan does this itself for attributes named *layerdrop*): the step that runs "
+        "every layer is the most any draw needs, so its plan is an upper bound with it on.",
+    )
+
+
 def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRuns:
     backend, mf = session.backend, session.model_file
     batch = backend.batch(mf, size)
@@ -239,6 +268,7 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     no_grads = session.tracked_step(batch)
     tick(f"b={size}: no_grads")
     grads_resident = session.tracked_step(batch)
+    refuse_random_layers(session, size, no_grads, grads_resident, "plain")
     tick(f"b={size}: grads_resident")
     optimizer = session.tracked_optimizer_step(batch)
     grads, state = grad_and_state_bytes(session.model, session.optimizer)
@@ -254,6 +284,7 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         ckpt_no_grads = session.tracked_step(batch)
         tick(f"b={size}: checkpointed no_grads")
         ckpt_grads_resident = session.tracked_step(batch)
+        refuse_random_layers(session, size, ckpt_no_grads, ckpt_grads_resident, "checkpointed")
         tick(f"b={size}: checkpointed grads_resident")
     session.zero_grad()
     sel_no_grads = sel_grads_resident = None
@@ -261,6 +292,7 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
         with in_mode(session.layers, SELECTIVE):
             sel_no_grads = session.tracked_step(batch)
             sel_grads_resident = session.tracked_step(batch)
+        refuse_random_layers(session, size, sel_no_grads, sel_grads_resident, "selective")
         tick(f"b={size}: selective")
         session.zero_grad()
     assert timing is not None

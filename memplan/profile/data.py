@@ -265,6 +265,17 @@ class Profile:
     """Candidate layers not traced themselves: each is identical to an earlier one (same
     class, parameter shapes and dtypes, input shapes) and reuses its measurement; see
     ``memplan.probe.dedup``. Empty for a full probe."""
+    extrapolated_layers: tuple[str, ...] = ()
+    """Candidate layers whose numbers no probe measured: a meta probe proved them copies of
+    one block (memplan.probe.sameness), probed the model with their run cut to 4, 5 and 6
+    blocks, and derived them (and the whole profile) from those probes
+    (memplan.probe.repeats). Empty: every layer was measured (no profile written before
+    memplan recorded this field was extrapolated unless ``deduplicated_layers`` lists the
+    run's middle blocks)."""
+    extrapolation_declined: str | None = None
+    """Why a meta probe that found a run of look-alike blocks did not take the shortcut
+    and measured every block (the blocks were not shown to be the same, or the short probes
+    did not extrapolate exactly). None: no such run, or the shortcut was taken."""
     seq_len: int | None = None
     """Tokens per sample of the batches these numbers describe: the length probed (the
     longest one, with ``seq``), or the length a profile was evaluated at

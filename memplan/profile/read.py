@@ -8,7 +8,7 @@ from pathlib import Path
 
 from memplan.errors import ProfileError
 from memplan.files import fast_yaml
-from memplan.files.schema import from_data, gc_paused, load_yaml_file, to_data
+from memplan.files.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
 from memplan.profile.data import PROFILE_SCHEMA_VERSION, Affine, Profile, point_at
 
 
@@ -42,8 +42,9 @@ def profile_from_data(data: dict, *, source: str = "<profile>") -> Profile:
     problem = profile_problem(profile)
     if problem is not None:
         raise ProfileError(
-            f"{source}: field '{problem[0]}' {problem[1]}; a probe never writes that.",
-            hint="The file was edited or corrupted: probe the model again.",
+            f"{source}: field '{problem[0]}' {problem[1]}.",
+            hint="A probe never writes that: the file was edited or corrupted; probe the "
+            "model again.",
         )
     return profile
 
@@ -80,10 +81,11 @@ slopes, e.g. -32 B per sample on CPU: they are held to >= 0 at the probed sizes.
 
 
 def _affine_problem(profile: Profile) -> tuple[str, str] | None:
-    """A byte fit that goes negative over the sizes the solver uses (b >= 1), or savings
-    that grow faster than what the layer keeps (checkpointing cannot free, per sample,
-    more than the layer's forward leaves alive) or shrink faster than what a checkpoint
-    keeps (its inputs)."""
+    """A byte fit negative over the sizes the solver uses (b >= 1), savings growing faster
+    than what the layer keeps, or full savings shrinking faster than its inputs grow (all a
+    full checkpoint keeps). Selective savings have no floor: selective keeps every matmul's
+    output, also those the plain run frees at once (a frozen LoRA base's, in bf16:
+    docs/design.md, "The profile")."""
     for i, layer in enumerate(profile.layers):
         path = f"profile.layers[{i}]"
         for name in _SIZE_AFFINE_BYTES:
@@ -102,10 +104,10 @@ def _affine_problem(profile: Profile) -> tuple[str, str] | None:
                     f"is {fit_or_none.slope:.4g} bytes per sample, more than the "
                     f"{layer.saved_bytes.slope:.4g} its saved_bytes grow by",
                 )
-            if fit_or_none.slope < -layer.input_bytes.slope:
+            if name == "savings_bytes" and fit_or_none.slope < -layer.input_bytes.slope:
                 return (
                     f"{path}.{name}.slope",
-                    f"is {fit_or_none.slope:.4g} bytes per sample: checkpointing would keep "
+                    f"is {fit_or_none.slope:.4g} bytes per sample: full checkpointing would keep "
                     f"more per sample than the layer's inputs ({layer.input_bytes.slope:.4g})",
                 )
     return None
@@ -215,6 +217,17 @@ def load_profile(path: str | Path) -> Profile:
         return profile_from_data(data, source=str(path))
 
 
+WRITTEN = "<the profile memplan made>"
+"""The source a read-back names: the text is not in a file yet."""
+
+
 def profile_to_yaml(profile: Profile) -> str:
-    """The profile's YAML (memplan.files.fast_yaml: a 10,000-layer profile in seconds)."""
-    return fast_yaml.dump(to_data(profile))
+    """The profile's YAML (memplan.files.fast_yaml: a 10,000-layer profile in seconds), read
+    back as ``load_profile`` reads a file (``files.schema.read_back``): every writer of a
+    profile takes its text from here, so a profile memplan would refuse (its schema, or
+    ``profile_problem``) is ``UnreadableOutputError`` (exit 3, naming the field) and is
+    never written."""
+    text = fast_yaml.dump(to_data(profile))
+    with gc_paused():
+        read_back(text, "profile", lambda data: profile_from_data(data, source=WRITTEN))
+    return text

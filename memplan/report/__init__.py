@@ -136,9 +136,41 @@ def report_for_plan(
     candidates: bool = True,
 ) -> Report:
     spec = device_spec_for_plan(plan)
+    if plan.parallel is not None:
+        return _layout_report(plan, profile, spec, measured)
     rows, notes = plan_candidates(profile, plan, spec) if candidates else ((), [])
     return plan_report(
         profile, plan, device_spec=spec, candidates=rows, measured=measured, notes=notes
+    )
+
+
+def _layout_report(
+    plan: Plan, profile: Profile, spec: DeviceSpec | None, measured: MeasuredTimeline | None
+) -> Report:
+    """A plan with a parallel layout, as the layout search solved it: one rank of its worst
+    pipeline stage (the rank the plan's predicted peak is of), under the layout's sharding;
+    no candidates table (the layout search's table is ``memplan solve --json``'s
+    ``layouts``), never a data-parallel solve of the whole model."""
+    from memplan.memory.parallel import layout_peaks, layout_sharding, rank_profile
+
+    layout = plan.parallel
+    assert layout is not None
+    worst = layout_peaks(profile, plan, spec).worst
+    rank = rank_profile(profile, layout, worst.stage, plan.accumulation_steps)
+    where = (
+        f"pipeline stage {worst.stage} of {layout.pp} (its highest peak), " if layout.pp > 1 else ""
+    )
+    note = (
+        f"Layout {layout.describe()}: the charts show one rank of {where}"
+        f"{len(rank.layers)} of the model's {len(profile.layers)} blocks."
+    )
+    return plan_report(
+        rank,
+        plan,
+        device_spec=spec,
+        measured=measured,
+        notes=[note],
+        sharding=layout_sharding(plan.strategy, layout, plan.grad_sync),
     )
 
 

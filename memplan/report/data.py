@@ -326,12 +326,19 @@ def plan_report(
     candidates: Sequence[Candidate] = (),
     measured: MeasuredTimeline | None = None,
     notes: Sequence[str] = (),
+    sharding: memory.Sharding | None = None,
 ) -> Report:
     """The report of a plan solved from ``profile``. Says so in ``notes`` when the profile
-    no longer predicts the plan's peak (it changed since the plan was solved)."""
-    chosen = memory.layer_modes(profile, plan.checkpoint)
+    no longer predicts the plan's peak (it changed since the plan was solved). With a
+    layout, ``profile`` is one rank's (``memory.parallel.rank_profile``) and ``sharding``
+    the layout's: the plan's modes of the other ranks' blocks are not drawn."""
+    checkpoint = plan.checkpoint
+    if sharding is not None:
+        names = set(profile.layer_names)
+        checkpoint = {name: mode for name, mode in checkpoint.items() if name in names}
+    chosen = memory.layer_modes(profile, checkpoint)
     reserve = memory.reserve_for(profile, device_spec)
-    sharding = memory.sharding_for(plan)
+    sharding = sharding or memory.sharding_for(plan)
     line = predicted_timeline(
         profile,
         plan.micro_batch_size,

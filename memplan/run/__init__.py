@@ -19,7 +19,9 @@ _HOMES = {
     "remove": "checkpoint",
     "run_in_mode": "checkpoint",
     "disable_kv_cache": "training_state",
+    "disable_layerdrop": "training_state",
     "kv_cache_note": "training_state",
+    "layerdrop_note": "training_state",
     "no_dropout": "training_state",
 }
 

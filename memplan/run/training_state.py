@@ -1,10 +1,12 @@
-"""Training state that checkpointing and the gradient check must switch off: a Hugging
-Face model's key/value cache (``disable_kv_cache``) and dropout of every kind
-(``no_dropout``). ``memplan.run`` re-exports both."""
+"""Training state that checkpointing, the probe and the gradient check must switch off: a
+Hugging Face model's key/value cache (``disable_kv_cache``), LayerDrop
+(``disable_layerdrop``: the probe measures the step that runs every layer) and dropout of
+every kind (``no_dropout``). ``memplan.run`` re-exports them."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -47,6 +49,92 @@ def kv_cache_note(changed: Sequence[str]) -> str | None:
         return None
     where = ", ".join(name or "the model's config" for name in changed[:3])
     return KV_CACHE_NOTE.format(where=where + (", …" if len(changed) > 3 else ""))
+
+
+def _layerdrop_fields(obj: Any) -> list[tuple[str, float]]:
+    """``(name, probability)`` of each attribute of ``obj`` (a module or a config) whose
+    name ends in ``layerdrop`` (``layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``)
+    and holds a probability above 0."""
+    found = []
+    for name, value in vars(obj).items():
+        if (
+            name.lower().endswith("layerdrop")
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value > 0
+        ):
+            found.append((name, float(value)))
+    return found
+
+
+def _config_without_layerdrop(config: Any, done: dict[int, Any], changed: list[str]) -> Any:
+    """A shallow copy of ``config`` (and of the configs it nests: a composite model's
+    ``text_config``) with every LayerDrop probability 0, made once per config object."""
+    if id(config) in done:
+        return done[id(config)]
+    fields = _layerdrop_fields(config)
+    nested = {
+        name: value
+        for name, value in vars(config).items()
+        if type(value).__name__.endswith("Config") and hasattr(value, "__dict__")
+    }
+    copies = {name: _config_without_layerdrop(v, done, changed) for name, v in nested.items()}
+    if not fields and all(copies[name] is nested[name] for name in nested):
+        done[id(config)] = config
+        return config
+    fresh = copy.copy(config)
+    for name, value in fields:
+        setattr(fresh, name, 0.0)
+        changed.append(f"config.{name} = {value:g}")
+    for name, value in copies.items():
+        setattr(fresh, name, value)
+    done[id(config)] = fresh
+    return fresh
+
+
+def disable_layerdrop(model: torch.nn.Module) -> list[str]:
+    """Switch off LayerDrop in ``model`` and return what was switched off
+    (``config.layerdrop = 0.1``, ``encoder.layerdrop = 0.05``), each once.
+
+    LayerDrop (Fan et al., 2019) skips whole layers at random in training: Hugging Face's
+    speech encoders (Wav2Vec2, HuBERT, WavLM: ``config.layerdrop``, 0.1 by default) and
+    encoder-decoders (BART, M2M-100, Whisper: ``encoder_layerdrop``/``decoder_layerdrop``)
+    draw ``torch.rand([])`` per layer and step. A step then holds the activations of the
+    layers it drew, so no profile fits it (the probe measured negative byte slopes and
+    residuals of millions of percent), and the step that runs every layer is the most any
+    draw needs: memplan measures that one. The switch is an attribute whose name ends in
+    ``layerdrop`` and holds a probability above 0, on a module or on the ``config`` a
+    module holds (and the configs that config nests). A config is replaced by a copy, the
+    same copy in every module that shares it, so the model file's own config object (a
+    module-level ``CONFIG`` that later builds read) keeps its value."""
+    changed: list[str] = []
+    done: dict[int, Any] = {}
+    for name, module in model.named_modules():
+        for field_name, value in _layerdrop_fields(module):
+            setattr(module, field_name, 0.0)
+            changed.append(f"{name + '.' if name else ''}{field_name} = {value:g}")
+        config = module.__dict__.get("config")
+        if config is not None and hasattr(config, "__dict__"):
+            fresh = _config_without_layerdrop(config, done, changed)
+            if fresh is not config:
+                module.__dict__["config"] = fresh
+    return list(dict.fromkeys(changed))
+
+
+LAYERDROP_NOTE = (
+    "LayerDrop was turned off for the probe ({what}): it skips whole layers at random in "
+    "training, so no two steps hold the same layers' activations. The profile is of the "
+    "step that runs every layer, the most any draw needs: plans from it are an upper bound "
+    "for training with LayerDrop on (which needs less memory and time on most steps)."
+)
+
+
+def layerdrop_note(changed: Sequence[str]) -> str | None:
+    """The one line that says ``disable_layerdrop`` changed something, or None."""
+    if not changed:
+        return None
+    what = ", ".join(changed[:3]) + (", …" if len(changed) > 3 else "")
+    return LAYERDROP_NOTE.format(what=what)
 
 
 class _NoDropout(TorchDispatchMode):

@@ -28,35 +28,44 @@ integer (picoseconds) and ties are broken through the same integer key, so the D
 is exactly brute force's. States that cannot be completed are dropped (``R[h]``, exact), and
 ``P`` is capped where every completion is feasible, which merges states.
 
-The package, one job per module: ``request`` (what is asked and answered), ``batches``
+The package, one job per module: ``entry`` (``solve``, the one entry point: a request that
+carries the batch, the length and the layout, sent to the search that answers it),
+``request`` (what is asked and answered), ``batches``
 (splitting the target batch), ``layer_modes`` (the per-layer DP), ``options`` (one option
-evaluated), ``search`` (``solve`` and ``least_peak``), ``explain`` (reasons, warnings and
+evaluated), ``search`` (``solve_batch`` and ``least_peak`` at one batch), ``seqlen`` (over sequence
+lengths), ``parallel`` (over parallel layouts), ``explain`` (reasons, warnings and
 candidates) and ``no_fit`` (the no-fit error and its hints).
 """
 
+from memplan.solver.entry import solve
 from memplan.solver.layer_modes import least_cost_modes, least_recompute_set
 from memplan.solver.options import MANY_MICRO_BATCHES
 from memplan.solver.request import (
     STRATEGY_CHOICES,
     Candidate,
+    LayoutRequest,
     SolveRequest,
     SolveRequestError,
     SolveResult,
+    layout_request,
 )
-from memplan.solver.search import LeastPeak, has_plan, least_peak, solve, solve_if_fits
+from memplan.solver.search import LeastPeak, has_plan, least_peak, solve_batch, solve_if_fits
 
 __all__ = [
     "MANY_MICRO_BATCHES",
     "STRATEGY_CHOICES",
     "Candidate",
+    "LayoutRequest",
     "LeastPeak",
     "SolveRequest",
     "SolveRequestError",
     "SolveResult",
     "has_plan",
+    "layout_request",
     "least_cost_modes",
     "least_peak",
     "least_recompute_set",
     "solve",
+    "solve_batch",
     "solve_if_fits",
 ]

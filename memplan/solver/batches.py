@@ -63,7 +63,7 @@ def _factor(n: int, factors: dict[int, int]) -> None:
             c += 1
 
 
-def _divisors(value: int) -> list[int]:
+def divisors(value: int) -> list[int]:
     """Every divisor of ``value``, ascending, from its prime factorisation."""
     factors: dict[int, int] = {}
     _factor(value, factors)
@@ -78,7 +78,7 @@ def micro_batch_sizes(target: int, world: int, lo: int, hi: int | None) -> list[
         return []
     per_rank = target // world
     top = per_rank if hi is None else min(hi, per_rank)
-    return [b for b in _divisors(per_rank) if lo <= b <= top]
+    return [b for b in divisors(per_rank) if lo <= b <= top]
 
 
 def _nearest_valid_targets(target: int, world: int, lo: int, hi: int | None) -> list[int]:

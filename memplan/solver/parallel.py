@@ -42,10 +42,12 @@ from memplan.memory.parallel import (
     stage_peak,
     tp_measured,
 )
-from memplan.parallel import Parallel, Schedule, in_flight
+from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind
 from memplan.plan import Plan
 from memplan.profile import Profile
-from memplan.solver.request import SolveRequest, SolveResult
+from memplan.solver.batches import divisors, micro_batch_sizes, split_error
+from memplan.solver.options import MANY_MICRO_BATCHES
+from memplan.solver.request import LayoutRequest, SolveRequest, SolveResult
 from memplan.solver.search import solve_if_fits
 from memplan.units import format_bytes
 
@@ -55,35 +57,6 @@ datasheet). TP and CP stay within a node."""
 INTER_NODE_BYTES_PER_SECOND = 50e9
 """One 400 Gb/s InfiniBand NDR NIC per GPU (DGX H100): 50 GB/s one way. Pipeline stages
 and data-parallel groups that span nodes."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayoutRequest:
-    """Which layouts to consider."""
-
-    tp: int | None = None
-    """Fixed tensor-parallel degree; None: searched (``auto``) or 1."""
-    pp: int | None = None
-    cp: int | None = None
-    auto: bool = False
-    """Search every factorisation of the world size for the degrees not fixed."""
-    gpus_per_node: int = 8
-    """TP (× CP) stays within a node: at most this many ranks."""
-    schedule: Schedule = "1f1b"
-    sequence_parallel: bool | None = None
-    """None: on with TP in ``auto`` (less memory, the same bytes moved), off otherwise."""
-    virtual_stages: int = 1
-    loss_parallel: bool | None = None
-    """None: on with TP where the model's TP plan splits its head (torchtitan's default,
-    Megatron's only way); False: logits gathered whole on every TP rank."""
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or value < 1):
-                raise BadInputError(f"--{name} must be a positive integer, got {value!r}.")
-        if self.gpus_per_node < 1:
-            raise BadInputError(f"--gpus-per-node must be positive, got {self.gpus_per_node}.")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,18 +81,18 @@ class LayoutOption:
         return peaks.index(max(peaks))
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidate_layouts(
     profile: Profile, world: int, ask: LayoutRequest, strategy: str = "fsdp"
 ) -> list[Parallel]:
     """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1.
     The data-parallel ranks are DDP replicas for ``ddp``, shards otherwise."""
     n = len(profile.layers)
-    tps = [ask.tp] if ask.tp else (_divisors(world) if ask.auto else [1])
-    pps = [ask.pp] if ask.pp else (_divisors(world) if ask.auto else [1])
+    every = divisors(world) if ask.auto else [1]  # by factorisation: a prime world is quick
+    tps = [ask.tp] if ask.tp else [t for t in every if t <= ask.gpus_per_node]
+    # memplan runs pipeline stages of Hugging Face decoders only: the probe's verdict where
+    # recorded (pipeline_refused, below), else the model's kind (memplan.parallel)
+    split = pipeline_refusal_by_kind(profile.model.spec, profile.hf_blocks) is None
+    pps = [ask.pp] if ask.pp else [p for p in every if p == 1 or (split and p <= n)]
     cps = [ask.cp] if ask.cp else [1]
     out = []
     for tp in tps:
@@ -304,39 +277,74 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
             f"--tp {ask.tp} would split the model's attention heads or a projection unevenly: "
             f"its TP degree must divide {divides} (the heads, key/value heads and split "
             "dimensions have that greatest common divisor).",
-            hint=f"Choose --tp from {', '.join(map(str, _divisors(divides)))}.",
+            hint=f"Choose --tp from {', '.join(map(str, divisors(divides)))}.",
         )
     if (ask.tp or 1) > 1 or (ask.pp or 1) > 1:  # a fixed degree the model cannot run
         check_layout(profile, Parallel(tp=ask.tp or 1, pp=ask.pp or 1))
+    if (
+        ask.pp
+        and ask.pp > 1
+        and (why := pipeline_refusal_by_kind(profile.model.spec, profile.hf_blocks))
+    ):
+        raise BadInputError(f"--pp {ask.pp}: {why}.", hint="Plan this model with --pp 1.")
     layouts = candidate_layouts(profile, world, ask, strategy)
     if not layouts:
+        searched = "auto" if ask.auto else 1
         raise BadInputError(
-            f"no layout of {world} ranks fits the asked degrees (tp {ask.tp or 'auto'}, pp "
-            f"{ask.pp or 'auto'}, cp {ask.cp or 1}) and the model's {len(profile.layers)} blocks.",
+            f"no layout of {world} ranks fits the asked degrees (tp {ask.tp or searched}, pp "
+            f"{ask.pp or searched}, cp {ask.cp or 1}) and the model's {len(profile.layers)} "
+            "blocks.",
             hint="Make the degrees divide --world-size, keep tp × cp within --gpus-per-node, "
             "and pp at most the number of blocks.",
         )
     for parallel in layouts:
         check_layout(profile, parallel)
     options = []
+    splits = 0
     for parallel in layouts:
-        for b, m in _micro_batches(request, parallel):
+        pairs = _splits(request, parallel)
+        splits += len(pairs)
+        for b, m in pairs:
             option = evaluate_layout(profile, request, parallel, b, m)
             if option is not None:
                 options.append(option)
+            elif len(pairs) > MANY_MICRO_BATCHES and parallel.schedule != "gpipe":
+                # As the data-parallel search does for very many micro-batches: the in-flight
+                # count is capped (1F1B), so a larger micro-batch holds more and cannot fit;
+                # without stages, accumulation 1 (no gradients resident) is still tried.
+                last_b, last_m = pairs[-1]
+                if parallel.pp == 1 and last_m == 1 and last_b != b:
+                    option = evaluate_layout(profile, request, parallel, last_b, last_m)
+                    options.extend([option] if option is not None else [])
+                break
+    if not splits:
+        target, lo, hi = request.target_batch, request.min_micro, request.max_micro
+        assert target is not None
+        dps = sorted({p.dp for p in layouts})
+        raise split_error(
+            target,
+            dps[0],
+            lo,
+            hi,
+            f"no layout of {world} ranks splits it: data-parallel degree "
+            f"{' or '.join(map(str, dps))}, with at least pp micro-batches per step "
+            "(a multiple of pp when interleaved)",
+        )
     return options
 
 
-def _micro_batches(request: SolveRequest, parallel: Parallel) -> list[tuple[int, int]]:
-    """Each (micro-batch, micro-batches per step) the layout can run the target at."""
-    out: list[tuple[int, int]] = []
-    dp = parallel.dp
-    if request.target_batch % dp:
-        return out
-    per_dp = request.target_batch // dp
-    for b in range(request.min_micro, per_dp + 1):
-        if per_dp % b or (request.max_micro is not None and b > request.max_micro):
-            continue
+def _splits(request: SolveRequest, parallel: Parallel) -> list[tuple[int, int]]:
+    """Every (micro-batch, pipeline micro-batches) of the target on ``parallel``: ``b`` a
+    divisor of the target per data-parallel rank (by factorisation, so a target of 10^11
+    is quick), within [min_micro, max_micro]; a pipeline needs at least ``pp``
+    micro-batches (torch's 1F1B schedules), a multiple of ``pp`` when interleaved."""
+    target = request.target_batch
+    assert target is not None
+    if target % parallel.dp:
+        return []
+    per_dp = target // parallel.dp
+    out = []
+    for b in micro_batch_sizes(per_dp, 1, request.min_micro, request.max_micro):
         m = per_dp // b
         if parallel.pp > 1 and (
             m < parallel.pp or (parallel.virtual_stages > 1 and m % parallel.pp)
@@ -358,7 +366,7 @@ def least_layout_peak(
     best: tuple[int, Parallel, int] | None = None
     for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
         world = layout_sharding(_strategy(request, parallel), parallel).world_size
-        for b, m in _micro_batches(request, parallel):
+        for b, m in _splits(request, parallel):
             stage_request = dataclasses.replace(
                 request,
                 target_batch=b * m * world,

@@ -1,17 +1,22 @@
-"""What the solver is asked and what it answers: SolveRequest (validated field by field), Candidate
-and SolveResult. No torch.
+"""What the solver is asked and what it answers: SolveRequest (validated field by field; it
+carries the effective batch, in samples or tokens, the sequence length and the parallel layout,
+so that ``memplan.solver.solve`` is the one entry point), LayoutRequest, Candidate and
+SolveResult. No torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from memplan import memory
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
 from memplan.memory import Reserve
 from memplan.modes import parse_modes
+from memplan.parallel import SCHEDULES, Schedule
 from memplan.plan import STRATEGIES, GradSync, Plan
+from memplan.profile.seqlen import DEFAULT_SEQ_MULTIPLE
 from memplan.timing import TimingMode
 
 _TIMING_MODES = ("auto", "measured", "roofline")
@@ -22,12 +27,109 @@ class SolveRequestError(BadInputError, ValueError):
     """A SolveRequest field is invalid (a ValueError naming the field; exit code 2)."""
 
 
+def _positive_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutRequest:
+    """Which parallel layouts to consider (memplan.solver.parallel)."""
+
+    tp: int | None = None
+    """Fixed tensor-parallel degree; None: searched (``auto``) or 1."""
+    pp: int | None = None
+    cp: int | None = None
+    auto: bool = False
+    """Search every factorisation of the world size for the degrees not fixed."""
+    gpus_per_node: int = 8
+    """TP (× CP) stays within a node: at most this many ranks."""
+    schedule: Schedule = "1f1b"
+    sequence_parallel: bool | None = None
+    """None: on with TP in ``auto`` (less memory, the same bytes moved), off otherwise."""
+    virtual_stages: int = 1
+    loss_parallel: bool | None = None
+    """None: on with TP where the model's TP plan splits its head (torchtitan's default,
+    Megatron's only way); False: logits gathered whole on every TP rank."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            value = getattr(self, name)
+            if value is not None and not _positive_int(value):
+                raise SolveRequestError(f"--{name} must be a positive integer, got {value!r}.")
+        if not _positive_int(self.gpus_per_node):
+            raise SolveRequestError(
+                f"--gpus-per-node must be a positive integer, got {self.gpus_per_node!r}."
+            )
+        if self.schedule not in SCHEDULES:
+            raise SolveRequestError(
+                f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}."
+            )
+        if not _positive_int(self.virtual_stages):
+            raise SolveRequestError(
+                f"--virtual-stages must be a positive integer, got {self.virtual_stages!r}.",
+                hint="Give 1, or 2 or more with --schedule interleaved_1f1b.",
+            )
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise SolveRequestError(
+                f"--virtual-stages {self.virtual_stages} needs --schedule interleaved_1f1b "
+                f"(the {self.schedule} schedule runs one stage per pipeline rank).",
+                hint="Add --schedule interleaved_1f1b, or drop --virtual-stages.",
+            )
+
+
+def layout_request(
+    layout: str | None,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int | None = None,
+    gpus_per_node: int = 8,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    sequence_parallel: bool | None = None,
+    loss_parallel: bool | None = None,
+) -> LayoutRequest | None:
+    """The layout asked for by ``--layout``, ``--tp``, ``--pp``, ``--cp`` and the pipeline
+    options, validated; None for data parallelism alone (no degree, no ``--layout``)."""
+    if layout is not None and layout != "auto":
+        raise SolveRequestError(f"--layout takes auto, got {layout!r}.", hint="Use --layout auto.")
+    if schedule not in SCHEDULES:
+        raise SolveRequestError(
+            f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}."
+        )
+    if layout is None and tp is None and pp is None and cp is None:
+        return None
+    return LayoutRequest(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        auto=layout == "auto",
+        gpus_per_node=gpus_per_node,
+        schedule=schedule,  # type: ignore[arg-type]
+        sequence_parallel=sequence_parallel,
+        virtual_stages=virtual_stages,
+        loss_parallel=loss_parallel,
+    )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolveRequest:
-    """What to plan for. Sizes are per rank; ``target_batch`` is the global effective batch."""
+    """What to plan for. Sizes are per rank; ``target_batch`` is the global effective batch.
+    Exactly one of ``target_batch`` and ``tokens_per_batch`` is given."""
 
-    target_batch: int
+    target_batch: int | None = None
     """Effective batch: micro-batch × accumulation steps × world size, exactly."""
+    tokens_per_batch: int | None = None
+    """Effective batch in tokens instead (packed samples of ``seq_len`` tokens: the length
+    given, else the profile's)."""
+    seq_len: int | Literal["max"] | None = None
+    """Plan at this many tokens per sample, or ``max``: the longest step of ``seq_multiple``
+    with a plan (memplan.solver.seqlen). None: the profile's own batches."""
+    seq_multiple: int = DEFAULT_SEQ_MULTIPLE
+    """Step of ``seq_len="max"``, in tokens."""
+    layout: LayoutRequest | None = None
+    """Tensor, pipeline and context parallel layouts to search (memplan.solver.parallel);
+    None: data parallelism over ``world_size``."""
     budget_bytes: int
     """Device memory one rank may use."""
     world_size: int = 1
@@ -78,9 +180,26 @@ class SolveRequest:
             raise SolveRequestError(
                 f"host_memory_bytes must be a non-negative integer, got {self.host_memory_bytes!r}."
             )
-        for name in ("target_batch", "world_size", "min_micro", "bn_min_micro", "budget_bytes"):
+        if (self.target_batch is None) == (self.tokens_per_batch is None):
+            raise SolveRequestError(
+                "Give the effective batch once: --target-batch (samples) or --tokens-per-batch "
+                "(tokens, with --seq-len); in Python target_batch or tokens_per_batch."
+            )
+        if self.layout is not None and (
+            self.seq_len is not None or self.tokens_per_batch is not None
+        ):
+            raise SolveRequestError(
+                "--seq-len and --tokens-per-batch are not yet planned with a parallel layout.",
+                hint="Probe at the length you train at and solve the layout without them.",
+            )
+        if self.seq_len is not None and self.seq_len != "max" and not _positive_int(self.seq_len):
+            raise SolveRequestError(
+                f"seq_len must be a positive number of tokens or 'max', got {self.seq_len!r}."
+            )
+        batch = ("target_batch",) if self.target_batch is not None else ()
+        for name in (*batch, "world_size", "min_micro", "bn_min_micro", "budget_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _positive_int(value):
                 raise SolveRequestError(f"{name} must be a positive integer, got {value!r}.")
         if self.max_micro is not None:
             if isinstance(self.max_micro, bool) or not isinstance(self.max_micro, int):
@@ -151,3 +270,10 @@ class SolveResult:
     """Budget less the margin: the most a predicted peak may be."""
     reserve: Reserve
     timing_source: str
+    seq: Any = None
+    """With a sequence length: the search over lengths (memplan.solver.seqlen.SeqSolve,
+    whose ``result`` is this one without it); None without one. (``Any``: the searches
+    over lengths and layouts import this module, not the other way round.)"""
+    layouts: tuple[Any, ...] = ()
+    """With a layout: every layout and micro-batch that fits
+    (memplan.solver.parallel.LayoutOption); ``candidates`` is then empty."""

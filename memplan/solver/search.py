@@ -1,5 +1,7 @@
-"""The search itself: validate a request, evaluate every option, pick the plan (``solve``) or the
-least peak any plan needs (``least_peak``). No torch.
+"""The search at one batch on one profile: validate a request, evaluate every option, pick the
+plan (``solve_batch``) or the least peak any plan needs (``least_peak``). No torch. A request
+with a sequence length or a layout goes through ``memplan.solver.solve`` (memplan.solver.entry),
+which calls this once per length or pipeline stage.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from memplan import memory, timing
 from memplan.errors import BadInputError
 from memplan.plan import STRATEGIES, Plan
 from memplan.profile import Profile
+from memplan.profile.seqlen import check_seq_len
 from memplan.solver.batches import micro_batch_sizes, split_error
 from memplan.solver.explain import candidate_of, plan_reasons, plan_warnings
 from memplan.solver.no_fit import no_plan_fits_error
@@ -41,6 +44,13 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
     """Validate ``request`` against ``profile`` and evaluate every (strategy, micro-batch)
     option against the allocated limit of the request's budget; ``ignore_budget``: against
     no budget at all, so that each option is evaluated at the least peak it can reach."""
+    if request.target_batch is None or request.seq_len is not None or request.layout:
+        raise BadInputError(
+            "a request with a sequence length, a batch in tokens or a layout is solved by "
+            "memplan.solver.solve, not at one batch."
+        )
+    if profile.seq_len is not None:  # the plan records it: a plan its reader takes
+        check_seq_len(profile.seq_len, flag="The profile's seq_len")
     forced_in = resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
     forced_out = resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
     if forced_in & forced_out:
@@ -116,17 +126,30 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
         for st in strategies
         for option in evaluate_micro_batches(ctx, micro_batches, per_rank, bn_floor, st)
     )
+    negative = next((o for o in options if o.peak.peak_bytes < 0), None)
+    if negative is not None:
+        t = profile.totals
+        raise BadInputError(
+            f"The profile predicts a negative peak per rank ({negative.peak.peak_bytes:,} "
+            f"bytes) at micro-batch {negative.micro_batch} with {negative.strategy} on "
+            f"{world} rank(s): a rank's share of its parameters ({t.params_trainable_bytes:,} "
+            f"+ {t.params_frozen_bytes:,} bytes), gradients ({t.grad_bytes:,}) and optimizer "
+            f"state ({t.optimizer_state_bytes:,}) is taken from live bytes its timeline never "
+            "measured, so the profile was edited or corrupted.",
+            hint="Probe the model again (memplan probe).",
+        )
     return _Setup(ctx=ctx, options=options, bn_floor=bn_floor, source_reason=source_reason)
 
 
 def has_plan(profile: Profile, request: SolveRequest) -> bool:
     """Whether some allowed plan for ``request`` fits its budget (what ``solve`` would
-    answer with a plan rather than NoPlanFitsError). Raises BadInputError as ``solve``."""
+    answer with a plan rather than NoPlanFitsError). Raises BadInputError as ``solve_batch``."""
     return any(o.allowed and o.fits for o in _setup(profile, request).options)
 
 
-def solve(profile: Profile, request: SolveRequest) -> SolveResult:
-    """Choose micro-batch, accumulation and checkpoint set for ``request``.
+def solve_batch(profile: Profile, request: SolveRequest) -> SolveResult:
+    """Choose micro-batch, accumulation and checkpoint set for ``request`` (a target batch
+    in samples, no length, no layout) on ``profile``.
 
     Raises BadInputError when the target cannot be split or a layer name is unknown, and
     NoPlanFitsError (with the least peak any plan needs and the closest plan) when no
@@ -147,7 +170,7 @@ def least_peak_bytes(profile: Profile, request: SolveRequest) -> int:
 def solve_if_fits(
     profile: Profile, request: SolveRequest, *, explain: bool = True
 ) -> SolveResult | None:
-    """``solve``'s answer, or None when no plan fits (what the layout search asks of each
+    """``solve_batch``'s answer, or None when no plan fits (what the layout search asks of each
     pipeline stage: no error to build when a layout does not fit). ``explain=False``: no
     reasons or warnings (the search explains the layout it picks)."""
     return _result(_setup(profile, request), explain=explain)

@@ -63,7 +63,7 @@ def solve_seq(
     steps). Either way the result names the first step beyond the plan's length that has no
     plan, and what it needs. Raises NoPlanFitsError when nothing fits (for ``max``: with
     what the first step needs), SeqLenError for a length memplan cannot plan."""
-    from memplan.solver import has_plan, least_peak, solve
+    from memplan.solver.search import has_plan, least_peak, solve_batch
 
     multiple = check_seq_len(multiple, flag="--seq-multiple")
     if seq_len is not None:
@@ -112,7 +112,7 @@ def solve_seq(
         chosen = seq_len
         longest_i = _last_fitting(steps.first_above(seq_len), len(steps), fits)
     assert chosen is not None
-    result = solve(evaluate(chosen), _request_at(request, chosen, tokens_per_batch))
+    result = solve_batch(evaluate(chosen), _request_at(request, chosen, tokens_per_batch))
     longest = chosen if longest_i is None or steps[longest_i] < chosen else steps[longest_i]
     next_i = None if longest_i is None else max(longest_i + 1, steps.first_above(chosen))
     next_len = steps[next_i] if next_i is not None and next_i < len(steps) else None
@@ -191,8 +191,12 @@ def _last_fitting(start: int, count: int, fits: Callable[[int], bool]) -> int:
 
 
 def _request_at(request: SolveRequest, seq_len: int, tokens_per_batch: int | None) -> SolveRequest:
+    """The request at one length: a target batch in samples (``tokens_per_batch`` over the
+    length), no length left to search."""
     if tokens_per_batch is None:
-        return request
+        if request.seq_len is None and request.tokens_per_batch is None:
+            return request
+        return dataclasses.replace(request, seq_len=None, tokens_per_batch=None)
     if tokens_per_batch % seq_len:
         raise SeqLenError(
             f"--tokens-per-batch {tokens_per_batch} is not a whole number of samples of "
@@ -200,7 +204,9 @@ def _request_at(request: SolveRequest, seq_len: int, tokens_per_batch: int | Non
             hint=f"Use a multiple of {seq_len}, e.g. "
             f"{max(tokens_per_batch // seq_len, 1) * seq_len}.",
         )
-    return dataclasses.replace(request, target_batch=tokens_per_batch // seq_len)
+    return dataclasses.replace(
+        request, target_batch=tokens_per_batch // seq_len, tokens_per_batch=None, seq_len=None
+    )
 
 
 def _seq_reasons(

@@ -49,13 +49,14 @@ import torch
 
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 from memplan.files.schema import to_data
+from memplan.parallel import pipeline_refusal_by_kind
 from memplan.plan import Plan, plan_to_data
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.wrap import wrap_for_plan
 from memplan.verify.distributed_grads import gradient_check, gradient_error
 from memplan.verify.grad_check import BatchCoupling
 from memplan.verify.parallel import rank_predictions, run_layout_rank
-from memplan.verify.rank_lifetime import RunFolder, die_with_parent
+from memplan.verify.rank_lifetime import RANK_BYTES, RunFolder, die_with_parent, startable_cpu_ranks
 from memplan.verify.single import (
     GradientCheck,
     Verdict,
@@ -376,7 +377,28 @@ def _resolve_device(plan: Plan, device: str | None, world: int) -> str:
                 f"{world} ranks need {world} GPUs; this machine has {torch.cuda.device_count()}.",
                 hint="Verify with fewer ranks (a plan solved for them), or on CPU.",
             )
+    elif world > (most := startable_cpu_ranks()):
+        raise BadInputError(
+            f"verify would start {world:,} ranks; this machine can start at most {most:,} "
+            f"(its available memory at {RANK_BYTES // 2**20} MiB per rank, and its process "
+            "limit).",
+            hint="Verify a plan solved for fewer ranks (--world-size), or run it on its cluster.",
+        )
     return chosen
+
+
+def _check_pipeline(plan: Plan) -> None:
+    """A plan with pipeline stages for a model memplan cannot split (memplan.parallel's
+    rule, the one ``solve`` follows), refused before any rank starts."""
+    layout, fingerprint = plan.parallel, plan.model_fingerprint
+    if layout is None or layout.pp == 1 or fingerprint is None:
+        return
+    why = pipeline_refusal_by_kind(plan.model, fingerprint.hf_blocks)
+    if why is not None:
+        raise BadInputError(
+            f"The plan has {layout.pp} pipeline stages: {why}.",
+            hint="Solve it again with --pp 1 (memplan solve no longer plans such stages).",
+        )
 
 
 def _failure(folder: Path, world: int, what: str) -> MemplanError | None:
@@ -473,6 +495,7 @@ def _check_runnable(plan: Plan, world: int, steps: int) -> None:
         )
     if plan.strategy == "fsdp" and not plan.shard_units:
         raise BadInputError("The fsdp plan names no shard_units.", hint="Solve it again.")
+    _check_pipeline(plan)
 
 
 def _run_ranks(

@@ -203,3 +203,31 @@ def die_with_parent(parent_pid: int, folder: Path) -> None:
             parent_gone()
 
         threading.Thread(target=watch, daemon=True).start()
+
+
+RANK_BYTES = 256 * 2**20
+"""The least one CPU rank takes: a Python process with torch imported and a gloo group up
+(its resident size before the model is built)."""
+
+
+def startable_cpu_ranks() -> int:
+    """How many CPU ranks this machine can start: its available memory over ``RANK_BYTES``,
+    within the process limit (RLIMIT_NPROC); at least 2."""
+    available = None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        try:
+            available = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            available = 2 * RANK_BYTES
+    most = available // RANK_BYTES
+    with contextlib.suppress(ImportError, OSError, ValueError):
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        if soft != resource.RLIM_INFINITY:
+            most = min(most, soft)
+    return max(2, most)

@@ -1,0 +1,15 @@
+# memplan plan for "examples/gpt.py": dp 2 × tp 1 × pp 1 × cp 1, strategy ddp
+# predicted peak per rank 22548578304 B (worst stage), step 1.500 s
+# torchtitan 0.3.0 (--module/--config plus overrides; it reads no job TOML: for torchtitan 0.1.0 to 0.2.2 use --format torchtitan-toml)
+# model: no torchtitan config is the planned model (3 blocks, parameters unknown); the closest is llama3_debugmodel (6 blocks, 6163712 parameters), which this command trains. torchtitan takes the model's shape from --config alone: register your model's Trainer.Config in a config_registry module and pass --module <that module> --config <its function> instead
+# launch with 2 ranks: torchrun --nproc_per_node <gpus per node> -m torchtitan.train $TORCHTITAN_ARGS
+TORCHTITAN_ARGS="--module llama3 \
+    --config llama3_debugmodel \
+    --parallelism.data_parallel_replicate_degree 2 \
+    --parallelism.data_parallel_shard_degree 1 \
+    --parallelism.tensor_parallel_degree 1 \
+    --parallelism.pipeline_parallel_degree 1 \
+    --parallelism.context_parallel_degree 1 \
+    --training.local_batch_size 8 \
+    --training.global_batch_size 64 \
+    activation_checkpoint:full"

@@ -1,0 +1,285 @@
+"""The layout engines' outputs loaded by the engines' own parsers (issue 31): ``--format
+torchtitan`` by torchtitan 0.3.0's ``ConfigManager`` (the one ``torchtitan.train`` runs), and
+``--format megatron`` by Megatron-LM's ``add_megatron_arguments`` parser; the shell snippets
+are read by bash, as a user's launch line reads them. Each part skips, saying why, where its
+engine is not importable (torchtitan is in the dev extras; Megatron-LM's ``megatron.training``
+is not in the megatron-core wheel, so it needs a Megatron-LM checkout on ``PYTHONPATH``)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from memplan.emit import emit
+from memplan.emit.torchtitan import LLAMA3_CONFIGS, RELEASE
+from memplan.parallel import Parallel
+from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction
+
+BLOCKS = tuple(f"layers.{i}" for i in range(8))
+ZERO = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
+
+
+def _plan(
+    layout: Parallel,
+    *,
+    strategy: str = "fsdp",
+    micro: int = 2,
+    steps: int = 4,
+    checkpoint: dict[str, str] | None = None,
+    seq_len: int | None = None,
+    blocks: tuple[str, ...] = BLOCKS,
+    parameter_bytes: int = 1 << 20,
+) -> Plan:
+    return Plan(
+        target_batch=micro * steps * layout.dp,
+        micro_batch_size=micro,
+        accumulation_steps=steps,
+        world_size=layout.world_size,
+        strategy=strategy,
+        checkpoint=dict(checkpoint or {}),
+        budget_bytes=1 << 40,
+        predicted=Prediction(peak_bytes=1 << 30, step_seconds=1.0, breakdown=ZERO),
+        model="m.py",
+        model_fingerprint=ModelFingerprint(
+            parameter_bytes=parameter_bytes, candidate_layers=blocks
+        ),
+        parallel=layout,
+        seq_len=seq_len,
+    )
+
+
+def _shell_words(text: str, variable: str, tmp_path: Path) -> list[str]:
+    """The words ``$variable`` expands to once bash has sourced ``text``."""
+    if shutil.which("bash") is None:
+        pytest.skip("bash is not installed: the emitted snippet is a bash snippet")
+    path = tmp_path / "snippet.sh"
+    path.write_text(text)
+    out = subprocess.run(
+        ["bash", "-c", f'. "$1" && printf "%s\\0" ${variable}', "_", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return out.split("\0")[:-1]
+
+
+# ---------------------------------------------------------------- torchtitan 0.3
+
+
+@pytest.fixture(scope="module")
+def titan():
+    try:
+        from torchtitan.config import ConfigManager
+        from torchtitan.distributed import activation_checkpoint as ac
+
+        importlib.import_module("torchtitan.models.llama3.config_registry")
+    except ImportError as exc:  # e.g. triton missing: its models import it
+        pytest.skip(f"torchtitan's Llama 3 configs are not importable here: {exc}")
+    import torchtitan
+
+    version = getattr(torchtitan, "__version__", "")
+    if version and not version.startswith(RELEASE.rsplit(".", 1)[0]):
+        pytest.skip(f"torchtitan {version} installed; --format torchtitan writes for {RELEASE}")
+    return ConfigManager, ac
+
+
+def _titan_config(titan, plan: Plan, tmp_path: Path):
+    config_manager, _ = titan
+    _, text = emit(plan, "torchtitan", "m.py")
+    args = _shell_words(text, "TORCHTITAN_ARGS", tmp_path)
+    assert args[:2] == ["--module", "llama3"], args
+    return config_manager().parse_args(args), text
+
+
+def _ac_class(titan, config):
+    _, ac = titan
+    value = config.activation_checkpoint
+    if value is None:
+        return None
+    for cls in (ac.FullAC, ac.SelectiveAC, ac.MemoryBudgetAC):
+        if type(value) is cls.Config:
+            return cls
+    raise AssertionError(type(value))
+
+
+LAYOUT_CASES = [
+    # (layout, strategy, checkpoint, seq_len, expected AC class name)
+    (
+        Parallel(dp_shard=2, tp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2),
+        "fsdp",
+        dict.fromkeys(BLOCKS, "full"),
+        4096,
+        "FullAC",
+    ),
+    (Parallel(dp_replicate=4), "ddp", {}, None, None),
+    (
+        Parallel(dp_shard=2, tp=4, sequence_parallel=True, loss_parallel=True),
+        "fsdp",
+        dict.fromkeys(BLOCKS, "selective"),
+        8192,
+        "SelectiveAC",
+    ),
+    (
+        Parallel(dp_replicate=2, dp_shard=2, pp=2, schedule="gpipe"),
+        "fsdp",
+        {"layers.0": "full", "layers.1": "selective"},
+        1024,
+        "FullAC",  # one policy for every block: the one that saves at least the plan's
+    ),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("layout", "strategy", "checkpoint", "seq_len", "ac_name"), LAYOUT_CASES)
+def test_torchtitans_config_manager_loads_the_plans_numbers(
+    titan, tmp_path, layout, strategy, checkpoint, seq_len, ac_name
+):
+    plan = _plan(layout, strategy=strategy, checkpoint=checkpoint, seq_len=seq_len)
+    config, text = _titan_config(titan, plan, tmp_path)
+    par, training = config.parallelism, config.training
+    assert (
+        par.data_parallel_replicate_degree,
+        par.data_parallel_shard_degree,
+        par.tensor_parallel_degree,
+        par.pipeline_parallel_degree,
+        par.context_parallel_degree,
+    ) == (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.cp)
+    assert training.global_batch_size == plan.target_batch
+    if layout.pp > 1:  # one local batch a step, cut into the pipeline's micro-batches
+        assert training.local_batch_size == plan.micro_batch_size * plan.accumulation_steps
+        assert par.pipeline_parallel_microbatch_size == plan.micro_batch_size
+        schedule = {"gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}[layout.schedule]
+        assert par.pipeline_parallel_schedule == schedule
+        assert training.disable_cuda_graphs is True
+    else:  # the rest of the batch is torchtitan's gradient accumulation
+        assert training.local_batch_size == plan.micro_batch_size
+        accumulation = training.global_batch_size // (training.local_batch_size * layout.dp)
+        assert accumulation == plan.accumulation_steps
+    if layout.virtual_stages > 1:
+        assert par.pipeline_parallel_layers_per_stage == len(BLOCKS) // layout.stages
+    if layout.tp > 1:
+        assert par.enable_sequence_parallel is layout.sequence_parallel
+    assert training.seq_len == (seq_len if seq_len is not None else 2048)  # the config's own
+    cls = _ac_class(titan, config)
+    assert (cls.__name__ if cls else None) == ac_name
+    # an 8-block toy is no torchtitan model: the comment says which config stands in
+    assert "model: no torchtitan config is the planned model (8 blocks" in text
+    assert "--config llama3_debugmodel " in text
+
+
+@pytest.mark.slow
+def test_a_plan_of_llama3_70b_names_its_config_and_torchtitan_builds_80_blocks(titan, tmp_path):
+    blocks = tuple(f"layers.{i}" for i in range(80))
+    plan = _plan(
+        Parallel(dp_shard=4, tp=8, sequence_parallel=True, loss_parallel=True),
+        micro=1,
+        steps=2,
+        checkpoint=dict.fromkeys(blocks, "full"),
+        seq_len=8192,
+        blocks=blocks,
+        parameter_bytes=4 * 70_553_706_496,
+    )
+    config, text = _titan_config(titan, plan, tmp_path)
+    assert "--config llama3_70b " in text and "as planned" in text
+    assert len(config.model_spec.model.layers) == 80
+    assert config.parallelism.tensor_parallel_degree == 8
+    assert config.training.seq_len == 8192 and config.training.global_batch_size == 8
+    assert _ac_class(titan, config).__name__ == "FullAC"
+
+
+@pytest.mark.slow
+def test_memplans_llama3_table_is_what_torchtitan_builds(titan):
+    import torch
+    from torchtitan.models.llama3 import model_registry
+
+    flavors = {
+        "llama3_debugmodel": "debugmodel",
+        "llama3_8b": "8B",
+        "llama3_70b": "70B",
+        "llama3_405b": "405B",
+    }
+    for named in LLAMA3_CONFIGS:
+        spec = model_registry(flavors[named.name])
+        with torch.device("meta"):
+            model = spec.model.build()
+        parameters = sum(p.numel() for p in model.parameters())
+        assert (len(spec.model.layers), parameters) == (named.blocks, named.parameters)
+
+
+def test_torchtitan_snippet_without_torchtitan(tmp_path):
+    """The snippet's words, checked without torchtitan: every flag once, the AC subcommand
+    last, the plan's seq_len carried."""
+    layout = Parallel(dp_shard=2, tp=2, pp=2)
+    plan = _plan(layout, checkpoint=dict.fromkeys(BLOCKS, "full"), seq_len=2048 + 1)
+    args = _shell_words(emit(plan, "torchtitan", "m.py")[1], "TORCHTITAN_ARGS", tmp_path)
+    flags = [a for a in args if a.startswith("--")]
+    assert len(flags) == len(set(flags))
+    assert args[-1] == "activation_checkpoint:full"
+    assert args[args.index("--training.seq_len") + 1] == "2049"
+    assert args[args.index("--parallelism.tensor_parallel_degree") + 1] == "2"
+    assert "--parallelism.no_enable_sequence_parallel" in args  # the plan has no SP
+
+
+# ---------------------------------------------------------------- Megatron-LM
+
+
+@pytest.fixture(scope="module")
+def megatron_parser():
+    try:
+        arguments = importlib.import_module("megatron.training.arguments")
+    except ImportError as exc:
+        pytest.skip(
+            "Megatron-LM's argument parser (megatron.training.arguments) is not importable: "
+            "the megatron-core wheel ships megatron/core only; put a Megatron-LM checkout "
+            f"on PYTHONPATH to run this ({exc})"
+        )
+    return arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+
+
+MEGATRON_CASES = [
+    (Parallel(dp_replicate=2, tp=2, pp=2, sequence_parallel=True), "zero1", 4096),
+    (Parallel(dp_shard=2, tp=2, pp=2, schedule="interleaved_1f1b", virtual_stages=2), "fsdp", None),
+    (Parallel(dp_replicate=4, cp=2), "ddp", 8192),
+]
+
+
+@pytest.mark.parametrize(("layout", "strategy", "seq_len"), MEGATRON_CASES)
+def test_megatrons_parser_reads_the_plans_numbers(
+    megatron_parser, tmp_path, layout, strategy, seq_len
+):
+    checkpoint = {"layers.0": "full", "layers.1": "full", "layers.4": "full"}
+    plan = _plan(layout, strategy=strategy, checkpoint=checkpoint, seq_len=seq_len)
+    args = _shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
+    ns = megatron_parser.parse_args(args)
+    assert (
+        ns.tensor_model_parallel_size,
+        ns.pipeline_model_parallel_size,
+        ns.context_parallel_size,
+    ) == (layout.tp, layout.pp, layout.cp)
+    assert (ns.micro_batch_size, ns.global_batch_size) == (2, plan.target_batch)
+    assert ns.seq_length == seq_len
+    assert ns.sequence_parallel is layout.sequence_parallel
+    assert ns.use_distributed_optimizer is (strategy == "zero1")
+    assert ns.use_torch_fsdp2 is (strategy == "fsdp")
+    assert (ns.recompute_granularity, ns.recompute_method) == ("full", "block")
+    # the most any stage checkpoints: 3 of 8 blocks in one stage; with stages of 4 or 2
+    # blocks, stage 0 checkpoints layers.0 and .1
+    assert ns.recompute_num_layers == (3 if layout.stages == 1 else 2)
+    if layout.virtual_stages > 1:
+        assert ns.num_layers_per_virtual_pipeline_stage == 2
+
+
+def test_megatron_snippet_carries_seq_length(tmp_path):
+    plan = _plan(Parallel(dp_replicate=2, tp=2), strategy="ddp", seq_len=3000)
+    _, text = emit(plan, "megatron", "m.py")
+    args = _shell_words(text, "MEMPLAN_ARGS", tmp_path)
+    assert args[args.index("--seq-length") + 1] == "3000"
+    assert "--max-position-embeddings >= 3000" in text
+    no_len = _plan(Parallel(dp_replicate=2, tp=2), strategy="ddp")
+    assert "--seq-length" not in emit(no_len, "megatron", "m.py")[1]

@@ -1,0 +1,262 @@
+"""What the layout search, the plan reader and verify refuse (#33 items 4-10 and 12): a
+layout memplan cannot run, a target no layout splits, bad pipeline options, huge targets and
+worlds (answered in seconds), a layout plan's report, edited layout plans, more ranks than
+the machine can start, and profiles that would predict a negative peak or record a length
+no plan may have. Every refusal is exit 2 with a message, never a traceback."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from profiles_factory import uniform_chain
+from typer.testing import CliRunner
+
+from memplan.cli import app
+from memplan.errors import BadInputError, ProfileError
+from memplan.files.schema import to_data
+from memplan.model.reference import ModelRef
+from memplan.parallel import pipeline_refusal_by_kind
+from memplan.plan import plan_from_data, plan_to_yaml
+from memplan.profile import profile_to_yaml
+from memplan.report import report_for_plan
+from memplan.solver import LayoutRequest, SolveRequest, SolveRequestError, solve
+from memplan.solver.parallel import solve_layout
+
+
+def _profile(n: int = 4, *, hf: bool = True):
+    """A chain of ``n`` blocks; ``hf``: as of a transformers decoder (its blocks named in
+    ``hf_blocks``), which memplan's runtime splits into pipeline stages."""
+    profile = uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
+    return dataclasses.replace(profile, hf_blocks=profile.layer_names if hf else ())
+
+
+def _request(target: int = 8, world: int = 2, **more) -> SolveRequest:
+    return SolveRequest(target_batch=target, budget_bytes=1 << 30, world_size=world, **more)
+
+
+def _cli(tmp_path, profile, *args: str):
+    path = tmp_path / "p.yaml"
+    path.write_text(profile_to_yaml(profile))
+    return CliRunner().invoke(app, ["solve", str(path), "--budget", "1GiB", *args])
+
+
+# 4: pipeline stages only for a model memplan can split -------------------------------------
+
+
+def test_pipeline_stages_are_never_planned_for_a_model_memplan_cannot_split():
+    plain = _profile(hf=False)
+    with pytest.raises(BadInputError, match="Hugging Face decoder models only"):
+        solve_layout(plain, _request(), LayoutRequest(pp=2))
+    auto = solve_layout(plain, _request(world=4), LayoutRequest(auto=True))
+    assert {o.parallel.pp for o in auto.options} == {1}
+    # the same profile as a transformers decoder: pp 2 is planned, and auto considers it
+    assert solve_layout(_profile(), _request(), LayoutRequest(pp=2)).plan.parallel.pp == 2
+    pps = {
+        o.parallel.pp
+        for o in solve_layout(_profile(), _request(world=4), LayoutRequest(auto=True)).options
+    }
+    assert pps == {1, 2, 4}
+
+
+def test_pipeline_rule_reads_the_reference_and_the_transformers_blocks():
+    assert pipeline_refusal_by_kind("model.py", ()) is not None
+    assert pipeline_refusal_by_kind("model.py", ("model.layers.0",)) is None  # a file building one
+    assert pipeline_refusal_by_kind("hf:cfg?task=causal-lm&seq-len=8", ("model.layers.0",)) is None
+    why = pipeline_refusal_by_kind("hf:cfg?task=seq-cls&seq-len=8", ("model.layers.0",))
+    assert why is not None and "seq-cls" in why
+
+
+def test_cli_pp_on_a_plain_model_file_is_exit_2(tmp_path):
+    result = _cli(
+        tmp_path, _profile(hf=False), "--target-batch", "8", "--world-size", "2", "--pp", "2"
+    )
+    assert result.exit_code == 2, result.output
+    assert "Hugging Face" in result.output and "Traceback" not in result.output
+
+
+# 5: a target no layout splits is exit 2, with JSON -----------------------------------------
+
+
+def test_a_target_no_layout_splits_is_exit_2_with_json(tmp_path):
+    args = ["--world-size", "4", "--pp", "2", "--target-batch", "3", "--json"]
+    result = _cli(tmp_path, _profile(), *args)
+    assert result.exit_code == 2, result.output
+    data = json.loads(result.stdout[: result.stdout.rindex("}") + 1])
+    assert data["feasible"] is False and data["exit_code"] == 2
+    assert "cannot be split" in data["error"]
+    # as without a layout
+    plain = _cli(tmp_path, _profile(), "--world-size", "4", "--target-batch", "3", "--json")
+    assert plain.exit_code == 2
+    assert json.loads(plain.stdout[: plain.stdout.rindex("}") + 1])["exit_code"] == 2
+
+
+# 6: pipeline options ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--virtual-stages", "0"], "--virtual-stages must be a positive integer"),
+        (["--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved_1f1b"),
+        (["--schedule", "zigzag"], "--schedule must be one of"),
+        (["--layout", "manual"], "--layout takes auto"),
+        (["--gpus-per-node", "0"], "--gpus-per-node must be a positive integer"),
+    ],
+)
+def test_bad_pipeline_options_are_exit_2_naming_the_flag(tmp_path, args, words):
+    result = _cli(
+        tmp_path, _profile(), "--target-batch", "8", "--world-size", "2", "--pp", "2", *args
+    )
+    assert result.exit_code == 2, result.output
+    assert words in " ".join(result.output.split()), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_layout_request_validates_itself():
+    with pytest.raises(SolveRequestError, match="virtual-stages"):
+        LayoutRequest(pp=2, virtual_stages=0)
+    with pytest.raises(SolveRequestError, match="interleaved_1f1b"):
+        LayoutRequest(pp=2, virtual_stages=2)
+    assert LayoutRequest(pp=2, virtual_stages=2, schedule="interleaved_1f1b").virtual_stages == 2
+    with pytest.raises(SolveRequestError, match="not yet planned with a parallel layout"):
+        _request(seq_len=64, layout=LayoutRequest(pp=2))
+    with pytest.raises(SolveRequestError, match="effective batch once"):
+        SolveRequest(target_batch=8, tokens_per_batch=64, budget_bytes=1)
+
+
+# 7: huge targets and worlds answer in seconds ----------------------------------------------
+
+
+def test_huge_targets_and_worlds_answer_quickly():
+    start = time.monotonic()
+    plan = solve_layout(_profile(), _request(target=10**11), LayoutRequest(pp=2)).plan
+    assert plan.target_batch == 10**11 and plan.parallel.pp == 2
+    with pytest.raises(BadInputError, match="cannot be split"):
+        solve_layout(_profile(), _request(world=1_000_000_007), LayoutRequest(auto=True))
+    huge = solve_layout(_profile(), _request(target=2**40, world=2**40), LayoutRequest(auto=True))
+    assert huge.plan.world_size == 2**40 and huge.plan.parallel.pp <= 4
+    assert time.monotonic() - start < 20
+
+
+# 8: the report of a layout plan charts that plan -------------------------------------------
+
+
+def test_report_of_a_pipeline_plan_charts_its_worst_stage_without_a_false_warning():
+    profile = _profile(8)
+    plan = solve_layout(profile, _request(target=16), LayoutRequest(pp=2)).plan
+    report = report_for_plan(plan, profile)
+    assert report.timeline.peak_bytes == plan.predicted.peak_bytes
+    assert not any("changed since" in note for note in report.notes)
+    assert any("pipeline stage" in note for note in report.notes)
+    assert len(report.profile.layers) == 4  # one stage's blocks
+
+
+# 9: edited layout plans; ranks verify would start ------------------------------------------
+
+
+def _layout_plan_data():
+    plan = solve_layout(_profile(), _request(), LayoutRequest(pp=2)).plan
+    return json.loads(json.dumps(to_data(plan)))
+
+
+@pytest.mark.parametrize("pp", [8, 2**40])
+def test_a_plan_with_more_stages_than_blocks_is_refused_on_load(pp):
+    data = _layout_plan_data()
+    data["parallel"]["pp"] = pp
+    data["world_size"] = pp  # dp 1: still consistent
+    with pytest.raises(ProfileError, match=f"is {pp} pipeline stages, but the model has 4 blocks"):
+        plan_from_data(data)
+    assert plan_from_data(_layout_plan_data()).parallel.pp == 2
+
+
+def test_verify_refuses_more_ranks_than_the_machine_can_start_before_starting_any():
+    from memplan.verify.distributed import verify_distributed
+    from memplan.verify.rank_lifetime import startable_cpu_ranks
+
+    most = startable_cpu_ranks()
+    data = _layout_plan_data()
+    data.update(world_size=2 * (most + 1), target_batch=2 * (most + 1) * 4)
+    data["parallel"].update(dp_shard=most + 1)
+    plan = plan_from_data(data)
+    start = time.monotonic()
+    with pytest.raises(
+        BadInputError,
+        match=f"would start {plan.world_size:,} ranks; this machine can start at most {most:,}",
+    ):
+        verify_distributed("model.py", plan, device="cpu")
+    assert time.monotonic() - start < 5
+
+
+def test_verify_refuses_pipeline_stages_of_a_model_it_cannot_split_before_starting_ranks():
+    from memplan.verify.distributed import verify_distributed
+
+    data = _layout_plan_data()
+    data["model_fingerprint"]["hf_blocks"] = []
+    with pytest.raises(BadInputError, match="Hugging Face decoder models only"):
+        verify_distributed("model.py", plan_from_data(data), device="cpu")
+
+
+# 10: a profile that predicts a negative peak ----------------------------------------------
+
+
+def test_huge_optimizer_state_never_solves_to_a_negative_peak():
+    profile = _profile(hf=False)
+    totals = dataclasses.replace(profile.totals, optimizer_state_bytes=10**12)
+    edited = dataclasses.replace(profile, totals=totals)
+    with pytest.raises(BadInputError, match="negative peak per rank"):
+        solve(edited, _request(strategy="zero1"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    state=st.integers(0, 2**62),
+    world=st.sampled_from([1, 2, 4]),
+    strategy=st.sampled_from(["ddp", "zero1", "zero2", "fsdp"]),
+)
+def test_any_optimizer_state_solves_to_a_readable_plan_or_a_refusal(state, world, strategy):
+    profile = _profile(hf=False)
+    edited = dataclasses.replace(
+        profile, totals=dataclasses.replace(profile.totals, optimizer_state_bytes=state)
+    )
+    try:
+        plan = solve(edited, _request(target=8, world=world, strategy=strategy)).plan
+    except BadInputError:
+        return
+    except Exception as exc:  # NoPlanFitsError: no plan written
+        assert type(exc).__name__ == "NoPlanFitsError"
+        return
+    assert plan.predicted.peak_bytes >= 0
+    assert plan_from_data(json.loads(json.dumps(to_data(plan)))) is not None
+    assert plan_to_yaml(plan)
+
+
+# 12: a profile's seq_len ---------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    length=st.one_of(
+        st.integers(-(2**62), 2**62), st.sampled_from([0, -5, 2**40, 2**24, 2**24 + 1, 1])
+    )
+)
+def test_a_profile_seq_len_solves_to_a_readable_plan_or_is_refused(length):
+    profile = dataclasses.replace(_profile(hf=False), seq_len=length)
+    try:
+        plan = solve(profile, _request()).plan
+    except BadInputError as exc:
+        assert "seq_len" in str(exc)
+        assert not 1 <= length <= 2**24
+        return
+    assert plan.seq_len == length
+    from memplan.plan import load_plan  # noqa: F401  (the reader of plan files)
+
+    assert plan_from_data(json.loads(json.dumps(to_data(plan)))).seq_len == length
+
+
+def test_profile_model_reference_is_kept():
+    assert _profile().model == ModelRef(path="synthetic.py")
