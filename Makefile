@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test lint format bench bench-deps gpu-check clean
+.PHONY: install demo test test-fast lint format bench bench-deps gpu-check clean
 
 $(BIN)/memplan: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,11 @@ demo: install
 
 test: install
 	$(BIN)/pytest -q
+
+# The quick loop: the pure core (memory, solver, plan, profile, emit, schema, CLI parsing);
+# no real probes, no training runs, no spawned ranks. Under 2 minutes on 2 cores.
+test-fast: install
+	$(BIN)/pytest -q -m fast
 
 lint: install
 	$(BIN)/ruff check memplan tests bench examples

@@ -411,7 +411,7 @@ def test_identical_probes_are_shared(config, tmp_path):
     report = run_checks(config, probe_fn=probe, **fakes(need_bytes))
     assert [r.status for r in report.results] == ["pass"] * 4
     # a and c share a probe; b (its own layers glob) and d (bf16) each have their own.
-    assert [(r.precision, r.layers) for r in seen] == [
+    assert [(r.settings.precision, r.settings.layers) for r in seen] == [
         ("fp32", None),
         ("fp32", "h.*"),
         ("bf16", None),
@@ -481,7 +481,7 @@ def test_control_characters_in_a_name_still_make_valid_junit(config):
     config.write_text(yaml.safe_dump(data), encoding="utf-8")
 
     def probe(request):
-        if request.layers:
+        if request.settings.layers:
             raise ModelFileError("m.py: raised ValueError: \x00\x07 in a message")
         return grown()
 

@@ -309,6 +309,7 @@ def _small_plan(**changes) -> Plan:
     return replace(base, **changes)
 
 
+@pytest.mark.slow  # runs the emitted script: a training run, not in the quick loop
 def test_torch_script_runs_exactly_the_requested_steps(tmp_path: Path) -> None:
     plan = _small_plan()
     result = _run_script(
@@ -321,6 +322,7 @@ def test_torch_script_runs_exactly_the_requested_steps(tmp_path: Path) -> None:
     assert all(float(s[1]) == float(s[1]) for s in steps)  # finite-ish: not NaN
 
 
+@pytest.mark.slow  # runs the emitted script: a training run, not in the quick loop
 def test_torch_script_factory_dict_batch_training_loss(tmp_path: Path) -> None:
     # path:factory, relative model path beside the script, bf16 autocast on CPU
     (tmp_path / "tiny_emit_mlp.py").write_text((MODELS / "tiny_emit_mlp.py").read_text())
@@ -348,6 +350,7 @@ def test_torch_script_is_valid_python_with_odd_paths() -> None:
         assert ast.literal_eval(line.removeprefix("MODEL = ")) == model_path
 
 
+@pytest.mark.slow  # runs the emitted script: a training run, not in the quick loop
 def test_torch_script_names_training_loss_when_the_output_is_not_a_loss(tmp_path: Path) -> None:
     (tmp_path / "bad_model.py").write_text(
         "import torch\n"

@@ -59,6 +59,27 @@ def test_solve_prints_no_progress_when_stderr_is_not_a_terminal(monkeypatch):
     assert "memplan solve" not in buffer.getvalue()
 
 
+def test_a_signal_while_the_display_starts_still_shows_the_cursor_again(monkeypatch):
+    """Ctrl-C can land inside the display's first render (rich hides the cursor, then draws):
+    the display is stopped all the same and the cursor shown again."""
+    from rich.live import Live
+
+    from memplan.errors import Interrupted
+
+    buffer = _console(monkeypatch, terminal=True)
+    drawn = Live.refresh
+
+    def interrupted_once(self):
+        monkeypatch.setattr(Live, "refresh", drawn)
+        raise Interrupted(2)
+
+    monkeypatch.setattr(Live, "refresh", interrupted_once)
+    with pytest.raises(Interrupted), render.progress("memplan probe"):
+        pass
+    text = buffer.getvalue()
+    assert "\x1b[?25l" in text and text.rindex("\x1b[?25h") > text.rindex("\x1b[?25l")
+
+
 def test_off_a_terminal_plain_lines_say_where_the_time_goes(monkeypatch):
     # issue 37: a probe of 10-16 minutes piped to a log printed nothing until the end
     import time

@@ -1,6 +1,6 @@
 """The sequence length (issue 13), without torch: fits across lengths, the grid profile,
 the search for the longest length, hostile lengths. The probe and real runs are in
-tests/test_seqlen_bar.py."""
+tests/test_seqlen_probe.py."""
 
 from __future__ import annotations
 

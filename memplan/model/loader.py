@@ -46,7 +46,7 @@ def _user_location(exc: BaseException, path: Path) -> str:
     ]
     if inside:
         return f"{path}:{inside[-1].lineno}"
-    memplan_dir = str(Path(__file__).resolve().parent)
+    memplan_dir = str(_MEMPLAN_DIR)
     outside = [f for f in frames if not str(Path(f.filename).resolve()).startswith(memplan_dir)]
     if outside:
         return f"{outside[-1].filename}:{outside[-1].lineno}"

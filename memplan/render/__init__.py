@@ -132,8 +132,11 @@ def progress(description: str, *, quiet: bool = False) -> Iterator[Callable[[int
         count = f"{done}/{total}" if total else ""  # a phase without a count shows none
         bar.update(task, completed=done, total=total or None, what=what, count=count)
 
-    with bar:
+    try:  # started inside the try: a signal while the display starts still stops it
+        bar.start()
         yield update
+    finally:
+        bar.stop()
 
 
 PLAIN_PROGRESS_SECONDS = 60.0

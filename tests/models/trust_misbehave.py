@@ -1,10 +1,12 @@
-"""A tiny model file that misbehaves on request (tests/test_trust.py, tests/test_fuzz.py):
+"""A tiny model file that misbehaves on request (tests/test_contract.py, test_signals.py,
+test_nonfinite.py, test_validation.py, test_fuzz.py):
 MEMPLAN_TEST_MISBEHAVE names what it does — exit at import or in build_model, print,
 raise, return meta tensors or NaN losses. ``raise:CLASS:WHERE`` raises memplan's error class
 CLASS (``Forged`` is a MemplanError subclass with ``exit_code = 0``) from WHERE: ``import``,
 ``build``, ``batch``, ``loss`` or ``forward``. Unset, it is a well-behaved two-block MLP.
 MEMPLAN_TEST_STEP_MARKS names a folder where every process running a training loss leaves a
-file named by its pid (so a test knows the ranks are training)."""
+file named by its pid, one line per call (so a test knows the ranks are training, and for how
+many micro-steps)."""
 
 import os
 import sys
@@ -91,7 +93,8 @@ def make_batch(batch_size: int):
 def training_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     marks = os.environ.get("MEMPLAN_TEST_STEP_MARKS")
     if marks:
-        open(os.path.join(marks, str(os.getpid())), "a").close()
+        with open(os.path.join(marks, str(os.getpid())), "a") as f:
+            f.write("step\n")
     maybe_raise("loss")
     out = model(batch)
     if MODE == "nan_loss_at_1" and batch.shape[0] == 1:
