@@ -136,6 +136,7 @@ def test_pipeline_buffers_are_one_per_micro_batch_as_torch_allocates_them():
     assert none[0].at(b) == 0 and none[1].at(b) == 0
 
 
+@pytest.mark.slow  # builds a transformers model: out of the quick loop
 def test_a_pruned_checkpointed_block_is_freed_without_the_cycle_collector(tmp_path):
     # The bug behind 15% under-prediction on --pp 2 with checkpointing: a checkpointed
     # block's patched forward is bound to the block in its own __dict__ (a cycle), so the
