@@ -152,7 +152,9 @@ def run(device: str) -> str:
                 "allocator reserve, the CUDA context and what full recompute keeps; it counts "
                 "dropout-free Llama activations with GPT constants). *torchtitan recipe*: the "
                 "published layout for the nearest model (8B/70B/405B, seq 8192, float8 for "
-                "405B); it states no memory. Step times rank layouts by memplan's model "
+                "405B); its published memory per GPU (torchtitan's benchmarks/"
+                "llama3_h100_202412_torchtitan.md) is set beside memplan's in the section "
+                "*Published torchtitan runs* below. Step times rank layouts by memplan's model "
                 "(roofline compute, unoverlapped collectives at 450 GB/s NVLink and 50 GB/s "
                 "per GPU between nodes): without a GPU, overlap and small-shape kernel "
                 "efficiency are unknown.\n",

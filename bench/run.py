@@ -39,6 +39,7 @@ SECTIONS = [
     "seqlen",
     "scale",
     "layouts",
+    "published",
     "hf_sweep",
 ]
 

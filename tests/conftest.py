@@ -34,6 +34,7 @@ FAST_FILES = {
     "test_pipeline_modes.py",
     "test_progress.py",
     "test_render.py",
+    "test_reserve.py",
     "test_scale.py",
     "test_schema.py",
     "test_seqlen.py",

@@ -17,7 +17,7 @@ from profiles_factory import uniform_chain
 from typer.testing import CliRunner
 
 from memplan.cli import app
-from memplan.errors import BadInputError, ProfileError
+from memplan.errors import BadInputError, NoPlanFitsError, ProfileError
 from memplan.files.schema import to_data
 from memplan.model.reference import ModelRef
 from memplan.parallel import pipeline_refusal_by_kind
@@ -134,8 +134,14 @@ def test_layout_request_validates_itself():
 
 def test_huge_targets_and_worlds_answer_quickly():
     start = time.monotonic()
-    plan = solve_layout(_profile(), _request(target=10**11), LayoutRequest(pp=2)).plan
-    assert plan.target_batch == 10**11 and plan.parallel.pp == 2
+    plan = solve_layout(_profile(), _request(target=10**5), LayoutRequest(pp=2)).plan
+    assert plan.target_batch == 10**5 and plan.parallel.pp == 2
+    # 10^11 samples through 2 stages: torch.distributed.pipelining allocates a receive
+    # buffer per micro-batch (memory.pipeline.pipeline_buffers), 400 B per sample here, so
+    # no micro-batch fits 1 GiB; the answer (a refusal naming the least peak) is quick too
+    with pytest.raises(NoPlanFitsError) as refused:
+        solve_layout(_profile(), _request(target=10**11), LayoutRequest(pp=2))
+    assert refused.value.min_peak_bytes >= 10**11 * 400
     with pytest.raises(BadInputError, match="cannot be split"):
         solve_layout(_profile(), _request(world=1_000_000_007), LayoutRequest(auto=True))
     huge = solve_layout(_profile(), _request(target=2**40, world=2**40), LayoutRequest(auto=True))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from profiles_factory import uniform_chain
 
 from memplan.memory.parallel import layout_peaks, own_checkpoint, stage_blocks, stage_checkpoint
@@ -106,3 +107,147 @@ def test_waiting_micro_batches_keep_only_their_checkpointed_inputs():
         s.peak.peak_bytes for s in layout_peaks(profile, solved).stages
     )
     assert dataclasses.replace(solved).checkpoint == dict.fromkeys(profile.layer_names, "full")
+
+
+def test_pipeline_buffers_are_one_per_micro_batch_as_torch_allocates_them():
+    # torch.distributed.pipelining allocates a receive buffer per micro-batch on every
+    # stage but the first and a gradient receive buffer per micro-batch on every stage but
+    # the last (stage.py _setup_forward_recv_info, _create_grad_recv_info); the received
+    # inputs' gradients stay in .grad until the next step.
+    from memplan.memory.pipeline import pipeline_buffers
+
+    profile = _profile(8)  # output 400 B per sample per block
+    m, b = 6, 2
+    one = profile.layers[0].output_bytes.at(b)
+    assert one == 800
+    for layout, expected in (
+        (Parallel(pp=4), {0: (m, 0), 1: (2 * m, m - 1), 3: (m, m - 1)}),
+        (Parallel(pp=2, schedule="gpipe"), {0: (m, 0), 1: (m, m - 1)}),
+        # interleaved: stage 0 runs chunks 0 and 2 (2 grad, 1 recv buffers each micro-batch)
+        (
+            Parallel(pp=2, schedule="interleaved_1f1b", virtual_stages=2),
+            {0: (3 * m, m - 1), 1: (3 * m, 2 * (m - 1))},
+        ),
+    ):
+        for stage, (buffers, grads) in expected.items():
+            got = pipeline_buffers(profile, layout, stage, m)
+            assert (got[0].at(b), got[1].at(b)) == (buffers * one, grads * one), (layout, stage)
+    none = pipeline_buffers(profile, Parallel(dp_shard=2), 0, m)
+    assert none[0].at(b) == 0 and none[1].at(b) == 0
+
+
+@pytest.mark.slow  # builds a transformers model: out of the quick loop
+def test_a_pruned_checkpointed_block_is_freed_without_the_cycle_collector(tmp_path):
+    # The bug behind 15% under-prediction on --pp 2 with checkpointing: a checkpointed
+    # block's patched forward is bound to the block in its own __dict__ (a cycle), so the
+    # other stage's blocks and their parameters stayed alive on every pipeline rank.
+    import gc
+    import weakref
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memplan import run
+    from memplan.run.pipeline import make_stage_module, pipeline_parts
+
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    net = LlamaForCausalLM(config)
+    run.apply(net, [f"model.layers.{i}" for i in range(4)])
+    dropped = [weakref.ref(net.model.layers[i]) for i in (2, 3)]
+    weights = [weakref.ref(net.model.layers[i].mlp.up_proj.weight) for i in (2, 3)]
+    gc.disable()
+    try:
+        make_stage_module(net, pipeline_parts(net), range(0, 2), first=True, last=False)
+        assert all(ref() is None for ref in dropped + weights)
+    finally:
+        gc.enable()
+    assert run.checkpoint.checkpointed_names(net) == ["model.layers.0", "model.layers.1"]
+
+
+LLAMA4 = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.slow
+def test_pp2_with_full_and_selective_checkpointing_within_three_percent_on_four_ranks(
+    tmp_path,
+):
+    # probe, solve --pp 2 (dp 2, micro-batch 2, 2 micro-batches) with every block fully,
+    # then selectively, checkpointed; verify on 4 gloo ranks: every rank within 3%. Before
+    # the fix the full plan measured 543,744 B (stage 0) and 560,656 B (stage 1) against
+    # 459,508 and 481,656 predicted (-15.5%, -14.1%).
+    import json
+
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    from memplan.plan import load_plan
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA4))
+    model = f"hf:{folder}?task=causal-lm&seq-len=16"
+    profile = tmp_path / "p.yaml"
+    runner = CliRunner()
+    result = runner.invoke(app, ["probe", model, "-o", str(profile)])
+    assert result.exit_code == 0, result.output
+    for mode in ("full", "selective"):
+        plan_path = tmp_path / mode / "plan.yaml"
+        solve = [
+            *("solve", str(profile), "--budget", "1GiB", "--target-batch", "8"),
+            *("--world-size", "4", "--pp", "2", "--min-micro", "2", "--max-micro", "2"),
+            *("--modes", mode, "--always-checkpoint", "model.layers.*", "-o", str(plan_path)),
+        ]
+        result = runner.invoke(app, solve)
+        assert result.exit_code == 0, result.output
+        plan = load_plan(plan_path)
+        assert set(plan.checkpoint.values()) == {mode} and len(plan.checkpoint) == 4
+        assert (plan.micro_batch_size, plan.accumulation_steps) == (2, 2)
+        verify = [*("verify", model, str(plan_path), "--world-size", "4"), "--steps", "1"]
+        result = runner.invoke(app, [*verify, "--json"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        predicted = data["predicted_rank_peaks"]
+        measured = [r["peak_bytes"] for r in data["ranks"]]
+        assert len(measured) == 4
+        for want, got in zip(predicted, measured, strict=True):
+            assert abs(want / got - 1) < 0.03, (mode, predicted, measured)
+
+
+def test_fsdp_pipeline_stages_keep_every_unit_gathered_as_torchtitan_shards_them():
+    # torchtitan (fsdp.py get_fsdp_reshard_after_forward_policy) and memplan's runtime do
+    # not reshard after forward under pipeline stages: a stage's units stay whole all step.
+    from memplan.memory import Sharding, fsdp_gathered_bytes
+    from memplan.memory.parallel import layout_sharding
+
+    profile = _profile(6)
+    assert layout_sharding("fsdp", Parallel(pp=2, dp_shard=2)).reshard_after_forward is False
+    assert layout_sharding("fsdp", Parallel(dp_shard=4)).reshard_after_forward is True
+    kept = Sharding(strategy="fsdp", world_size=2, reshard_after_forward=False)
+    default = Sharding(strategy="fsdp", world_size=2)
+    segments = profile.timeline["no_grads"]
+    first_fwd = next(i for i, s in enumerate(segments) if s.active == "fwd")
+    units = sum(layer.params_trainable_bytes for layer in profile.layers)
+    root = profile.totals.params_trainable_bytes - units
+    assert fsdp_gathered_bytes(profile, kept, "no_grads", first_fwd) == root + units
+    one = root + profile.layers[0].params_trainable_bytes
+    assert fsdp_gathered_bytes(profile, default, "no_grads", first_fwd) == one

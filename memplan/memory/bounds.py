@@ -379,6 +379,6 @@ def plan_peak(profile: Profile, plan: Plan, device_spec: DeviceSpec | None = Non
         plan.micro_batch_size,
         plan.checkpoint,
         plan.accumulation_steps,
-        reserve=reserve_for(profile, device_spec),
+        reserve=reserve_for(profile, device_spec, sharding_for(plan)),
         sharding=sharding_for(plan),
     )

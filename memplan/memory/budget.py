@@ -8,18 +8,35 @@ import math
 from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
+from memplan.memory.sharding import Sharding
 from memplan.profile import Profile
 from memplan.units import MiB
 
 # With no measurement, the CUDA context (driver state, cuBLAS/cuDNN kernels and workspaces
 # loaded by PyTorch) takes a few hundred MiB: about 300-600 MiB on A100/H100 with CUDA 12
 # lazy loading, as nvidia-smi shows for a process that has run one matmul and one conv.
-# 512 MiB is the conservative middle of that range.
+# 512 MiB is the conservative middle of that range. It is device memory, but not the
+# caching allocator's: torch.cuda.max_memory_reserved does not count it.
 DEFAULT_CONTEXT_BYTES = 512 * MiB
-# PyTorch's caching allocator rounds blocks up (to 512 B, and 2 MiB segments for large
-# tensors) and fragments: max_memory_reserved typically exceeds max_memory_allocated by a
-# few percent in steady training. 5% of the allocated peak covers the usual case.
+# The caching allocator's own bytes beyond the allocated ones (torch 2.13
+# c10/core/AllocatorConfig.h, used by c10/cuda/CUDACachingAllocator.cpp): every request is
+# rounded up to 512 B (kMinBlockSize); requests up to 1 MiB (kSmallSize) are carved from
+# 2 MiB segments (kSmallBuffer), 1-10 MiB ones (below kMinLargeAlloc) from 20 MiB segments
+# (kLargeBuffer), larger ones rounded up to 2 MiB (kRoundLarge); a freed block stays
+# reserved and is split for later requests, so a segment can hold free pieces too small for
+# the next request (fragmentation). Rounding alone is under 2 MiB per live tensor, under 2%
+# for tensors of 100 MiB and more; fragmentation depends on the order of sizes. Without a
+# measurement memplan charges 5% of the allocated peak for both (an assumption, not
+# measured here: no GPU), as before.
 DEFAULT_FRAGMENTATION_FRACTION = 0.05
+# NCCL's buffers: NCCL allocates them itself (cudaMalloc, outside PyTorch's allocator, so
+# max_memory_reserved does not show them): per communicator and channel, a send and a
+# receive buffer of NCCL_BUFFSIZE, 4 MiB by default (NCCL user guide, "Environment
+# Variables": NCCL_BUFFSIZE). memplan assumes 16 channels (NCCL uses up to 32 on NVLink
+# systems, fewer on PCIe): 128 MiB per communicator a rank belongs to.
+NCCL_BUFFSIZE_BYTES = 4 * MiB
+NCCL_CHANNELS = 16
+NCCL_COMMUNICATOR_BYTES = 2 * NCCL_CHANNELS * NCCL_BUFFSIZE_BYTES
 DEFAULT_MARGIN = 0.03
 """Fraction of the budget kept free by default (safety margin against run-to-run noise)."""
 
@@ -30,11 +47,24 @@ class Reserve:
     """Device memory the model's tensors do not account for: CUDA context and allocator."""
 
     fixed_bytes: int
-    """CUDA context plus the measured allocator overhead (bytes)."""
+    """CUDA context plus the measured allocator overhead (bytes), plus the FSDP2 stream
+    pools and NCCL buffers (the fields below, already included)."""
     fragmentation_fraction: float = 0.0
     """Extra allocator overhead as a fraction of the allocated peak (when not measured)."""
     source: str = ""
     """Where the numbers come from, for the plan's reasons."""
+    outside_allocator_bytes: int = 0
+    """The part of ``fixed_bytes`` PyTorch's caching allocator does not hold (the CUDA
+    context, NCCL's buffers): device memory ``torch.cuda.max_memory_reserved`` leaves out."""
+    stream_bytes: int = 0
+    """FSDP2's all-gather and reduce-scatter stream pools (``fsdp_stream_bytes``)."""
+    nccl_bytes: int = 0
+    """NCCL's buffers (``NCCL_COMMUNICATOR_BYTES`` per communicator)."""
+
+    def reserved_bytes(self, allocated_bytes: int) -> int:
+        """What ``torch.cuda.max_memory_reserved`` would show for an allocated peak: the
+        allocated bytes plus the allocator's share of the reserve (no context, no NCCL)."""
+        return allocated_bytes + self.bytes_for(allocated_bytes) - self.outside_allocator_bytes
 
     def bytes_for(self, allocated_bytes: int) -> int:
         return self.fixed_bytes + math.ceil(self.fragmentation_fraction * max(allocated_bytes, 0))
@@ -54,9 +84,39 @@ def plans_for_cuda(profile: Profile, device_spec: DeviceSpec | None = None) -> b
     return env.device == "meta" and env.device_profile not in (None, "", "cpu")
 
 
-def reserve_for(profile: Profile, device_spec: DeviceSpec | None = None) -> Reserve:
-    """The CUDA reserve: measured context and allocator bytes when the profile has them,
-    else the documented defaults above; nothing off CUDA."""
+def fsdp_stream_bytes(profile: Profile, sharding: Sharding | None) -> int:
+    """FSDP2's stream pools: the caching allocator keeps a freed block for the stream that
+    allocated it (c10/cuda/CUDACachingAllocator.cpp: a free block is found only in its own
+    stream's pool), and FSDP2 allocates its all-gather outputs in its all-gather stream and
+    its reduce-scatter inputs in its reduce-scatter stream (torch 2.13
+    torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: ``comm_ctx.all_gather_stream``,
+    ``reduce_scatter_stream``; _fsdp_collectives.py ``foreach_all_gather``,
+    ``foreach_reduce``). So one unit's gathered parameters and one unit's unsharded
+    gradients in ``reduce_dtype`` stay reserved in those pools whatever the default stream
+    needs: the largest unit's of each. (The allocated bytes already count the units in
+    flight; this is what the pools keep besides.) Zero unless FSDP over two or more ranks."""
+    if sharding is None or sharding.strategy != "fsdp" or sharding.world_size < 2:
+        return 0
+    from memplan.memory.sharding import master_bytes, unit_params_bytes
+
+    if not profile.layers:
+        return 0
+    gathered = max(unit_params_bytes(profile, i) for i in range(len(profile.layers)))
+    grads = max(layer.grad_bytes for layer in profile.layers)
+    return gathered + master_bytes(profile, sharding, grads)
+
+
+def reserve_for(
+    profile: Profile,
+    device_spec: DeviceSpec | None = None,
+    sharding: Sharding | None = None,
+    communicators: int | None = None,
+) -> Reserve:
+    """The CUDA reserve, nothing off CUDA: the CUDA context (measured, else
+    ``DEFAULT_CONTEXT_BYTES``); the allocator's rounding and fragmentation (measured, else
+    ``DEFAULT_FRAGMENTATION_FRACTION`` of the allocated peak); FSDP2's stream pools
+    (``fsdp_stream_bytes``); NCCL's buffers, ``NCCL_COMMUNICATOR_BYTES`` for each of
+    ``communicators`` (default: one when ``sharding`` spans two or more ranks)."""
     if not plans_for_cuda(profile, device_spec):
         return NO_RESERVE
     context = profile.context_bytes
@@ -67,15 +127,34 @@ def reserve_for(profile: Profile, device_spec: DeviceSpec | None = None) -> Rese
         parts.append("default CUDA context 512 MiB")
     else:
         parts.append("measured CUDA context")
+    streams = fsdp_stream_bytes(profile, sharding)
+    if communicators is None:
+        communicators = 1 if sharding is not None and sharding.world_size > 1 else 0
+    nccl = communicators * NCCL_COMMUNICATOR_BYTES
+    extra = streams + nccl
+    if streams:
+        parts.append(f"FSDP2 stream pools {streams / MiB:,.0f} MiB")
+    if nccl:
+        parts.append(f"NCCL buffers {nccl / MiB:,.0f} MiB ({communicators} communicators)")
+    outside = int(context) + nccl
     if allocator is None:
         parts.append(f"allocator {DEFAULT_FRAGMENTATION_FRACTION:.0%} of the peak (default)")
         return Reserve(
-            fixed_bytes=int(context),
+            fixed_bytes=int(context) + extra,
             fragmentation_fraction=DEFAULT_FRAGMENTATION_FRACTION,
             source=", ".join(parts),
+            outside_allocator_bytes=outside,
+            stream_bytes=streams,
+            nccl_bytes=nccl,
         )
     parts.append("measured allocator overhead")
-    return Reserve(fixed_bytes=int(context) + int(allocator), source=", ".join(parts))
+    return Reserve(
+        fixed_bytes=int(context) + int(allocator) + extra,
+        source=", ".join(parts),
+        outside_allocator_bytes=outside,
+        stream_bytes=streams,
+        nccl_bytes=nccl,
+    )
 
 
 def margin_problem(margin: object) -> str | None:

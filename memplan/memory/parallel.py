@@ -19,11 +19,14 @@ state, and every timeline point of its blocks re-based, for a point of segment `
 
     point' = state'(phase, h) + Σ_{a ≤ j < h} f_j·saved_j + f_h·rest + in_flight
     rest   = point − state(phase, h) − Σ_{j < h} saved_j     (the active block's own bytes)
-    in_flight = (k − 1)·Σ_{j in stage} f_j·saved_j + k·input_a·[stage > 0]
+    in_flight = (k − 1)·Σ_{j in stage} f_j·saved_j + m·(input_a·[stage > 0] + output_z·[not last])
+                + [gradients resident]·(m − 1)·input_a·[stage > 0]
 
 with ``k`` the micro-batches the stage holds under the schedule (``memplan.parallel.in_flight``;
-1F1B: ``pp − stage``; GPipe: all) and ``input_a`` the activation a later stage receives from
-the one before (kept for its backward). A checkpointed block frees its savings in each of
+1F1B: ``pp − stage``; GPipe: all), ``m`` the micro-batches per step, ``input_a`` the hidden
+state a later stage receives from the one before and ``output_z`` the one it sends:
+torch.distributed.pipelining's receive buffers, one per micro-batch, and the received
+inputs' gradients (``pipeline_buffers``). A checkpointed block frees its savings in each of
 the ``k`` micro-batches, so its savings are multiplied by ``k``; this is exact at the end of
 the forward (every block held) and an over-estimate earlier. The data-parallel dimension is
 then the existing per-rank model (memplan.memory.sharding) over ``dp`` ranks, so
@@ -45,6 +48,7 @@ from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
 from memplan.memory.budget import reserve_for
 from memplan.memory.peak import Peak, step_peak
+from memplan.memory.pipeline import pipeline_buffers, stage_output_bytes
 from memplan.memory.sharding import Sharding
 from memplan.memory.terms import grads_at_bytes
 from memplan.memory.vocab import (
@@ -194,19 +198,6 @@ class _Frame:
             self.base_rank + self.held_rank[0] + self.cur * rest0 + self.offset[0],
             self.held_rank[1] + self.cur * rest1 + self.offset[1],
         )
-
-
-def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
-    """What the last stage's output holds per micro-batch in flight: torch.distributed.
-    pipelining keeps a stage's forward output until that micro-batch's backward (its
-    ``fwd_cache``), where a plain step lets the loss free it. Measured: the bytes the loss
-    frees (the negative ``saved_bytes`` of the probe's ``(loss)`` part, the logits)."""
-    freed = Affine.zero()
-    vocab = 1.0 / parallel.tp if parallel.loss_parallel else 1.0
-    for part in profile.fixed:
-        if part.name == LOSS_PART and part.saved_bytes.slope < 0:
-            freed = _scale(part.saved_bytes, -vocab / parallel.cp)
-    return freed
 
 
 def cp_exchange_bytes(layer: Layer, parallel: Parallel) -> Affine:
@@ -396,16 +387,22 @@ def rank_profile(
                     intercept=stage_saved.intercept - freed.intercept,
                     slope=stage_saved.slope - freed.slope,
                 )
-    received = profile.layers[stage_range.start].input_bytes if not first else Affine.zero()
     input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
     kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
+    buffers, input_grads = pipeline_buffers(profile, parallel, stage, micro_batches)
+    buffers = _scale(buffers, input_factor)
+    input_grads = _scale(input_grads, input_factor)
     offsets = {
         phase: (
             (n - 1) * stage_saved.intercept
-            + n * (input_factor * received.intercept + kept.intercept),
+            + n * kept.intercept
+            + buffers.intercept
+            + (input_grads.intercept if phase == "grads_resident" else 0.0),
             (n - 1) * stage_saved.slope
-            + n * (input_factor * received.slope + kept.slope)
+            + n * kept.slope
+            + buffers.slope
+            + (input_grads.slope if phase == "grads_resident" else 0.0)
             + exchange.slope,
         )
         for phase, n in ks.items()
@@ -477,10 +474,15 @@ def rank_profile(
             )
         timeline[phase] = tuple(out)
     ratio = (state_rank + totals.grad_bytes) / max(state_full + profile.totals.grad_bytes, 1)
+    optimizer = _scale(profile.optimizer_step_peak_bytes, ratio)
     return dataclasses.replace(
         draft,
         timeline=timeline,
-        optimizer_step_peak_bytes=_scale(profile.optimizer_step_peak_bytes, ratio),
+        # the schedule's buffers and the received inputs' gradients outlive the step
+        optimizer_step_peak_bytes=Affine(
+            intercept=optimizer.intercept + buffers.intercept + input_grads.intercept,
+            slope=optimizer.slope + buffers.slope + input_grads.slope,
+        ),
     )
 
 
@@ -496,7 +498,12 @@ def layout_sharding(
     world = parallel.dp if strategy == "ddp" else parallel.dp_shard
     if strategy == "ddp" and parallel.pp > 1:
         world = 1
-    return Sharding(strategy=strategy, world_size=world, grad_sync=grad_sync)
+    return Sharding(
+        strategy=strategy,
+        world_size=world,
+        grad_sync=grad_sync,
+        reshard_after_forward=parallel.pp == 1,
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -529,6 +536,13 @@ class LayoutPeaks:
         return self.stages[stage_of_rank(self.parallel, rank)].peak
 
 
+def communicators(parallel: Parallel) -> int:
+    """NCCL communicators a rank of ``parallel`` belongs to: one per dimension of two or
+    more ranks (data-parallel replicate and shard, tensor, pipeline, context)."""
+    sizes = (parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, parallel.cp)
+    return sum(1 for size in sizes if size > 1)
+
+
 def plan_layout(plan: Plan) -> Parallel:
     """The plan's layout; a plan without one is data parallelism over its world size."""
     if plan.parallel is not None:
@@ -549,13 +563,14 @@ def stage_peak(
     chosen = stage_checkpoint(profile, parallel, stage, plan.checkpoint)
     modes = chosen if parallel.pp > 1 else None
     rank = rank_profile(profile, parallel, stage, plan.accumulation_steps, modes)
+    sharding = layout_sharding(plan.strategy, parallel, plan.grad_sync)
     peak = step_peak(
         rank,
         plan.micro_batch_size,
         chosen,
         plan.accumulation_steps,
-        reserve=reserve_for(profile, device_spec),
-        sharding=layout_sharding(plan.strategy, parallel, plan.grad_sync),
+        reserve=reserve_for(rank, device_spec, sharding, communicators(parallel)),
+        sharding=sharding,
     )
     forwards = in_flight(parallel, stage, plan.accumulation_steps)
     return StagePeak(

@@ -38,6 +38,11 @@ class Sharding:
     """DeepSpeed ``reduce_bucket_size`` (elements); 5e8 is DeepSpeed's documented default and
     what memplan's DeepSpeed config writes."""
     grad_sync: GradSync = "last_micro_step"
+    reshard_after_forward: bool = True
+    """FSDP2 frees a unit's gathered parameters after its forward (its default). False under
+    pipeline stages, as torchtitan runs them (torchtitan/distributed/fsdp.py
+    ``get_fsdp_reshard_after_forward_policy``: "default" is ``not pp_enabled``, to avoid an
+    all-gather per micro-batch) and memplan's runtime does: every unit stays whole all step."""
     """FSDP with accumulation: reduce-scatter on the last micro-step only (unsharded gradients
     until then) or on every micro-step (sharded gradients); see ``memplan.plan.GradSync``."""
 
@@ -238,6 +243,9 @@ def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index:
     unit while it is split into parameters) is not modelled."""
     if sharding.strategy != "fsdp":
         return 0
+    if not sharding.reshard_after_forward:  # gathered at the first forward, kept all step
+        units = range(len(profile.layers))
+        return root_params_bytes(profile) + sum(unit_params_bytes(profile, j) for j in units)
     segments = profile.timeline[phase]
     segment = segments[index]
     h, n = segment.held, len(profile.layers)

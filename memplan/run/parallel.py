@@ -246,6 +246,11 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
         )
         policy = fsdp_mixed_precision(plan)
         options: dict[str, Any] = {"mesh": dp_mesh}
+        if parallel.pp > 1:
+            # as torchtitan shards pipeline stages (torchtitan/distributed/fsdp.py,
+            # get_fsdp_reshard_after_forward_policy "default": not pp_enabled): no
+            # all-gather per micro-batch; memory.sharding models it
+            options["reshard_after_forward"] = False
         if policy is not None:
             options["mp_policy"] = policy
         named = dict(module.named_modules())

@@ -165,8 +165,19 @@ def make_stage_module(
     Its forward (``stage_forward``) takes token ids (first stage) or hidden states and
     returns hidden states, or the logits on the last stage. Names of what stays are
     unchanged."""
+    from memplan.run.checkpoint import remove
+
     forward = stage_forward(net, parts, layers, first=first, last=last)
-    _prune(net, parts, layers, first=first, last=last)
+    taken = _prune(net, parts, layers, first=first, last=last)
+    # A checkpointed block's patched ``forward`` is a method bound to the block in its own
+    # ``__dict__``: a reference cycle, which only the cyclic collector frees. Undo the patch
+    # on the pruned blocks so they (their parameters) go when the last reference does, as an
+    # unpatched block does: measured on 4 gloo ranks (tiny HF Llama, pp 2, every block fully
+    # checkpointed), the other stage's blocks stayed alive and each rank held 74,240 B of
+    # parameters the stage does not own (issue 31).
+    for module in taken.values():
+        if module is not None:
+            remove(module)
     net.forward = forward  # type: ignore[method-assign]
     return net
 

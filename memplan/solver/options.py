@@ -174,7 +174,12 @@ class SolveContext:
 def sharding_for(
     ctx: SolveContext, strategy: str, grad_sync: GradSync = "last_micro_step"
 ) -> Sharding:
-    return Sharding(strategy=strategy, world_size=ctx.request.world_size, grad_sync=grad_sync)
+    return Sharding(
+        strategy=strategy,
+        world_size=ctx.request.world_size,
+        grad_sync=grad_sync,
+        reshard_after_forward=ctx.request.reshard_after_forward,
+    )
 
 
 def _grad_syncs(strategy: str, accumulation: int, world: int) -> tuple[GradSync, ...]:

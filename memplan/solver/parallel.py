@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory.parallel import (
     check_layout,
@@ -38,6 +39,7 @@ from memplan.memory.parallel import (
     loss_parallel_possible,
     own_checkpoint,
     rank_profile,
+    stage_peak,
     tp_measured,
 )
 from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind
@@ -236,6 +238,7 @@ def evaluate_layout(
         strategy=strategy,
         min_micro=b,
         max_micro=b,
+        reshard_after_forward=parallel.pp == 1,
     )
     results = []
     most_layers = 0
@@ -422,9 +425,17 @@ def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
     return out
 
 
-def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> Plan:
+def layout_plan(
+    profile: Profile,
+    option: LayoutOption,
+    reasons: list[str],
+    device_spec: DeviceSpec | None = None,
+) -> Plan:
     """One plan of the layout: every stage's checkpoint modes, the worst rank's prediction
-    with the layout's step time."""
+    with the layout's step time. With pipeline stages each stage's peak is evaluated again
+    for the plan's own checkpoint map (``memory.parallel.stage_peak``: waiting micro-batches
+    keep what their modes keep), which the search charged at most that much, so the plan
+    says what ``verify`` compares with."""
     worst = option.stages[option.worst_stage].plan
     checkpoint = {}
     for index, stage in enumerate(option.stages):  # each rank's own blocks (interleaving)
@@ -441,7 +452,7 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
             candidate_layers=profile.layer_names,
         )
     p = option.parallel
-    return dataclasses.replace(
+    plan = dataclasses.replace(
         worst,
         target_batch=option.micro_batch * option.micro_batches * p.dp,
         world_size=p.world_size,
@@ -458,6 +469,20 @@ def layout_plan(profile: Profile, option: LayoutOption, reasons: list[str]) -> P
             else (),
         ),
         reasons=(*reasons, *worst.reasons),
+    )
+    if p.pp == 1:
+        return plan
+    peaks = [stage_peak(profile, plan, s, device_spec).peak for s in range(p.pp)]
+    top = max(peaks, key=lambda peak: peak.peak_bytes)
+    return dataclasses.replace(
+        plan,
+        predicted=dataclasses.replace(
+            plan.predicted,
+            peak_bytes=top.peak_bytes,
+            breakdown=top.breakdown,
+            peak_phase=top.where,
+            stage_peak_bytes=tuple(peak.peak_bytes for peak in peaks),
+        ),
     )
 
 
@@ -496,5 +521,6 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         )
     best = min(options, key=lambda o: (o.step_seconds, o.peak_bytes))
     return LayoutResult(
-        plan=layout_plan(profile, best, [*_reasons(best, options), *notes]), options=tuple(options)
+        plan=layout_plan(profile, best, [*_reasons(best, options), *notes], request.device_spec),
+        options=tuple(options),
     )

@@ -165,6 +165,9 @@ class SolveRequest:
     when planning for CUDA)."""
     host_memory_bytes: int | None = None
     """Host memory the offloaded layers of one rank may take together; None: no limit."""
+    reshard_after_forward: bool = True
+    """FSDP: free a unit's gathered parameters after its forward (False for a pipeline
+    stage's rank, as torchtitan and memplan's runtime shard stages: ``Sharding``)."""
 
     def __post_init__(self) -> None:
         if self.modes is not None:

@@ -86,7 +86,15 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
                 "--bn-min-micro, knowing BatchNorm statistics get noisier.",
             )
 
-    reserve = memory.reserve_for(profile, request.device_spec)
+    reserve = memory.reserve_for(
+        profile,
+        request.device_spec,
+        # auto: the streams of the most sharded strategy it may pick (never under)
+        memory.Sharding(
+            strategy="fsdp" if request.strategy == "auto" else request.strategy,
+            world_size=request.world_size,
+        ),
+    )
     source, source_reason = timing.choose_timing_source(
         profile, request.device_spec, request.timing
     )

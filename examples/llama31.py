@@ -1,0 +1,72 @@
+"""Llama 3.1 8B, 70B and 405B shapes, as torchtitan trains them in its published H100 runs
+(benchmarks/llama3_h100_202412_torchtitan.md): sequence 8192, vocabulary 128256, grouped-
+query attention with 8 key/value heads (Meta's released config.json of each size: hidden,
+intermediate, layers, heads). The model code is examples/llama70b.py's (RMSNorm, rotary
+embeddings, SwiGLU, an untied head, the loss in fp32 logits as torchtitan computes it).
+
+Only ever probed on meta (405B has 4.1e11 parameters); the identical-block shortcut probes
+4-6 blocks and extrapolates, so each probe takes about a minute::
+
+    memplan probe examples/llama31.py:build_8b --device meta --precision bf16 \\
+        --mixed-precision params --device-profile h100-80gb -o llama31-8b.yaml
+    memplan solve llama31-8b.yaml --target-batch 16 --world-size 8 --strategy fsdp \\
+        --budget 96GiB --device-profile h100-80gb
+
+``make bench`` (section ``published``) sets each beside torchtitan's published figures.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_HERE = Path(__file__).resolve().parent
+_NAME = "memplan_example_llama70b"
+if _NAME not in sys.modules:
+    _spec = importlib.util.spec_from_file_location(_NAME, _HERE / "llama70b.py")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules[_NAME] = _module
+    _spec.loader.exec_module(_module)
+_base = sys.modules[_NAME]
+Shape, Llama = _base.Shape, _base.Llama
+
+SEQ_LEN, VOCAB = 8192, 128256
+LLAMA31_8B = Shape(
+    layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=VOCAB, seq_len=SEQ_LEN
+)
+LLAMA31_70B = Shape(
+    layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8, vocab=VOCAB, seq_len=SEQ_LEN
+)
+LLAMA31_405B = Shape(
+    layers=126,
+    hidden=16384,
+    intermediate=53248,
+    heads=128,
+    kv_heads=8,
+    vocab=VOCAB,
+    seq_len=SEQ_LEN,
+)
+# torchtitan's Llama TP plan (torchtitan/models/llama3/infra/parallelize.py, apply_tp).
+TP_PLAN = dict(_base.TP_PLAN)
+
+
+def build_8b() -> nn.Module:
+    return Llama(LLAMA31_8B)
+
+
+def build_70b() -> nn.Module:
+    return Llama(LLAMA31_70B)
+
+
+def build_405b() -> nn.Module:
+    return Llama(LLAMA31_405B)
+
+
+build_model = build_8b
+
+
+def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1))
+    return tokens[:, :-1].clone(), tokens[:, 1:].clone()

@@ -1,0 +1,82 @@
+"""What ``torch.distributed.pipelining`` keeps on a pipeline rank besides its blocks' saved
+bytes (issue 31): the last stage's output per micro-batch in flight, and the schedule's
+receive buffers and the received inputs' gradients. No torch; ``memory.parallel`` adds
+them to a rank's timeline."""
+
+from __future__ import annotations
+
+from memplan.memory.vocab import LOSS_PART
+from memplan.parallel import Parallel, stage_layers
+from memplan.profile import Affine, Profile
+
+
+def _scale(value: Affine, factor: float) -> Affine:
+    return Affine(
+        intercept=value.intercept * factor, slope=value.slope * factor, residual=value.residual
+    )
+
+
+def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
+    """What the last stage's output holds per micro-batch in flight: torch.distributed.
+    pipelining keeps a stage's forward output until that micro-batch's backward (its
+    ``fwd_cache``), where a plain step lets the loss free it. Measured: the bytes the loss
+    frees (the negative ``saved_bytes`` of the probe's ``(loss)`` part, the logits)."""
+    freed = Affine.zero()
+    vocab = 1.0 / parallel.tp if parallel.loss_parallel else 1.0
+    for part in profile.fixed:
+        if part.name == LOSS_PART and part.saved_bytes.slope < 0:
+            freed = _scale(part.saved_bytes, -vocab / parallel.cp)
+    return freed
+
+
+def pipeline_buffers(
+    profile: Profile, parallel: Parallel, stage: int, micro_batches: int
+) -> tuple[Affine, Affine]:
+    """What ``torch.distributed.pipelining`` keeps on pipeline rank ``stage`` besides the
+    blocks' saved bytes, per sample of the micro-batch (torch 2.13,
+    ``torch/distributed/pipelining/stage.py``), as ``(buffers, input_grads)``:
+
+    - ``buffers``, resident all step: ``PipelineStage._setup_forward_recv_info`` allocates
+      one receive buffer per micro-batch (``for chunk_id in range(num_microbatches)``) for
+      every stage but the first, the hidden state the previous stage sends; it becomes that
+      micro-batch's input (``_retrieve_recv_activations``: the buffer itself, made a leaf
+      that requires grad), so it also stands for the input a waiting micro-batch keeps.
+      ``_setup_backward_recv_info`` / ``_create_grad_recv_info`` allocate one gradient
+      receive buffer per micro-batch for every stage but the last, the size of the stage's
+      output. Both are made once, at the schedule's first step, and kept.
+    - ``input_grads``, in the later micro-batches' backwards: ``stage_backward`` runs
+      ``torch.autograd.backward`` without ``inputs=``, so each received buffer's gradient
+      accumulates in its ``.grad`` and stays there until ``clear_runtime_states`` at the next
+      step: ``m − 1`` of them while the last micro-batch runs its backward.
+
+    Interleaved 1F1B: each of the rank's ``v`` chunks is a stage with buffers of its own.
+    Measured on 4 gloo ranks (tiny HF Llama, pp 2, dp 2, 2 micro-batches): the two
+    buffers of each stage were what the prediction lacked (8 KB of stage 0's 8.2 KB
+    remainder; tests/test_pipeline_modes.py)."""
+    if parallel.pp == 1:
+        return Affine.zero(), Affine.zero()
+    chunks = stage_layers(len(profile.layers), parallel.stages)
+    received = Affine.zero()
+    sent = Affine.zero()
+    recv_count = 0
+    for v in range(parallel.virtual_stages):
+        index = stage + v * parallel.pp
+        chunk = chunks[index]
+        if index > 0:
+            hidden = profile.layers[chunk.start - 1].output_bytes
+            received = Affine(
+                intercept=received.intercept + micro_batches * hidden.intercept,
+                slope=received.slope + micro_batches * hidden.slope,
+            )
+            recv_count += 1
+        if index < parallel.stages - 1:
+            out = profile.layers[chunk.stop - 1].output_bytes
+            sent = Affine(
+                intercept=sent.intercept + micro_batches * out.intercept,
+                slope=sent.slope + micro_batches * out.slope,
+            )
+    buffers = Affine(
+        intercept=received.intercept + sent.intercept, slope=received.slope + sent.slope
+    )
+    grads = _scale(received, (micro_batches - 1) / micro_batches) if recv_count else Affine.zero()
+    return buffers, grads
