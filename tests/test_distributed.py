@@ -51,6 +51,10 @@ class Net(nn.Module):
 
 
 def build_model():
+    if WHAT == "warn":
+        import warnings
+        warnings.warn("every rank says this")
+        warnings.warn("only rank 1 says this" if _rank() == 1 else "rank 0 says this")
     if WHAT == "raise" and _rank() == 1:
         raise RuntimeError("rank one refuses")
     if WHAT == "die" and _rank() == 1:
@@ -268,3 +272,33 @@ def test_functional_and_fused_dropout_are_neutralised_in_the_ranks_gradient_chec
     check = result.gradient_check
     assert check.status == "pass", check.reason
     assert check.relative_error < 1e-5
+
+
+def test_rank_warnings_are_said_once_each_with_the_ranks_that_raised_them():
+    from memplan.verify.rank_lifetime import rank_warnings
+
+    assert rank_warnings([["a", "b", "a"], ["a", "c"]]) == [
+        "a (all 2 ranks)",
+        "b (rank 0)",
+        "c (rank 1)",
+    ]
+    assert rank_warnings([["x"], ["x"], []]) == ["x (ranks 0, 1)"]
+    assert rank_warnings([[], []]) == []
+
+
+def test_the_ranks_python_warnings_reach_the_user_once_each(tmp_path, capfd):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = verify_distributed(
+            model_file(tmp_path, "warn"), plan_for("ddp"), steps=1, timeout_s=120
+        )
+    assert result.gradient_check.status == "pass"
+    said = [str(w.message) for w in caught if "says this" in str(w.message)]
+    assert said == [
+        "every rank says this (all 2 ranks)",
+        "rank 0 says this (rank 0)",
+        "only rank 1 says this (rank 1)",
+    ]
+    assert "UserWarning" not in capfd.readouterr().err  # no raw line from a rank

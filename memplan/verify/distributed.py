@@ -38,6 +38,7 @@ import os
 import socket
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,7 +57,14 @@ from memplan.run.wrap import wrap_for_plan
 from memplan.verify.distributed_grads import gradient_check, gradient_error
 from memplan.verify.grad_check import BatchCoupling
 from memplan.verify.parallel import rank_predictions, run_layout_rank
-from memplan.verify.rank_lifetime import RANK_BYTES, RunFolder, die_with_parent, startable_cpu_ranks
+from memplan.verify.rank_lifetime import (
+    RANK_BYTES,
+    RunFolder,
+    die_with_parent,
+    rank_warnings,
+    startable_cpu_ranks,
+    warning_text,
+)
 from memplan.verify.single import (
     GradientCheck,
     Verdict,
@@ -245,7 +253,12 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
     folder = Path(config["folder"])
     die_with_parent(int(config["parent_pid"]), folder)
     try:
-        result = _run_rank(rank, config)
+        # a rank's Python warnings go to its JSON, not raw to the shared stderr: the parent
+        # says each once, for every rank that raised it (rank_warnings)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            result = _run_rank(rank, config)
+        result["warnings"] = [warning_text(w) for w in caught]
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
         torch.distributed.barrier()  # no rank tears gloo down while a peer still talks to it
     except BaseException as exc:
@@ -455,6 +468,8 @@ def verify_distributed(
         "record_timeline": record_timeline,
     }
     raw = _run_ranks(config, on_progress or (lambda done, total, what: None))
+    for text in rank_warnings([r.get("warnings", []) for r in raw]):
+        warnings.warn(text, UserWarning, stacklevel=2)  # the CLI says it as one warning: line
     grad, couple = gradient_check(
         plan, [r.get("gradient_error") for r in raw], check_gradients, world
     )

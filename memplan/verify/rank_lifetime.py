@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -231,3 +232,27 @@ def startable_cpu_ranks() -> int:
         if soft != resource.RLIM_INFINITY:
             most = min(most, soft)
     return max(2, most)
+
+
+def warning_text(caught: warnings.WarningMessage) -> str:
+    """A warning a rank caught, as one line (its category named unless a UserWarning)."""
+    text = str(caught.message).removeprefix("memplan: ")
+    if caught.category is not UserWarning:
+        text = f"{text} ({caught.category.__name__})"
+    return text
+
+
+def rank_warnings(per_rank: list[list[str]]) -> list[str]:
+    """Each distinct warning the ranks raised, once, in the order first raised, with the
+    ranks that raised it: ``"… (ranks 0, 1)"``; ``"… (all 4 ranks)"`` when every rank did."""
+    ranks: dict[str, list[int]] = {}
+    for rank, texts in enumerate(per_rank):
+        for text in dict.fromkeys(texts):
+            ranks.setdefault(text, []).append(rank)
+    world = len(per_rank)
+    return [
+        f"{text} (all {world} ranks)"
+        if len(who) == world and world > 1
+        else f"{text} (rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))})"
+        for text, who in ranks.items()
+    ]
