@@ -56,9 +56,10 @@ print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 
-def probe(factory: str, out: Path) -> dict:
+def probe(factory: str, out: Path, model: Path = MODEL) -> dict:
+    """Probe ``model:factory`` on meta for DEVICE in a fresh process; its seconds."""
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE, f"{MODEL}:{factory}", str(out), DEVICE],
+        [sys.executable, "-c", _PROBE, f"{model}:{factory}", str(out), DEVICE],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(run.stdout.strip().splitlines()[-1])

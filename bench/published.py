@@ -22,13 +22,11 @@ bound and its step time is not comparable.
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import layouts
 from memplan.devices import load_device
 from memplan.errors import NoPlanFitsError
 from memplan.memory.budget import DEFAULT_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
@@ -118,24 +116,9 @@ ROWS = [
     ),
 ]
 
-_PROBE = """
-import json, sys, time
-from memplan.probe.runner import probe_model
-from memplan.profile import profile_to_yaml
-start = time.perf_counter()
-profile = probe_model(sys.argv[1], device="meta", precision="bf16", mixed_precision="params",
-                      device_profile=sys.argv[3])
-open(sys.argv[2], "w").write(profile_to_yaml(profile))
-print(json.dumps({"seconds": time.perf_counter() - start}))
-"""
-
 
 def probe(factory: str, out: Path) -> float:
-    run = subprocess.run(
-        [sys.executable, "-c", _PROBE, f"{MODEL}:{factory}", str(out), DEVICE],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    return json.loads(run.stdout.strip().splitlines()[-1])["seconds"]
+    return layouts.probe(factory, out, MODEL)["seconds"]
 
 
 def predict(profile, row: Published, spec, modes: tuple[str, ...], every: int = 1):

@@ -52,7 +52,7 @@ from memplan.errors import MemplanError, ModelFileError, first_line, internal_fa
 from memplan.model.loader import ModelFile
 from memplan.probe.backends import Backend
 from memplan.probe.repeats import Repeat
-from memplan.probe.tracker import LiveTracker
+from memplan.probe.tracker import LiveTracker, tensors_in
 from memplan.run.training_state import disable_kv_cache
 
 _SIMPLE = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
@@ -311,7 +311,7 @@ class _Tracer(LiveTracker):
         received = self._canon((args, kwargs))  # named from the gap before the block
         local = {key: ("p", name) for key, name in self.params[i].items()}
         inputs: list[torch.Tensor] = []
-        _tensors_in((args, kwargs), inputs)
+        tensors_in((args, kwargs), inputs)
         for k, tensor in enumerate(inputs):
             local.setdefault(id(tensor), ("i", k))
         self._next_segment(local, inputs)
@@ -326,7 +326,7 @@ class _Tracer(LiveTracker):
         self.ops.append(("out", returned))
         self._compare("block", i, tuple(self.ops))
         outputs: list[torch.Tensor] = []
-        _tensors_in(output, outputs)
+        tensors_in(output, outputs)
         for k, tensor in enumerate(outputs):  # named by position for whoever takes them
             self.local[id(tensor)] = ("out", k)
         self.keep.extend(outputs)
@@ -364,18 +364,6 @@ class _Tracer(LiveTracker):
         else:
             what = f"the model runs other ops after {name} than after {first}"
         self._fail(f"{what} ({_first_difference(ref, record)}): the blocks are not all alike")
-
-
-def _tensors_in(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            _tensors_in(item, out)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _tensors_in(item, out)
-    return out
 
 
 _WHERE = {

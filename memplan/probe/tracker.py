@@ -74,17 +74,17 @@ class Roofline:
         return max(flops / peak, bytes_moved / self.memory_bandwidth)
 
 
-def _tensors_in(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+def tensors_in(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors in an op's arguments or result (lists, tuples, dicts): a cheaper walk
     than pytree's for the per-op hot path."""
     if isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, list | tuple):
         for item in value:
-            _tensors_in(item, out)
+            tensors_in(item, out)
     elif isinstance(value, dict):
         for item in value.values():
-            _tensors_in(item, out)
+            tensors_in(item, out)
     return out
 
 
@@ -210,7 +210,7 @@ class LiveTracker(TorchDispatchMode):
     ) -> None:
         """An op's bookkeeping: its new storages, the peak, its FLOPs and roofline time,
         and (on meta) its result into the op cache."""
-        outputs = _tensors_in(out, [])
+        outputs = tensors_in(out, [])
         for tensor in outputs:
             self._add_tensor(tensor)
         if self.live_bytes > self.peak_bytes:
@@ -229,7 +229,7 @@ class LiveTracker(TorchDispatchMode):
             self.flops += op_flops
         moved = 0
         if self.roofline is not None or cache is not None:
-            moved = sum(_tensor_bytes(a) for a in _tensors_in((args, kwargs), []))
+            moved = sum(_tensor_bytes(a) for a in tensors_in((args, kwargs), []))
             moved += sum(_tensor_bytes(t) for t in outputs)
         if self.roofline is not None:
             dtype = outputs[0].dtype if outputs else None
@@ -240,7 +240,7 @@ class LiveTracker(TorchDispatchMode):
     def _cached(self, func: Any, entry: Any) -> Any:
         """The bookkeeping of ``__torch_dispatch__`` for a result rebuilt from the cache."""
         out = entry.build()
-        outputs = _tensors_in(out, [])
+        outputs = tensors_in(out, [])
         for tensor in outputs:
             self._add_tensor(tensor)
         if self.live_bytes > self.peak_bytes:
