@@ -215,22 +215,61 @@ def test_sigint_prints_one_line_and_exits_130(tmp_path):
 SIZES = "1,2,4,8,16,32,64"
 
 
+_WAITS_IN_MAKE_BATCH = """
+import os, time
+import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+
+
+def make_batch(n):
+    if n == 2:  # the display is on: the warm-up at micro-batch 1 is done
+        with open(os.environ["MEMPLAN_TEST_MARK"], "w") as mark:
+            mark.write("measuring")
+        time.sleep(600)
+    return torch.randn(n, 8)
+
+
+def training_loss(model, batch):
+    return model(batch).sum()
+"""
+
+
 def test_sigint_during_the_progress_display_exits_130_and_restores_the_terminal(tmp_path):
     """The same with the progress display on (FORCE_COLOR makes rich treat stderr as a
     terminal): the display unwinds, the cursor it hid is shown again, one line says so,
-    and no profile is left half-written."""
+    and no profile is left half-written. The model file marks when the probe reaches
+    micro-batch 2 and waits there, so the signal lands mid-probe on any machine, fast or
+    loaded."""
+    model = tmp_path / "waits.py"
+    model.write_text(_WAITS_IN_MAKE_BATCH)
+    mark = tmp_path / "measuring"
     out = tmp_path / "p.yaml"
     proc = subprocess.Popen(
-        [*MEMPLAN, "probe", TINY, "--device", "cpu", "--micro-batches", SIZES, "-o", str(out)],
+        [
+            *MEMPLAN,
+            "probe",
+            str(model),
+            "--device",
+            "cpu",
+            "--micro-batches",
+            "1,2,4",
+            "-o",
+            str(out),
+        ],
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
-        env={**os.environ, "FORCE_COLOR": "1"},
+        env={**os.environ, "FORCE_COLOR": "1", "MEMPLAN_TEST_MARK": str(mark)},
     )
     try:
         err = _Collected(proc.stderr)
-        # the display is on and the probe measuring once it says the model is built: torch's
-        # import and the model file's come first, however long a loaded machine takes
-        assert err.wait_for(b"built the model", timeout=300), err.text(0)
+        deadline = time.monotonic() + 300  # torch's import first, however loaded the machine
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling for the child's mark, not a fixed wait
+        assert mark.exists(), err.text(0)
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=120)
     finally:

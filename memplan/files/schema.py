@@ -70,7 +70,7 @@ class RefusedYAML(yaml.YAMLError):
     key that is not a plain value. ``str()`` says what and on which line."""
 
 
-class _StrictLoader(SAFE_LOADER):  # type: ignore[misc,valid-type]
+class _Strict:
     """The safe loader, refusing duplicate keys and keys that are not scalars (the YAML
     spec says keys are unique; PyYAML keeps the last one silently)."""
 
@@ -91,14 +91,23 @@ class _StrictLoader(SAFE_LOADER):  # type: ignore[misc,valid-type]
         return mapping
 
 
-def _refuse_anchors(text: str) -> None:
+class _StrictLoader(_Strict, SAFE_LOADER):  # type: ignore[misc,valid-type]
+    pass
+
+
+class _PyStrictLoader(_Strict, yaml.SafeLoader):
+    """The same in PyYAML's own parser: libyaml refuses a lone surrogate's escape
+    (``"\\uD800"``) that the YAML spec allows and PyYAML's dumpers write."""
+
+
+def _refuse_anchors(text: str, loader: Any = SAFE_LOADER) -> None:
     """Raise RefusedYAML at the first anchor (``&a``) or alias (``*a``) in ``text``. memplan's
     files never need them, and aliases nest into exponentially large values (an "alias
     bomb": 1 KB of YAML, gigabytes of lists). Only the parser's events are read, so this
     is linear in the text however the aliases nest."""
     if "&" not in text and "*" not in text:  # neither can occur without its character
         return
-    for event in yaml.parse(text, Loader=SAFE_LOADER):
+    for event in yaml.parse(text, Loader=loader):
         what = (
             "an alias"
             if isinstance(event, yaml.AliasEvent)
@@ -122,8 +131,17 @@ def safe_load(text: str) -> Any:
         return fast_yaml.load(text)
     except fast_yaml.NotFast:
         pass
-    _refuse_anchors(text)
-    return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no arbitrary objects
+    try:
+        _refuse_anchors(text)
+        return yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: no arbitrary objects
+    except RefusedYAML:
+        raise
+    except yaml.YAMLError:
+        if SAFE_LOADER is yaml.SafeLoader:
+            raise
+    # libyaml refused it: PyYAML's own parser decides (its errors are the same kinds)
+    _refuse_anchors(text, yaml.SafeLoader)
+    return yaml.load(text, Loader=_PyStrictLoader)
 
 
 def dump_yaml(obj: Any) -> str:
