@@ -130,10 +130,7 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
     compute = 1.0 / (parallel.tp * parallel.cp)
     return dataclasses.replace(
         layer,
-        params_trainable_bytes=math.ceil(layer.params_trainable_bytes * r),
-        params_frozen_bytes=math.ceil(layer.params_frozen_bytes * r),
-        grad_bytes=math.ceil(layer.grad_bytes * r),
-        optimizer_state_bytes=math.ceil(layer.optimizer_state_bytes * r),
+        **_model_state(layer, r),
         input_bytes=_scale(layer.input_bytes, input_factor),
         output_bytes=_scale(layer.output_bytes, input_factor),
         saved_bytes=_scale(layer.saved_bytes, f),
@@ -155,6 +152,12 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
     )
 
 
+def _model_state(item: Layer | FixedPart, r: float) -> dict[str, int]:
+    """Parameters, gradients and optimizer state on one rank: ``r`` of each, rounded up."""
+    names = ("params_trainable_bytes", "params_frozen_bytes", "grad_bytes")
+    return {name: math.ceil(getattr(item, name) * r) for name in (*names, "optimizer_state_bytes")}
+
+
 def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
     params = part.params_trainable_bytes + part.params_frozen_bytes
     r = _state_ratio(params, part.tp_sharded_bytes, parallel.tp)
@@ -162,10 +165,7 @@ def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
     saved = 1.0 / parallel.cp / (parallel.tp if vocab else 1)
     return dataclasses.replace(
         part,
-        params_trainable_bytes=math.ceil(part.params_trainable_bytes * r),
-        params_frozen_bytes=math.ceil(part.params_frozen_bytes * r),
-        grad_bytes=math.ceil(part.grad_bytes * r),
-        optimizer_state_bytes=math.ceil(part.optimizer_state_bytes * r),
+        **_model_state(part, r),
         saved_bytes=_scale(part.saved_bytes, saved),
         tp_sharded_bytes=math.ceil(part.tp_sharded_bytes / parallel.tp),
     )
