@@ -200,3 +200,27 @@ def test_cli_solves_a_layout_and_writes_torchtitan(tmp_path):
         ],
     )
     assert bad.exit_code == 2 and "--layout takes auto" in bad.output
+
+
+def test_layout_search_and_plan_count_the_same_nccl_communicators():
+    # tp 2 × pp 2 × dp 2 on an H100: a rank belongs to three NCCL communicators (shard,
+    # tensor, pipeline), 128 MiB each. The stage solve counted one (its data-parallel
+    # world), the plan's peak three: every stage 256 MiB apart. With every block fully
+    # checkpointed the search's stage peaks are the plan's exactly.
+    from memplan.devices import load_device
+    from memplan.memory.budget import NCCL_COMMUNICATOR_BYTES
+    from memplan.units import MiB
+
+    assert NCCL_COMMUNICATOR_BYTES == 128 * MiB
+    profile = _tp_profile()
+    request = dataclasses.replace(
+        _request(1 << 40),
+        device_spec=load_device("h100-80gb"),
+        always_checkpoint=("h.*",),
+        modes=("full",),
+    )
+    result = solve_layout(profile, request, LayoutRequest(tp=2, pp=2))
+    option = next(o for o in result.options if o.micro_batch == result.plan.micro_batch_size)
+    assert all(s.reserve.nccl_bytes == 3 * 128 * MiB for s in option.stages)
+    searched = tuple(s.plan.predicted.peak_bytes for s in option.stages)
+    assert searched == result.plan.predicted.stage_peak_bytes

@@ -35,6 +35,7 @@ from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory.parallel import (
     check_layout,
+    communicators,
     layout_sharding,
     loss_parallel_possible,
     own_checkpoint,
@@ -221,17 +222,16 @@ def _strategy(request: SolveRequest, parallel: Parallel) -> str:
     return "fsdp" if parallel.dp_shard > 1 else "ddp"
 
 
-def evaluate_layout(
-    profile: Profile, request: SolveRequest, parallel: Parallel, b: int, m: int
-) -> LayoutOption | None:
-    """Solve every stage of ``parallel`` at micro-batch ``b`` with ``m`` micro-batches; None
-    when a stage does not fit."""
+def _stage_request(request: SolveRequest, parallel: Parallel, b: int, m: int) -> SolveRequest:
+    """What each stage's rank is solved for: micro-batch ``b``, ``m`` micro-batches, the
+    data-parallel dimension exactly as the memory model takes it (``layout_sharding``: a
+    pipeline's DDP replicas are all-reduced after the schedule, no buckets, world 1 to the
+    stage solve; their all-reduce is timed with the layout's own collectives), and the
+    reserve's NCCL communicators of the whole layout (``communicators``), as the plan's
+    peak (``memory.parallel.stage_peak``) counts them."""
     strategy = _strategy(request, parallel)
-    # The data-parallel dimension exactly as the memory model takes it (a pipeline's DDP
-    # replicas are all-reduced after the schedule: no buckets, world 1 to the stage solve;
-    # their all-reduce is timed below with the layout's own collectives).
     world = layout_sharding(strategy, parallel).world_size
-    stage_request = dataclasses.replace(
+    return dataclasses.replace(
         request,
         target_batch=b * m * world,
         world_size=world,
@@ -239,7 +239,17 @@ def evaluate_layout(
         min_micro=b,
         max_micro=b,
         reshard_after_forward=parallel.pp == 1,
+        communicators=communicators(parallel),
     )
+
+
+def evaluate_layout(
+    profile: Profile, request: SolveRequest, parallel: Parallel, b: int, m: int
+) -> LayoutOption | None:
+    """Solve every stage of ``parallel`` at micro-batch ``b`` with ``m`` micro-batches; None
+    when a stage does not fit."""
+    stage_request = _stage_request(request, parallel, b, m)
+    world = stage_request.world_size
     results = []
     most_layers = 0
     # Stage 0 holds the most micro-batches in flight: the likeliest not to fit, tried first.
@@ -365,16 +375,8 @@ def least_layout_peak(
     strategy = "fsdp" if request.strategy == "auto" else request.strategy
     best: tuple[int, Parallel, int] | None = None
     for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
-        world = layout_sharding(_strategy(request, parallel), parallel).world_size
         for b, m in _splits(request, parallel):
-            stage_request = dataclasses.replace(
-                request,
-                target_batch=b * m * world,
-                world_size=world,
-                strategy=_strategy(request, parallel),
-                min_micro=b,
-                max_micro=b,
-            )
+            stage_request = _stage_request(request, parallel, b, m)
             peak = max(
                 least_peak_bytes(_rank_profile(profile, parallel, stage, m), stage_request)
                 for stage in range(parallel.pp)

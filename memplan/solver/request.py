@@ -168,6 +168,10 @@ class SolveRequest:
     reshard_after_forward: bool = True
     """FSDP: free a unit's gathered parameters after its forward (False for a pipeline
     stage's rank, as torchtitan and memplan's runtime shard stages: ``Sharding``)."""
+    communicators: int | None = None
+    """NCCL communicators a rank belongs to, for the CUDA reserve (``memory.reserve_for``);
+    None: one when the data-parallel world spans two or more ranks. The layout search sets
+    each stage's from its layout (``memory.parallel.communicators``), as the plan's peak does."""
 
     def __post_init__(self) -> None:
         if self.modes is not None:

@@ -94,6 +94,7 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
             strategy="fsdp" if request.strategy == "auto" else request.strategy,
             world_size=request.world_size,
         ),
+        request.communicators,
     )
     source, source_reason = timing.choose_timing_source(
         profile, request.device_spec, request.timing
