@@ -211,7 +211,7 @@ def test_layout_search_and_plan_count_the_same_nccl_communicators():
     from memplan.memory.budget import NCCL_COMMUNICATOR_BYTES
     from memplan.units import MiB
 
-    assert NCCL_COMMUNICATOR_BYTES == 128 * MiB
+    assert 128 * MiB == NCCL_COMMUNICATOR_BYTES
     profile = _tp_profile()
     request = dataclasses.replace(
         _request(1 << 40),
