@@ -54,7 +54,7 @@ class Published:
     local_batch: int
     """Per data-parallel rank (torchtitan's ``local_batch_size``)."""
     micro: int
-    """Per micro-step: the local batch, or the pipeline micro-batch size (1)."""
+    """Per micro-step: the local batch, or the pipeline micro-batch size (local batch / pp)."""
     ac: str
     """``full``, ``op-sac`` (per-op selective) as published."""
     memory_gib: float
@@ -84,6 +84,10 @@ ROWS = [
     Published(
         "70B", "build_70b", "Table 4", 256, 8, 1, 16, 16, "full", 71.9, 829, "compile+float8"
     ),
+    # The pipeline splits the local batch into pp micro-batches unless told otherwise
+    # (torchtitan 9dec370, torchtitan/parallelisms/pipeline_llama.py: ``microbatches =
+    # pipeline_parallel_microbatches or parallel_dims.pp``; pipelining_utils.py
+    # build_pipeline_schedule, the same default): 8 micro-batches of 4, not 32 of 1.
     Published(
         "405B",
         "build_405b",
@@ -92,7 +96,7 @@ ROWS = [
         8,
         8,
         32,
-        1,
+        4,
         "full",
         82.5,
         100,
@@ -106,7 +110,7 @@ ROWS = [
         8,
         8,
         32,
-        1,
+        4,
         "full",
         72.7,
         128,

@@ -45,6 +45,12 @@ class Sharding:
     all-gather per micro-batch) and memplan's runtime does: every unit stays whole all step."""
     """FSDP with accumulation: reduce-scatter on the last micro-step only (unsharded gradients
     until then) or on every micro-step (sharded gradients); see ``memplan.plan.GradSync``."""
+    reduce_after_backward: bool = False
+    """FSDP under pipeline stages: no unit reduces in any backward; the schedule reduce-
+    scatters every unit once the last micro-batch's backward is done (torch 2.13
+    torch/distributed/pipelining: ``PipelineStage.backward_maybe_with_nosync`` sets
+    ``set_requires_gradient_sync(False)`` for every backward, and the schedules call
+    ``perform_reduce_grad`` after the loop, which runs each group's ``post_backward``)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -319,7 +325,10 @@ def fsdp_grads_bytes(
     started = backward_started(segments, index)
     resident = phase == PHASE_GRADS_RESIDENT  # earlier micro-steps' gradients exist
     every = syncs_every_micro_step(sharding, accumulation_steps)
-    syncing = every or resident  # grads_resident stands for the last micro-step
+    every = every and not sharding.reduce_after_backward
+    # grads_resident stands for the last micro-step; under pipeline stages it reduces
+    # nothing during the backward (``_reduce_after_backward`` below)
+    syncing = (every or resident) and not sharding.reduce_after_backward
     sharded_before = resident and every  # accumulated sharded, in place
     mixed = mixed_precision_params(profile, sharding)
     units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
@@ -373,7 +382,23 @@ def fsdp_grads_bytes(
             moments.append(base + old_shard + _reduce_output_bytes(root))
         elif mixed:
             moments.append(steady(h) + root.whole)
+        if sharding.reduce_after_backward and resident:
+            moments.extend(_reduce_after_backward(steady(h), [*reversed(units), root]))
     return max(moments)
+
+
+def _reduce_after_backward(held: int, units: list[_UnitGrads]) -> list[int]:
+    """The pipeline schedule's reduction after the backward (``Sharding.
+    reduce_after_backward``), from ``held`` (every unit's gradients whole): each unit in
+    turn drops the previous unit's reduce-scatter input (``reduce_scatter_max_input_buffers``
+    = 1, reclaimed before the next reduce), copies its gradients into its own, frees them
+    and keeps the input, its output the rank's shard."""
+    moments = []
+    for unit in units:
+        moments.append(held + unit.scatter_input)
+        held += unit.shard - unit.whole
+        moments.append(held + unit.scatter_input)
+    return moments
 
 
 def _reduce_output_bytes(unit: _UnitGrads) -> int:
