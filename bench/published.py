@@ -99,15 +99,15 @@ class Published:
 A100_SOURCE = "torchtitan docs/performance.md at 4d88a8a (64 A100 80GB, April 2024)"
 A100_ROWS = [  # (memory: not published, 0.0)
     Published(
-        "8B", "build_8b", "A100 8B", 64, 1, 1, 1, 1, "every-2nd", 0.0, 2904, "eager",
+        "8B", "build_8b", "64 A100, selective layer", 64, 1, 1, 1, 1, "every-2nd", 0.0, 2904, "eager",
         device="a100-80gb", source=A100_SOURCE,
     ),
     Published(
-        "8B", "build_8b", "A100 8B", 64, 1, 1, 1, 1, "op-sac", 0.0, 2973, "eager",
+        "8B", "build_8b", "64 A100, selective op", 64, 1, 1, 1, 1, "op-sac", 0.0, 2973, "eager",
         device="a100-80gb", source=A100_SOURCE,
     ),
     Published(
-        "70B", "build_70b", "A100 70B", 64, 1, 1, 1, 1, "full", 0.0, 331, "eager",
+        "70B", "build_70b", "64 A100, full AC", 64, 1, 1, 1, 1, "full", 0.0, 331, "eager",
         device="a100-80gb", source=A100_SOURCE,
     ),
 ]  # fmt: skip
