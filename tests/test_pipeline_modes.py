@@ -284,3 +284,26 @@ def test_fsdp_pipeline_stages_reduce_scatter_only_after_the_last_backward():
 
     assert layout_sharding("fsdp", Parallel(pp=2, dp_shard=2)).reduce_after_backward
     assert not layout_sharding("fsdp", Parallel(dp_shard=4)).reduce_after_backward
+
+
+def test_the_least_pipeline_peak_a_no_fit_reports_is_the_least_that_fits():
+    # A stage's least peak is with every block fully checkpointed in every micro-batch in
+    # flight, as the stage solve tries it; charged un-checkpointed waiting micro-batches
+    # (the rank profile without a map) it was more, so the no-fit error named a peak that
+    # a budget below it still fitted.
+    from memplan.errors import NoPlanFitsError
+
+    profile = _profile(8)
+    ask = LayoutRequest(pp=4)
+
+    def request(budget: int) -> SolveRequest:
+        return SolveRequest(
+            target_batch=16, budget_bytes=budget, world_size=8, strategy="fsdp", margin=0.0
+        )
+
+    with pytest.raises(NoPlanFitsError) as info:
+        solve_layout(profile, request(1), ask)
+    least = info.value.min_peak_bytes
+    assert solve_layout(profile, request(least), ask).plan.predicted.peak_bytes == least
+    with pytest.raises(NoPlanFitsError):
+        solve_layout(profile, request(least - 1), ask)

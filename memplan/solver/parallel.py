@@ -411,21 +411,39 @@ def _splits(request: SolveRequest, parallel: Parallel) -> list[tuple[int, int]]:
     return out
 
 
+def _least_stage_peak(
+    profile: Profile, request: SolveRequest, parallel: Parallel, stage: int, m: int
+) -> int:
+    """A stage's least peak as ``_solve_stage`` solves it: with pipeline stages also with
+    every block fully checkpointed in every micro-batch in flight (the rank profile without
+    a map charges waiting micro-batches their un-checkpointed bytes)."""
+    from memplan.solver.search import least_peak_bytes
+
+    least = least_peak_bytes(_rank_profile(profile, parallel, stage, m), request)
+    if parallel.pp == 1 or (request.modes is not None and "full" not in request.modes):
+        return least
+    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
+    if not rank_full.layers:
+        return least
+    forced = dataclasses.replace(
+        request, always_checkpoint=rank_full.layer_names, never_checkpoint=(), modes=("full",)
+    )
+    return min(least, least_peak_bytes(rank_full, forced))
+
+
 def least_layout_peak(
     profile: Profile, request: SolveRequest, ask: LayoutRequest
 ) -> tuple[int, Parallel, int] | None:
     """The least per-rank peak any of the asked layouts needs at the target batch (each
     stage at its least-memory plan, the layout at its worst stage), with that layout and
     micro-batch; None when no layout runs the target at all."""
-    from memplan.solver.search import least_peak_bytes
-
     strategy = "fsdp" if request.strategy == "auto" else request.strategy
     best: tuple[int, Parallel, int] | None = None
     for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
         for b, m in _splits(request, parallel):
             stage_request = _stage_request(request, parallel, b, m, ask.gpus_per_node)
             peak = max(
-                least_peak_bytes(_rank_profile(profile, parallel, stage, m), stage_request)
+                _least_stage_peak(profile, stage_request, parallel, stage, m)
                 for stage in range(parallel.pp)
             )
             if best is None or peak < best[0]:
