@@ -48,6 +48,13 @@ string):
   torch/distributed/fsdp/_fully_shard/_fsdp_param.py ``_init_sharding_spec``), on any
   device; ``partial_dtensor`` is torchtitan's DTensor path (TP by DTensor, FSDP2 on the
   data-parallel mesh, the loss-parallel cross-entropy on the head's vocabulary shards);
+* a pipeline step is given the whole local batch (``schedule.step(inputs, target=labels,
+  …)``), which torch 2.13.0's schedules split into ``pipeline_parallel_microbatch_size``
+  micro-batches: 0.3.0's ``Trainer.pp_forward_backward_step`` passes them pre-split
+  (``step(arg_mbs=…, kwarg_mbs=…, target_mbs=…)``), a keyword API torch 2.13.0's
+  ``torch/distributed/pipelining/schedules.py`` ``step(*args, target=None, losses=None,
+  return_outputs=True, loss_kwargs=None, **kwargs)`` lacks (it raises "Expecting 4
+  arg_mbs but got 1"); the micro-batches are the same;
 * ``torch.compile`` off, CUDA graphs off (torchtitan itself falls back to eager off CUDA:
   distributed/cudagraph.py ``wrap_with_cuda_graph``).
 """
@@ -79,13 +86,23 @@ class Case:
     tp: int = 1
     mode: str = "full"
     """Every block's checkpoint mode: full (torchtitan's FullAC) or selective (SelectiveAC)."""
+    pp: int = 1
     micro: int = 2
+    microbatches: int = 1
+    """Pipeline micro-batches per step (1F1B), each of ``micro`` samples."""
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
 
 
 CASES = (
     Case(name="FSDP 2, full AC", world=2),
     Case(name="FSDP 2, selective AC", world=2, mode="selective"),
     Case(name="FSDP 2 × TP 2, loss parallel, full AC", world=4, tp=2),
+    Case(name="PP 2 (1F1B), full AC", world=2, pp=2, micro=1, microbatches=4),
+    Case(name="PP 2 (1F1B), selective AC", world=2, pp=2, micro=1, microbatches=4, mode="selective"),
+    Case(name="FSDP 2 × PP 2 (1F1B), full AC", world=4, pp=2, micro=1, microbatches=4),
 )
 
 
@@ -102,17 +119,38 @@ def solve(profile: Path, case: Case, out_dir: Path):
     """memplan's plan for ``case`` (the layout, micro-batch and checkpoint mode fixed)."""
     from memplan.plan import load_plan
 
-    out = out_dir / f"plan-{case.world}-{case.tp}-{case.mode}.yaml"
-    dp = case.world // case.tp
+    out = out_dir / f"plan-{case.world}-{case.tp}-{case.pp}-{case.mode}.yaml"
+    pipeline = ["--pp", str(case.pp), "--schedule", "1f1b"] if case.pp > 1 else []
+    if case.pp > 1:
+        profile = _stages_allowed(profile)
     _memplan(
         "solve", str(profile),
-        "--world-size", str(case.world), "--tp", str(case.tp), "--strategy", "fsdp",
-        "--target-batch", str(case.micro * dp),
+        "--world-size", str(case.world), "--tp", str(case.tp), *pipeline, "--strategy", "fsdp",
+        "--target-batch", str(case.micro * case.microbatches * case.dp),
         "--min-micro", str(case.micro), "--max-micro", str(case.micro),
         "--always-checkpoint", "layers.*", "--modes", case.mode,
         "--budget", "1GiB", "--model", str(MODEL), "-o", str(out), "--force",
     )  # fmt: skip
     return load_plan(out)
+
+
+def _stages_allowed(profile: Path) -> Path:
+    """The profile with memplan's refusal of pipeline stages lifted. memplan plans stages only
+    for models its own runtime can split (Hugging Face decoders, by their pipeline plan:
+    memplan.parallel ``pipeline_refusal_by_kind``, recorded by the probe as
+    ``pipeline_refused``); torchtitan splits this one itself, so its memory model is asked
+    for the layout all the same (the blocks named as the model's repeated blocks)."""
+    from dataclasses import replace
+
+    from memplan.profile import load_profile, profile_to_yaml
+
+    loaded = load_profile(profile)
+    lifted = replace(
+        loaded, pipeline_refused=None, hf_blocks=tuple(layer.name for layer in loaded.layers)
+    )
+    out = profile.with_name(f"{profile.stem}-stages.yaml")
+    out.write_text(profile_to_yaml(lifted), encoding="utf-8")
+    return out
 
 
 def _memplan(*args: str) -> None:
@@ -159,62 +197,98 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     parallel_dims.build_mesh()
     dist_utils.set_spmd_backend(job.parallelism.spmd_backend)
     model_config.update_from_config(config=job)
+    if config.get("stage_fqns"):  # memplan's stage boundaries, as torchtitan takes them
+        job.parallelism.module_fqns_per_model_part = [list(s) for s in config["stage_fqns"]]
     with torch.device("meta"):
         model = model_config.build()
-    model = parallelize_llama(
-        model,
-        parallel_dims=parallel_dims,
-        training=job.training,
-        parallelism=job.parallelism,
-        compile_config=job.compile,
-        ac_config=job.activation_checkpoint,
-        dump_folder=str(config["folder"]),
-    )
+    loss_fn = job.loss.build(compile_config=job.compile)
+    build = {
+        "parallel_dims": parallel_dims,
+        "training": job.training,
+        "parallelism": job.parallelism,
+        "compile_config": job.compile,
+        "ac_config": job.activation_checkpoint,
+        "dump_folder": str(config["folder"]),
+    }
+    pp_schedule, first, last = None, True, True
+    if parallel_dims.pp_enabled:  # Trainer.__init__: pipelining_fn, then each part
+        from torchtitan.distributed.pipeline_parallel import pipeline_llm
+
+        pp_schedule, parts, first, last = pipeline_llm(
+            model,
+            **build,
+            device=torch.device("cpu"),
+            model_config=model_config,
+            parallelize_fn=parallelize_llama,
+            loss_fn=loss_fn,
+        )
+        del model
+    else:
+        parts = [parallelize_llama(model, **build)]
     from torch.distributed.fsdp import FSDPModule
 
-    for module in model.modules():  # gloo has no PREMUL_SUM (see the module doc)
-        if isinstance(module, FSDPModule):
-            module.set_force_sum_reduction_for_comms(True)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
-    model.train()
-    optimizers = job.optimizer.build(model_parts=[model])
-    loss_fn = job.loss.build(compile_config=job.compile)
+    for part in parts:
+        for module in part.modules():  # gloo has no PREMUL_SUM (see the module doc)
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(buffer_device=None)
+        part.train()
+    optimizers = job.optimizer.build(model_parts=parts)
     train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
     batch_rank = (
         parallel_dims.get_mesh("batch").get_local_rank() if parallel_dims.dp_enabled else 0
     )
-    torch.manual_seed(1 + batch_rank)  # TP ranks of one batch rank see the same samples
-    local, steps_per_batch = job.training.local_batch_size, 1
-    if job.training.global_batch_size > 0:
-        batch_degree = world // (parallel_dims.tp * parallel_dims.pp * parallel_dims.cp)
-        steps_per_batch = job.training.global_batch_size // (local * batch_degree)
+    torch.manual_seed(1 + batch_rank)  # TP and PP ranks of one batch rank: the same samples
+    local = job.training.local_batch_size
+    batch_degree = world // (parallel_dims.tp * parallel_dims.pp * parallel_dims.cp)
+    steps_per_batch = max(1, job.training.global_batch_size // (local * batch_degree))
+    micro = job.parallelism.pipeline_parallel_microbatch_size if pp_schedule is not None else local
+    per_group = local // micro
 
-    def train_step() -> None:
+    def train_step() -> None:  # Trainer.train_step
         optimizers.zero_grad(set_to_none=job.training.disable_cuda_graphs)
-        batches = [mf.make_batch(local) for _ in range(steps_per_batch)]
-        tokens = torch.tensor(sum(labels.numel() for _, labels in batches) * 1)
+        groups = [
+            [mf.make_batch(micro) for _ in range(per_group)] for _ in range(steps_per_batch)
+        ]
+        tokens = torch.tensor(sum(labels.numel() for g in groups for _, labels in g))
         global_tokens = (
             dist_utils.dist_sum_tensor(tokens, parallel_dims.get_mesh("batch"))
             if parallel_dims.dp_enabled
             else tokens
         )
-        for inputs, labels in batches:
+        for group in groups:
             with train_context():  # partial_dtensor: inputs go in as they are (Trainer)
-                pred = model(inputs)
+                if pp_schedule is not None:  # Trainer.pp_forward_backward_step, whole batch
+                    inputs = torch.cat([inputs for inputs, _ in group])
+                    labels = torch.cat([labels for _, labels in group])
+                    pp_schedule.step(
+                        *((inputs,) if first else ()),
+                        target=labels if last else None,
+                        losses=[] if last else None,
+                        loss_kwargs={"global_valid_tokens": global_tokens},
+                        return_outputs=False,
+                    )
+                    continue
+                (inputs, labels), *_ = group
+                pred = parts[0](inputs)
                 loss, _ = loss_fn(pred, labels, global_tokens)
                 del pred
                 with spmd.no_typecheck():
                     loss.backward()
-            del loss
+                del loss
         dist_utils.clip_grad_norm_(
-            list(model.parameters()), job.training.max_norm, foreach=True, pp_mesh=None
+            [p for part in parts for p in part.parameters()],
+            job.training.max_norm,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
         )
         optimizers.step()
 
     tracker = DistributedTracker(record=False)
-    tracker.track(resident_tensors(model, optimizers, None))
+    for part in parts:
+        tracker.track(resident_tensors(part, None, None))
     tracker.peak_bytes = tracker.live_bytes
     with tracker:  # the first step creates the optimizer state: measured, as verify does
         for _ in range(STEPS + 1):
@@ -229,8 +303,19 @@ def run_torchtitan(plan: Any, timeout_s: float = 300.0) -> list[int]:
     from memplan.emit.torchtitan import torchtitan_args
     from memplan.verify.distributed import _run_ranks, free_port
 
+    from memplan.parallel import stage_layers
+
     args = [word for item in torchtitan_args(plan) for word in item.split(" ", 1)]
+    layout = plan.parallel
+    stage_fqns = []
+    if layout is not None and layout.pp > 1:
+        n = len(plan.model_fingerprint.candidate_layers)
+        stages = stage_layers(n, layout.stages)
+        stage_fqns = [[f"layers.{i}" for i in blocks] for blocks in stages]
+        stage_fqns[0].insert(0, "tok_embeddings")
+        stage_fqns[-1] += ["norm", "lm_head"]
     config = {
+        "stage_fqns": stage_fqns,
         "parent_pid": os.getpid(),
         "world_size": plan.world_size,
         "device": "cpu",
