@@ -101,7 +101,9 @@ CASES = (
     Case(name="FSDP 2, selective AC", world=2, mode="selective"),
     Case(name="FSDP 2 × TP 2, loss parallel, full AC", world=4, tp=2),
     Case(name="PP 2 (1F1B), full AC", world=2, pp=2, micro=1, microbatches=4),
-    Case(name="PP 2 (1F1B), selective AC", world=2, pp=2, micro=1, microbatches=4, mode="selective"),
+    Case(
+        name="PP 2 (1F1B), selective AC", world=2, pp=2, micro=1, microbatches=4, mode="selective"
+    ),
     Case(name="FSDP 2 × PP 2 (1F1B), full AC", world=4, pp=2, micro=1, microbatches=4),
 )
 
@@ -237,9 +239,7 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         part.train()
     optimizers = job.optimizer.build(model_parts=parts)
     train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
-    batch_rank = (
-        parallel_dims.get_mesh("batch").get_local_rank() if parallel_dims.dp_enabled else 0
-    )
+    batch_rank = parallel_dims.get_mesh("batch").get_local_rank() if parallel_dims.dp_enabled else 0
     torch.manual_seed(1 + batch_rank)  # TP and PP ranks of one batch rank: the same samples
     local = job.training.local_batch_size
     batch_degree = world // (parallel_dims.tp * parallel_dims.pp * parallel_dims.cp)
@@ -249,9 +249,7 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
 
     def train_step() -> None:  # Trainer.train_step
         optimizers.zero_grad(set_to_none=job.training.disable_cuda_graphs)
-        groups = [
-            [mf.make_batch(micro) for _ in range(per_group)] for _ in range(steps_per_batch)
-        ]
+        groups = [[mf.make_batch(micro) for _ in range(per_group)] for _ in range(steps_per_batch)]
         tokens = torch.tensor(sum(labels.numel() for g in groups for _, labels in g))
         global_tokens = (
             dist_utils.dist_sum_tensor(tokens, parallel_dims.get_mesh("batch"))
@@ -301,9 +299,8 @@ def run_torchtitan(plan: Any, timeout_s: float = 300.0) -> list[int]:
     import os
 
     from memplan.emit.torchtitan import torchtitan_args
-    from memplan.verify.distributed import _run_ranks, free_port
-
     from memplan.parallel import stage_layers
+    from memplan.verify.distributed import _run_ranks, free_port
 
     args = [word for item in torchtitan_args(plan) for word in item.split(" ", 1)]
     layout = plan.parallel
@@ -359,9 +356,51 @@ def check(case: Case, profile: Path, out_dir: Path) -> Result:
     )
 
 
+def selective_held_bytes(micro: int = 2) -> dict[str, int]:
+    """Bytes one block keeps from its forward to its backward, per sample, under memplan's
+    ``selective`` mode and under torchtitan's ``SelectiveAC`` (its ``_wrap_block``), measured
+    by memplan's tracker over one block's forward (less what ``FullAC`` keeps: the weights
+    the ops touch and the block's output, common to the three)."""
+    import contextlib
+
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from memplan.model.loader import load_model_file
+    from memplan.probe.tracker import LiveTracker
+    from memplan.run.checkpoint import in_mode
+
+    mf = load_model_file(str(MODEL))
+
+    def held(kind: str) -> int:
+        torch.manual_seed(0)
+        block = mf.build_model().layers["0"]
+        x = torch.randn(micro, mf.module.SEQ_LEN, mf.module.DIM, requires_grad=True)
+        context: Any = contextlib.nullcontext()
+        if kind == "memplan":
+            context = in_mode([block], "selective")
+        else:
+            ac = (
+                SelectiveAC(SelectiveAC.Config())
+                if kind == "SelectiveAC"
+                else FullAC(FullAC.Config())
+            )
+            block = ac._wrap_block(block, base_fqn="layers.0")
+        tracker = LiveTracker(record=False)
+        with context, tracker:
+            out = block(x, None, None)
+            live = tracker.live_bytes
+        del out
+        return live
+
+    full = held("FullAC")
+    return {kind: (held(kind) - full) // micro for kind in ("memplan", "SelectiveAC")}
+
+
 def run(device: str) -> str:
     del device  # gloo CPU ranks
     rows = []
+    kept = selective_held_bytes()
+    print(f"engines: one block keeps per sample {kept}", flush=True)
     with tempfile.TemporaryDirectory(prefix="memplan-engines-") as tmp:
         profile = probe(Path(tmp) / "profile.yaml")
         for case in CASES:
@@ -395,6 +434,16 @@ def run(device: str) -> str:
             "torchtitan arguments |",
             "|---|---:|---|---|---|---|",
             *rows,
+            "",
+            "*Selective rows:* memplan's `selective` mode keeps the output of every matmul and "
+            "attention op (memplan.modes); torchtitan's `SelectiveAC` keeps the same ops but "
+            "recomputes every second matmul (torchtitan/distributed/activation_checkpoint.py "
+            "`SelectiveAC._wrap_block`), so it holds less and memplan is over. Measured here "
+            "over one block's forward (memplan's tracker, less what `FullAC` keeps): "
+            f"{kept['memplan']:,} B per sample under memplan's mode, {kept['SelectiveAC']:,} "
+            "B under torchtitan's; each block a pipeline stage or the backward still holds "
+            "carries the difference. Planning torchtitan's policy itself is per-op selective "
+            "checkpointing (issue 31).",
         ]
     )
 

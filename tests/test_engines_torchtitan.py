@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import engines  # noqa: E402
+from bench import engines
 
 pytestmark = [
     pytest.mark.slow,

@@ -239,6 +239,7 @@ def evaluate_layout(
         min_micro=b,
         max_micro=b,
         reshard_after_forward=parallel.pp == 1,
+        reduce_after_schedule=parallel.pp > 1,
     )
     results = []
     most_layers = 0

@@ -168,6 +168,9 @@ class SolveRequest:
     reshard_after_forward: bool = True
     """FSDP: free a unit's gathered parameters after its forward (False for a pipeline
     stage's rank, as torchtitan and memplan's runtime shard stages: ``Sharding``)."""
+    reduce_after_schedule: bool = False
+    """FSDP: gradients reduce-scatter once, after the whole pipeline schedule (True for a
+    pipeline stage's rank: ``Sharding``)."""
 
     def __post_init__(self) -> None:
         if self.modes is not None:
