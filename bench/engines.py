@@ -271,6 +271,7 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
                     continue
                 (inputs, labels), *_ = group
                 pred = parts[0](inputs)
+                vocab_sharded.append(_sharded_by_vocabulary(pred))
                 loss, _ = loss_fn(pred, labels, global_tokens)
                 del pred
                 with spmd.no_typecheck():
@@ -284,6 +285,7 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         )
         optimizers.step()
 
+    vocab_sharded: list[bool] = []
     tracker = DistributedTracker(record=False)
     for part in parts:
         tracker.track(resident_tensors(part, None, None))
@@ -291,16 +293,31 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     with tracker:  # the first step creates the optimizer state: measured, as verify does
         for _ in range(STEPS + 1):
             train_step()
-    return {"rank": rank, "peak_bytes": int(tracker.peak_bytes)}
+    return {
+        "rank": rank,
+        "peak_bytes": int(tracker.peak_bytes),
+        "logits_sharded": bool(vocab_sharded) and all(vocab_sharded),
+    }
 
 
-def run_torchtitan(plan: Any, timeout_s: float = 300.0) -> list[int]:
-    """Each rank's measured peak (bytes) under torchtitan, for ``plan``'s emitted config."""
+def _sharded_by_vocabulary(logits: Any) -> bool:
+    """Whether the head's output is a DTensor split over the vocabulary (what torchtitan's
+    ``cross_entropy_loss`` takes its loss-parallel path for: components/loss.py)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(logits, DTensor) and any(
+        isinstance(p, Shard) and p.dim in (-1, logits.ndim - 1) for p in logits.placements
+    )
+
+
+def run_torchtitan(plan: Any, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """What each rank reports under torchtitan for ``plan``'s emitted config: its measured
+    peak (bytes) and whether its logits were sharded by vocabulary."""
     import os
 
     from memplan.emit.torchtitan import torchtitan_args
     from memplan.parallel import stage_layers
-    from memplan.verify.distributed import _run_ranks, free_port
+    from memplan.verify.distributed import free_port, run_ranks
 
     args = [word for item in torchtitan_args(plan) for word in item.split(" ", 1)]
     layout = plan.parallel
@@ -321,8 +338,7 @@ def run_torchtitan(plan: Any, timeout_s: float = 300.0) -> list[int]:
         "args": args,
         "rank_fn": torchtitan_rank,
     }
-    raw = _run_ranks(config, lambda *_: None)
-    return [int(r["peak_bytes"]) for r in raw]
+    return run_ranks(config, lambda *_: None)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -331,6 +347,8 @@ class Result:
     predicted: tuple[int, ...]
     measured: tuple[int, ...]
     args: tuple[str, ...]
+    logits_sharded: bool
+    """Every rank's head output was split over the vocabulary (torchtitan's loss parallel)."""
 
     def errors(self) -> list[float]:
         """(predicted − measured) / measured per rank."""
@@ -344,15 +362,16 @@ def check(case: Case, profile: Path, out_dir: Path) -> Result:
     from memplan.verify.single import predicted_for_device
 
     plan = solve(profile, case, out_dir)
-    measured = run_torchtitan(plan)
+    ranks = run_torchtitan(plan)
     per_rank = rank_predictions(plan, "cpu", plan.world_size)
     if not per_rank:
         per_rank = (predicted_for_device(plan, "cpu")[0],) * plan.world_size
     return Result(
         case=case,
         predicted=tuple(per_rank),
-        measured=tuple(measured),
+        measured=tuple(int(r["peak_bytes"]) for r in ranks),
         args=tuple(torchtitan_args(plan)),
+        logits_sharded=all(r["logits_sharded"] for r in ranks),
     )
 
 
@@ -415,7 +434,7 @@ def run(device: str) -> str:
                 + " / ".join(f"{p / mib:.2f}" for p in result.predicted)
                 + " | "
                 + " / ".join(f"{e:+.1%}" for e in errors)
-                + f" | `{_short_args(result.args)}` |"
+                + f" | {_logits(case, result)} | `{_short_args(result.args)}` |"
             )
     return "\n".join(
         [
@@ -428,11 +447,13 @@ def run(device: str) -> str:
             "`SelectiveAC`, FSDP2) on gloo CPU ranks, fp32, AdamW; each rank's peak over "
             f"{STEPS + 1} optimizer steps measured by memplan's distributed tracker (what "
             "`memplan verify --world-size` measures). *error*: (predicted − measured) / "
-            "measured per rank. How it is run and what differs from `torchtitan.train`: "
+            "measured per rank. *logits*: how the head's output reached torchtitan's loss "
+            "(by vocabulary: a DTensor split over it, torchtitan's loss parallel). How it is "
+            "run and what differs from `torchtitan.train`: "
             "bench/engines.py.\n",
             "| case | ranks | measured per rank (MiB) | memplan (MiB) | error per rank | "
-            "torchtitan arguments |",
-            "|---|---:|---|---|---|---|",
+            "logits | torchtitan arguments |",
+            "|---|---:|---|---|---|---|---|",
             *rows,
             "",
             "*Selective rows:* memplan's `selective` mode keeps the output of every matmul and "
@@ -446,6 +467,15 @@ def run(device: str) -> str:
             "checkpointing (issue 31).",
         ]
     )
+
+
+def _logits(case: Case, result: Result) -> str:
+    """How the head's logits were held (pipeline stages: on the last stage, not seen here)."""
+    if case.pp > 1:
+        return "last stage"
+    if case.tp == 1:
+        return "whole"
+    return "by vocabulary" if result.logits_sharded else "**gathered**"
 
 
 def _short_args(args: tuple[str, ...]) -> str:

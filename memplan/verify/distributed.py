@@ -467,7 +467,7 @@ def verify_distributed(
         "check_gradients": check_gradients,
         "record_timeline": record_timeline,
     }
-    raw = _run_ranks(config, on_progress or (lambda done, total, what: None))
+    raw = run_ranks(config, on_progress or (lambda done, total, what: None))
     for text in rank_warnings([r.get("warnings", []) for r in raw]):
         warnings.warn(text, UserWarning, stacklevel=2)  # the CLI says it as one warning: line
     grad, couple = gradient_check(
@@ -513,7 +513,7 @@ def _check_runnable(plan: Plan, world: int, steps: int) -> None:
     _check_pipeline(plan)
 
 
-def _run_ranks(
+def run_ranks(
     config: dict[str, Any], progress: Callable[[int, int, str], None]
 ) -> list[dict[str, Any]]:
     """Start ``config["world_size"]`` ranks on this machine, wait for them (or the time
