@@ -272,7 +272,7 @@ def test_fsdp_pipeline_stages_reduce_scatter_only_after_the_last_backward():
     assert profile.totals.grad_bytes == 7000
     segments = profile.timeline["grads_resident"]
     bwd2 = next(i for i, s in enumerate(segments) if s.active == "bwd" and s.held == 2)
-    pipelined = Sharding(strategy="fsdp", world_size=2, reduce_after_backward=True)
+    pipelined = Sharding(strategy="fsdp", world_size=2, reduce_after_schedule=True)
     plain = Sharding(strategy="fsdp", world_size=2)
     assert fsdp_grads_bytes(profile, pipelined, "grads_resident", bwd2, 2) == 7000
     assert fsdp_grads_bytes(profile, plain, "grads_resident", bwd2, 2) == 6500
@@ -282,8 +282,8 @@ def test_fsdp_pipeline_stages_reduce_scatter_only_after_the_last_backward():
     assert fsdp_grads_bytes(profile, pipelined, "grads_resident", after, 2) == 8000
     from memplan.memory.parallel import layout_sharding
 
-    assert layout_sharding("fsdp", Parallel(pp=2, dp_shard=2)).reduce_after_backward
-    assert not layout_sharding("fsdp", Parallel(dp_shard=4)).reduce_after_backward
+    assert layout_sharding("fsdp", Parallel(pp=2, dp_shard=2)).reduce_after_schedule
+    assert not layout_sharding("fsdp", Parallel(dp_shard=4)).reduce_after_schedule
 
 
 def test_the_least_pipeline_peak_a_no_fit_reports_is_the_least_that_fits():

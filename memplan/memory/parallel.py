@@ -491,7 +491,7 @@ def layout_sharding(
         world_size=world,
         grad_sync=grad_sync,
         reshard_after_forward=parallel.pp == 1,
-        reduce_after_backward=parallel.pp > 1,
+        reduce_after_schedule=parallel.pp > 1,
     )
 
 

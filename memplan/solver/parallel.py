@@ -274,7 +274,7 @@ def _stage_request(
         min_micro=b,
         max_micro=b,
         reshard_after_forward=parallel.pp == 1,
-        reduce_after_backward=parallel.pp > 1,
+        reduce_after_schedule=parallel.pp > 1,
         communicators=communicators(parallel),
         data_parallel_bandwidth=data_parallel_bandwidth(parallel, intra, gpus_per_node),
     )

@@ -168,9 +168,9 @@ class SolveRequest:
     reshard_after_forward: bool = True
     """FSDP: free a unit's gathered parameters after its forward (False for a pipeline
     stage's rank, as torchtitan and memplan's runtime shard stages: ``Sharding``)."""
-    reduce_after_backward: bool = False
-    """FSDP: reduce-scatter after the last micro-batch's backward, none during it (True for
-    a pipeline stage's rank, as torch.distributed.pipelining runs FSDP: ``Sharding``)."""
+    reduce_after_schedule: bool = False
+    """FSDP: gradients reduce-scatter once, after the whole pipeline schedule (True for a
+    pipeline stage's rank: ``Sharding``)."""
     data_parallel_bandwidth: float | None = None
     """Bytes per second per rank of the data-parallel collectives; None: the device spec's
     interconnect. The layout search sets it from where each layout's data-parallel group
