@@ -18,13 +18,13 @@ from profile_bytes import assert_meta_equals_cpu  # noqa: E402
 from memplan import memory  # noqa: E402
 from memplan.devices import load_device  # noqa: E402
 from memplan.errors import BadInputError  # noqa: E402
+from memplan.files.schema import safe_load  # noqa: E402
 from memplan.memory.sharding import Sharding  # noqa: E402
 from memplan.probe import probe_model  # noqa: E402
 from memplan.probe.backends import Backend  # noqa: E402
 from memplan.probe.float8 import Float8Conversion  # noqa: E402
 from memplan.probe.tracker import LiveTracker, Roofline  # noqa: E402
 from memplan.profile import profile_from_data, profile_to_yaml  # noqa: E402
-from memplan.files.schema import safe_load  # noqa: E402
 
 MODEL = str(Path(__file__).resolve().parent / "models" / "float8_block.py")
 ROWS, DIM = 16, 64
@@ -144,9 +144,10 @@ def test_fsdp_float8_all_gather_gathers_converted_weights_at_one_byte(probes):
     # In a block's forward the root and that block are gathered: the block at one byte a
     # converted element.
     fwd = next(i for i, s in enumerate(profile.timeline["no_grads"]) if s.active == "fwd")
-    assert memory.fsdp_gathered_bytes(profile, fsdp, "no_grads", fwd) == memory.fsdp_gathered_bytes(
-        off, fsdp, "no_grads", fwd
-    ) - per_block // 2
+    assert (
+        memory.fsdp_gathered_bytes(profile, fsdp, "no_grads", fwd)
+        == memory.fsdp_gathered_bytes(off, fsdp, "no_grads", fwd) - per_block // 2
+    )
 
 
 @pytest.mark.parametrize("device", ["a100-80gb", "t4"])
