@@ -156,3 +156,36 @@ def test_float8_on_a_gpu_without_float8_is_refused_naming_it(device):
         Backend(device="meta", precision="float8", spec=load_device(device))
     assert device in caught.value.message and "float8" in caught.value.message
     assert load_device("h100-80gb").peak_flops("float8") == 1979e12
+
+
+def _plan(profile, **options):
+    from memplan.solver import SolveRequest, solve
+
+    request = SolveRequest(
+        target_batch=8, budget_bytes=1 << 30, world_size=2, strategy="fsdp", **options
+    )
+    return dataclasses.replace(solve(profile, request).plan, model=MODEL)
+
+
+def test_verify_runs_the_float8_plan_on_two_gloo_ranks_as_predicted():
+    """The float8 plan on 2 gloo ranks under FSDP2 (bf16 gather: gloo has no float8 dtype),
+    every rank's measured peak against the prediction from the cpu probe; one block
+    checkpointed, so the recompute's casts run too."""
+    from memplan.verify.distributed import verify_distributed
+
+    profile = probe_model(
+        MODEL, device="cpu", micro_batches=(1, 2, 4), precision="float8", float8_all_gather=False
+    )
+    plan = _plan(profile, min_micro=4, always_checkpoint=("layers.0",), modes=("full",))
+    assert plan.float8 is not None and plan.checkpoint == {"layers.0": "full"}
+    result = verify_distributed(MODEL, plan, steps=1, timeout_s=120)
+    assert result.gradient_check.status == "pass", result.gradient_check.reason
+    for rank in range(2):
+        assert abs(result.rank_error(rank)) < 0.01, (rank, result.rank_error(rank))
+
+
+def test_verify_refuses_float8_all_gather_on_gloo_before_starting(probes):
+    from memplan.verify.distributed import verify_distributed
+
+    with pytest.raises(BadInputError, match="gloo, the CPU backend, has no float8 dtype"):
+        verify_distributed(MODEL, _plan(probes["cpu"]), device="cpu", timeout_s=60)

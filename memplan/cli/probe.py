@@ -59,6 +59,15 @@ def probe(
             "under FSDP) or rowwise.",
         ),
     ] = "tensorwise",
+    float8_all_gather: Annotated[
+        bool,
+        typer.Option(
+            "--float8-all-gather/--no-float8-all-gather",
+            help="With --precision float8 (tensorwise): FSDP2 gathers the float8 weights in "
+            "float8 (torchao's enable_fsdp_float8_all_gather). Off for plans verified on a "
+            "CPU: gloo has no float8 dtype.",
+        ),
+    ] = True,
     mixed_precision: Annotated[
         str,
         typer.Option(
@@ -110,6 +119,7 @@ def probe(
             on_progress=on_progress,
             mixed_precision=mixed_precision,
             float8_recipe=float8_recipe,
+            float8_all_gather=float8_all_gather,
         )
     # The text first: a profile memplan would refuse to read back is exit 3 before anything
     # is shown or written (memplan.profile.profile_to_yaml).

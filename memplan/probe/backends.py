@@ -58,6 +58,8 @@ class Backend:
     in the compute dtype, no autocast (see ``memplan.profile.MixedPrecision``)."""
     float8_recipe: str = "tensorwise"
     """With precision ``float8``: torchao's recipe (memplan.probe.float8)."""
+    float8_all_gather: bool = True
+    """With a tensorwise float8 recipe: plans gather the converted weights in float8."""
 
     def __post_init__(self) -> None:
         self.float8: Float8Conversion | None = None
@@ -65,7 +67,9 @@ class Backend:
         rest in bf16 parameters, as torchtitan trains under FSDP2's mixed-precision policy
         (memplan.probe.float8)."""
         if self.precision == "float8":
-            self.float8 = Float8Conversion(recipe=self.float8_recipe)
+            self.float8 = Float8Conversion(
+                recipe=self.float8_recipe, fsdp_float8_all_gather=self.float8_all_gather
+            )
             self.precision, self.mixed_precision = "bf16", "params"
         if self.precision not in DTYPES:
             raise BadInputError(
@@ -228,6 +232,7 @@ def make_backend(
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
     float8_recipe: str = "tensorwise",
+    float8_all_gather: bool = True,
 ) -> Backend:
     resolved = resolve_device(device)
     spec = load_device(device_profile) if device_profile else None
@@ -238,6 +243,7 @@ def make_backend(
         mixed_precision=mixed_precision,
         reuse_identical=reuse_identical,
         float8_recipe=float8_recipe,
+        float8_all_gather=float8_all_gather,
     )
 
 
@@ -250,6 +256,7 @@ def backend_for(settings: ProbeSettings) -> Backend:
         mixed_precision=settings.mixed_precision,
         reuse_identical=settings.reuse_identical,
         float8_recipe=settings.float8_recipe,
+        float8_all_gather=settings.float8_all_gather,
     )
 
 

@@ -23,7 +23,8 @@ probe runs torchao's own ``Float8Linear`` (torchao/float8/float8_linear.py
 * time: the matmuls on float8 operands at the device spec's float8 peak
   (memplan.probe.tracker), the casts as the memory-bound ops they are.
 
-The scaled matmul itself (``torch._scaled_mm``) runs on cpu in torch 2.13 and has a meta
+The conversion itself is memplan.run.float8's (verify's ranks run the same one). The scaled
+matmul itself (``torch._scaled_mm``) runs on cpu in torch 2.13 and has a meta
 kernel, so nothing of the step is modelled; without torchao installed the probe refuses
 ``--precision float8`` and names the package. What the single-process probe cannot run is
 FSDP2's float8 all-gather (``enable_fsdp_float8_all_gather``): a plan property, applied by
@@ -32,114 +33,13 @@ the memory model to ``Layer.float8_param_bytes`` (memplan.memory.sharding).
 
 from __future__ import annotations
 
-import fnmatch
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from memplan.errors import BadInputError
-from memplan.profile.data import Float8
+from memplan.run.float8 import DEFAULT_SKIP, RECIPES, Float8Conversion
 
-RECIPES = ("tensorwise", "rowwise")
-DEFAULT_SKIP = ("output", "lm_head")
-"""The output head, as torchtitan leaves it in bf16 (its 9dec370 float8.py converted every
-linear but ``output``; 0.3's llama3_405b config passes ``filter_fqns=["lm_head"]``)."""
-ALIGNMENT = 16
-"""Both dimensions of a converted linear divide by this (float8 tensor cores; torchtitan's
-``module_filter_fn``, torchao's ``_auto_filter_for_recipe``)."""
-
-
-def torchao_float8() -> Any:
-    """``torchao.float8``, or a BadInputError naming the package to install."""
-    try:
-        import torchao.float8 as float8
-    except ImportError as exc:
-        raise BadInputError(
-            "--precision float8 runs torchao's Float8Linear, and torchao is not installed "
-            f"({exc}).",
-            hint="pip install torch==2.13.0 torchao==0.18.0 (memplan's 'float8' extra).",
-        ) from exc
-    return float8
-
-
-def torchao_version() -> str:
-    import torchao
-
-    return str(getattr(torchao, "__version__", ""))
-
-
-@dataclass(kw_only=True)
-class Float8Conversion:
-    """What ``convert`` did to one model: the converted linears' names and weights."""
-
-    recipe: str = "tensorwise"
-    skip: tuple[str, ...] = DEFAULT_SKIP
-    fsdp_float8_all_gather: bool = True
-    converted: dict[str, int] = field(default_factory=dict)
-    """Converted linear's FQN -> its weight's bytes."""
-    skipped: dict[str, str] = field(default_factory=dict)
-    """Linear left in the compute dtype -> why."""
-
-    def __post_init__(self) -> None:
-        if self.recipe not in RECIPES:
-            raise BadInputError(
-                f"float8 recipe {self.recipe!r} is not one of {', '.join(RECIPES)}."
-            )
-        if self.recipe != "tensorwise":  # torchao's from_float asserts dynamic tensorwise
-            self.fsdp_float8_all_gather = False
-
-    def accepts(self, module: torch.nn.Module, fqn: str) -> bool:
-        """torchtitan's filter: not a skipped name, both dimensions divisible by 16."""
-        if not isinstance(module, torch.nn.Linear):
-            return False
-        hit = next((s for s in self.skip if s in fqn or fnmatch.fnmatch(fqn, s)), None)
-        if hit is not None:
-            self.skipped[fqn] = f"filtered ({hit!r})"
-            return False
-        if module.in_features % ALIGNMENT or module.out_features % ALIGNMENT:
-            self.skipped[fqn] = (
-                f"{module.in_features}x{module.out_features} not divisible by {ALIGNMENT}"
-            )
-            return False
-        self.converted[fqn] = module.weight.numel() * module.weight.element_size()
-        return True
-
-    def convert(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``model`` with its accepted linears swapped for torchao's ``Float8Linear`` (in
-        place, as torchao swaps them). The single-process probe builds no FSDP weight
-        subclass: the float8 all-gather is the memory model's (module docstring)."""
-        float8 = torchao_float8()
-        self.converted.clear()
-        self.skipped.clear()
-        config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
-        return float8.convert_to_float8_training(
-            model, module_filter_fn=self.accepts, config=config
-        )
-
-    def param_bytes_under(self, prefix: str) -> int:
-        """Bytes of the converted weights inside module ``prefix`` ("" : the whole model)."""
-        if not prefix:
-            return sum(self.converted.values())
-        return sum(b for name, b in self.converted.items() if name.startswith(prefix + "."))
-
-    def environment(self) -> Float8:
-        return Float8(
-            recipe=self.recipe,  # type: ignore[arg-type]
-            fsdp_float8_all_gather=self.fsdp_float8_all_gather,
-            torchao_version=torchao_version(),
-            converted=len(self.converted),
-            converted_param_bytes=sum(self.converted.values()),
-            skipped=tuple(f"{name}: {why}" for name, why in sorted(self.skipped.items())),
-            modelled=(
-                "FSDP2 float8 all-gather of the converted weights (torchao "
-                "enable_fsdp_float8_all_gather; torchao/float8/fsdp_utils.py "
-                "WeightWithDynamicFloat8CastTensor): 1 byte an element gathered, applied "
-                "by the memory model",
-            )
-            if self.fsdp_float8_all_gather
-            else (),
-        )
+__all__ = ["DEFAULT_SKIP", "FLOAT8_DTYPES", "RECIPES", "Float8Conversion", "is_float8"]
 
 
 def is_float8(tensor: Any) -> bool:

@@ -33,6 +33,7 @@ def probe_seq_grid(
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
     float8_recipe: str = "tensorwise",
+    float8_all_gather: bool = True,
 ) -> Profile:
     """The profile of ``model_file_path`` over ``seq_lens`` × ``micro_batches``: one
     length gives an ordinary profile at that length (``Profile.seq_len``), two or more a
@@ -59,6 +60,7 @@ def probe_seq_grid(
         mixed_precision=mixed_precision,
         reuse_identical=reuse_identical,
         float8_recipe=float8_recipe,
+        float8_all_gather=float8_all_gather,
     )
     per_length = 2 + (7 + (device != "meta")) * len(sizes) + 2
     total = per_length * len(lens)

@@ -19,6 +19,8 @@ class ProbeSettings:
     for the rest (memplan.probe.float8)."""
     float8_recipe: str = "tensorwise"
     """With float8: torchao's recipe, tensorwise or rowwise."""
+    float8_all_gather: bool = True
+    """With float8 tensorwise: FSDP2 gathers the converted weights in float8."""
     layers: str | None = None
     """Checkpoint candidates: comma-separated globs of module names; None: the repeated
     blocks memplan finds."""
