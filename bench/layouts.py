@@ -57,11 +57,18 @@ print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 
-def probe(factory: str, out: Path, model: Path = MODEL, precision: str = "bf16") -> dict:
-    """Probe ``model:factory`` on meta for DEVICE in a fresh process (bf16 under FSDP's
-    mixed-precision policy, or ``float8``: torchao's Float8Linear besides); its seconds."""
+def probe(
+    factory: str,
+    out: Path,
+    model: Path = MODEL,
+    device: str = DEVICE,
+    precision: str = "bf16",
+) -> dict:
+    """Probe ``model:factory`` on meta for ``device`` (a device profile name or spec file)
+    in a fresh process (bf16 under FSDP's mixed-precision policy, or ``float8``: torchao's
+    Float8Linear besides); its seconds."""
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE, f"{model}:{factory}", str(out), DEVICE, precision],
+        [sys.executable, "-c", _PROBE, f"{model}:{factory}", str(out), device, precision],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(run.stdout.strip().splitlines()[-1])
