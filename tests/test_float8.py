@@ -124,7 +124,13 @@ def test_probe_float8_converts_as_torchtitan_filters(probes):
 
 def test_probe_float8_meta_equals_cpu(probes):
     assert_meta_equals_cpu(probes["cpu"], probes["meta"])
-    assert probes["meta"].environment.float8 == probes["cpu"].environment.float8
+    meta, cpu = probes["meta"].environment.float8, probes["cpu"].environment.float8
+    assert dataclasses.replace(meta, modelled=()) == dataclasses.replace(cpu, modelled=())
+    # the cpu clock is real; the meta clock charges the casts as compiled, and says so
+    assert [m.split(" (")[0] for m in cpu.modelled] == [
+        "FSDP2 float8 all-gather of the converted weights"
+    ]
+    assert meta.modelled[1].startswith("the dynamic float8 casts' time, as torch.compile fuses")
 
 
 def test_fsdp_float8_all_gather_gathers_converted_weights_at_one_byte(probes):

@@ -364,7 +364,9 @@ def _environment(session: Session) -> Environment:
         optimizer_class=type(session.optimizer).__name__,
         param_dtype=str(first_param.dtype).removeprefix("torch."),
         mixed_precision=backend.mixed_precision,  # type: ignore[arg-type]
-        float8=backend.float8.environment() if backend.float8 else None,
+        float8=backend.float8.environment(meta_clock=backend.device == "meta")
+        if backend.float8
+        else None,
     )
 
 

@@ -20,7 +20,7 @@ from memplan.model.batch import map_batch, move_batch
 from memplan.model.loader import ModelFile
 from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
-from memplan.probe.float8 import FLOAT8_DTYPES, Float8Conversion
+from memplan.probe.float8 import FLOAT8_DTYPES, Float8Conversion, time_casts_fused
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.meta_kernels import CONV_TARGET
@@ -137,6 +137,7 @@ class Backend:
             cast_parameters(model, self.dtype)
         if self.float8:
             model = self.float8.convert(model)
+            time_casts_fused()  # meta clocks only (memplan.probe.float8)
         return model
 
     def batch(self, model_file: ModelFile, size: int) -> Any:

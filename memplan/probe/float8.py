@@ -52,3 +52,41 @@ def is_float8(tensor: Any) -> bool:
 
 
 FLOAT8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def fused_cast_seconds(roofline: Any, hp: torch.Tensor) -> float:
+    """One dynamic float8 cast as torch.compile runs it: the amax read and the scaled cast
+    fused into kernels that read the high-precision tensor twice and write its float8 bits
+    once (torchtitan components/quantization/float8.md: "torch.compile fuses the float8
+    scaling/casting kernels", and requires it "for competitive performance")."""
+    n = hp.numel()
+    return roofline.seconds(0.0, 2 * n * hp.element_size() + n, None)
+
+
+def time_casts_fused() -> None:
+    """On a meta probe's clock, charge each of torchao's dynamic casts
+    (``hp_tensor_to_float8_dynamic``, as float8_linear.py calls it) as compiled (see
+    ``fused_cast_seconds``), not as the eager ops it runs: the bytes stay the eager ones
+    (measured, an upper bound on the compiled step's). Trackers without a roofline (cpu,
+    cuda: real clocks) are untouched. Installed once per process, where torchao's linear
+    looks the function up."""
+    import torchao.float8.float8_linear as linear
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    cast = linear.hp_tensor_to_float8_dynamic
+    if getattr(cast, "memplan_fused", False):
+        return
+
+    def timed(hp_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        clocks = [
+            (mode, mode.virtual_seconds)
+            for mode in _get_current_dispatch_mode_stack()
+            if getattr(mode, "roofline", None) is not None
+        ]
+        out = cast(hp_tensor, *args, **kwargs)
+        for mode, before in clocks:
+            mode.virtual_seconds = before + fused_cast_seconds(mode.roofline, hp_tensor)
+        return out
+
+    timed.memplan_fused = True  # type: ignore[attr-defined]
+    linear.hp_tensor_to_float8_dynamic = timed

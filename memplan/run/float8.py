@@ -120,7 +120,23 @@ class Float8Conversion:
             return sum(self.converted.values())
         return sum(b for name, b in self.converted.items() if name.startswith(prefix + "."))
 
-    def environment(self) -> Float8:
+    def environment(self, *, meta_clock: bool = False) -> Float8:
+        """The profile's record of the conversion; ``meta_clock``: the probe's times are a
+        roofline's, on which the casts are charged as compiled (memplan.probe.float8)."""
+        modelled = []
+        if self.fsdp_float8_all_gather:
+            modelled.append(
+                "FSDP2 float8 all-gather of the converted weights (torchao "
+                "enable_fsdp_float8_all_gather; torchao/float8/fsdp_utils.py "
+                "WeightWithDynamicFloat8CastTensor): 1 byte an element gathered, applied "
+                "by the memory model"
+            )
+        if meta_clock:
+            modelled.append(
+                "the dynamic float8 casts' time, as torch.compile fuses them: the "
+                "high-precision tensor read twice, the float8 bits written once (torchtitan "
+                "components/quantization/float8.md); their bytes are eager torchao's"
+            )
         return Float8(
             recipe=self.recipe,  # type: ignore[arg-type]
             fsdp_float8_all_gather=self.fsdp_float8_all_gather,
@@ -128,14 +144,7 @@ class Float8Conversion:
             converted=len(self.converted),
             converted_param_bytes=sum(self.converted.values()),
             skipped=tuple(f"{name}: {why}" for name, why in sorted(self.skipped.items())),
-            modelled=(
-                "FSDP2 float8 all-gather of the converted weights (torchao "
-                "enable_fsdp_float8_all_gather; torchao/float8/fsdp_utils.py "
-                "WeightWithDynamicFloat8CastTensor): 1 byte an element gathered, applied "
-                "by the memory model",
-            )
-            if self.fsdp_float8_all_gather
-            else (),
+            modelled=tuple(modelled),
         )
 
 
