@@ -16,8 +16,8 @@ allocated peak plus its allocator reserve (what ``max_memory_reserved`` counts: 
 context, no NCCL buffers). Rows published with Float8 (``precision="float8"``: the 70B and
 405B recipes, and the 8B float8 rows of Tables 1 and 3) are predicted from a ``--precision
 float8`` probe (issue 34), and each is solved again from the bf16 probe for the same layout.
-memplan models eager training (torchao's casts as separate ops, no fusion), so on the
-compiled rows its step time is not a measurement of the same program.
+memplan's bytes are eager torchao's; its meta clock charges the float8 casts as
+torch.compile fuses them (memplan.probe.float8), and the rest of the step as eager.
 
 Times are memplan's meta clock against the device spec's peaks times its measured
 efficiencies (profiles/devices/*.yaml ``efficiency``, each cited there; none taken from these
@@ -391,9 +391,9 @@ def run(device: str) -> str:
             "from these runs), attention at FlashAttention-2's measured rate on H100 "
             f"({FA2_H100:.3f} of peak, pytorch/pytorch#142132: the December 2024 torch ran "
             "it) and on A100, plus memplan's unoverlapped collectives. Float8 rows (', float8' "
-            "after the spec) are predicted from a float8 probe (below); memplan models eager "
-            "training, so on compiled rows its time is not the same program; the eager bf16 "
-            "rows are the test. The example model "
+            "after the spec) are predicted from a float8 probe (below), its casts timed as "
+            "compiled; otherwise memplan models eager training, so on the other compiled rows "
+            "its time is not the same program; the eager bf16 rows are the test. The example model "
             "is no transformers decoder, so memplan's runtime would refuse its pipeline stages: "
             "the 405B rows are modelled, not run.\n",
             "| model | published run | device spec | layout | local batch (micro × m) | AC | "
@@ -426,8 +426,10 @@ def run(device: str) -> str:
             "tensorwise scaling, FSDP2 gathering those weights in float8, as torchtitan "
             "9dec370 ran them; float8 matmuls at the spec's `fp8_flops`, 1979 TFLOP/s dense "
             "on H100 SXM by its datasheet), solved again from the bf16 probe with the same "
-            "layout, batch and checkpointing. memplan models eager torchao, whose dynamic "
-            "casts are separate memory-bound ops (a compiled step fuses them). Published, for "
+            "layout, batch and checkpointing. memplan's bytes are eager torchao's (its "
+            "dynamic casts hold fp32 copies a compiled step does not), its times charge each "
+            "cast as torch.compile fuses it (one pass: read twice, write the float8 bits). "
+            "Published, for "
             "the pairs measured alike (8B, both compiled): Table 1 bf16 6,667 → float8 8,532 "
             "TPS (×1.28), 77.0 → 76.8 GiB; Table 3 6,514 → 8,380 TPS (×1.29), 62.0 → 61.8 "
             "GiB.\n",
