@@ -71,7 +71,7 @@ class Published:
     local_batch: int
     """Per data-parallel rank (torchtitan's ``local_batch_size``)."""
     micro: int
-    """Per micro-step: the local batch, or the pipeline micro-batch size (1)."""
+    """Per micro-step: the local batch, or the pipeline micro-batch size (local batch / pp)."""
     ac: str
     """``full``, ``op-sac`` (per-op selective) as published."""
     memory_gib: float
@@ -191,6 +191,10 @@ ROWS = [
         "compile+float8",
         precision="float8",
     ),
+    # The pipeline splits the local batch into pp micro-batches unless told otherwise
+    # (torchtitan 9dec370, torchtitan/parallelisms/pipeline_llama.py: ``microbatches =
+    # pipeline_parallel_microbatches or parallel_dims.pp``; pipelining_utils.py
+    # build_pipeline_schedule, the same default): 8 micro-batches of 4, not 32 of 1.
     Published(
         "405B",
         "build_405b",
@@ -199,7 +203,7 @@ ROWS = [
         8,
         8,
         32,
-        1,
+        4,
         "full",
         82.5,
         100,
@@ -214,7 +218,7 @@ ROWS = [
         8,
         8,
         32,
-        1,
+        4,
         "full",
         72.7,
         128,
@@ -395,7 +399,11 @@ def run(device: str) -> str:
             "compiled; otherwise memplan models eager training, so on the other compiled rows "
             "its time is not the same program; the eager bf16 rows are the test. The example model "
             "is no transformers decoder, so memplan's runtime would refuse its pipeline stages: "
-            "the 405B rows are modelled, not run.\n",
+            "the 405B rows are modelled, not run. Their local batch of 32 runs as 8 "
+            "micro-batches of 4 (torchtitan splits it into pp unless told otherwise); the "
+            "published runs' last stage also kept every micro-batch's logits to the step's "
+            "end (torch's `return_outputs` default then, off in torchtitan since e5ef99a and "
+            "in memplan's runtime): 7 × 1.0 GiB more on stage 7, which memplan leaves out.\n",
             "| model | published run | device spec | layout | local batch (micro × m) | AC | "
             "published GiB | memplan GiB | ratio | published step | memplan step | ratio |",
             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
