@@ -13,6 +13,7 @@ from memplan.memory import plan_peak
 from memplan.memory.parallel import layout_peaks, rank_profile, stage_of_rank
 from memplan.parallel import Parallel, in_flight, stage_layers
 from memplan.plan import Breakdown, Plan, Prediction
+from memplan.profile import Affine
 
 
 def _plan(**kwargs) -> Plan:
@@ -174,3 +175,39 @@ def test_interleaved_ranks_hold_as_many_blocks_as_their_chunks():
     assert zero.layer_names == ("h.0", "h.1", "h.2", "h.3")
     assert one.layer_names == ("h.4", "h.5", "h.6", "h.7")
     assert [f.name for f in zero.fixed] == ["embed"] and [f.name for f in one.fixed] == ["head"]
+
+
+def test_a_stage_rank_is_timed_for_its_own_fixed_parts_and_optimizer_share():
+    # The whole model's fixed parts take 0.1 s + 0.4 s per sample (embedding 100 FLOPs per
+    # sample, head 300, the head split by vocabulary under TP) and its optimizer step 0.5 s.
+    # Before, every stage's rank was charged both whole (the 405B pipeline rows: the full
+    # head and the whole model's optimizer step on each of 8 stages, 1.40× the published).
+    whole = _with_tp(uniform_chain(4).profile(), 0.6)
+    embed, head = whole.fixed
+    profile = dataclasses.replace(
+        whole,
+        fixed=(
+            dataclasses.replace(embed, fwd_flops=Affine(intercept=0.0, slope=100.0)),
+            dataclasses.replace(
+                head, fwd_flops=Affine(intercept=0.0, slope=300.0), tp_sharded_bytes=500
+            ),
+        ),
+        step_fixed_seconds=Affine(intercept=0.1, slope=0.4),
+        optimizer_step_seconds=Affine(intercept=0.5, slope=0.0),
+    )
+    # pp 2: stage 0 holds 2 of 4 layers + embedding (2500 of 5000 B params, grads and
+    # 5000 of 10000 B AdamW state: half), so half the optimizer step; 100/400 of the fixed.
+    zero, one = (rank_profile(profile, Parallel(pp=2), s, 2) for s in (0, 1))
+    assert zero.optimizer_step_seconds.at(1) == pytest.approx(0.25)
+    assert one.optimizer_step_seconds.at(1) == pytest.approx(0.25)
+    assert (zero.step_fixed_seconds.intercept, zero.step_fixed_seconds.slope) == pytest.approx(
+        (0.025, 0.1)
+    )
+    assert (one.step_fixed_seconds.intercept, one.step_fixed_seconds.slope) == pytest.approx(
+        (0.075, 0.3)
+    )
+    # pp 2 × tp 2, stage 1: 2 layers × 500 B + half the head (250 B) = 1250 of 5000 B
+    # (state alike): a quarter of the optimizer step; the head's 300 FLOPs halved: 150/400.
+    last = rank_profile(profile, Parallel(pp=2, tp=2), 1, 2)
+    assert last.optimizer_step_seconds.at(1) == pytest.approx(0.125)
+    assert last.step_fixed_seconds.slope == pytest.approx(0.4 * 150 / 400)

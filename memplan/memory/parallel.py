@@ -158,6 +158,7 @@ def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
         part,
         **_model_state(part, r),
         saved_bytes=_scale(part.saved_bytes, saved),
+        fwd_flops=_scale(part.fwd_flops, r),  # a TP-split head's matmul is split with it
         tp_sharded_bytes=math.ceil(part.tp_sharded_bytes / parallel.tp),
         float8_param_bytes=rank_float8_bytes(part, parallel.tp),
     )
@@ -474,9 +475,14 @@ def rank_profile(
         timeline[phase] = tuple(out)
     ratio = (state_rank + totals.grad_bytes) / max(state_full + profile.totals.grad_bytes, 1)
     optimizer = _scale(profile.optimizer_step_peak_bytes, ratio)
+    # the rank steps only its parameters and runs only its stage's fixed parts (TP-split)
+    whole_fixed = sum(part.fwd_flops.slope for part in profile.fixed)
+    share = sum(p.fwd_flops.slope for p in fixed) / whole_fixed if whole_fixed > 0 else 0.0
     return dataclasses.replace(
         draft,
         timeline=timeline,
+        optimizer_step_seconds=_scale(profile.optimizer_step_seconds, ratio),
+        step_fixed_seconds=_scale(profile.step_fixed_seconds, share),
         # the schedule's buffers and the received inputs' gradients outlive the step
         optimizer_step_peak_bytes=Affine(
             intercept=optimizer.intercept + buffers.intercept + input_grads.intercept,
