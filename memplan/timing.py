@@ -451,6 +451,7 @@ def communication_bytes(
     grads_bytes: int,
     accumulation_steps: int,
     reduce_every_micro_step: bool = False,
+    gathered_once: bool = False,
 ) -> float:
     """Bytes one rank sends per optimizer step (ZeRO paper, Rajbhandari et al. 2020, §7:
     data parallelism all-reduces the gradients, 2Ψ; ZeRO-3 adds a parameter all-gather in
@@ -464,7 +465,12 @@ def communication_bytes(
       updated parameters once;
     * fsdp: all-gathers the parameters in every micro-step's forward and backward, and
       reduce-scatters the gradients once (``set_requires_gradient_sync(False)`` before), or
-      every micro-step with ``reduce_every_micro_step``.
+      every micro-step with ``reduce_every_micro_step``. ``gathered_once``: a pipeline
+      stage's FSDP (torchtitan: no reshard after forward under pipelining) gathers once per
+      step: torch's ``PipelineStage`` keeps the parameters unsharded through every backward
+      but the schedule's last (torch 2.13 ``distributed/pipelining/stage.py``,
+      ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``, reset by
+      ``perform_reduce_grad`` after the schedule), so one all-gather, one reduce-scatter.
 
     ``params_bytes`` is what the all-gathers move (bf16 under a mixed-precision policy) and
     ``grads_bytes`` what the reductions move (fp32 under ``reduce_dtype=float32``).
@@ -481,7 +487,8 @@ def communication_bytes(
         return k * ring * grads_bytes + ring * params_bytes
     if strategy == "fsdp":
         reductions = k if reduce_every_micro_step else 1
-        return 2 * k * ring * params_bytes + reductions * ring * grads_bytes
+        gathers = 1 if gathered_once else 2 * k
+        return gathers * ring * params_bytes + reductions * ring * grads_bytes
     raise ValueError(f"unknown strategy {strategy!r}")
 
 

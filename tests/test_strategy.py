@@ -1,6 +1,7 @@
 """Per-rank memory of the data-parallel strategies, term by term on hand-made profiles; the
 solver's strategy search; the emitters' strategy sections. No torch, no processes."""
 
+import dataclasses
 import json
 
 import pytest
@@ -170,6 +171,25 @@ def test_communication_bytes_per_strategy():
     assert timing.communication_bytes("zero1", 4, **kw) == pytest.approx(225)
     assert timing.communication_bytes("zero2", 4, **kw) == pytest.approx(300)
     assert timing.communication_bytes("fsdp", 4, **kw) == pytest.approx(525)  # 2k AG + RS
+    # a pipeline stage's FSDP: gathered once per step, reduced once: (1 + 1) × 3/4 × 100
+    once = timing.communication_bytes("fsdp", 4, **kw, gathered_once=True)
+    assert once == pytest.approx(150)
+
+
+def test_a_pipeline_stages_fsdp_is_charged_one_all_gather_per_step():
+    # FSDP over 2 ranks, 4 micro-steps, bandwidth 1e9 B/s: with no reshard after forward
+    # and the gradients reduced after the schedule (a pipeline stage's rank, as torch's
+    # PipelineStage drives FSDP2) the parameters are gathered once, not 2 × 4 times:
+    # 7 all-gathers of ½ × P fewer. Before, the stage solve charged all 8.
+    profile = uniform_chain(4).profile()
+    ask = request(target_batch=8, world_size=2, strategy="fsdp", min_micro=1, max_micro=1)
+    ask = dataclasses.replace(ask, modes=("keep",), data_parallel_bandwidth=1e9)
+    per_micro = dataclasses.replace(ask, reduce_after_schedule=True)
+    once = dataclasses.replace(per_micro, reshard_after_forward=False)
+    steps = [solve(profile, r).plan.predicted.step_seconds for r in (per_micro, once)]
+    gathered = memory.gathered_params_bytes(profile)
+    assert gathered == 5000  # 4 × 1000 B blocks, 500 B embedding and head
+    assert steps[0] - steps[1] == pytest.approx(7 * 0.5 * gathered / 1e9)
 
 
 # --------------------------------------------------------------------------- solver

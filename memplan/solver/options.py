@@ -267,6 +267,7 @@ def _evaluate(
         grads_bytes=memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
         accumulation_steps=accumulation,
         reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
+        gathered_once=sharding.reduce_after_schedule and not sharding.reshard_after_forward,
     )
     comm = timing.communication_seconds(comm_bytes, ctx.bandwidth)
     return PlanOption(
