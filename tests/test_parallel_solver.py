@@ -259,3 +259,18 @@ def test_a_fully_checkpointed_block_repeats_its_tp_collectives_in_its_recompute(
     recomputed = layout_comm_seconds(profile, parallel, 2, 3, 8, recomputed=5)["tp"]
     assert plain == pytest.approx(32 * 3 * 24 / INTRA_NODE_BYTES_PER_SECOND)
     assert recomputed == pytest.approx(42 * 3 * 24 / INTRA_NODE_BYTES_PER_SECOND)
+
+
+def test_the_bubble_stretches_the_micro_batches_not_the_optimizer_step():
+    # 4 blocks (forward 0.25 s, backward 0.5 s per sample), fixed parts 0.125 s (embedding
+    # and head: 500 B of parameters each, no FLOPs recorded: split by parameters), optimizer
+    # step 0.5 s. pp 2 on 2 ranks, 4 micro-batches of 1: each stage 2 blocks and one fixed
+    # part, 2 × 0.75 + 0.0625 = 1.5625 s a micro-batch, and half the state: 0.25 s optimizer.
+    # 1F1B: (m + pp − 1)/m × 4 × 1.5625 + 0.25 = 8.0625 s, plus the activations sent between
+    # stages. Before, the bubble stretched the optimizer step too: 5/4 × 6.5 = 8.125 s.
+    profile = _tp_profile(4)
+    request = dataclasses.replace(_request(1 << 40, world=2, target=4), modes=("keep",))
+    result = solve_layout(profile, request, LayoutRequest(pp=2))
+    (option,) = [o for o in result.options if o.micro_batch == 1]
+    assert option.micro_batches == 4 and option.stages[0].once_seconds == pytest.approx(0.25)
+    assert option.step_seconds - option.comm_seconds["pp"] == pytest.approx(8.0625)

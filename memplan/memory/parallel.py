@@ -58,7 +58,7 @@ from memplan.memory.activations import (
 from memplan.memory.budget import reserve_for
 from memplan.memory.ddp_tp import held_split_grads
 from memplan.memory.peak import Peak, step_peak
-from memplan.memory.pipeline import pipeline_buffers, stage_output_bytes
+from memplan.memory.pipeline import fixed_seconds_share, pipeline_buffers, stage_output_bytes
 from memplan.memory.sharding import Sharding, rank_float8_bytes
 from memplan.memory.terms import grads_at_bytes
 from memplan.memory.vocab import (
@@ -476,8 +476,7 @@ def rank_profile(
     ratio = (state_rank + totals.grad_bytes) / max(state_full + profile.totals.grad_bytes, 1)
     optimizer = _scale(profile.optimizer_step_peak_bytes, ratio)
     # the rank steps only its parameters and runs only its stage's fixed parts (TP-split)
-    whole_fixed = sum(part.fwd_flops.slope for part in profile.fixed)
-    share = sum(p.fwd_flops.slope for p in fixed) / whole_fixed if whole_fixed > 0 else 0.0
+    share = fixed_seconds_share(profile, fixed)
     return dataclasses.replace(
         draft,
         timeline=timeline,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from memplan.memory.vocab import LOSS_PART
 from memplan.parallel import Parallel, stage_layers
-from memplan.profile import Affine, Profile
+from memplan.profile import Affine, FixedPart, Profile
 
 
 def _scale(value: Affine, factor: float) -> Affine:
@@ -80,3 +80,18 @@ def pipeline_buffers(
     )
     grads = _scale(received, (micro_batches - 1) / micro_batches) if recv_count else Affine.zero()
     return buffers, grads
+
+
+def fixed_seconds_share(profile: Profile, fixed: list[FixedPart] | tuple[FixedPart, ...]) -> float:
+    """A stage rank's share of the whole model's fixed-part seconds (embeddings, norm, head,
+    loss): its own parts' forward FLOPs (``fixed`` as the rank holds them: a TP-split head's
+    divided by ``tp``), or their parameters where the profile records no FLOPs for them."""
+    by_flops = any(part.fwd_flops.slope > 0 for part in profile.fixed)
+
+    def size(part: FixedPart) -> float:
+        if by_flops:
+            return part.fwd_flops.slope
+        return part.params_trainable_bytes + part.params_frozen_bytes
+
+    whole = sum(map(size, profile.fixed))
+    return sum(map(size, fixed)) / whole if whole > 0 else 1.0

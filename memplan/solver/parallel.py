@@ -9,7 +9,7 @@ its checkpoint modes at that ``b`` and ``m``). The layout fits when every stage 
 step time is the slowest stage's, through the pipeline schedule, plus what the layout's
 collectives add, none of them overlapped (an upper bound, as for data parallelism)::
 
-    step     = (m + pp − 1) · max_s t_s / m  +  comm_TP + comm_PP + comm_CP
+    step     = (m + pp − 1) · max_s t_s / m  +  max_s o_s  +  comm_TP + comm_PP + comm_CP
     bubble   = (pp − 1) / (m + pp − 1)                      (1F1B, GPipe; / v interleaved)
     comm_TP  = m · (4·L_s + 2·F_s) · ring(b · act_bytes, tp) / intra   (2 all-reduces
                forward and 2 backward per block, Megatron's f/g operators; SP's all-gather
@@ -20,9 +20,10 @@ collectives add, none of them overlapped (an upper bound, as for data parallelis
     comm_CP  = m · L_s · 2 · (cp − 1) · b · act_bytes / cp / intra   (K/V around the ring)
     ring(x, n) = 2 (n − 1) / n · x
 
-with ``t_s`` stage s's own step time (its compute, recompute and data-parallel
-communication, from the stage solve, the latter at ``data_parallel_bandwidth``: NVLink
-within a node, the group's NICs between nodes) and ``act_bytes`` one sample's block input. The
+with ``t_s`` stage s's micro-batches (compute and recompute), ``o_s`` what it runs once per
+step (optimizer step; data-parallel collectives at ``data_parallel_bandwidth``: NVLink
+within a node, the group's NICs between nodes), both from the stage solve, and ``act_bytes``
+one sample's block input. The
 fastest fitting plan wins; ties: less peak. What this cannot know without a GPU: overlap of
 collectives with compute, kernel efficiency at small per-rank shapes, the network's real
 topology; so the ranking of close layouts is a model's, and the reasons say by how much.
@@ -302,7 +303,9 @@ def evaluate_layout(
         if result is None:
             return None
         results.append(result)
-    slowest = max(r.plan.predicted.step_seconds for r in results)
+    # the bubble stretches the micro-batches' part; the optimizer and DP collectives run once
+    slowest = max(r.plan.predicted.step_seconds - r.once_seconds for r in results)
+    once = max(r.once_seconds for r in results)
     # a fully checkpointed block runs its forward's TP collectives again in its recompute
     recomputed = max(sum(1 for mode in r.plan.checkpoint.values() if mode == FULL) for r in results)
     comm = layout_comm_seconds(profile, parallel, b, m, most_layers, recomputed)
@@ -311,7 +314,7 @@ def evaluate_layout(
         bandwidth = stage_request.data_parallel_bandwidth or INTER_NODE_BYTES_PER_SECOND
         comm["dp"] = _ring(grads, parallel.dp) / bandwidth
     bubble = bubble_fraction(parallel, m)
-    step = slowest / (1.0 - bubble) + sum(comm.values())
+    step = slowest / (1.0 - bubble) + once + sum(comm.values())
     return LayoutOption(
         parallel=parallel,
         micro_batch=b,

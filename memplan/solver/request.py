@@ -286,6 +286,9 @@ class SolveResult:
     """With a sequence length: the search over lengths (memplan.solver.seqlen.SeqSolve,
     whose ``result`` is this one without it); None without one. (``Any``: the searches
     over lengths and layouts import this module, not the other way round.)"""
+    once_seconds: float = 0.0
+    """Of the plan's step, what runs once per step, not per micro-batch: the optimizer step
+    and the data-parallel collectives (a pipeline's bubble does not stretch them)."""
     layouts: tuple[Any, ...] = ()
     """With a layout: every layout and micro-batch that fits
     (memplan.solver.parallel.LayoutOption); ``candidates`` is then empty."""

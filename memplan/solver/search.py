@@ -202,6 +202,7 @@ def _result(setup: _Setup, *, explain: bool = True) -> SolveResult | None:
         usable_budget_bytes=ctx.usable_bytes,
         reserve=ctx.reserve,
         timing_source=setup.source_reason,
+        once_seconds=best.times.optimizer_step_seconds + best.comm_seconds,
     )
 
 
