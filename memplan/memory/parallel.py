@@ -13,6 +13,9 @@ by ``tp`` and its activations scaled by the block's measured factor::
                                                saves its all-gathered input whole,
                                                g_j = 2·output_j / saved_j (per sample)
     params_j(rank) = params_j − tp_sharded_bytes_j · (1 − 1/tp)   (grads, optimizer alike)
+    kept_j(rank) = kept_j · ((1 − s_j) + s_j / tp)     s_j = Layer.tp_selective_fraction
+
+with ``kept_j = saved_j − selective_savings_j`` what selective checkpointing keeps (no SP/CP).
 
 ``rank_profile`` rewrites the profile as that rank's own: its blocks and fixed parts, its
 state, and every timeline point of its blocks re-based, for a point of segment ``(h, ·)``::
@@ -116,15 +119,18 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
     f = activation_factor(layer, parallel)
     params = layer.params_trainable_bytes + layer.params_frozen_bytes
     r = _state_ratio(params, layer.tp_sharded_bytes, parallel.tp)
-    # The checkpointed block keeps its input; without SP/CP a TP rank's input is whole, so
-    # its savings lose exactly what the plain run's saved bytes lose.
+    # Without SP/CP a TP rank keeps a full checkpoint's input whole, and s of what selective
+    # keeps (the module docstring's kept_j), so its savings lose what its saved bytes lose.
+    s = (layer.tp_selective_fraction or 0.0) if parallel.tp > 1 else 0.0
     split_input = parallel.sequence_parallel or parallel.cp > 1
     input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
 
-    def savings(value: Affine | None) -> Affine | None:
+    def savings(value: Affine | None, kept_factor: float = 1.0) -> Affine | None:
         if value is None:
             return None
         rank = _scale(value, f) if split_input else _sub(value, _scale(layer.saved_bytes, 1.0 - f))
+        if not split_input and kept_factor != 1.0:  # saved·f − kept·kept_factor
+            rank = _sub(rank, _scale(_sub(layer.saved_bytes, value), kept_factor - 1.0))
         return _scale(rank, k)
 
     compute = 1.0 / (parallel.tp * parallel.cp)
@@ -135,7 +141,7 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
         output_bytes=_scale(layer.output_bytes, input_factor),
         saved_bytes=_scale(layer.saved_bytes, f),
         savings_bytes=savings(layer.savings_bytes),
-        selective_savings_bytes=savings(layer.selective_savings_bytes),
+        selective_savings_bytes=savings(layer.selective_savings_bytes, 1.0 - s + s / parallel.tp),
         fwd_transient_bytes=_scale(layer.fwd_transient_bytes, f),
         bwd_transient_bytes=_scale(layer.bwd_transient_bytes, f),
         recompute_transient_bytes=_scale(layer.recompute_transient_bytes, f),

@@ -165,6 +165,11 @@ class Layer:
     ``saved(t) = outside + inside/t`` from the two runs. None: not measured (no TP plan,
     or an older profile); the rest is the norm/residual region that only sequence parallel
     divides."""
+    tp_selective_fraction: float | None = None
+    """The same share of what the block keeps under selective checkpointing (``saved_bytes
+    − selective_savings_bytes``: the matmul and attention outputs the policy keeps, most of
+    them inside the TP region), measured the same way. None: not measured (no TP plan, no
+    selective figures, or an older profile): a rank then keeps all of it."""
     affine: bool = True
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""
