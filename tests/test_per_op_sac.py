@@ -183,3 +183,44 @@ def test_a_block_that_checkpoints_itself_keeps_its_tp_split():
         assert (b.saved_bytes.intercept, b.saved_bytes.slope) == (0.0, kept)
         assert b.tp_saved_fraction == pytest.approx(a.tp_selective_fraction, rel=1e-12)
         assert 0.5 < b.tp_saved_fraction < 1
+
+
+@pytest.mark.slow
+def test_tp2_with_selective_checkpointing_within_three_percent_on_four_ranks(tmp_path):
+    # probe (the TP split of plain and selective blocks), solve --tp 2 without SP with
+    # every block selective, verify on 4 gloo ranks: each within 3%. Measured −0.2% (keep:
+    # −1.3%); with sequence parallel selective is −3.4% (its SP factor is the plain
+    # blocks', not measured for selective): not held here.
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+    from memplan.plan import load_plan
+
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    config = {**LLAMA, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 1024}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = f"hf:{folder}?task=causal-lm&seq-len=64"
+    profile, plan_path = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
+    runner = CliRunner()
+    steps = [
+        ["probe", model, "-o", str(profile)],
+        [
+            *("solve", str(profile), "--budget", "1GiB", "--target-batch", "8"),
+            *("--world-size", "4", "--tp", "2", "--no-sequence-parallel"),
+            *("--min-micro", "2", "--max-micro", "2", "--modes", "selective"),
+            *("--always-checkpoint", "model.layers.*", "-o", str(plan_path)),
+        ],
+        ["verify", model, str(plan_path), "--world-size", "4", "--steps", "1", "--json"],
+    ]
+    for args in steps:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+    plan = load_plan(plan_path)
+    assert plan.parallel.tp == 2 and not plan.parallel.sequence_parallel
+    assert set(plan.checkpoint.values()) == {"selective"} and len(plan.checkpoint) == 4
+    data = json.loads(result.stdout)
+    measured = [r["peak_bytes"] for r in data["ranks"]]
+    assert len(measured) == 4
+    for peak in measured:
+        assert abs(plan.predicted.peak_bytes / peak - 1) < 0.03, (plan.predicted, measured)

@@ -86,16 +86,17 @@ def kept_activation_bytes(
 ) -> int:
     """Bytes of the distinct storages ``module``'s forward in ``mode`` (memplan.modes)
     creates and leaves alive while its output is held: what it keeps for backward, and its
-    output, as the probe's ``saved_bytes`` counts a layer (parameters, and views of them,
-    left out). Counted from the storages' lives, not from saved-tensor hooks, which a
+    output, as the probe's ``saved_bytes`` counts a layer (what existed before, parameters,
+    buffers and inputs, and views of it, left out). Counted from the storages' lives, not from saved-tensor hooks, which a
     checkpoint's own hooks hide: a block under selective or full checkpointing (or one that
     checkpoints itself) is measured too. ``context_fn`` as memplan.run.checkpoint's."""
-    params = {_storage_key(p)[0] for p in module.parameters()}
+    existing = [*module.parameters(), *module.buffers(), *tensors_in((args, kwargs), [])]
+    before = {_storage_key(t)[0] for t in existing}  # and views of them: not created here
     created = _Created()
     chosen = nullcontext() if mode == KEEP else in_mode([module], mode, context_fn=context_fn)
     with chosen, created:
         out = module(*args, **kwargs)
-    kept = sum(n for key, (ref, n) in created.alive.items() if key not in params and ref())
+    kept = sum(n for key, (ref, n) in created.alive.items() if key not in before and ref())
     del out
     return kept
 
