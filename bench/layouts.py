@@ -56,10 +56,11 @@ print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 
-def probe(factory: str, out: Path, model: Path = MODEL) -> dict:
-    """Probe ``model:factory`` on meta for DEVICE in a fresh process; its seconds."""
+def probe(factory: str, out: Path, model: Path = MODEL, device: str = DEVICE) -> dict:
+    """Probe ``model:factory`` on meta for ``device`` (a device profile name or spec file)
+    in a fresh process; its seconds."""
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE, f"{model}:{factory}", str(out), DEVICE],
+        [sys.executable, "-c", _PROBE, f"{model}:{factory}", str(out), device],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(run.stdout.strip().splitlines()[-1])

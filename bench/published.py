@@ -17,6 +17,19 @@ context, no NCCL buffers). Rows run with Float8 linears or ``torch.compile`` are
 too, but memplan models bf16 eager training: Float8 stores the linears' saved inputs in
 8 bits and compile fuses the elementwise ops, so on those rows memplan's memory is an upper
 bound and its step time is not comparable.
+
+Times are memplan's meta clock against the device spec's peaks times its measured
+efficiencies (profiles/devices/*.yaml ``efficiency``, each cited there; none taken from these
+runs). The runs' software decides one of them: torch of December 2024 ran SDPA's
+FlashAttention-2 path on H100 (pytorch/pytorch#142132, measured on the nightly of 2024-12-04:
+329.5 TFLOP/s, where cuDNN attention, torch's first choice on sm90 only from 2.9, reached
+631.3), so the H100 rows are probed with the H100 spec's attention efficiency set to that
+FlashAttention-2 measurement (``FA2_H100``). The A100 rows (Llama 3 8B and 70B on 64 A100
+80GB, FSDP only, local batch 1, sequence 8192, bf16 eager, April 2024): torchtitan's
+docs/performance.md (read at commit 4d88a8a, added in 395a526; removed since), which gives
+tokens per second per GPU and MFU but no memory; their AC: "selective layer" is torchtitan's
+option ``'2'`` (every second block fully checkpointed, the default of its config_manager.py
+then), "selective op" its per-op policy, 70B full.
 """
 
 from __future__ import annotations
@@ -26,9 +39,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
+
 from bench import layouts
 from memplan.devices import load_device
 from memplan.errors import NoPlanFitsError
+from memplan.files.schema import to_data
 from memplan.memory.budget import DEFAULT_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
 from memplan.memory.parallel import communicators
 from memplan.profile import load_profile
@@ -62,6 +78,9 @@ class Published:
     techniques: str
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    device: str = DEVICE
+    """The device profile the run is predicted on."""
+    source: str = SOURCE
 
     @property
     def dp(self) -> int:
@@ -75,6 +94,48 @@ class Published:
     def step_seconds(self) -> float:
         tokens_per_gpu = self.local_batch * SEQ * self.dp / self.gpus
         return tokens_per_gpu / self.tps
+
+
+A100_SOURCE = "torchtitan docs/performance.md at 4d88a8a (64 A100 80GB, April 2024)"
+A100_ROWS = [  # (memory: not published, 0.0)
+    Published(
+        "8B", "build_8b", "64 A100, selective layer", 64, 1, 1, 1, 1, "every-2nd", 0.0, 2904, "eager",
+        device="a100-80gb", source=A100_SOURCE,
+    ),
+    Published(
+        "8B", "build_8b", "64 A100, selective op", 64, 1, 1, 1, 1, "op-sac", 0.0, 2973, "eager",
+        device="a100-80gb", source=A100_SOURCE,
+    ),
+    Published(
+        "70B", "build_70b", "64 A100, full AC", 64, 1, 1, 1, 1, "full", 0.0, 331, "eager",
+        device="a100-80gb", source=A100_SOURCE,
+    ),
+]  # fmt: skip
+
+# PyTorch's FlashAttention-2 path on H100, measured by pytorch/pytorch#142132 on the nightly
+# of 2024-12-04 (the torch of the December 2024 H100 runs): 329.5 of 989 TFLOP/s.
+FA2_H100 = 329.5 / 989
+
+
+def run_spec(row: Published):
+    """The device spec the run is predicted on: its device profile, with the attention
+    efficiency of the kernel the run's torch ran (module doc)."""
+    spec = load_device(row.device)
+    if row.device == DEVICE:  # the December 2024 H100 table
+        spec = dataclasses.replace(
+            spec,
+            name=f"{spec.name}-fa2",
+            display_name=f"{spec.display_name}, FlashAttention-2 SDPA",
+            efficiency=dataclasses.replace(spec.efficiency, attention=round(FA2_H100, 3)),
+        )
+    return spec
+
+
+def spec_file(spec, folder: Path) -> Path:
+    """``spec`` as a device profile file the probe's subprocess reads."""
+    path = folder / f"{spec.name}.yaml"
+    path.write_text(yaml.safe_dump(to_data(spec), sort_keys=False))
+    return path
 
 
 ROWS = [
@@ -117,21 +178,15 @@ ROWS = [
 ]
 
 
-SAC = ("per-op SAC", ("selective",), 1)
-"""(label, modes, every n-th block) of torchtitan's per-op selective AC on every block."""
-LAYER_SAC = ("every 2nd block full", ("full",), 2)
-"""torchtitan's "selective layer" AC at its default ``selective_ac_option = "2"``."""
-
-
-def probe(factory: str, out: Path) -> float:
-    return layouts.probe(factory, out, MODEL)["seconds"]
+def probe(factory: str, out: Path, device: str = DEVICE) -> float:
+    return layouts.probe(factory, out, MODEL, device)["seconds"]
 
 
 def predict(profile, row: Published, spec, modes: tuple[str, ...], every: int = 1):
     """memplan's plan for the published layout, batch and checkpointing (``every``: the
     blocks checkpointed, every n-th; ``modes``: the mode they take)."""
     names = profile.layer_names
-    pinned = tuple(n for i, n in enumerate(names) if i % every == every - 1)
+    pinned = tuple(n for i, n in enumerate(names) if every and i % every == every - 1)
     if every == 1:  # a pattern: each pipeline stage's solve sees its own blocks only
         pinned = ("layers.*",)
     request = SolveRequest(
@@ -157,78 +212,66 @@ def predict(profile, row: Published, spec, modes: tuple[str, ...], every: int = 
     return solve_layout(profile, request, ask).plan
 
 
-A100_SOURCE = (
-    "torchtitan docs/performance.md at 1ea476e (April 2024; the file left the repository in "
-    "820504e): Llama 3 8B on 64 A100 80GB, FSDP, local batch 1, sequence 8192 "
-    "(train_configs/llama3_8b.toml there), eager; *selective op* is the per-op policy of "
-    "torchtitan/parallelisms/parallelize_llama.py there (mm, flash and efficient "
-    "attention, reduce-scatter kept, every second mm recomputed), *selective layer* the "
-    'default `selective_ac_option = "2"`: every second block fully checkpointed'
-)
-A100_RUNS = ((SAC, "selective op", 2973), (LAYER_SAC, "selective layer", 2904))
-"""(memplan variant, torchtitan's name, published tokens/s/GPU) of the A100 table."""
-
-
-def sac_ranking(profile) -> list[str]:
-    """Per-op SAC against every second block fully checkpointed, Llama 3 8B on A100s:
-    memplan's step times (the meta profile re-timed on the a100-80gb spec by roofline)
-    beside the published ones, and which is faster."""
-    spec = load_device("a100-80gb")
-    row = Published("8B", "build_8b", "A100", 64, 1, 1, 1, 1, "op-sac", 0.0, 0, "eager")
-    lines, steps = [], []
-    for (label, modes, every), name, tps in A100_RUNS:
-        plan = predict(profile, row, spec, modes, every)
-        published = SEQ / tps
-        steps.append((plan.predicted.step_seconds, published))
-        lines.append(
-            f"| {name} ({label}) | {tps:,} | {published:.3f} s | "
-            f"{plan.predicted.step_seconds:.3f} s |"
-        )
-    (ours_op, theirs_op), (ours_layer, theirs_layer) = steps
-    lines.append(
-        f"| per-op SAC against every 2nd block full | {theirs_layer / theirs_op - 1:+.1%} "
-        f"faster | | {ours_layer / ours_op - 1:+.1%} faster |"
+def ranked_first(profile, row: Published, spec):
+    """The plan memplan's layout search ranks first for the run's GPUs and global batch,
+    within the device's memory (``solve --layout auto --strategy fsdp``), or the reason
+    none fits."""
+    request = SolveRequest(
+        target_batch=row.local_batch * row.dp,
+        budget_bytes=spec.memory_bytes,
+        world_size=row.gpus,
+        strategy="fsdp",
+        device_spec=spec,
     )
-    return [
-        "\n#### Per-op SAC ranked against layer AC (Llama 3 8B on A100)\n",
-        f"Source: {A100_SOURCE}. memplan: the 8B profile above, solved for 64 a100-80gb "
-        "ranks (FSDP, micro-batch 1), its times re-timed by roofline; selective's extra "
-        "time is the measured share of a forward its recompute re-runs (the matmuls the "
-        "policy does not keep, and the pointwise ops).\n",
-        "| run | published TPS | published step | memplan step |",
-        "|---|---:|---:|---:|",
-        *lines,
-    ]
+    try:
+        return solve_layout(profile, request, LayoutRequest(auto=True)).plan
+    except NoPlanFitsError as exc:
+        return exc.message
 
 
 def run(device: str) -> str:
     del device  # meta probes
-    spec = load_device(DEVICE)
     lines = []
+    search_lines = []
+    bracket_lines = []
     probes = {}
+    searches: dict[tuple, object] = {}
+    a100_steps: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="memplan-published-") as tmp:
-        for row in ROWS:
-            if row.factory not in probes:
-                out = Path(tmp) / f"{row.factory}.yaml"
-                seconds = probe(row.factory, out)
+        for row in ROWS + A100_ROWS:
+            spec = run_spec(row)
+            key = (row.factory, spec.name)
+            if key not in probes:
+                out = Path(tmp) / f"{row.factory}-{spec.name}.yaml"
+                seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))))
                 # examples/llama31.py is not a transformers decoder, so memplan's runtime
                 # cannot split it into stages (the probe records that, and the solver's
                 # model-kind rule reads hf_blocks); the published pipeline layouts are
                 # modelled here, not run: both refusals are lifted for the comparison.
                 loaded = load_profile(out)
-                probes[row.factory] = dataclasses.replace(
+                probes[key] = dataclasses.replace(
                     loaded, pipeline_refused=None, hf_blocks=loaded.layer_names
                 )
-                print(f"published: {row.model} probed in {seconds:.0f} s", flush=True)
-            profile = probes[row.factory]
+                print(
+                    f"published: {row.model} probed for {spec.name} in {seconds:.0f} s", flush=True
+                )
+            profile = probes[key]
             # op-sac: memplan's selective mode is torchtitan's SelectiveAC (memplan.modes)
-            variants = [("full AC", ("full",), 1)] if row.ac == "full" else [SAC]
+            variants = {
+                "full": [("full AC", ("full",), 1)],
+                "every-2nd": [("every 2nd block full (torchtitan's layer option 2)", ("full",), 2)],
+                "op-sac": [("per-op SAC", ("selective",), 1)],
+            }[row.ac]
+            published_plan = None
             for label, modes, every in variants:
                 try:
                     plan = predict(profile, row, spec, modes, every)
                 except NoPlanFitsError as exc:
                     lines.append(f"| {row.model} | {row.table} | … | {label}: {exc.message} |")
                     continue
+                published_plan = published_plan or plan
+                if row in A100_ROWS:
+                    a100_steps[row.ac] = (plan.predicted.step_seconds, row.step_seconds)
                 peak = plan.predicted.peak_bytes
                 # not in max_memory_reserved: the CUDA context and NCCL's buffers
                 outside = DEFAULT_CONTEXT_BYTES + communicators(plan.parallel) * (
@@ -237,38 +280,123 @@ def run(device: str) -> str:
                 reserved = (peak - outside) / GiB
                 step = plan.predicted.step_seconds
                 layout = f"{row.gpus} GPUs: {plan.parallel.describe()}"
+                memory = (
+                    f"{row.memory_gib:.1f} | {reserved:.1f} | {reserved / row.memory_gib:.2f}"
+                    if row.memory_gib
+                    else f"— | {reserved:.1f} | —"
+                )
                 lines.append(
-                    f"| {row.model} | {row.table}, {row.techniques} | {layout} | "
+                    f"| {row.model} | {row.table}, {row.techniques} | {spec.display_name} | "
+                    f"{layout} | "
                     f"{row.local_batch} ({row.micro} × {plan.accumulation_steps}) | {label} | "
-                    f"{row.memory_gib:.1f} | {reserved:.1f} | {reserved / row.memory_gib:.2f} | "
+                    f"{memory} | "
                     f"{row.step_seconds:.2f} s ({row.tps:,} TPS) | {step:.2f} s | "
                     f"{step / row.step_seconds:.2f} |"
                 )
                 print(f"published: {lines[-1]}", flush=True)
-        ranking = sac_ranking(probes["build_8b"])
-        print("published: " + " ".join(ranking[-3:]), flush=True)
+            if row.ac == "op-sac":  # per-op SAC lies between these two
+                bracket_lines.append(bracket(profile, row, spec))
+                print(f"published: {bracket_lines[-1]}", flush=True)
+            if published_plan is None:
+                continue
+            where = (row.factory, spec.name, row.gpus, row.local_batch * row.dp)
+            if where not in searches:
+                searches[where] = ranked_first(profile, row, spec)
+            search_lines.append(search_line(row, published_plan, searches[where]))
+            print(f"published: {search_lines[-1]}", flush=True)
     return "\n".join(
         [
-            "### Published torchtitan runs (Llama 3.1 on H100)\n",
+            "### Published torchtitan runs (Llama 3.1 on H100, Llama 3 on A100)\n",
             f"Source of every *published* figure: {SOURCE} (pytorch/torchtitan at b5bcd76; "
-            "runs of December 2024 on 96 GB HBM2e H100s at 500 W): memory is torchtitan's "
+            "runs of December 2024 on 96 GB HBM2e H100s at 500 W), and for the A100 rows "
+            f"{A100_SOURCE} (tokens/s/GPU only: no memory published): memory is torchtitan's "
             "`max_reserved_gib` (`torch.cuda.max_memory_reserved`, the most of any GPU), time "
             "is local tokens per GPU ÷ published tokens/s/GPU. *memplan*: the shapes of "
             "examples/llama31.py probed on meta (bf16, FSDP's mixed-precision policy), the "
             "published layout, local batch and activation checkpointing solved as given "
             "(`solve --tp --pp --min-micro --max-micro --always-checkpoint`), on the "
-            f"{DEVICE} spec; memory = allocated peak + allocator reserve (what "
-            "`max_memory_reserved` counts; no CUDA context), worst rank. Rows with Float8 or "
+            f"{DEVICE} spec (H100 SXM, 700 W: the runs' 500 W HBM2e parts peak lower, by "
+            "torchtitan's own note) or a100-80gb; memory = allocated peak + allocator reserve "
+            "(what `max_memory_reserved` counts; no CUDA context), worst rank. Step time = "
+            "memplan's meta clock at each device's measured efficiency (large bf16 GEMMs, "
+            "attention, memory-bound ops; profiles/devices/*.yaml cites each, none is taken "
+            "from these runs), attention at FlashAttention-2's measured rate on H100 "
+            f"({FA2_H100:.3f} of peak, pytorch/pytorch#142132: the December 2024 torch ran "
+            "it) and on A100, plus memplan's unoverlapped collectives. Rows with Float8 or "
             "torch.compile: memplan models bf16 eager, so its memory is an upper bound there "
             "and its time is not comparable; the eager bf16 rows are the test. The example model "
             "is no transformers decoder, so memplan's runtime would refuse its pipeline stages: "
             "the 405B rows are modelled, not run.\n",
-            "| model | published run | layout | local batch (micro × m) | AC | published "
-            "GiB | memplan GiB | ratio | published step | memplan step | ratio |",
-            "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+            "| model | published run | device spec | layout | local batch (micro × m) | AC | "
+            "published GiB | memplan GiB | ratio | published step | memplan step | ratio |",
+            "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
             *lines,
-            *ranking,
+            "",
+            "Per-op SAC rows, bracketed: memplan's step time for the same layout with every "
+            "block fully checkpointed and with none, against the published step (per-op SAC "
+            "re-runs some of a block's ops, so its step lies between the two).\n",
+            "| model | published run | device spec | published step | full AC | ratio | no AC "
+            "| ratio |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+            *bracket_lines,
+            "",
+            sac_ranking(a100_steps),
+            "",
+            "**The layout search beside the published recipes.** For each run: memplan's "
+            "predicted step for the published layout (as above), and the plan its search "
+            "ranks first on the same GPUs and global batch within the device's memory "
+            "(`solve --layout auto --strategy fsdp --budget <device memory>`: degrees, "
+            "micro-batch and checkpointing all searched), its step time, and the ratio of "
+            "the two (below 1: memplan ranks its own choice faster).\n",
+            "| model | published run | published step | published layout | memplan step "
+            "| ratio to published | memplan's first | its peak GiB | its step | first ÷ "
+            "published layout |",
+            "|---|---|---:|---|---:|---:|---|---:|---:|---:|",
+            *search_lines,
         ]
+    )
+
+
+def sac_ranking(steps: dict[str, tuple[float, float]]) -> str:
+    """Per-op SAC against every second block fully checkpointed on the A100 8B rows: how
+    much faster each makes it, published and memplan's."""
+    (ours_op, theirs_op), (ours_layer, theirs_layer) = steps["op-sac"], steps["every-2nd"]
+    return (
+        "**Per-op SAC ranked against every second block fully checkpointed** (the A100 8B "
+        f"rows): published {theirs_layer / theirs_op - 1:+.1%} faster, memplan "
+        f"{ours_layer / ours_op - 1:+.1%} faster (its selective cost is the roofline of the "
+        "ops the recompute re-runs: the matmuls the policy does not keep and the pointwise "
+        'ops; docs/design.md, "Per-layer modes").'
+    )
+
+
+def bracket(profile, row: Published, spec) -> str:
+    """One line: the published layout's step with every block full and with none."""
+    cells = []
+    for modes, every in ((("full",), 1), (("full",), 0)):
+        step = predict(profile, row, spec, modes, every).predicted.step_seconds
+        cells.append(f"{step:.2f} s | {step / row.step_seconds:.2f}")
+    return (
+        f"| {row.model} | {row.table}, {row.techniques} | {spec.display_name} | "
+        f"{row.step_seconds:.2f} s | {' | '.join(cells)} |"
+    )
+
+
+def search_line(row: Published, published, first) -> str:
+    step = published.predicted.step_seconds
+    head = (
+        f"| {row.model} | {row.table}, {row.techniques}, {row.device} | "
+        f"{row.step_seconds:.2f} s | {published.parallel.describe()}, {row.micro} × "
+        f"{published.accumulation_steps}, {len(published.checkpoint)} blocks checkpointed | "
+        f"{step:.2f} s | {step / row.step_seconds:.2f} |"
+    )
+    if isinstance(first, str):
+        return head + f" none fits: {first} | | | |"
+    ours = first.predicted.step_seconds
+    return head + (
+        f" {first.parallel.describe()}, {first.micro_batch_size} × "
+        f"{first.accumulation_steps}, {len(first.checkpoint)} blocks checkpointed | "
+        f"{first.predicted.peak_bytes / GiB:.1f} | {ours:.2f} s | {ours / step:.2f} |"
     )
 
 

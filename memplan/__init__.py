@@ -7,32 +7,16 @@ loaded on first use; no training framework is imported by ``import memplan``."""
 
 from __future__ import annotations
 
-from typing import Any
-
+from memplan.lazy import loader
 from memplan.plan import Plan, load_plan
 from memplan.profile import Profile, load_profile
 from memplan.version import __version__
 
-_RUNTIME = {"apply", "remove", "Accumulator"}
-_INTEGRATIONS = {"plan_model", "profile_model"}
+_HOMES = {
+    **dict.fromkeys(("apply", "remove", "Accumulator"), "memplan.run"),
+    **dict.fromkeys(("plan_model", "profile_model"), "memplan.integrations.api"),
+}
 
-__all__ = [
-    "Plan",
-    "Profile",
-    "load_plan",
-    "load_profile",
-    "__version__",
-    *sorted(_RUNTIME | _INTEGRATIONS),
-]
+__all__ = ["Plan", "Profile", "load_plan", "load_profile", "__version__", *sorted(_HOMES)]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _RUNTIME:
-        from memplan import run
-
-        return getattr(run, name)
-    if name in _INTEGRATIONS:
-        from memplan.integrations import api
-
-        return getattr(api, name)
-    raise AttributeError(f"module 'memplan' has no attribute {name!r}")
+__getattr__ = loader(__name__, _HOMES)

@@ -15,6 +15,36 @@ from memplan.errors import BadInputError
 from memplan.files.schema import from_data, load_yaml_file
 from memplan.units import parse_budget
 
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Efficiency:
+    """The fraction of the datasheet peaks a device reaches, per kind of op, from public
+    measurements (each device file cites its own). 1.0: the peak itself, for devices with no
+    published measurement. A meta probe's clock and the roofline re-timing of a meta profile
+    (memplan.timing) divide by ``peak × efficiency``; a probe on real hardware measures."""
+
+    matmul: float = 1.0
+    """Large GEMMs (mm, addmm, bmm, ...) against the precision's peak FLOP/s."""
+    attention: float = 1.0
+    """Fused attention kernels (forward and backward) against the same peak, on FLOPs
+    counted as the attention papers count them: a causal call does half the full product's
+    work."""
+    memory: float = 1.0
+    """Memory-bound ops (elementwise, norms, copies, the optimizer) against
+    ``memory_bandwidth``."""
+
+    def __post_init__(self) -> None:
+        for name in ("matmul", "attention", "memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            if not 0.0 < value <= 1.0:
+                raise ValueError(
+                    f"{name} is {value!r}; an efficiency is a fraction of the datasheet "
+                    "peak, above 0 and at most 1"
+                )
+
+
 ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "rtx-4090": "rtx4090"}
 
 
@@ -38,6 +68,8 @@ class DeviceSpec:
     compute_capability: float | None = None
     """CUDA compute capability (8.0 for A100, 9.0 for H100): which fused attention kernels
     a meta probe models (memplan.probe.meta_attention). None: undecided (math path)."""
+    efficiency: Efficiency = Efficiency()
+    """Achievable fractions of the peaks (:class:`Efficiency`); all 1.0 when not given."""
 
     def peak_flops(self, precision: str) -> float:
         value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[

@@ -35,15 +35,14 @@ from memplan.profile.arrays import layer_ints, layer_values
 TimingSource = Literal["measured", "roofline"]
 TimingMode = Literal["auto", "measured", "roofline"]
 
-# Roofline: a kernel takes max(FLOPs / FLOP/s, bytes / bandwidth). Against datasheet peaks,
-# as the probe's meta clock (memplan.probe.tracker.Roofline) does, so a meta profile gives
-# comparable times whether the probe or this module timed it. Real training reaches less
-# (35-55% model FLOPs utilisation for well-tuned transformers; nanoGPT's estimate_mfu
-# compares against the A100's 312 TFLOP/s bf16 peak): absolute roofline times are
-# optimistic, the ranking of plans is what they are for. Per layer, not per op: a layer's
-# FLOPs and bytes are summed before taking the max, which is a little more optimistic still.
-ROOFLINE_FLOPS_EFFICIENCY = 1.0
-ROOFLINE_BANDWIDTH_EFFICIENCY = 1.0
+# Roofline: a kernel takes max(FLOPs / FLOP/s, bytes / bandwidth), against the device spec's
+# datasheet peaks times its measured efficiencies (memplan.devices.Efficiency: the fraction
+# of peak that large GEMMs and memory-bound ops reach on that device, from public
+# measurements cited in each profiles/devices file). Per layer, not per op: a layer's FLOPs
+# and bytes are summed before taking the max, and every FLOP is taken at the GEMM efficiency
+# (a layer's attention FLOPs are not told apart here; a meta probe's own clock,
+# memplan.probe.tracker.Roofline, times each op by its kind, so probing against the target
+# spec is the closer estimate).
 # Backward computes gradients for both inputs and weights: two matmuls per forward matmul.
 BACKWARD_FLOPS_FACTOR = 2.0
 
@@ -213,10 +212,22 @@ def selective_slower_layers(times: MicroStepTimes) -> tuple[int, ...]:
     )
 
 
+def achievable_flops(spec: DeviceSpec, precision: str) -> float:
+    """FLOP/s that large GEMMs reach: the peak times the spec's matmul efficiency."""
+    return spec.peak_flops(precision) * spec.efficiency.matmul
+
+
+def achievable_bandwidth(spec: DeviceSpec) -> float:
+    """Bytes per second that memory-bound ops reach: the datasheet bandwidth times the
+    spec's memory efficiency."""
+    return spec.memory_bandwidth * spec.efficiency.memory
+
+
 def roofline_seconds(flops: float, bytes_moved: float, spec: DeviceSpec, precision: str) -> float:
-    """max(compute time, memory time) against the spec's peaks (times the efficiencies)."""
-    compute = flops / (spec.peak_flops(precision) * ROOFLINE_FLOPS_EFFICIENCY)
-    memory = bytes_moved / (spec.memory_bandwidth * ROOFLINE_BANDWIDTH_EFFICIENCY)
+    """max(compute time, memory time) against the spec's achievable rates (peaks times the
+    measured efficiencies)."""
+    compute = flops / achievable_flops(spec, precision)
+    memory = bytes_moved / achievable_bandwidth(spec)
     return max(compute, memory, 0.0)
 
 
@@ -237,8 +248,8 @@ def _roofline_layer_seconds(
         return None  # their sum as ints, then as a float, could differ from this one
     flops = np.maximum(flops, 0.0)
     moved = params + frozen + np.maximum(inputs, 0.0) + np.maximum(saved, 0.0)
-    peak = spec.peak_flops(profile.environment.precision) * ROOFLINE_FLOPS_EFFICIENCY
-    bandwidth = spec.memory_bandwidth * ROOFLINE_BANDWIDTH_EFFICIENCY
+    peak = achievable_flops(spec, profile.environment.precision)
+    bandwidth = achievable_bandwidth(spec)
 
     def seconds(flops: np.ndarray, moved: np.ndarray) -> list[float]:
         return np.maximum(np.maximum(flops / peak, moved / bandwidth), 0.0).tolist()

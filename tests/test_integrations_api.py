@@ -295,3 +295,19 @@ def test_copy_keeps_tied_weights_tied():
     assert twin.extra.weight is twin.out.weight and twin.out.weight is not model.out.weight
     meta = planning_copy(copy.deepcopy(model), "meta")
     assert meta.extra.weight is meta.out.weight and meta.out.weight.is_meta
+
+
+def test_lazy_names_load_on_first_use_and_unknown_names_say_which_package():
+    code = (
+        "import sys, memplan, memplan.run, memplan.probe\n"
+        "before = 'torch' in sys.modules\n"
+        "names = [memplan.apply is memplan.run.apply, memplan.Accumulator.__module__,\n"
+        "         memplan.probe.probe_model.__module__, memplan.plan_model.__module__]\n"
+        "try:\n    memplan.run.nope\nexcept AttributeError as e:\n    names.append(str(e))\n"
+        "print(before, names)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (
+        "False [True, 'memplan.run.accumulate', 'memplan.probe.runner', "
+        "'memplan.integrations.api', \"module 'memplan.run' has no attribute 'nope'\"]"
+    )

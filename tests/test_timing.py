@@ -6,8 +6,8 @@ import pytest
 from profiles_factory import ChainSpec
 
 from memplan import timing
-from memplan.devices import DeviceSpec
-from memplan.errors import BadInputError
+from memplan.devices import DeviceSpec, Efficiency, load_device
+from memplan.errors import BadInputError, ProfileError
 from memplan.profile import Affine, Environment
 
 GPU = DeviceSpec(
@@ -86,9 +86,9 @@ def test_roofline_times_by_hand():
     profile = meta_profile()  # fp32, layer 0: 0.25e9 FLOPs per sample, 1 param byte
     times = timing.micro_step_times(profile, 4, source="roofline", device_spec=GPU)
     flops = 1e9 * 4 * 0.25
-    compute = flops / (1e12 * timing.ROOFLINE_FLOPS_EFFICIENCY)
+    compute = flops / 1e12  # GPU has no efficiency: the datasheet peak itself
     moved = 1 + 4 * 8 + 4 * 100  # params + input (embedding output) + saved
-    memory_s = moved / (1e11 * timing.ROOFLINE_BANDWIDTH_EFFICIENCY)
+    memory_s = moved / 1e11
     assert times.fwd_seconds[0] == pytest.approx(max(compute, memory_s))
     assert times.bwd_seconds[0] == pytest.approx(2 * times.fwd_seconds[0])
     assert times.source == "roofline"
@@ -138,3 +138,72 @@ def test_measured_checkpoint_cost_replaces_one_forward():
     assert timing.step_seconds(times, 2, [0]) == 2 * (0.125 + 3.5 + 7.0 + 3.0) + 0.5
     # Without them (meta, older profiles): one forward, as before.
     assert timing.recompute_seconds(timing.micro_step_times(profile, 4), [0, 2]) == 1.5
+
+
+# A GPU whose large GEMMs reach half its 1 TFLOP/s fp32 peak and whose memory-bound ops reach
+# 80% of its 100 GB/s (memplan.devices.Efficiency; the values here are round, not measured).
+HALF = dataclasses.replace(GPU, efficiency=Efficiency(matmul=0.5, attention=0.25, memory=0.8))
+
+
+def test_roofline_step_time_by_hand_with_device_efficiency():
+    # ChainSpec's profile at micro-batch 4, fp32, per sample: layer FLOPs 0.25e9, 0.5e9,
+    # 0.125e9 (fwd_seconds × 1e9); each layer moves 1 param byte + its input + 100 saved
+    # bytes per sample. Compute time = FLOPs / (1e12 × 0.5): 2 ms, 4 ms, 1 ms forward.
+    # Memory time = bytes / (1e11 × 0.8): ~5 ns, far below: every layer is compute-bound.
+    profile = meta_profile()
+    times = timing.micro_step_times(profile, 4, source="roofline", device_spec=HALF)
+    assert times.fwd_seconds == pytest.approx((2e-3, 4e-3, 1e-3), rel=1e-12)
+    assert times.bwd_seconds == pytest.approx((4e-3, 8e-3, 2e-3), rel=1e-12)
+    # The optimizer step is memory-bound: 2·params + grads + 2·state bytes at 80 GB/s.
+    totals = profile.totals
+    optimizer_bytes = (
+        2 * totals.params_trainable_bytes + totals.grad_bytes + 2 * totals.optimizer_state_bytes
+    )
+    assert times.optimizer_step_seconds == pytest.approx(optimizer_bytes / 8e10, rel=1e-12)
+    # The fixed parts count no FLOPs: memory-bound at 80 GB/s. Embedding: 500 param bytes +
+    # 8 saved per sample; head: 500 + 20 per sample; backward moves twice a forward's bytes.
+    fixed_bytes = (500 + 8 * 4) + (500 + 20 * 4)
+    assert times.fixed_seconds == pytest.approx(3 * fixed_bytes / 8e10, rel=1e-12)
+    # Three micro-steps, layers 0 and 2 recomputed (one more forward each).
+    micro = times.fixed_seconds + (2e-3 + 4e-3 + 1e-3) * 3 + (2e-3 + 1e-3)
+    expected = 3 * micro + optimizer_bytes / 8e10
+    assert timing.step_seconds(times, 3, [0, 2]) == pytest.approx(expected, rel=1e-12)
+    # Against the datasheet peaks the same step is exactly the compute half as long.
+    peak = timing.micro_step_times(profile, 4, source="roofline", device_spec=GPU)
+    assert peak.fwd_seconds == pytest.approx((1e-3, 2e-3, 5e-4), rel=1e-12)
+
+
+def test_shipped_gpu_profiles_carry_a_cited_efficiency():
+    # The shipped A100 and H100 files give every efficiency below 1 (each cited in the file);
+    # an A100's bf16 matmul at 271.2 of 312 TFLOP/s (the measured MAMF) is 0.869.
+    a100 = load_device("a100-80gb")
+    assert a100.efficiency == Efficiency(matmul=0.869, attention=0.656, memory=0.88)
+    assert timing.achievable_flops(a100, "bf16") == pytest.approx(271.128e12)
+    h100 = load_device("h100-80gb")
+    assert timing.achievable_flops(h100, "bf16") == pytest.approx(794.167e12)
+    assert timing.achievable_bandwidth(h100) == pytest.approx(2.814e12)
+    # A file without the field plans at the peaks, as before.
+    assert load_device("l4").efficiency == Efficiency()
+
+
+@pytest.mark.parametrize(
+    ("block", "problem"),
+    [
+        ("efficiency:\n  matmul: 1.3\n", "matmul is 1.3"),
+        ("efficiency:\n  memory: 0\n", "memory is 0"),
+        ("efficiency:\n  matmull: 0.8\n", "unknown key(s) matmull"),
+        ("efficiency: 0.8\n", "must be a mapping"),
+    ],
+)
+def test_bad_efficiency_in_a_device_file_names_the_field(tmp_path, block, problem):
+    path = tmp_path / "gpu.yaml"
+    path.write_text(
+        "name: gpu\ndisplay_name: GPU\nmemory_bytes: 100\nbf16_flops: 1.0e+12\n"
+        "fp16_flops: 1.0e+12\nfp32_flops: 1.0e+12\nmemory_bandwidth: 1.0e+9\n" + block
+    )
+    with pytest.raises(ProfileError) as caught:
+        load_device(str(path))
+    assert "device.efficiency" in caught.value.message
+    assert problem in caught.value.message
+    assert str(path) in caught.value.message
+    assert caught.value.exit_code == 2

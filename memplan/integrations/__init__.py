@@ -17,8 +17,7 @@ use, so ``memplan.integrations`` itself imports no torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from memplan.lazy import loader
 
 _HOMES = {
     "plan_model": "api",
@@ -32,7 +31,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"memplan.integrations.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'memplan.integrations' has no attribute {name!r}")
+__getattr__ = loader(__name__, _HOMES)

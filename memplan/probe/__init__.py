@@ -9,8 +9,7 @@ torch import.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from memplan.lazy import loader
 
 _HOMES = {
     "MeasuredRun": "measure",
@@ -21,7 +20,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"memplan.probe.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'memplan.probe' has no attribute {name!r}")
+__getattr__ = loader(__name__, _HOMES)

@@ -97,7 +97,12 @@ class Backend:
             if spec.fp16_flops:
                 by_dtype[torch.float16] = spec.fp16_flops
             self.roofline = Roofline(
-                flops_by_dtype=by_dtype, default_flops=peak, memory_bandwidth=spec.memory_bandwidth
+                flops_by_dtype=by_dtype,
+                default_flops=peak,
+                memory_bandwidth=spec.memory_bandwidth,
+                matmul_efficiency=spec.efficiency.matmul,
+                attention_efficiency=spec.efficiency.attention,
+                memory_efficiency=spec.efficiency.memory,
             )
 
     # --------------------------------------------------------------------------- model

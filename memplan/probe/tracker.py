@@ -56,7 +56,14 @@ _FLOP_FORMULAS = _flop_formulas()
 
 
 class Roofline:
-    """Time of one op on a device spec: max(FLOPs / peak FLOP/s, bytes / bandwidth)."""
+    """Time of one op on a device spec: max(FLOPs / achievable FLOP/s, bytes / achievable
+    bandwidth), where achievable is the datasheet peak times the spec's efficiency for the
+    op's kind (memplan.devices.Efficiency): fused attention kernels at ``attention``, every
+    other op with counted FLOPs (matmuls, convolutions) at ``matmul``, and bytes at
+    ``memory``. A causal attention call is charged half its counted FLOPs: torch's formula
+    (torch/utils/flop_counter.py ``sdpa_flop_count``) counts the full QKᵀ and PV products,
+    while the kernels skip the masked half and their measured TFLOP/s (the FlashAttention
+    papers' convention) divide by the halved count."""
 
     def __init__(
         self,
@@ -64,14 +71,59 @@ class Roofline:
         flops_by_dtype: dict[torch.dtype, float],
         default_flops: float,
         memory_bandwidth: float,
+        matmul_efficiency: float = 1.0,
+        attention_efficiency: float = 1.0,
+        memory_efficiency: float = 1.0,
     ) -> None:
         self.flops_by_dtype = flops_by_dtype
         self.default_flops = default_flops
-        self.memory_bandwidth = memory_bandwidth
+        self.memory_bandwidth = memory_bandwidth * memory_efficiency
+        self.matmul_efficiency = matmul_efficiency
+        self.attention_efficiency = attention_efficiency
+        self._kinds: dict[Any, tuple[bool, int | None, int | None]] = {}
 
-    def seconds(self, flops: float, bytes_moved: int, dtype: torch.dtype | None) -> float:
+    def _kind(self, func: Any) -> tuple[bool, int | None, int | None]:
+        """(is a fused attention op, position of ``is_causal``, of ``custom_mask_type``) in
+        the op's schema, once per op."""
+        kind = self._kinds.get(func)
+        if kind is None:
+            attention = "attention" in func._overloadpacket.__name__
+            names = [a.name for a in func._schema.arguments] if attention else []
+            kind = (
+                attention,
+                names.index("is_causal") if "is_causal" in names else None,
+                names.index("custom_mask_type") if "custom_mask_type" in names else None,
+            )
+            self._kinds[func] = kind
+        return kind
+
+    def _causal(self, func: Any, args: tuple, kwargs: dict) -> bool:
+        _, causal_at, mask_at = self._kind(func)
+        for name, at in (("is_causal", causal_at), ("custom_mask_type", mask_at)):
+            if at is None:
+                continue
+            value = kwargs.get(name, args[at] if at < len(args) else None)
+            if value:  # True, or a causal mask type (1: from the top left, 2: bottom right)
+                return True
+        return False
+
+    def seconds(
+        self,
+        flops: float,
+        bytes_moved: int,
+        dtype: torch.dtype | None,
+        func: Any = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> float:
         peak = self.flops_by_dtype.get(dtype, self.default_flops) if dtype else self.default_flops
-        return max(flops / peak, bytes_moved / self.memory_bandwidth)
+        if flops and func is not None and self._kind(func)[0]:
+            if self._causal(func, args, kwargs or _EMPTY):
+                flops = flops / 2
+            compute = flops / (peak * self.attention_efficiency)
+        else:
+            compute = flops / (peak * self.matmul_efficiency)
+        return max(compute, bytes_moved / self.memory_bandwidth)
 
 
 def tensors_in(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -186,7 +238,7 @@ class LiveTracker(TorchDispatchMode):
                 key = cache.key(func, args, kwargs)
                 entry = cache.lookup(key)
                 if entry is not None:
-                    out = self._cached(func, entry)
+                    out = self._cached(func, entry, args, kwargs)
                     if self.meta:  # a factory's rebuilt result needs its real twin too
                         shadow.shadow_factory(func, args, kwargs, out)
                     return out
@@ -247,11 +299,13 @@ class LiveTracker(TorchDispatchMode):
             moved += sum(_tensor_bytes(t) for t in outputs)
         if self.roofline is not None and not _no_kernel(func):
             dtype = outputs[0].dtype if outputs else None
-            self.virtual_seconds += self.roofline.seconds(op_flops, moved, dtype)
+            self.virtual_seconds += self.roofline.seconds(
+                op_flops, moved, dtype, func, args, kwargs
+            )
         if cache is not None:
             cache.store(key, args, kwargs, out, op_flops, moved)
 
-    def _cached(self, func: Any, entry: Any) -> Any:
+    def _cached(self, func: Any, entry: Any, args: tuple, kwargs: dict) -> Any:
         """The bookkeeping of ``__torch_dispatch__`` for a result rebuilt from the cache."""
         out = entry.build()
         outputs = tensors_in(out, [])
@@ -265,7 +319,9 @@ class LiveTracker(TorchDispatchMode):
         self.flops += entry.flops
         if self.roofline is not None and not _no_kernel(func):
             dtype = outputs[0].dtype if outputs else None
-            self.virtual_seconds += self.roofline.seconds(entry.flops, entry.moved_bytes, dtype)
+            self.virtual_seconds += self.roofline.seconds(
+                entry.flops, entry.moved_bytes, dtype, func, args, kwargs
+            )
         return out
 
 

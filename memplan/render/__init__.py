@@ -577,7 +577,9 @@ def show_devices(specs: list[DeviceSpec]) -> None:
     table = Table(header_style="bold")
     for column in ("name", "GPU", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth"):
         table.add_column(column)
+    table.add_column("efficiency\nmatmul/attn/mem")
     for s in specs:
+        e = s.efficiency
         table.add_row(
             Text(s.name),
             Text(s.display_name),
@@ -585,5 +587,6 @@ def show_devices(specs: list[DeviceSpec]) -> None:
             f"{s.bf16_flops / 1e12:.0f}" if s.bf16_flops else "-",
             f"{s.fp32_flops / 1e12:.1f}",
             f"{s.memory_bandwidth / 1e9:.0f} GB/s",
+            f"{e.matmul:.2f}/{e.attention:.2f}/{e.memory:.2f}" if e != type(e)() else "peaks",
         )
     console.print(table)

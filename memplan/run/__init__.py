@@ -6,8 +6,7 @@ probe nor verify: both build on it. Names are loaded on first use."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from memplan.lazy import loader
 
 _HOMES = {
     "Accumulator": "accumulate",
@@ -28,7 +27,4 @@ _HOMES = {
 __all__ = sorted(_HOMES)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        return getattr(importlib.import_module(f"memplan.run.{_HOMES[name]}"), name)
-    raise AttributeError(f"module 'memplan.run' has no attribute {name!r}")
+__getattr__ = loader(__name__, _HOMES)
