@@ -118,15 +118,17 @@ def test_a_meta_probe_plans_per_op_sac_as_the_cpu_probe_measures_it(tmp_path):
 
 def test_the_recompute_is_charged_the_matmul_it_reruns():
     # Two blocks of four 1024 × 1024 linears on 512 tokens, fp32, on the H100 spec: per
-    # sample the forward runs 4 matmuls of 2·512·1024² FLOPs each (compute-bound: 4.1 ms
-    # at 67 TFLOP/s against 0.1 ms of bytes). Selective keeps the 1st and 3rd outputs and
-    # recomputes the 2nd only (the 4th's output is the block's, no backward needs it):
-    # it frees one 512 × 1024 fp32 tensor and costs one matmul.
+    # sample the forward runs 4 matmuls of 2·512·1024² FLOPs each (compute-bound: 5 ms at
+    # 67 TFLOP/s × the spec's matmul efficiency, against 0.1 ms of bytes). Selective
+    # keeps the 1st and 3rd outputs and recomputes the 2nd only (the 4th's output is the
+    # block's, no backward needs it): it frees one 512 × 1024 fp32 tensor and costs one
+    # matmul.
     profile = probe_model(
         str(MODELS / "linear_chain.py"), device="meta", micro_batches=(1, 2),
         device_profile="h100-80gb",
     )  # fmt: skip
-    matmul = 2 * 512 * 1024 * 1024 / load_device("h100-80gb").fp32_flops
+    spec = load_device("h100-80gb")
+    matmul = 2 * 512 * 1024 * 1024 / (spec.fp32_flops * spec.efficiency.matmul)
     for layer in profile.layers:
         assert layer.selective_savings_bytes == Affine(intercept=0.0, slope=512 * 1024 * 4)
         assert layer.selective_recompute_seconds.slope == pytest.approx(matmul, rel=1e-9)
