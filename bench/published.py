@@ -70,7 +70,7 @@ class Published:
     local_batch: int
     """Per data-parallel rank (torchtitan's ``local_batch_size``)."""
     micro: int
-    """Per micro-step: the local batch, or the pipeline micro-batch size (1)."""
+    """Per micro-step: the local batch, or the pipeline micro-batch size (local batch / pp)."""
     ac: str
     """``full``, ``op-sac`` (per-op selective) as published."""
     memory_gib: float
@@ -145,6 +145,10 @@ ROWS = [
     Published(
         "70B", "build_70b", "Table 4", 256, 8, 1, 16, 16, "full", 71.9, 829, "compile+float8"
     ),
+    # The pipeline splits the local batch into pp micro-batches unless told otherwise
+    # (torchtitan 9dec370, torchtitan/parallelisms/pipeline_llama.py: ``microbatches =
+    # pipeline_parallel_microbatches or parallel_dims.pp``; pipelining_utils.py
+    # build_pipeline_schedule, the same default): 8 micro-batches of 4, not 32 of 1.
     Published(
         "405B",
         "build_405b",
@@ -153,7 +157,7 @@ ROWS = [
         8,
         8,
         32,
-        1,
+        4,
         "full",
         82.5,
         100,
@@ -167,7 +171,7 @@ ROWS = [
         8,
         8,
         32,
-        1,
+        4,
         "full",
         72.7,
         128,
@@ -326,7 +330,11 @@ def run(device: str) -> str:
             "torch.compile: memplan models bf16 eager, so its memory is an upper bound there "
             "and its time is not comparable; the eager bf16 rows are the test. The example model "
             "is no transformers decoder, so memplan's runtime would refuse its pipeline stages: "
-            "the 405B rows are modelled, not run.\n",
+            "the 405B rows are modelled, not run. Their local batch of 32 runs as 8 "
+            "micro-batches of 4 (torchtitan splits it into pp unless told otherwise); the "
+            "published runs' last stage also kept every micro-batch's logits to the step's "
+            "end (torch's `return_outputs` default then, off in torchtitan since e5ef99a and "
+            "in memplan's runtime): 7 × 1.0 GiB more on stage 7, which memplan leaves out.\n",
             "| model | published run | device spec | layout | local batch (micro × m) | AC | "
             "published GiB | memplan GiB | ratio | published step | memplan step | ratio |",
             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",

@@ -40,6 +40,7 @@ SECTIONS = [
     "scale",
     "layouts",
     "published",
+    "engines",
     "hf_sweep",
 ]
 

@@ -192,3 +192,24 @@ def test_probing_params_needs_a_low_precision():
         make_backend("meta", "fp32", None, "params")
     with pytest.raises(BadInputError, match="autocast, params"):
         make_backend("meta", "bf16", None, "fp8")
+
+
+@pytest.mark.parametrize("grad_sync", ["last_micro_step", "every_micro_step"])
+def test_a_pipeline_stage_reduces_after_its_schedule(grad_sync):
+    # torch.distributed.pipelining turns gradient sync off for every micro-batch's backward
+    # and reduces after the schedule: in the last micro-batch's backward of h.2 no unit has
+    # reduced, whatever the plan's grad_sync. h.0 to h.3 and the root accumulated in fp32
+    # (5 × 2000), the root's new bf16 gradients apart (1000); no shard, no kept input.
+    profile = mixed()
+    stage = Sharding(
+        strategy="fsdp",
+        world_size=4,
+        grad_sync=grad_sync,
+        reshard_after_forward=False,
+        reduce_after_schedule=True,
+    )
+    bwd = index_of(profile, "grads_resident", "backward of h.2")
+    assert memory.fsdp_grads_bytes(profile, stage, "grads_resident", bwd, 2) == 5 * 2000 + 1000
+    # the first micro-batch: h.3 upcast to fp32 by its post_backward, the root's in bf16
+    first = index_of(profile, "no_grads", "backward of h.2")
+    assert memory.fsdp_grads_bytes(profile, stage, "no_grads", first, 2) == 2000 + 1000

@@ -200,3 +200,62 @@ def test_cli_solves_a_layout_and_writes_torchtitan(tmp_path):
         ],
     )
     assert bad.exit_code == 2 and "--layout takes auto" in bad.output
+
+
+def test_layout_search_and_plan_count_the_same_nccl_communicators():
+    # tp 2 × pp 2 × dp 2 on an H100: a rank belongs to three NCCL communicators (shard,
+    # tensor, pipeline), 128 MiB each. The stage solve counted one (its data-parallel
+    # world), the plan's peak three: every stage 256 MiB apart. With every block fully
+    # checkpointed the search's stage peaks are the plan's exactly.
+    from memplan.devices import load_device
+    from memplan.memory.budget import NCCL_COMMUNICATOR_BYTES
+    from memplan.units import MiB
+
+    assert 128 * MiB == NCCL_COMMUNICATOR_BYTES
+    profile = _tp_profile()
+    request = dataclasses.replace(
+        _request(1 << 40),
+        device_spec=load_device("h100-80gb"),
+        always_checkpoint=("h.*",),
+        modes=("full",),
+    )
+    result = solve_layout(profile, request, LayoutRequest(tp=2, pp=2))
+    option = next(o for o in result.options if o.micro_batch == result.plan.micro_batch_size)
+    assert all(s.reserve.nccl_bytes == 3 * 128 * MiB for s in option.stages)
+    searched = tuple(s.plan.predicted.peak_bytes for s in option.stages)
+    assert searched == result.plan.predicted.stage_peak_bytes
+
+
+def test_data_parallel_collectives_run_at_the_groups_bandwidth():
+    # Ranks numbered tp innermost: a data-parallel group takes every tp-th rank. Within a
+    # node of 8 it runs on NVLink (450 GB/s); across nodes each of its ranks on a node
+    # brings its own 50 GB/s NIC: tp 8 leaves one a node (50 GB/s), tp 2 four (200), tp 1
+    # eight (400, under NVLink's 450).
+    from memplan.solver.parallel import data_parallel_bandwidth
+
+    nvlink = 450e9
+    cases = {
+        Parallel(dp_shard=32, tp=8): 50e9,
+        Parallel(dp_shard=128, tp=2): 200e9,
+        Parallel(dp_shard=256): 400e9,
+        Parallel(dp_shard=4, tp=2): nvlink,
+        Parallel(dp_shard=8, pp=4): nvlink,
+        Parallel(dp_shard=16, tp=2, cp=2): 100e9,
+    }
+    for parallel, want in cases.items():
+        assert data_parallel_bandwidth(parallel, nvlink, 8) == want, parallel
+
+
+def test_a_fully_checkpointed_block_repeats_its_tp_collectives_in_its_recompute():
+    # 8 blocks whose first input is 8 B a sample, micro-batch 2, tp 4, 3 micro-batches:
+    # each collective moves ring(16 B, 4) = 2·3/4·16 = 24 B; 4 per block plain, 6 when
+    # fully checkpointed: (4·8 + 2·5)·3·24 B at 450 GB/s.
+    from memplan.solver.parallel import INTRA_NODE_BYTES_PER_SECOND, layout_comm_seconds
+
+    profile = _tp_profile()
+    assert profile.layers[0].input_bytes.slope == 8
+    parallel = Parallel(tp=4, dp_shard=2)
+    plain = layout_comm_seconds(profile, parallel, 2, 3, 8)["tp"]
+    recomputed = layout_comm_seconds(profile, parallel, 2, 3, 8, recomputed=5)["tp"]
+    assert plain == pytest.approx(32 * 3 * 24 / INTRA_NODE_BYTES_PER_SECOND)
+    assert recomputed == pytest.approx(42 * 3 * 24 / INTRA_NODE_BYTES_PER_SECOND)

@@ -49,6 +49,12 @@ from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
+from memplan.memory.activations import (
+    activation_factor,
+    freed_inputs,
+    held_bytes,
+    hidden_factor,
+)
 from memplan.memory.budget import reserve_for
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.pipeline import pipeline_buffers, stage_output_bytes
@@ -79,35 +85,6 @@ def _sub(a: Affine, b: Affine) -> Affine:
     return Affine(intercept=a.intercept - b.intercept, slope=a.slope - b.slope)
 
 
-SP_GATHERED_INPUTS = 2
-"""TP regions per block whose input sequence parallel all-gathers: attention and MLP (the
-Llama shape of torchtitan's ``apply_tp`` and transformers' TP plans)."""
-
-
-def sp_gathered_share(layer: Layer) -> float:
-    """Share of the block's saved bytes (per sample) that sequence parallel keeps whole: the
-    all-gathered (``Replicate``) input of each TP region, one hidden-state tensor (the block's
-    output size) each, saved by the region's colwise projections. PyTorch's SP (DTensor, as
-    torchtitan runs it) saves that gathered tensor; Megatron's SP saves the sequence shard and
-    gathers again in the backward, which its formula (34·s·b·h/t) assumes. Measured with
-    ``memplan verify --world-size 4`` on a tiny HF Llama: without this term the prediction
-    was 4.2% under every rank (docs/design.md)."""
-    saved = layer.saved_bytes.slope
-    if saved <= 0:
-        return 0.0
-    return min(1.0, SP_GATHERED_INPUTS * max(layer.output_bytes.slope, 0.0) / saved)
-
-
-def activation_factor(layer: Layer, parallel: Parallel) -> float:
-    """``f_j`` of the module docstring: what a rank keeps of the block's saved bytes."""
-    if parallel.sequence_parallel:
-        return (1.0 / parallel.tp + sp_gathered_share(layer) * (1.0 - 1.0 / parallel.tp)) / (
-            parallel.cp
-        )
-    inside = (layer.tp_saved_fraction or 0.0) if parallel.tp > 1 else 0.0
-    return ((1.0 - inside) + inside / parallel.tp) / parallel.cp
-
-
 def _state_ratio(params: int, sharded: int, tp: int) -> float:
     """A rank's share of a part's parameters (gradients, optimizer state alike) under TP."""
     if params <= 0 or tp == 1:
@@ -119,18 +96,28 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
     f = activation_factor(layer, parallel)
     params = layer.params_trainable_bytes + layer.params_frozen_bytes
     r = _state_ratio(params, layer.tp_sharded_bytes, parallel.tp)
-    # Without SP/CP a TP rank keeps a full checkpoint's input whole, and s of what selective
-    # keeps (the module docstring's kept_j), so its savings lose what its saved bytes lose.
+    # A fully checkpointed block keeps hidden states only (its input and its output,
+    # ``saved − savings``). Without SP/CP a TP rank holds them whole, so its savings lose
+    # exactly what the plain run's saved bytes lose; with SP or CP they are split by
+    # sequence like the block's input, not by the block's factor ``f`` (which also counts
+    # the TP regions' gathered inputs). A selective block also keeps matmul outputs: ``f``
+    # with SP or CP, and without them ``s`` of it inside the TP region (the kept_j above).
     s = (layer.tp_selective_fraction or 0.0) if parallel.tp > 1 else 0.0
     split_input = parallel.sequence_parallel or parallel.cp > 1
-    input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
+    input_factor = hidden_factor(parallel)
 
-    def savings(value: Affine | None, kept_factor: float = 1.0) -> Affine | None:
+    def savings(value: Affine | None, hidden: bool, kept_factor: float = 1.0) -> Affine | None:
         if value is None:
             return None
-        rank = _scale(value, f) if split_input else _sub(value, _scale(layer.saved_bytes, 1.0 - f))
-        if not split_input and kept_factor != 1.0:  # saved·f − kept·kept_factor
-            rank = _sub(rank, _scale(_sub(layer.saved_bytes, value), kept_factor - 1.0))
+        if not split_input:
+            rank = _sub(value, _scale(layer.saved_bytes, 1.0 - f))
+            if kept_factor != 1.0:  # saved·f − kept·kept_factor
+                rank = _sub(rank, _scale(_sub(layer.saved_bytes, value), kept_factor - 1.0))
+        elif hidden:
+            kept = _scale(_sub(layer.saved_bytes, value), input_factor)
+            rank = _sub(_scale(layer.saved_bytes, f), kept)
+        else:
+            rank = _scale(value, f)
         return _scale(rank, k)
 
     compute = 1.0 / (parallel.tp * parallel.cp)
@@ -140,8 +127,10 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
         input_bytes=_scale(layer.input_bytes, input_factor),
         output_bytes=_scale(layer.output_bytes, input_factor),
         saved_bytes=_scale(layer.saved_bytes, f),
-        savings_bytes=savings(layer.savings_bytes),
-        selective_savings_bytes=savings(layer.selective_savings_bytes, 1.0 - s + s / parallel.tp),
+        savings_bytes=savings(layer.savings_bytes, hidden=True),
+        selective_savings_bytes=savings(
+            layer.selective_savings_bytes, hidden=False, kept_factor=1.0 - s + s / parallel.tp
+        ),
         fwd_transient_bytes=_scale(layer.fwd_transient_bytes, f),
         bwd_transient_bytes=_scale(layer.bwd_transient_bytes, f),
         recompute_transient_bytes=_scale(layer.recompute_transient_bytes, f),
@@ -377,23 +366,27 @@ def rank_profile(
     ]
     totals = _rank_totals(profile, layers, fixed)
     f = [activation_factor(layer, parallel) for layer in profile.layers]
-    saved = [layer.saved_bytes for layer in profile.layers]
+    input_factor = hidden_factor(parallel)
+    # What a block adds to a micro-batch's held bytes: the whole model's (its saved bytes
+    # less the input the plain step frees after it) and the rank's (``held_bytes``).
+    freed = freed_inputs(profile)
+    saved = [_sub(layer.saved_bytes, freed[j]) for j, layer in enumerate(profile.layers)]
+    rank_saved = held_bytes(profile, parallel, stage_range)
     stage_saved = Affine.zero()
     for j in stage_range:
         stage_saved = Affine(
-            intercept=stage_saved.intercept + f[j] * saved[j].intercept,
-            slope=stage_saved.slope + f[j] * saved[j].slope,
+            intercept=stage_saved.intercept + rank_saved[j].intercept,
+            slope=stage_saved.slope + rank_saved[j].slope,
         )
     if modes is not None:  # each waiting micro-batch keeps only what the modes keep
         names = profile.layer_names
         for j, layer in zip(stage_range, layers, strict=True):
             if names[j] in modes:
-                freed = _mode_savings(layer, modes[names[j]])
+                kept = _mode_savings(layer, modes[names[j]])
                 stage_saved = Affine(
-                    intercept=stage_saved.intercept - freed.intercept,
-                    slope=stage_saved.slope - freed.slope,
+                    intercept=stage_saved.intercept - kept.intercept,
+                    slope=stage_saved.slope - kept.slope,
                 )
-    input_factor = (1.0 / parallel.cp) / (parallel.tp if parallel.sequence_parallel else 1)
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
     kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
     buffers, input_grads = pipeline_buffers(profile, parallel, stage, micro_batches)
@@ -420,10 +413,8 @@ def rank_profile(
         full_prefix.append(
             (full_prefix[-1][0] + saved[j].intercept, full_prefix[-1][1] + saved[j].slope)
         )
-        w = f[j] if j in stage_range else 0.0
-        rank_prefix.append(
-            (rank_prefix[-1][0] + w * saved[j].intercept, rank_prefix[-1][1] + w * saved[j].slope)
-        )
+        mine = rank_saved.get(j, Affine.zero())
+        rank_prefix.append((rank_prefix[-1][0] + mine.intercept, rank_prefix[-1][1] + mine.slope))
     kept = {
         phase: [
             (i, seg)
@@ -509,6 +500,7 @@ def layout_sharding(
         world_size=world,
         grad_sync=grad_sync,
         reshard_after_forward=parallel.pp == 1,
+        reduce_after_schedule=parallel.pp > 1,
     )
 
 

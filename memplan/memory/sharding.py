@@ -45,6 +45,15 @@ class Sharding:
     all-gather per micro-batch) and memplan's runtime does: every unit stays whole all step."""
     """FSDP with accumulation: reduce-scatter on the last micro-step only (unsharded gradients
     until then) or on every micro-step (sharded gradients); see ``memplan.plan.GradSync``."""
+    reduce_after_schedule: bool = False
+    """FSDP under pipeline stages: no unit reduce-scatters during any micro-batch's backward;
+    every unit keeps its gradients unsharded until the schedule ends, then all reduce
+    (torch 2.13 ``torch/distributed/pipelining/stage.py``: ``backward_maybe_with_nosync``
+    calls ``set_requires_gradient_sync(False)`` on the stage's FSDP module for every
+    micro-batch, and ``perform_reduce_grad`` runs each unit's ``post_backward`` after the last;
+    torchtitan's stages and memplan's runtime both run it so). That end-of-schedule
+    reduction, with no activations left, is one more moment of the last segment
+    (``_reduce_after_schedule``)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -318,8 +327,10 @@ def fsdp_grads_bytes(
     h, n = segment.held, len(profile.layers)
     started = backward_started(segments, index)
     resident = phase == PHASE_GRADS_RESIDENT  # earlier micro-steps' gradients exist
+    # a pipeline stage reduces after its schedule: no unit syncs during a backward
     every = syncs_every_micro_step(sharding, accumulation_steps)
-    syncing = every or resident  # grads_resident stands for the last micro-step
+    every = every and not sharding.reduce_after_schedule
+    syncing = (every or resident) and not sharding.reduce_after_schedule
     sharded_before = resident and every  # accumulated sharded, in place
     mixed = mixed_precision_params(profile, sharding)
     units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
@@ -373,7 +384,23 @@ def fsdp_grads_bytes(
             moments.append(base + old_shard + _reduce_output_bytes(root))
         elif mixed:
             moments.append(steady(h) + root.whole)
+        if sharding.reduce_after_schedule and resident:
+            moments.extend(_reduce_after_schedule(steady(h), [*reversed(units), root]))
     return max(moments)
+
+
+def _reduce_after_schedule(held: int, units: list[_UnitGrads]) -> list[int]:
+    """The pipeline schedule's reduction after the backward (``Sharding.
+    reduce_after_schedule``), from ``held`` (every unit's gradients whole): each unit in
+    turn drops the previous unit's reduce-scatter input (``reduce_scatter_max_input_buffers``
+    = 1, reclaimed before the next reduce), copies its gradients into its own, frees them
+    and keeps the input, its output the rank's shard."""
+    moments = []
+    for unit in units:
+        moments.append(held + unit.scatter_input)
+        held += unit.shard - unit.whole
+        moments.append(held + unit.scatter_input)
+    return moments
 
 
 def _reduce_output_bytes(unit: _UnitGrads) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from memplan.memory.activations import freed_inputs
 from memplan.profile import Affine, FixedPart, Profile
 
 FIRST_STAGE_HINTS = ("embed", "wte", "wpe", "tok", "pos")
@@ -41,10 +42,13 @@ def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
     the logits) times 4 / the logits' element size. Measured: 4 logits-sized fp32 tensors at
     the whole-logits peak, 3 shards under loss parallel (tiny HF Llama, vocabulary 8192)."""
     most = 0.0
+    # what the blocks hold once they have run (their saved bytes less the inputs the plain
+    # step freed, memory.activations.freed_inputs)
+    freed = sum(value.slope for value in freed_inputs(profile))
+    held = sum(layer.saved_bytes.slope for layer in profile.layers) - freed
     for segments in profile.timeline.values():
         for seg in segments:
             if seg.active == "none" and seg.held == len(profile.layers):
-                held = sum(layer.saved_bytes.slope for layer in profile.layers)
                 most = max(most, *(p[1] - held - whole.slope for p in seg.points))
     logits = sum(max(p.saved_bytes.slope, 0.0) for p in profile.fixed if is_head(p))
     element = 2 if profile.environment.precision in ("bf16", "fp16") else 4

@@ -179,6 +179,7 @@ def sharding_for(
         world_size=ctx.request.world_size,
         grad_sync=grad_sync,
         reshard_after_forward=ctx.request.reshard_after_forward,
+        reduce_after_schedule=ctx.request.reduce_after_schedule,
     )
 
 

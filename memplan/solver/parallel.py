@@ -11,16 +11,18 @@ collectives add, none of them overlapped (an upper bound, as for data parallelis
 
     step     = (m + pp − 1) · max_s t_s / m  +  comm_TP + comm_PP + comm_CP
     bubble   = (pp − 1) / (m + pp − 1)                      (1F1B, GPipe; / v interleaved)
-    comm_TP  = m · L_s · 4 · ring(b · act_bytes, tp) / intra   (2 all-reduces forward and 2
-               backward per block, Megatron's f/g operators; SP's all-gather + reduce-
-               scatter move the same bytes)
+    comm_TP  = m · (4·L_s + 2·F_s) · ring(b · act_bytes, tp) / intra   (2 all-reduces
+               forward and 2 backward per block, Megatron's f/g operators; SP's all-gather
+               + reduce-scatter move the same bytes; the F_s fully checkpointed blocks run
+               the forward's 2 again in their recompute)
     comm_PP  = m · 2 · b · act_bytes / inter                (one activation and its gradient
                across each stage boundary per micro-batch)
     comm_CP  = m · L_s · 2 · (cp − 1) · b · act_bytes / cp / intra   (K/V around the ring)
     ring(x, n) = 2 (n − 1) / n · x
 
 with ``t_s`` stage s's own step time (its compute, recompute and data-parallel
-communication, from the stage solve) and ``act_bytes`` one sample's block input. The
+communication, from the stage solve, the latter at ``data_parallel_bandwidth``: NVLink
+within a node, the group's NICs between nodes) and ``act_bytes`` one sample's block input. The
 fastest fitting plan wins; ties: less peak. What this cannot know without a GPU: overlap of
 collectives with compute, kernel efficiency at small per-rank shapes, the network's real
 topology; so the ranking of close layouts is a model's, and the reasons say by how much.
@@ -31,10 +33,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from memplan import timing
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.memory.parallel import (
     check_layout,
+    communicators,
     layout_sharding,
     loss_parallel_possible,
     own_checkpoint,
@@ -42,6 +46,7 @@ from memplan.memory.parallel import (
     stage_peak,
     tp_measured,
 )
+from memplan.modes import FULL
 from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -57,6 +62,24 @@ datasheet). TP and CP stay within a node."""
 INTER_NODE_BYTES_PER_SECOND = 50e9
 """One 400 Gb/s InfiniBand NDR NIC per GPU (DGX H100): 50 GB/s one way. Pipeline stages
 and data-parallel groups that span nodes."""
+
+
+def data_parallel_bandwidth(parallel: Parallel, intra: float, gpus_per_node: int) -> float:
+    """Bytes per second per rank of the data-parallel collectives of ``parallel`` (FSDP's
+    all-gathers and reduce-scatters, DDP's all-reduce). Ranks are numbered with tp
+    innermost, then cp, dp, pp (torchtitan's mesh order, ``memory.parallel.stage_of_rank``),
+    so a data-parallel group takes every (tp·cp)-th rank: within one node while
+    dp·tp·cp ≤ gpus_per_node (NVLink, ``intra``); otherwise across nodes, where its
+    g = gpus_per_node / (tp·cp) ranks on a node each reach the others through their own NIC
+    (DGX H100: one 400 Gb/s ConnectX-7 per GPU for the compute fabric, NVIDIA DGX H100 user
+    guide) and NCCL's rings run a channel per NIC, so the group moves g × 50 GB/s between
+    nodes (nccl-tests' bus bandwidth: a full node's 8 NICs give about 400 GB/s), never more
+    than NVLink. Before, every group was timed at NVLink: at dp 32 × tp 8 the FSDP traffic
+    of a 70B ran 9× too fast."""
+    if parallel.dp <= 1 or parallel.dp * parallel.tp * parallel.cp <= gpus_per_node:
+        return intra
+    per_node = max(1, gpus_per_node // (parallel.tp * parallel.cp))
+    return min(intra, per_node * INTER_NODE_BYTES_PER_SECOND)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,14 +163,23 @@ def _ring(nbytes: float, n: int) -> float:
 
 
 def layout_comm_seconds(
-    profile: Profile, parallel: Parallel, b: int, m: int, stage_layers: int
+    profile: Profile,
+    parallel: Parallel,
+    b: int,
+    m: int,
+    stage_layers: int,
+    recomputed: int = 0,
 ) -> dict[str, float]:
-    """The collectives a layout adds to a step (module docstring), in seconds."""
+    """The collectives a layout adds to a step (module docstring), in seconds; ``recomputed``
+    of the stage's blocks fully checkpointed, whose recompute runs the forward's two TP
+    collectives again (Korthikanti et al. 2022, §4: full recomputation repeats the forward's
+    all-reduces, or SP's all-gathers and reduce-scatters)."""
     act = profile.layers[0].input_bytes.slope * b if profile.layers else 0.0
     act /= parallel.cp
     out = {"tp": 0.0, "pp": 0.0, "cp": 0.0}
     if parallel.tp > 1:
-        out["tp"] = m * stage_layers * 4 * _ring(act, parallel.tp) / INTRA_NODE_BYTES_PER_SECOND
+        collectives = 4 * stage_layers + 2 * recomputed
+        out["tp"] = m * collectives * _ring(act, parallel.tp) / INTRA_NODE_BYTES_PER_SECOND
     if parallel.pp > 1:
         out["pp"] = m * 2 * act / INTER_NODE_BYTES_PER_SECOND
     if parallel.cp > 1:
@@ -221,17 +253,20 @@ def _strategy(request: SolveRequest, parallel: Parallel) -> str:
     return "fsdp" if parallel.dp_shard > 1 else "ddp"
 
 
-def evaluate_layout(
-    profile: Profile, request: SolveRequest, parallel: Parallel, b: int, m: int
-) -> LayoutOption | None:
-    """Solve every stage of ``parallel`` at micro-batch ``b`` with ``m`` micro-batches; None
-    when a stage does not fit."""
+def _stage_request(
+    request: SolveRequest, parallel: Parallel, b: int, m: int, gpus_per_node: int = 8
+) -> SolveRequest:
+    """What each stage's rank is solved for: micro-batch ``b``, ``m`` micro-batches, the
+    data-parallel dimension exactly as the memory model takes it (``layout_sharding``: a
+    pipeline's DDP replicas are all-reduced after the schedule, no buckets, world 1 to the
+    stage solve; their all-reduce is timed with the layout's own collectives), its
+    bandwidth (``data_parallel_bandwidth``), and the reserve's NCCL communicators of the
+    whole layout (``communicators``), as the plan's peak (``memory.parallel.stage_peak``)
+    counts them."""
     strategy = _strategy(request, parallel)
-    # The data-parallel dimension exactly as the memory model takes it (a pipeline's DDP
-    # replicas are all-reduced after the schedule: no buckets, world 1 to the stage solve;
-    # their all-reduce is timed below with the layout's own collectives).
     world = layout_sharding(strategy, parallel).world_size
-    stage_request = dataclasses.replace(
+    intra, _ = timing.interconnect_bandwidth(request.device_spec)
+    return dataclasses.replace(
         request,
         target_batch=b * m * world,
         world_size=world,
@@ -239,7 +274,24 @@ def evaluate_layout(
         min_micro=b,
         max_micro=b,
         reshard_after_forward=parallel.pp == 1,
+        reduce_after_schedule=parallel.pp > 1,
+        communicators=communicators(parallel),
+        data_parallel_bandwidth=data_parallel_bandwidth(parallel, intra, gpus_per_node),
     )
+
+
+def evaluate_layout(
+    profile: Profile,
+    request: SolveRequest,
+    parallel: Parallel,
+    b: int,
+    m: int,
+    gpus_per_node: int = 8,
+) -> LayoutOption | None:
+    """Solve every stage of ``parallel`` at micro-batch ``b`` with ``m`` micro-batches; None
+    when a stage does not fit."""
+    stage_request = _stage_request(request, parallel, b, m, gpus_per_node)
+    world = stage_request.world_size
     results = []
     most_layers = 0
     # Stage 0 holds the most micro-batches in flight: the likeliest not to fit, tried first.
@@ -251,10 +303,13 @@ def evaluate_layout(
             return None
         results.append(result)
     slowest = max(r.plan.predicted.step_seconds for r in results)
-    comm = layout_comm_seconds(profile, parallel, b, m, most_layers)
+    # a fully checkpointed block runs its forward's TP collectives again in its recompute
+    recomputed = max(sum(1 for mode in r.plan.checkpoint.values() if mode == FULL) for r in results)
+    comm = layout_comm_seconds(profile, parallel, b, m, most_layers, recomputed)
     if world == 1 and parallel.dp > 1:  # the pipeline's replicas, all-reduced after the step
         grads = profile.totals.grad_bytes / (parallel.pp * parallel.tp)
-        comm["dp"] = _ring(grads, parallel.dp) / INTER_NODE_BYTES_PER_SECOND
+        bandwidth = stage_request.data_parallel_bandwidth or INTER_NODE_BYTES_PER_SECOND
+        comm["dp"] = _ring(grads, parallel.dp) / bandwidth
     bubble = bubble_fraction(parallel, m)
     step = slowest / (1.0 - bubble) + sum(comm.values())
     return LayoutOption(
@@ -305,7 +360,7 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
         pairs = _splits(request, parallel)
         splits += len(pairs)
         for b, m in pairs:
-            option = evaluate_layout(profile, request, parallel, b, m)
+            option = evaluate_layout(profile, request, parallel, b, m, ask.gpus_per_node)
             if option is not None:
                 options.append(option)
             elif len(pairs) > MANY_MICRO_BATCHES and parallel.schedule != "gpipe":
@@ -314,7 +369,9 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
                 # without stages, accumulation 1 (no gradients resident) is still tried.
                 last_b, last_m = pairs[-1]
                 if parallel.pp == 1 and last_m == 1 and last_b != b:
-                    option = evaluate_layout(profile, request, parallel, last_b, last_m)
+                    option = evaluate_layout(
+                        profile, request, parallel, last_b, last_m, ask.gpus_per_node
+                    )
                     options.extend([option] if option is not None else [])
                 break
     if not splits:
@@ -354,29 +411,39 @@ def _splits(request: SolveRequest, parallel: Parallel) -> list[tuple[int, int]]:
     return out
 
 
+def _least_stage_peak(
+    profile: Profile, request: SolveRequest, parallel: Parallel, stage: int, m: int
+) -> int:
+    """A stage's least peak as ``_solve_stage`` solves it: with pipeline stages also with
+    every block fully checkpointed in every micro-batch in flight (the rank profile without
+    a map charges waiting micro-batches their un-checkpointed bytes)."""
+    from memplan.solver.search import least_peak_bytes
+
+    least = least_peak_bytes(_rank_profile(profile, parallel, stage, m), request)
+    if parallel.pp == 1 or (request.modes is not None and "full" not in request.modes):
+        return least
+    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
+    if not rank_full.layers:
+        return least
+    forced = dataclasses.replace(
+        request, always_checkpoint=rank_full.layer_names, never_checkpoint=(), modes=("full",)
+    )
+    return min(least, least_peak_bytes(rank_full, forced))
+
+
 def least_layout_peak(
     profile: Profile, request: SolveRequest, ask: LayoutRequest
 ) -> tuple[int, Parallel, int] | None:
     """The least per-rank peak any of the asked layouts needs at the target batch (each
     stage at its least-memory plan, the layout at its worst stage), with that layout and
     micro-batch; None when no layout runs the target at all."""
-    from memplan.solver.search import least_peak_bytes
-
     strategy = "fsdp" if request.strategy == "auto" else request.strategy
     best: tuple[int, Parallel, int] | None = None
     for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
-        world = layout_sharding(_strategy(request, parallel), parallel).world_size
         for b, m in _splits(request, parallel):
-            stage_request = dataclasses.replace(
-                request,
-                target_batch=b * m * world,
-                world_size=world,
-                strategy=_strategy(request, parallel),
-                min_micro=b,
-                max_micro=b,
-            )
+            stage_request = _stage_request(request, parallel, b, m, ask.gpus_per_node)
             peak = max(
-                least_peak_bytes(_rank_profile(profile, parallel, stage, m), stage_request)
+                _least_stage_peak(profile, stage_request, parallel, stage, m)
                 for stage in range(parallel.pp)
             )
             if best is None or peak < best[0]:

@@ -168,6 +168,18 @@ class SolveRequest:
     reshard_after_forward: bool = True
     """FSDP: free a unit's gathered parameters after its forward (False for a pipeline
     stage's rank, as torchtitan and memplan's runtime shard stages: ``Sharding``)."""
+    reduce_after_schedule: bool = False
+    """FSDP: gradients reduce-scatter once, after the whole pipeline schedule (True for a
+    pipeline stage's rank: ``Sharding``)."""
+    data_parallel_bandwidth: float | None = None
+    """Bytes per second per rank of the data-parallel collectives; None: the device spec's
+    interconnect. The layout search sets it from where each layout's data-parallel group
+    lies (``solver.parallel.data_parallel_bandwidth``: NVLink within a node, the NICs
+    between nodes)."""
+    communicators: int | None = None
+    """NCCL communicators a rank belongs to, for the CUDA reserve (``memory.reserve_for``);
+    None: one when the data-parallel world spans two or more ranks. The layout search sets
+    each stage's from its layout (``memory.parallel.communicators``), as the plan's peak does."""
 
     def __post_init__(self) -> None:
         if self.modes is not None:

@@ -94,11 +94,15 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
             strategy="fsdp" if request.strategy == "auto" else request.strategy,
             world_size=request.world_size,
         ),
+        request.communicators,
     )
     source, source_reason = timing.choose_timing_source(
         profile, request.device_spec, request.timing
     )
     bandwidth, bandwidth_source = timing.interconnect_bandwidth(request.device_spec)
+    if request.data_parallel_bandwidth is not None:
+        bandwidth = request.data_parallel_bandwidth
+        bandwidth_source = "the layout's data-parallel group (NVLink within a node, NICs between)"
     strategies = strategies_to_try(profile, request)
     modes, host_link = resolve_modes(profile, request, forced_in)
     ctx = SolveContext(

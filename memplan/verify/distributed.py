@@ -257,7 +257,7 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
         # says each once, for every rank that raised it (rank_warnings)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default")
-            result = _run_rank(rank, config)
+            result = config.get("rank_fn", _run_rank)(rank, config)
         result["warnings"] = [warning_text(w) for w in caught]
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
         torch.distributed.barrier()  # no rank tears gloo down while a peer still talks to it
@@ -467,7 +467,7 @@ def verify_distributed(
         "check_gradients": check_gradients,
         "record_timeline": record_timeline,
     }
-    raw = _run_ranks(config, on_progress or (lambda done, total, what: None))
+    raw = run_ranks(config, on_progress or (lambda done, total, what: None))
     for text in rank_warnings([r.get("warnings", []) for r in raw]):
         warnings.warn(text, UserWarning, stacklevel=2)  # the CLI says it as one warning: line
     grad, couple = gradient_check(
@@ -513,11 +513,14 @@ def _check_runnable(plan: Plan, world: int, steps: int) -> None:
     _check_pipeline(plan)
 
 
-def _run_ranks(
+def run_ranks(
     config: dict[str, Any], progress: Callable[[int, int, str], None]
 ) -> list[dict[str, Any]]:
     """Start ``config["world_size"]`` ranks on this machine, wait for them (or the time
-    limit), and return what each wrote; a failed run raises its clearest account."""
+    limit), and return what each wrote; a failed run raises its clearest account. Each rank
+    runs ``config["rank_fn"](rank, config)`` (a module-level function; default: memplan's
+    own runtime, ``_run_rank``), which joins the process group at ``config["port"]`` and
+    returns its JSON-ready result (bench.engines runs torchtitan's parallelisation so)."""
     import torch.multiprocessing as mp
 
     world, timeout_s = config["world_size"], config["timeout_s"]
