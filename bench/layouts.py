@@ -49,18 +49,26 @@ import json, sys, time
 from memplan.probe.runner import probe_model
 from memplan.profile import profile_to_yaml
 start = time.perf_counter()
-profile = probe_model(sys.argv[1], device="meta", precision="bf16", mixed_precision="params",
+precision = sys.argv[4] if len(sys.argv) > 4 else "bf16"
+profile = probe_model(sys.argv[1], device="meta", precision=precision, mixed_precision="params",
                       device_profile=sys.argv[3])
 open(sys.argv[2], "w").write(profile_to_yaml(profile))
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 
-def probe(factory: str, out: Path, model: Path = MODEL, device: str = DEVICE) -> dict:
+def probe(
+    factory: str,
+    out: Path,
+    model: Path = MODEL,
+    device: str = DEVICE,
+    precision: str = "bf16",
+) -> dict:
     """Probe ``model:factory`` on meta for ``device`` (a device profile name or spec file)
-    in a fresh process; its seconds."""
+    in a fresh process (bf16 under FSDP's mixed-precision policy, or ``float8``: torchao's
+    Float8Linear besides); its seconds."""
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE, f"{model}:{factory}", str(out), device],
+        [sys.executable, "-c", _PROBE, f"{model}:{factory}", str(out), device, precision],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(run.stdout.strip().splitlines()[-1])

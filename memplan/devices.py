@@ -58,6 +58,9 @@ class DeviceSpec:
     """Dense peak FLOP/s; None where the precision is not supported (T4 has no bf16)."""
     fp16_flops: float | None
     fp32_flops: float
+    fp8_flops: float | None = None
+    """Dense peak FLOP/s of float8 matmuls (E4M3/E5M2 tensor cores, Ada and Hopper on);
+    None: no float8 tensor cores (A100, T4), so ``--precision float8`` is refused."""
     memory_bandwidth: float
     """Bytes per second."""
     interconnect_bandwidth: float = 0.0
@@ -72,10 +75,22 @@ class DeviceSpec:
     """Achievable fractions of the peaks (:class:`Efficiency`); all 1.0 when not given."""
 
     def peak_flops(self, precision: str) -> float:
-        value = {"bf16": self.bf16_flops, "fp16": self.fp16_flops, "fp32": self.fp32_flops}[
-            precision
-        ]
+        value = {
+            "bf16": self.bf16_flops,
+            "fp16": self.fp16_flops,
+            "fp32": self.fp32_flops,
+            "float8": self.fp8_flops,
+        }[precision]
         if value is None:
+            if precision == "float8":
+                raise BadInputError(
+                    f"{self.display_name} ({self.name}) has no float8 tensor cores "
+                    "(fp8_flops is not in its device profile), so float8 training does "
+                    "not run on it (torchtitan refuses float8 below compute capability "
+                    "8.9).",
+                    hint="Plan it with --precision bf16, or name a GPU with float8 "
+                    "(h100-80gb, h200, l4) in --device-profile.",
+                )
             raise BadInputError(
                 f"{self.display_name} does not support {precision}.",
                 hint="Choose another --precision (fp16 or fp32).",

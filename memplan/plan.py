@@ -14,7 +14,7 @@ from memplan.errors import ProfileError
 from memplan.files.schema import dump_yaml, from_data, load_yaml_file, read_back, to_data
 from memplan.modes import FULL, KEEP, MODES, Mode
 from memplan.parallel import Parallel
-from memplan.profile import MixedPrecision, Precision
+from memplan.profile import Float8, MixedPrecision, Precision
 
 PLAN_SCHEMA_VERSION = 2
 """2: ``checkpoint`` maps each layer not kept to its mode. 1 (still read): the list
@@ -114,6 +114,9 @@ class Plan:
     """How bf16/fp16 runs: ``autocast`` over fp32 parameters, or ``params``: the engine's
     mixed-precision policy (FSDP2 ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``:
     parameters gathered in the compute dtype, fp32 master shards, gradients reduced in fp32)."""
+    float8: Float8 | None = None
+    """The linears run in float8 as the profile's probe converted them (torchao's
+    ``Float8Linear``; the emitters write the engine's float8 settings); None: no float8."""
     grad_sync: GradSync = "last_micro_step"
     """For ``fsdp`` with accumulation: reduce-scatter only on the last micro-step (unsharded
     gradients held until then) or on every micro-step (sharded gradients). See ``GradSync``."""

@@ -19,6 +19,7 @@ from memplan.emit import emit
 from memplan.emit.torchtitan import LLAMA3_CONFIGS, RELEASE
 from memplan.parallel import Parallel
 from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction
+from memplan.profile import Float8
 
 BLOCKS = tuple(f"layers.{i}" for i in range(8))
 ZERO = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
@@ -34,6 +35,7 @@ def _plan(
     seq_len: int | None = None,
     blocks: tuple[str, ...] = BLOCKS,
     parameter_bytes: int = 1 << 20,
+    float8: Float8 | None = None,
 ) -> Plan:
     return Plan(
         target_batch=micro * steps * layout.dp,
@@ -50,6 +52,7 @@ def _plan(
         ),
         parallel=layout,
         seq_len=seq_len,
+        float8=float8,
     )
 
 
@@ -65,6 +68,7 @@ def _shell_words(text: str, variable: str, tmp_path: Path) -> list[str]:
         capture_output=True,
         text=True,
         timeout=30,
+        cwd=tmp_path,  # where a snippet writes its files (a float8 config module)
     ).stdout
     return out.split("\0")[:-1]
 
@@ -283,3 +287,129 @@ def test_megatron_snippet_carries_seq_length(tmp_path):
     assert "--max-position-embeddings >= 3000" in text
     no_len = _plan(Parallel(dp_replicate=2, tp=2), strategy="ddp")
     assert "--seq-length" not in emit(no_len, "megatron", "m.py")[1]
+
+
+# ---------------------------------------------------------------- float8 (issue 34)
+
+FLOAT8 = Float8(
+    recipe="tensorwise",
+    fsdp_float8_all_gather=True,
+    converted=560,
+    skipped=("output: filtered ('output')",),
+)
+BLOCKS_70B = tuple(f"layers.{i}" for i in range(80))
+
+
+def _plan_70b(float8: Float8 | None, blocks: tuple[str, ...] = BLOCKS_70B, params: int = 0):
+    return _plan(
+        Parallel(dp_shard=32, tp=8, sequence_parallel=True, loss_parallel=True),
+        micro=16,
+        steps=1,
+        checkpoint=dict.fromkeys(blocks, "full"),
+        seq_len=8192,
+        blocks=blocks,
+        parameter_bytes=params or 2 * 70_553_706_496,
+        float8=float8,
+    )
+
+
+def _linear_kinds(config) -> dict[str, str]:
+    from torchtitan.models.common.linear import Linear
+
+    return {
+        fqn: type(linear).__qualname__
+        for fqn, linear, _, _ in config.model_spec.model.traverse(Linear.Config)
+    }
+
+
+@pytest.mark.slow
+def test_torchtitan_builds_the_float8_plans_converter(titan, tmp_path, monkeypatch):
+    """A float8 plan of Llama 3 70B: the snippet writes a config_registry function whose
+    model_spec has torchtitan's Float8LinearConverter (its only recipe, rowwise), torchtitan's
+    ConfigManager loads it by --module/--config, and every block's linears are float8 while
+    the head stays bf16."""
+    from torchtitan.components.quantization import float8 as titan_float8
+
+    # the converter refuses a machine without an sm89+ GPU when it is built: this one has none
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *a: True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config, text = _titan_config_any(titan, _plan_70b(FLOAT8), tmp_path)
+    assert "--module memplan_titan_precision" in text and "--config llama3_70b_float8" in text
+    kinds = _linear_kinds(config)
+    assert kinds.pop("lm_head") == "Linear.Config"
+    # torchtitan 0.3's block: fused wqkv, wo, w1, w2, w3
+    assert len(kinds) == 80 * 5 and set(kinds.values()) == {"Float8Linear.Config"}
+    assert "torchtitan 0.3.0 has only the rowwise recipe" in text
+    assert config.parallelism.tensor_parallel_degree == 8
+    assert config.training.local_batch_size == 16
+
+
+@pytest.mark.slow
+def test_a_bf16_plan_of_405b_trains_torchtitans_405b_without_float8(titan, tmp_path, monkeypatch):
+    """torchtitan 0.3's llama3_405b converts to float8 by itself: a bf16 plan of it gets a
+    config function without the converter."""
+    from torchtitan.components.quantization import float8 as titan_float8
+
+    # llama3_405b() builds its own converter first, which refuses a machine without sm89+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *a: True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    blocks = tuple(f"layers.{i}" for i in range(126))
+    plan = _plan_70b(None, blocks, params=2 * 405_853_388_800)
+    config, text = _titan_config_any(titan, plan, tmp_path)
+    assert "--config llama3_405b_bf16" in text
+    assert set(_linear_kinds(config).values()) == {"Linear.Config"}
+
+
+def _titan_config_any(titan, plan: Plan, tmp_path: Path):
+    import sys
+
+    sys.modules.pop("memplan_titan_precision", None)  # each test's snippet writes its own
+    config_manager, _ = titan
+    _, text = emit(plan, "torchtitan", "m.py")
+    args = _shell_words(text, "TORCHTITAN_ARGS", tmp_path)
+    return config_manager().parse_args(args), text
+
+
+def test_torchtitan_toml_carries_float8_for_both_releases(tmp_path):
+    import tomllib
+
+    _, text = emit(_plan_70b(FLOAT8), "torchtitan-toml", "m.py")
+    data = tomllib.loads(text)
+    assert data["model"]["converters"] == ["quantize.linear.float8"]
+    for section in (data["float8"], data["quantize"]["linear"]["float8"]):
+        assert section == {
+            "enable_fsdp_float8_all_gather": True,
+            "precompute_float8_dynamic_scale_for_fsdp": True,
+            "recipe_name": "tensorwise",
+            "filter_fqns": ["output"],
+        }
+    assert "float8" not in tomllib.loads(emit(_plan_70b(None), "torchtitan-toml", "m.py")[1])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "strategy", "expected"),
+    [
+        ("tensorwise", "fsdp", ["hybrid", "tensorwise", True]),
+        ("tensorwise", "ddp", ["hybrid", "tensorwise", False]),
+        ("rowwise", "fsdp", ["hybrid", "blockwise", False]),
+    ],
+)
+def test_megatron_float8_flags(tmp_path, recipe, strategy, expected):
+    float8 = Float8(recipe=recipe, fsdp_float8_all_gather=recipe == "tensorwise")
+    layout = Parallel(dp_shard=2) if strategy == "fsdp" else Parallel(dp_replicate=2)
+    plan = _plan(layout, strategy=strategy, float8=float8)
+    text = emit(plan, "megatron", "m.py")[1]
+    args = _shell_words(text, "MEMPLAN_ARGS", tmp_path)
+    fmt = args[args.index("--fp8-format") + 1]
+    got = [fmt, args[args.index("--fp8-recipe") + 1], "--fp8-param-gather" in args]
+    assert got == expected
+    assert ("no rowwise recipe" in text) is (recipe == "rowwise")
+    assert "--fp8-format" not in emit(_plan(layout, strategy=strategy), "megatron", "m.py")[1]
+
+
+def test_megatrons_parser_reads_the_float8_flags(megatron_parser, tmp_path):
+    plan = _plan(Parallel(dp_shard=2, tp=2), strategy="fsdp", float8=FLOAT8)
+    ns = megatron_parser.parse_args(
+        _shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
+    )
+    assert (ns.fp8, ns.fp8_recipe, ns.fp8_param_gather) == ("hybrid", "tensorwise", True)

@@ -44,7 +44,30 @@ def probe(
     micro_batches: Annotated[
         str, typer.Option("--micro-batches", help="Sizes to measure, e.g. 1,2,4.")
     ] = "1,2,4",
-    precision: Annotated[str, typer.Option(help="fp32, bf16 or fp16 (autocast).")] = "fp32",
+    precision: Annotated[
+        str,
+        typer.Option(
+            help="fp32, bf16 or fp16 (autocast), or float8: the linears as torchao's "
+            "Float8Linear, the rest in bf16 parameters (FSDP's policy), as torchtitan trains."
+        ),
+    ] = "fp32",
+    float8_recipe: Annotated[
+        str,
+        typer.Option(
+            "--float8-recipe",
+            help="With --precision float8: torchao's recipe, tensorwise (float8 all-gather "
+            "under FSDP) or rowwise.",
+        ),
+    ] = "tensorwise",
+    float8_all_gather: Annotated[
+        bool,
+        typer.Option(
+            "--float8-all-gather/--no-float8-all-gather",
+            help="With --precision float8 (tensorwise): FSDP2 gathers the float8 weights in "
+            "float8 (torchao's enable_fsdp_float8_all_gather). Off for plans verified on a "
+            "CPU: gloo has no float8 dtype.",
+        ),
+    ] = True,
     mixed_precision: Annotated[
         str,
         typer.Option(
@@ -69,8 +92,8 @@ def probe(
 
     if device not in ("auto", "cpu", "cuda", "meta"):
         raise BadInputError(f"--device {device!r} is not one of auto, cpu, cuda, meta.")
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise BadInputError(f"--precision {precision!r} is not one of fp32, bf16, fp16.")
+    if precision not in ("fp32", "bf16", "fp16", "float8"):
+        raise BadInputError(f"--precision {precision!r} is not one of fp32, bf16, fp16, float8.")
     sizes = parse_micro_batches(micro_batches)
     if output is not None:
         check_output(output, force=force)  # refuse before minutes of probing, not after
@@ -95,6 +118,8 @@ def probe(
             device_profile=device_profile,
             on_progress=on_progress,
             mixed_precision=mixed_precision,
+            float8_recipe=float8_recipe,
+            float8_all_gather=float8_all_gather,
         )
     # The text first: a profile memplan would refuse to read back is exit 3 before anything
     # is shown or written (memplan.profile.profile_to_yaml).

@@ -10,6 +10,17 @@ snippet leaves to the user and names in a comment), ``--recompute-granularity fu
 ``--recompute-method block`` with ``--recompute-num-layers`` (the first N blocks of each
 stage: memplan's choice also favours the earliest blocks), ``--use-distributed-optimizer``
 for sharded optimizer state, ``--use-torch-fsdp2`` for FSDP.
+
+A float8 plan (issue 34) adds Transformer Engine's float8 (Megatron-LM d98e8a6
+megatron/core/transformer/transformer_config.py ``fp8``, ``fp8_recipe``):
+``--fp8-format hybrid`` (E4M3 for activations and weights, E5M2 for output gradients: the
+dtypes torchao's default ``Float8LinearConfig`` casts to), ``--fp8-recipe tensorwise``
+(per-tensor current scaling, torchao's dynamic tensorwise; torchao's rowwise has no
+Megatron recipe, and ``blockwise``, the nearest finer one, is written with a comment), and
+``--fp8-param-gather`` (weights all-gathered in float8, megatron/training/arguments.py:
+with the distributed optimizer or FSDP2 only) when the plan gathers them so. The
+delayed-scaling recipe's ``--fp8-amax-history-len`` and ``--fp8-amax-compute-algo`` are not
+written: memplan plans current (dynamic) scaling, which uses no amax history.
 """
 
 from __future__ import annotations
@@ -44,6 +55,11 @@ def megatron_args(plan: Plan) -> list[str]:
         args.append("--use-distributed-optimizer")
     if plan.strategy == "fsdp":
         args.append("--use-torch-fsdp2")
+    if plan.float8 is not None:
+        recipe = "tensorwise" if plan.float8.recipe == "tensorwise" else "blockwise"
+        args += ["--fp8-format hybrid", f"--fp8-recipe {recipe}"]
+        if plan.float8.fsdp_float8_all_gather and plan.strategy in ("zero1", "fsdp"):
+            args.append("--fp8-param-gather")
     modes = set(plan.checkpoint.values())
     if modes == {SELECTIVE}:
         args.append("--recompute-granularity selective")
@@ -76,10 +92,16 @@ def emit_megatron(plan: Plan, *, model_path: str) -> str:
         if plan.seq_len is not None
         else ""
     )
+    float8 = ""
+    if plan.float8 is not None and plan.float8.recipe != "tensorwise":
+        float8 = (
+            f"# float8: memplan planned torchao's {plan.float8.recipe} scaling; Transformer "
+            "Engine has no rowwise recipe: blockwise (1x128 / 128x128 scales) is the nearest\n"
+        )
     return (
         f"# memplan plan for {comment_string(model_path)}: {p.describe()}, strategy {plan.strategy}\n"
         f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage)\n"
-        f"{seq}"
+        f"{seq}{float8}"
         f"# Launch with {p.world_size} ranks: torchrun ... pretrain_gpt.py $MEMPLAN_ARGS <model args>\n"
         f'MEMPLAN_ARGS="{body}"\n'
     )

@@ -86,6 +86,8 @@ def _every_nth(plan: Plan, n_blocks: int) -> int:
 
 
 def _toml(value: object) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int):
@@ -147,11 +149,29 @@ def emit_torchtitan_toml(plan: Plan, *, model_path: str) -> str:
         f"# predicted peak per rank {plan.predicted.peak_bytes} B (worst stage), step "
         f"{plan.predicted.step_seconds:.3f} s"
     )
-    for section, fields in (
+    sections: list[tuple[str, dict]] = [
         ("training", training),
         ("parallelism", parallelism),
         ("activation_checkpoint", ac),
-    ):
+    ]
+    if plan.float8 is not None:
+        lines.append(
+            '# float8: torchtitan 0.2.x converter "quantize.linear.float8" (0.1.0 names it '
+            '"float8": edit [model] converters for it); 0.1.0 reads [float8], 0.2.x '
+            "[quantize.linear.float8], each ignores the other's section"
+        )
+        float8 = {
+            "enable_fsdp_float8_all_gather": plan.float8.fsdp_float8_all_gather,
+            "precompute_float8_dynamic_scale_for_fsdp": plan.float8.fsdp_float8_all_gather,
+            "recipe_name": plan.float8.recipe,
+            "filter_fqns": ["output"],
+        }
+        sections += [
+            ("model", {"converters": ["quantize.linear.float8"]}),
+            ("float8", float8),
+            ("quantize.linear.float8", float8),
+        ]
+    for section, fields in sections:
         lines += ["", f"[{section}]"]
         lines += [f"{key} = {_toml(value)}" for key, value in fields.items()]
     return "\n".join(lines) + "\n"
@@ -167,15 +187,25 @@ class NamedConfig:
     name: str
     blocks: int
     parameters: int
-    """Parameters of the model it builds (counted on meta in tests/test_emit_torchtitan.py)."""
+    """Parameters of the model it builds (counted on meta in tests/test_emit_engines.py)."""
+    flavor: str
+    """Its ``model_registry`` flavor (torchtitan.models.llama3.model_registry)."""
+    float8: bool = False
+    """Its model_spec converts linears to float8 (``llama3_405b``: ``Float8LinearConverter``
+    with ``filter_fqns=["lm_head"]``)."""
 
 
 LLAMA3_CONFIGS: tuple[NamedConfig, ...] = (
-    NamedConfig("llama3_debugmodel", 6, 6_163_712),
-    NamedConfig("llama3_8b", 32, 8_030_261_248),
-    NamedConfig("llama3_70b", 80, 70_553_706_496),
-    NamedConfig("llama3_405b", 126, 405_853_388_800),
+    NamedConfig("llama3_debugmodel", 6, 6_163_712, "debugmodel"),
+    NamedConfig("llama3_8b", 32, 8_030_261_248, "8B"),
+    NamedConfig("llama3_70b", 80, 70_553_706_496, "70B"),
+    NamedConfig("llama3_405b", 126, 405_853_388_800, "405B", float8=True),
 )
+FLOAT8_MODULE = "memplan_titan_precision"
+"""The config_registry module a float8 (or a bf16 405B) snippet writes beside the launch:
+torchtitan 0.3 sets float8 in a config function's ``model_registry(converters=...)``, not on
+the command line (``Trainer.Config.model_spec`` is ``tyro.conf.Suppress``), and
+``--module`` takes a fully-qualified module (torchtitan/config/manager.py)."""
 _SAME_PARAMETERS = 0.01
 """How close the plan's parameter count must be to a config's for the config to be the
 plan's model (its parameter bytes at 4 or 2 bytes a parameter, fp32 or bf16)."""
@@ -219,15 +249,65 @@ def _ac_subcommand(plan: Plan, n_blocks: int) -> tuple[str, list[str]]:
     ]
 
 
+def _precision_module(plan: Plan, config: NamedConfig) -> tuple[str, str] | None:
+    """(config function name, module text) where the plan's precision is not the named
+    config's: a float8 plan (the converter with the head left in bf16: ``lm_head``, as 0.3's
+    own 405B config filters it), or a bf16 plan of a config that converts (405B). None: the
+    named config trains as planned."""
+    float8 = plan.float8
+    if float8 is None and not config.float8:
+        return None
+    if float8 is None:
+        name, converters = f"{config.name}_bf16", "None"
+    else:
+        name = f"{config.name}_float8"
+        converters = (
+            '[\n        Float8LinearConverter.Config(\n            recipe_name="rowwise",\n'
+            '            filter_fqns=["lm_head"],\n'
+            "            model_compile_enabled=config.compile.enable\n"
+            '            and "model" in config.compile.components,\n        )\n    ]'
+        )
+    text = (
+        "from torchtitan.components.quantization import Float8LinearConverter\n"
+        "from torchtitan.models.llama3 import model_registry\n"
+        f"from torchtitan.models.llama3.config_registry import {config.name}\n\n\n"
+        f"def {name}():\n"
+        f"    config = {config.name}()\n"
+        f'    config.model_spec = model_registry("{config.flavor}", converters={converters})\n'
+        "    return config\n"
+    )
+    return name, text
+
+
+def _float8_notes(plan: Plan) -> list[str]:
+    float8 = plan.float8
+    if float8 is None:
+        return []
+    notes = [
+        f"float8: {float8.converted} linears in float8 (torchao Float8Linear, torchtitan "
+        f"{RELEASE}'s Float8LinearConverter), the rest in bf16"
+    ]
+    if float8.recipe != "rowwise" or float8.fsdp_float8_all_gather:
+        notes.append(
+            f"torchtitan {RELEASE} has only the rowwise recipe, and gathers weights in bf16 "
+            f"(components/quantization/float8.md): memplan planned {float8.recipe} scaling"
+            + (" with float8 all-gather" if float8.fsdp_float8_all_gather else "")
+            + ", so torchtitan's all-gathers hold twice the converted weights' bytes planned"
+        )
+    return notes
+
+
 def torchtitan_args(plan: Plan) -> list[str]:
     """The arguments of ``python -m torchtitan.train`` (torchtitan 0.3.0) for ``plan``, one
     option and its value an item; the last is the activation-checkpointing subcommand."""
     p = plan_layout(plan)
     n_blocks = plan_blocks(plan)
     config, _ = _named_config(plan, n_blocks)
+    precision = _precision_module(plan, config)
+    module, name = (FLOAT8_MODULE, precision[0]) if precision else ("llama3", config.name)
     args = [
-        "--module llama3",
-        f"--config {config.name}",
+        f"--module {module}",
+        f"--config {name}",
         f"--parallelism.data_parallel_replicate_degree {p.dp_replicate}",
         f"--parallelism.data_parallel_shard_degree {p.dp_shard}",
         f"--parallelism.tensor_parallel_degree {p.tp}",
@@ -290,6 +370,7 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
             "and pass --module <that module> --config <its function> instead"
         )
     notes += _ac_subcommand(plan, n_blocks)[1]
+    notes += _float8_notes(plan)
     if p.tp > 1 and not p.loss_parallel:
         notes.append(
             f"torchtitan {RELEASE} always shards the logits and loss by vocabulary under TP "
@@ -305,4 +386,13 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         "-m torchtitan.train $TORCHTITAN_ARGS"
     )
     body = " \\\n    ".join(torchtitan_args(plan))
-    return "".join(f"# {note}\n" for note in notes) + f'TORCHTITAN_ARGS="{body}"\n'
+    precision = _precision_module(plan, config)
+    module = ""
+    if precision is not None:
+        notes.append(
+            f"torchtitan {RELEASE} sets float8 in a config function, not on the command line: "
+            f"this snippet writes {FLOAT8_MODULE}.py (launch from this folder, or put it on "
+            "PYTHONPATH)"
+        )
+        module = f"cat > {FLOAT8_MODULE}.py <<'PY'\n{precision[1]}PY\n"
+    return "".join(f"# {note}\n" for note in notes) + module + f'TORCHTITAN_ARGS="{body}"\n'

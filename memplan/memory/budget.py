@@ -97,11 +97,11 @@ def fsdp_stream_bytes(profile: Profile, sharding: Sharding | None) -> int:
     flight; this is what the pools keep besides.) Zero unless FSDP over two or more ranks."""
     if sharding is None or sharding.strategy != "fsdp" or sharding.world_size < 2:
         return 0
-    from memplan.memory.sharding import master_bytes, unit_params_bytes
+    from memplan.memory.sharding import gathered_unit_bytes, master_bytes
 
     if not profile.layers:
         return 0
-    gathered = max(unit_params_bytes(profile, i) for i in range(len(profile.layers)))
+    gathered = max(gathered_unit_bytes(profile, i) for i in range(len(profile.layers)))
     grads = max(layer.grad_bytes for layer in profile.layers)
     return gathered + master_bytes(profile, sharding, grads)
 

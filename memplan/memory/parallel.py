@@ -58,7 +58,7 @@ from memplan.memory.activations import (
 from memplan.memory.budget import reserve_for
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.pipeline import pipeline_buffers, stage_output_bytes
-from memplan.memory.sharding import Sharding
+from memplan.memory.sharding import Sharding, rank_float8_bytes
 from memplan.memory.terms import grads_at_bytes
 from memplan.memory.vocab import (
     LOSS_PART,
@@ -144,6 +144,7 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
         if layer.selective_recompute_seconds is None
         else _scale(layer.selective_recompute_seconds, compute),
         tp_sharded_bytes=math.ceil(layer.tp_sharded_bytes / parallel.tp),
+        float8_param_bytes=rank_float8_bytes(layer, parallel.tp),
     )
 
 
@@ -163,6 +164,7 @@ def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
         **_model_state(part, r),
         saved_bytes=_scale(part.saved_bytes, saved),
         tp_sharded_bytes=math.ceil(part.tp_sharded_bytes / parallel.tp),
+        float8_param_bytes=rank_float8_bytes(part, parallel.tp),
     )
 
 

@@ -17,7 +17,7 @@ from memplan.memory.terms import (
     params_bytes,
 )
 from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, Plan, Strategy
-from memplan.profile import Profile
+from memplan.profile import FixedPart, Layer, Profile
 
 
 # --------------------------------------------------------------------------- per-rank terms
@@ -130,6 +130,48 @@ def unit_params_bytes(profile: Profile, index: int) -> int:
     checkpoint candidate as its own ``fully_shard`` unit, and the rest as the root)."""
     layer = profile.layers[index]
     return layer.params_trainable_bytes + layer.params_frozen_bytes
+
+
+def float8_gather_saving_bytes(profile: Profile, float8_param_bytes: int) -> int:
+    """Bytes FSDP2's float8 all-gather does not gather of ``float8_param_bytes`` (converted
+    weights as probed): torchao's ``enable_fsdp_float8_all_gather`` casts each shard to
+    float8 before the all-gather (torchao/float8/fsdp_utils.py at 36027d8,
+    ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather``), so the unsharded weight is
+    one byte an element, not the compute dtype's two. 0 without float8 all-gather."""
+    float8 = profile.environment.float8
+    if float8 is None or not float8.fsdp_float8_all_gather:
+        return 0
+    return float8_param_bytes - float8_param_bytes // element_bytes(profile)
+
+
+def rank_float8_bytes(item: Layer | FixedPart, tp: int) -> int:
+    """A TP rank's share of a part's float8 weights: the converted linears are the ones a
+    Llama TP plan splits (column- and row-wise), so as much of them as the plan shards is
+    divided by the degree."""
+    sharded = min(item.float8_param_bytes, item.tp_sharded_bytes)
+    return math.ceil(item.float8_param_bytes - sharded * (1.0 - 1.0 / tp))
+
+
+def gathered_unit_bytes(profile: Profile, index: int) -> int:
+    """What FSDP2's all-gather makes of candidate layer ``index``: its parameters, the
+    float8 weights at one byte an element (``float8_gather_saving_bytes``)."""
+    layer = profile.layers[index]
+    return unit_params_bytes(profile, index) - float8_gather_saving_bytes(
+        profile, layer.float8_param_bytes
+    )
+
+
+def gathered_root_bytes(profile: Profile) -> int:
+    """What FSDP2's all-gather makes of the root unit (see ``gathered_unit_bytes``)."""
+    root_float8 = sum(part.float8_param_bytes for part in profile.fixed)
+    return root_params_bytes(profile) - float8_gather_saving_bytes(profile, root_float8)
+
+
+def gathered_params_bytes(profile: Profile) -> int:
+    """The whole model as FSDP2's all-gathers move it (what ``communication_bytes`` is
+    charged for the all-gathers)."""
+    units = sum(gathered_unit_bytes(profile, i) for i in range(len(profile.layers)))
+    return units + gathered_root_bytes(profile)
 
 
 def root_params_bytes(profile: Profile) -> int:
@@ -253,20 +295,19 @@ def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index:
     if sharding.strategy != "fsdp":
         return 0
     if not sharding.reshard_after_forward:  # gathered at the first forward, kept all step
-        units = range(len(profile.layers))
-        return root_params_bytes(profile) + sum(unit_params_bytes(profile, j) for j in units)
+        return gathered_params_bytes(profile)
     segments = profile.timeline[phase]
     segment = segments[index]
     h, n = segment.held, len(profile.layers)
-    gathered = root_params_bytes(profile)
+    gathered = gathered_root_bytes(profile)
     if segment.active != "none":
-        gathered += unit_params_bytes(profile, h)
+        gathered += gathered_unit_bytes(profile, h)
     in_backward = segment.active == "bwd" or (
         segment.active == "none" and (h == n or backward_started(segments, index))
     )
     if in_backward:
         for j in range(max(h - sharding.fsdp_backward_prefetch, 0), h):
-            gathered += unit_params_bytes(profile, j)
+            gathered += gathered_unit_bytes(profile, j)
     return gathered
 
 

@@ -214,6 +214,9 @@ def _layer(
         )
         if selective_savings and sel_timed
         else None,
+        float8_param_bytes=session.backend.float8.param_bytes_under(name)
+        if session.backend.float8
+        else 0,
         affine=is_affine,
         has_batchnorm=has_batchnorm(module),
     )
@@ -248,6 +251,9 @@ def _ran_parts(session: Session, fits: _Sizes) -> list[FixedPart]:
                     lambda t: backward_seconds(part(t.timing).bwd_t0, part(t.timing).bwd_t1)
                 ),
                 fwd_flops=fits.bytes_fit(lambda r: part(r.no_grads).flops),
+                float8_param_bytes=session.backend.float8.param_bytes_under(name)
+                if session.backend.float8
+                else 0,
             )
         )
     return fixed
@@ -358,6 +364,9 @@ def _environment(session: Session) -> Environment:
         optimizer_class=type(session.optimizer).__name__,
         param_dtype=str(first_param.dtype).removeprefix("torch."),
         mixed_precision=backend.mixed_precision,  # type: ignore[arg-type]
+        float8=backend.float8.environment(meta_clock=backend.device == "meta")
+        if backend.float8
+        else None,
     )
 
 

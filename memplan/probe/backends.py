@@ -20,6 +20,7 @@ from memplan.model.batch import map_batch, move_batch
 from memplan.model.loader import ModelFile
 from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
+from memplan.probe.float8 import FLOAT8_DTYPES, Float8Conversion, time_casts_fused
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.meta_kernels import CONV_TARGET
@@ -55,10 +56,25 @@ class Backend:
     mixed_precision: str = "autocast"
     """``autocast`` over fp32 parameters, or ``params``: parameters (and floating inputs)
     in the compute dtype, no autocast (see ``memplan.profile.MixedPrecision``)."""
+    float8_recipe: str = "tensorwise"
+    """With precision ``float8``: torchao's recipe (memplan.probe.float8)."""
+    float8_all_gather: bool = True
+    """With a tensorwise float8 recipe: plans gather the converted weights in float8."""
 
     def __post_init__(self) -> None:
+        self.float8: Float8Conversion | None = None
+        """With precision ``float8``: the linears run as torchao's ``Float8Linear``, the
+        rest in bf16 parameters, as torchtitan trains under FSDP2's mixed-precision policy
+        (memplan.probe.float8)."""
+        if self.precision == "float8":
+            self.float8 = Float8Conversion(
+                recipe=self.float8_recipe, fsdp_float8_all_gather=self.float8_all_gather
+            )
+            self.precision, self.mixed_precision = "bf16", "params"
         if self.precision not in DTYPES:
-            raise BadInputError(f"precision {self.precision!r} is not one of fp32, bf16, fp16.")
+            raise BadInputError(
+                f"precision {self.precision!r} is not one of fp32, bf16, fp16, float8."
+            )
         if self.mixed_precision not in ("autocast", "params"):
             raise BadInputError(
                 f"mixed precision {self.mixed_precision!r} is not one of autocast, params."
@@ -90,8 +106,12 @@ class Backend:
         if self.device == "meta":
             spec = self.spec or load_device(DEFAULT_META_SPEC)
             self.spec = spec
-            peak = spec.peak_flops(self.precision)  # raises for unsupported precisions
+            # raise for unsupported precisions, float8 first (T4 has neither it nor bf16)
+            fp8 = spec.peak_flops("float8") if self.float8 else None
+            peak = spec.peak_flops(self.precision)
             by_dtype = {torch.float32: spec.fp32_flops}
+            if fp8:  # matmuls on float8 operands (memplan.probe.tracker)
+                by_dtype |= dict.fromkeys(FLOAT8_DTYPES, fp8)
             if spec.bf16_flops:
                 by_dtype[torch.bfloat16] = spec.bf16_flops
             if spec.fp16_flops:
@@ -115,6 +135,9 @@ class Backend:
             model = model_file.build_model().to(self.torch_device)
         if self.cast_params:
             cast_parameters(model, self.dtype)
+        if self.float8:
+            model = self.float8.convert(model)
+            time_casts_fused()  # meta clocks only (memplan.probe.float8)
         return model
 
     def batch(self, model_file: ModelFile, size: int) -> Any:
@@ -214,6 +237,8 @@ def make_backend(
     device_profile: str | None,
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
+    float8_recipe: str = "tensorwise",
+    float8_all_gather: bool = True,
 ) -> Backend:
     resolved = resolve_device(device)
     spec = load_device(device_profile) if device_profile else None
@@ -223,6 +248,8 @@ def make_backend(
         spec=spec,
         mixed_precision=mixed_precision,
         reuse_identical=reuse_identical,
+        float8_recipe=float8_recipe,
+        float8_all_gather=float8_all_gather,
     )
 
 
@@ -234,6 +261,8 @@ def backend_for(settings: ProbeSettings) -> Backend:
         settings.device_profile,
         mixed_precision=settings.mixed_precision,
         reuse_identical=settings.reuse_identical,
+        float8_recipe=settings.float8_recipe,
+        float8_all_gather=settings.float8_all_gather,
     )
 
 

@@ -74,6 +74,8 @@ def probe_model(
     on_progress: Progress | None = None,
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
+    float8_recipe: str = "tensorwise",
+    float8_all_gather: bool = True,
 ) -> Profile:
     """Measure ``model_file_path`` (or a loaded ModelFile: memplan.integrations.api builds
     one around a live model) per layer and return its Profile (see profile.py). On
@@ -88,6 +90,8 @@ def probe_model(
         device_profile=device_profile,
         mixed_precision=mixed_precision,
         reuse_identical=reuse_identical,
+        float8_recipe=float8_recipe,
+        float8_all_gather=float8_all_gather,
     )
     if len(sizes) < 2 or sizes[0] < 1:
         raise BadInputError(

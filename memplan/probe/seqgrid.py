@@ -32,6 +32,8 @@ def probe_seq_grid(
     on_progress: Progress | None = None,
     mixed_precision: str = "autocast",
     reuse_identical: bool = True,
+    float8_recipe: str = "tensorwise",
+    float8_all_gather: bool = True,
 ) -> Profile:
     """The profile of ``model_file_path`` over ``seq_lens`` × ``micro_batches``: one
     length gives an ordinary profile at that length (``Profile.seq_len``), two or more a
@@ -57,6 +59,8 @@ def probe_seq_grid(
         device_profile=device_profile,
         mixed_precision=mixed_precision,
         reuse_identical=reuse_identical,
+        float8_recipe=float8_recipe,
+        float8_all_gather=float8_all_gather,
     )
     per_length = 2 + (7 + (device != "meta")) * len(sizes) + 2
     total = per_length * len(lens)

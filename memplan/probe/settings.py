@@ -15,6 +15,12 @@ class ProbeSettings:
     """The micro-batch sizes probed (two at least: affine fits need two, three give a
     residual)."""
     precision: str = "fp32"
+    """fp32, bf16, fp16, or float8: torchao's Float8Linear for the linears, bf16 parameters
+    for the rest (memplan.probe.float8)."""
+    float8_recipe: str = "tensorwise"
+    """With float8: torchao's recipe, tensorwise or rowwise."""
+    float8_all_gather: bool = True
+    """With float8 tensorwise: FSDP2 gathers the converted weights in float8."""
     layers: str | None = None
     """Checkpoint candidates: comma-separated globs of module names; None: the repeated
     blocks memplan finds."""

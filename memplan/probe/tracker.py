@@ -27,6 +27,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import CannotMeasureError, MemplanError, first_line, internal_failure
 from memplan.probe import shadow
+from memplan.probe.float8 import is_float8
 from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
 
 _EMPTY: dict[str, Any] = {}
@@ -155,7 +156,11 @@ def _no_kernel(func: Any) -> bool:
 
 
 def _tensor_bytes(value: Any) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+    if not isinstance(value, torch.Tensor):
+        return 0
+    if type(value) is not torch.Tensor and is_float8(value):  # torchao's float8 subclass
+        value = getattr(value, "_data", value)  # its bits: one byte an element
+    return value.numel() * value.element_size()
 
 
 class LiveTracker(TorchDispatchMode):
@@ -299,6 +304,10 @@ class LiveTracker(TorchDispatchMode):
             moved += sum(_tensor_bytes(t) for t in outputs)
         if self.roofline is not None and not _no_kernel(func):
             dtype = outputs[0].dtype if outputs else None
+            if op_flops:  # a matmul on float8 operands runs at the float8 peak
+                dtype = next(
+                    (_float8_dtype(t) for t in tensors_in(args, []) if is_float8(t)), dtype
+                )
             self.virtual_seconds += self.roofline.seconds(
                 op_flops, moved, dtype, func, args, kwargs
             )
@@ -323,6 +332,11 @@ class LiveTracker(TorchDispatchMode):
                 entry.flops, entry.moved_bytes, dtype, func, args, kwargs
             )
         return out
+
+
+def _float8_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The float8 dtype of a float8 operand (torchao's subclass keeps it in ``_data``)."""
+    return getattr(tensor, "_data", tensor).dtype
 
 
 def storages_bytes(tensors: Iterable[Any]) -> int:

@@ -170,6 +170,10 @@ class Layer:
     − selective_savings_bytes``: the matmul and attention outputs the policy keeps, most of
     them inside the TP region), measured the same way. None: not measured (no TP plan, no
     selective figures, or an older profile): a rank then keeps all of it."""
+    float8_param_bytes: int = 0
+    """Bytes of its parameters (as probed) that are weights of linears converted to float8
+    (``Environment.float8``): what FSDP2 gathers at one byte an element under float8
+    all-gather."""
     affine: bool = True
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""
@@ -206,6 +210,39 @@ class FixedPart:
     tp_sharded_bytes: int = 0
     """Parameter bytes the TP plan splits (e.g. ``lm_head``, the embedding); see
     ``Layer.tp_sharded_bytes``."""
+    float8_param_bytes: int = 0
+    """Bytes of its parameters that are weights of linears converted to float8 (see
+    ``Layer.float8_param_bytes``; 0 for the output head, which stays in bf16)."""
+
+
+Float8Recipe = Literal["tensorwise", "rowwise"]
+"""torchao's float8 training recipes (torchao/float8/config.py ``Float8LinearRecipeName``):
+one dynamic scale per tensor (torchao's default ``Float8LinearConfig``, the recipe of
+torchtitan's December 2024 runs), or one per row (torchtitan 0.3's only recipe)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Float8:
+    """How a probe ran the model's linears in float8, as torchao's
+    ``convert_to_float8_training`` converts them (memplan.probe.float8)."""
+
+    recipe: Float8Recipe = "tensorwise"
+    fsdp_float8_all_gather: bool = False
+    """FSDP2 all-gathers the converted linears' weights in float8 (torchao's
+    ``enable_fsdp_float8_all_gather``: 1 byte an element gathered, not 2; tensorwise only).
+    A plan property: the single-process probe gathers nothing."""
+    torchao_version: str = ""
+    """The torchao that converted the model ("" when it was modelled without one)."""
+    converted: int = 0
+    """``nn.Linear`` modules converted to ``Float8Linear``."""
+    converted_param_bytes: int = 0
+    """Their weights' bytes as probed (in the compute dtype)."""
+    skipped: tuple[str, ...] = ()
+    """Linears left in the compute dtype, each as ``name: why`` (the filter's FQN, or a
+    dimension not divisible by 16)."""
+    modelled: tuple[str, ...] = ()
+    """Parts of the float8 step that were modelled rather than run, each with its source;
+    empty: everything ran."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -225,6 +262,9 @@ class Environment:
     mixed_precision: MixedPrecision = "autocast"
     """``params``: probed with parameters in the compute dtype (no autocast), for sharded
     plans that run under the engine's mixed-precision policy; see ``MixedPrecision``."""
+    float8: Float8 | None = None
+    """The linears ran in float8 (``probe --precision float8``; ``precision`` is then the
+    dtype of everything else, bf16); None: no float8."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

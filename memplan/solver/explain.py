@@ -158,6 +158,18 @@ def _strategy_reasons(
             f"{ctx.profile.environment.precision}, fp32 master shards and optimizer state, "
             "gradients reduced in fp32 (MixedPrecisionPolicy(param_dtype, reduce_dtype=float32))"
         )
+    float8 = ctx.profile.environment.float8
+    if float8 is not None:
+        gather = (
+            "FSDP2 gathers their weights in float8 (1 byte an element)"
+            if float8.fsdp_float8_all_gather
+            else "their weights gathered in bf16"
+        )
+        lines.append(
+            f"float8: {float8.converted} linears as torchao's Float8Linear ({float8.recipe} "
+            f"scaling; {len(float8.skipped)} left in bf16), {gather}; "
+            "their casts charged as eager torchao runs them (torch.compile fuses them)"
+        )
     if best.strategy == "fsdp" and best.accumulation_steps > 1:
         lines.append(_grad_sync_reason(best, options))
     if world > 1:

@@ -263,9 +263,7 @@ def _evaluate(
     comm_bytes = timing.communication_bytes(
         strategy,
         ctx.request.world_size,
-        params_bytes=memory.params_bytes(profile)
-        - profile.totals.buffer_bytes
-        - profile.totals.cached_bytes,
+        params_bytes=memory.gathered_params_bytes(profile),
         grads_bytes=memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
         accumulation_steps=accumulation,
         reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
@@ -324,6 +322,7 @@ def build_plan(
         else (),
         precision=profile.environment.precision,
         mixed_precision=profile.environment.mixed_precision,
+        float8=profile.environment.float8,
         grad_sync=option.grad_sync,
         device=_device_label(profile, request),
         budget_bytes=request.budget_bytes,

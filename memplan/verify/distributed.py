@@ -53,6 +53,7 @@ from memplan.files.schema import to_data
 from memplan.parallel import pipeline_refusal_by_kind
 from memplan.plan import Plan, plan_to_data
 from memplan.probe.tracker import LiveTracker, resident_tensors
+from memplan.run.float8 import convert_for_plan, refuse_float8_gather
 from memplan.run.wrap import wrap_for_plan
 from memplan.verify.distributed_grads import gradient_check, gradient_error
 from memplan.verify.grad_check import BatchCoupling
@@ -310,6 +311,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
     fingerprint_note(plan, net, str(config["model"]))  # raises for another model's plan
+    convert_for_plan(net, plan, device)  # float8 linears (memplan.run.float8)
     run.apply(net, plan)
     record = bool(config.get("record_timeline"))
     tracker = DistributedTracker(record=False)
@@ -454,6 +456,7 @@ def verify_distributed(
     world = plan.world_size if world_size is None else world_size
     _check_runnable(plan, world, steps)
     chosen = _resolve_device(plan, device, world)
+    refuse_float8_gather(plan, torch.device(chosen))  # before any rank starts
     config = {
         "parent_pid": os.getpid(),
         "world_size": world,

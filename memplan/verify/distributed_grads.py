@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memplan.plan import Plan
+from memplan.run.float8 import convert_for_plan
 from memplan.run.wrap import COMPUTE_DTYPES, fsdp_mixed_precision, wrap_for_plan
 from memplan.verify.grad_check import (
     TOLERANCE,
@@ -77,6 +78,7 @@ def gradient_error(
     layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
     torch.manual_seed(seed)
     reference_net = mf.build_model().to(device).train()
+    convert_for_plan(reference_net, plan, device, reference=True)  # float8: both sides alike
     run.disable_kv_cache(reference_net)
     # Dropout masks would depend on how the ranks' wrappers draw random numbers: both sides
     # run with every dropout neutralised (modules, functional, fused attention dropout), in
@@ -104,6 +106,7 @@ def gradient_error(
 
     torch.manual_seed(seed)
     net = mf.build_model().to(device).train()
+    convert_for_plan(net, plan, device)
     run.apply(net, plan)
     wrong = layer_set_failure(run.checkpointed_modes(net), run.layer_modes(plan), tol, precision)
     if wrong is not None:
