@@ -35,6 +35,9 @@ the forward (every block held) and an over-estimate earlier. The data-parallel d
 then the existing per-rank model (memplan.memory.sharding) over ``dp`` ranks, so
 ``step_peak(rank_profile(...), …, sharding=…)`` is one rank's peak.
 
+Under DDP over TP-split parameters a backward also holds the split gradients of the parts
+whose backward has run, apart from DDP's buckets (memory.ddp_tp), added to those segments.
+
 Not measured: context parallel's K/V exchange, modelled as two extra K/V chunks of the active
 block's input size (``cp_exchange_bytes``: ring attention holds the chunk it computes with and
 the one it receives), marked "not verified" (CP's attention does not run on CPU ranks).
@@ -56,6 +59,7 @@ from memplan.memory.activations import (
     hidden_factor,
 )
 from memplan.memory.budget import reserve_for
+from memplan.memory.ddp_tp import held_split_grads
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.pipeline import pipeline_buffers, stage_output_bytes
 from memplan.memory.sharding import Sharding, rank_float8_bytes
@@ -205,6 +209,10 @@ def cp_exchange_bytes(layer: Layer, parallel: Parallel) -> Affine:
     if parallel.cp == 1:
         return Affine.zero()
     return Affine(intercept=0.0, slope=2.0 * layer.input_bytes.slope / parallel.cp)
+
+
+def _shift(point: Point, extra: float) -> Point:
+    return (point[0] + extra, point[1])
 
 
 def _rank_totals(profile: Profile, layers: list[Layer], fixed: list[FixedPart]) -> Totals:
@@ -446,6 +454,7 @@ def rank_profile(
     timeline: dict[str, tuple[Segment, ...]] = {}
     for phase, rows in kept.items():
         out = []
+        split = held_split_grads(profile, parallel, stage_range, last, profile.timeline[phase])
         for new_index, (i, seg) in enumerate(rows):
             base_full = state_full + grads_at_bytes(profile, phase, i)
             base_rank = state_rank + grads_at_bytes(draft, phase, new_index)
@@ -458,7 +467,7 @@ def rank_profile(
                 cur,
                 full_prefix[h],
                 rank_prefix[h],
-                offsets.get(phase, offsets["no_grads"]),
+                _shift(offsets.get(phase, offsets["no_grads"]), split[i]),
                 whole if after_blocks and parallel.loss_parallel else None,
                 1.0 / parallel.tp,
                 cap,
