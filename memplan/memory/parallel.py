@@ -13,9 +13,8 @@ by ``tp`` and its activations scaled by the block's measured factor::
                                                saves its all-gathered input whole,
                                                g_j = 2·output_j / saved_j (per sample)
     params_j(rank) = params_j − tp_sharded_bytes_j · (1 − 1/tp)   (grads, optimizer alike)
-    kept_j(rank) = kept_j · ((1 − s_j) + s_j / tp)     s_j = Layer.tp_selective_fraction
-
-with ``kept_j = saved_j − selective_savings_j`` what selective checkpointing keeps (no SP/CP).
+    kept_j(rank) = kept_j · ((1 − s_j) + s_j / tp)   selective keeps kept_j = saved_j −
+                   selective_savings_j; s_j = Layer.tp_selective_fraction (no SP/CP)
 
 ``rank_profile`` rewrites the profile as that rank's own: its blocks and fixed parts, its
 state, and every timeline point of its blocks re-based, for a point of segment ``(h, ·)``::
@@ -104,8 +103,7 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
     # ``saved − savings``). Without SP/CP a TP rank holds them whole, so its savings lose
     # exactly what the plain run's saved bytes lose; with SP or CP they are split by
     # sequence like the block's input, not by the block's factor ``f`` (which also counts
-    # the TP regions' gathered inputs). A selective block also keeps matmul outputs: ``f``
-    # with SP or CP, and without them ``s`` of it inside the TP region (the kept_j above).
+    # the TP regions' gathered inputs). Selective's kept_j (above): ``f`` with SP or CP.
     s = (layer.tp_selective_fraction or 0.0) if parallel.tp > 1 else 0.0
     split_input = parallel.sequence_parallel or parallel.cp > 1
     input_factor = hidden_factor(parallel)
