@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import dataclasses
 import multiprocessing
 import os
 import tempfile
@@ -42,10 +41,9 @@ TARGET = 0.90
 
 def byte_difference(cpu: Any, meta: Any) -> str | None:
     """The first byte field where ``meta`` differs from ``cpu`` (its name), or None when
-    every one is equal. The same fields as tests/profile_bytes.assert_meta_equals_cpu: the
-    selective ones and the TP split (``tp_*``) left out — meta runs no selective mode, and
-    the TP re-run of an ``hf:`` block on meta has no twins for the values its forward reads
-    (a warning in the profile: issue 25's known gap)."""
+    every one is equal. The same fields as tests/profile_bytes.assert_meta_equals_cpu:
+    the selective ones included, the TP split (``tp_*``, a separate measurement) left
+    out."""
     from memplan.files.schema import to_data
 
     def fields(items: Any) -> list[dict[str, Any]]:
@@ -53,7 +51,7 @@ def byte_difference(cpu: Any, meta: Any) -> str | None:
             {
                 k: v
                 for k, v in item.items()
-                if k == "name" or (k.endswith("_bytes") and not k.startswith(("selective", "tp_")))
+                if k == "name" or (k.endswith("_bytes") and not k.startswith("tp_"))
             }
             for item in to_data(items)
         ]
@@ -70,11 +68,7 @@ def byte_difference(cpu: Any, meta: Any) -> str | None:
         return "totals"
     if meta.optimizer_step_peak_bytes != cpu.optimizer_step_peak_bytes:
         return "optimizer_step_peak_bytes"
-    timeline = {
-        phase: [dataclasses.replace(s, selective_points=()) for s in segments]
-        for phase, segments in cpu.timeline.items()
-    }
-    if to_data(meta.timeline) != to_data(timeline):
+    if to_data(meta.timeline) != to_data(cpu.timeline):
         return "timeline"
     return None
 

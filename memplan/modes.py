@@ -2,9 +2,10 @@
 saves for backward. No torch here (memplan.run.checkpoint applies them).
 
 * ``keep`` — nothing: the saved tensors stay on the device until its backward.
-* ``selective`` — selective activation checkpointing: the outputs of matmul, convolution
-  and attention ops are kept, every other op (pointwise, norms, softmax) is recomputed in
-  backward (PyTorch's ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
+* ``selective`` — per-op selective activation checkpointing as torchtitan runs it: the
+  outputs of attention ops and of every other matmul are kept (:data:`SAVE_OPS`), every
+  other op (the remaining matmuls, pointwise ops, norms) is recomputed in backward
+  (PyTorch's ``torch.utils.checkpoint.create_selective_checkpoint_contexts``).
 * ``full`` — full checkpointing: only the layer's inputs are kept, its whole forward runs
   again in backward.
 * ``offload`` — the saved tensors are copied to pinned host memory in forward and back in
@@ -69,24 +70,47 @@ if sorted(TIE_DIGIT.values()) != list(range(len(MODE_SPECS))):
     raise AssertionError("modes.MODE_SPECS: tie ranks must be 0 .. len(MODE_SPECS) - 1")
 
 SAVE_OPS = (
+    # functorch's compute-intensive ops (torch 2.13
+    # torch/_functorch/partitioners.py get_default_op_list().compute_intensive_ops)
     "mm",
     "addmm",
     "bmm",
-    "baddbmm",
-    "linear",
     "convolution",
-    "_convolution",
+    "convolution_backward",
+    "_scaled_mm",
+    "upsample_bilinear2d",
     "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_efficient_attention_forward",
     "_flash_attention_forward",
+    "_efficient_attention_forward",
+    # torchtitan's additions (compute_ops and comm_ops of _get_default_save_ops)
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "max",
+    "linear",
+    "topk",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    # memplan's one addition: the CPU's fused attention kernel, which stands for the GPU's
+    # flash kernel in a cpu probe, a meta probe for the CPU and a gloo verify
+    "_scaled_dot_product_flash_attention_for_cpu",
 )
-"""``aten`` ops whose outputs the ``selective`` mode keeps (the expensive ones: matmul,
-convolution, attention); everything else in the layer is recomputed. The list follows the
-policy torchtitan's selective AC uses (``_save_list`` in its
-``distributed/activation_checkpoint.py``), without its every-other-matmul rule."""
+"""``aten`` (and ``_c10d_functional``) ops whose outputs the ``selective`` mode keeps;
+everything else in the layer is recomputed in backward. The policy of torchtitan's
+``SelectiveAC`` (pytorch/torchtitan at b5bcd76,
+torchtitan/distributed/activation_checkpoint.py ``_get_default_save_ops`` and
+``SelectiveAC._wrap_block``), which torchtitan's Llama 3.1 8B recipes run: these ops are
+saved, except that every second matmul (:data:`COUNTED_MATMULS`, counted per checkpointed
+call from the first) is recomputed, so a Llama block keeps 4 of its 7 projections (q, v,
+gate, down) and its attention output, and re-runs k, o and up with the pointwise ops."""
+
+COUNTED_MATMULS = ("mm", "linear")
+"""The matmuls torchtitan counts: the 2nd, 4th, ... of a checkpointed call are recomputed
+(``mm_ops`` there: ``aten.mm`` and, on backends that keep it whole, ``aten.linear``)."""
+
+RECOMPUTE_EVERY_NTH_MATMUL = 2
+"""torchtitan: "recomputes every second matmul to balance memory and compute"."""
 
 
 def parse_modes(text: str | tuple[str, ...] | list[str]) -> tuple[Mode, ...]:

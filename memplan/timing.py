@@ -305,7 +305,23 @@ def roofline_times(profile: Profile, micro_batch: int, spec: DeviceSpec) -> Micr
         bwd_seconds=tuple(bwd),
         optimizer_step_seconds=roofline_seconds(0.0, optimizer_bytes, spec, precision),
         source="roofline",
+        selective_seconds=_roofline_selective(profile, b, fwd),
     )
+
+
+def _roofline_selective(profile: Profile, b: int, fwd: list[float]) -> tuple[float, ...]:
+    """Per layer: selective checkpointing's extra time on the roofline, the measured share
+    of a forward that the ops its recompute re-runs take (a meta probe's clock: the matmuls
+    the policy does not keep and the pointwise ops) times this spec's forward; empty when
+    the profile has no selective times."""
+    measured = [layer.selective_recompute_seconds for layer in profile.layers]
+    if not measured or any(m is None for m in measured):
+        return ()
+    out = []
+    for layer, extra, seconds in zip(profile.layers, measured, fwd, strict=True):
+        forward = layer.fwd_seconds.at(b)
+        out.append(seconds * max(extra.at(b), 0.0) / forward if forward > 0 else 0.0)  # type: ignore[union-attr]
+    return tuple(out)
 
 
 def micro_step_times(

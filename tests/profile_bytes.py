@@ -4,21 +4,19 @@ cpu probe of the same model, to the byte."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from memplan.files.schema import to_data
 
 
 def _bytes_fields(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each item's name and every ``*_bytes`` field (an int or an affine fit), but the
-    selective ones (meta runs no selective mode) and the TP split (``tp_*``: a separate
-    measurement, which an ``hf:`` block's TP re-run cannot make on meta yet)."""
+    """Each item's name and every ``*_bytes`` field (an int or an affine fit), selective
+    savings included, but the TP split (``tp_*``: a separate measurement)."""
     return [
         {
             k: v
             for k, v in item.items()
-            if k == "name" or (k.endswith("_bytes") and not k.startswith(("selective", "tp_")))
+            if k == "name" or (k.endswith("_bytes") and not k.startswith("tp_"))
         }
         for item in items
     ]
@@ -33,8 +31,4 @@ def assert_meta_equals_cpu(cpu: Any, meta: Any) -> None:
         ), name
     assert meta.totals == cpu.totals
     assert meta.optimizer_step_peak_bytes == cpu.optimizer_step_peak_bytes
-    timeline = {
-        phase: [dataclasses.replace(s, selective_points=()) for s in segments]
-        for phase, segments in cpu.timeline.items()
-    }
-    assert to_data(meta.timeline) == to_data(timeline)
+    assert to_data(meta.timeline) == to_data(cpu.timeline)

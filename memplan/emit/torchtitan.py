@@ -239,11 +239,8 @@ def _ac_subcommand(plan: Plan, n_blocks: int) -> tuple[str, list[str]]:
         return "none", []
     if modes == {FULL} and every:
         return "full", []
-    if modes == {SELECTIVE} and every:
-        return "selective", [
-            "SelectiveAC also recomputes every second matmul that memplan's selective mode "
-            "keeps: torchtitan holds no more than planned, and recomputes more"
-        ]
+    if modes == {SELECTIVE} and every:  # memplan's selective is SelectiveAC's policy
+        return "selective", []
     return "full", [
         f"the plan checkpoints {len(plan.checkpoint)} of {n_blocks} blocks "
         f"({', '.join(sorted(modes))}); torchtitan {RELEASE} applies one policy to every "

@@ -13,6 +13,8 @@ by ``tp`` and its activations scaled by the block's measured factor::
                                                saves its all-gathered input whole,
                                                g_j = 2·output_j / saved_j (per sample)
     params_j(rank) = params_j − tp_sharded_bytes_j · (1 − 1/tp)   (grads, optimizer alike)
+    kept_j(rank) = kept_j · ((1 − s_j) + s_j / tp)   selective keeps kept_j = saved_j −
+                   selective_savings_j; s_j = Layer.tp_selective_fraction (no SP/CP)
 
 ``rank_profile`` rewrites the profile as that rank's own: its blocks and fixed parts, its
 state, and every timeline point of its blocks re-based, for a point of segment ``(h, ·)``::
@@ -58,7 +60,7 @@ from memplan.memory.activations import (
 from memplan.memory.budget import reserve_for
 from memplan.memory.ddp_tp import held_split_grads
 from memplan.memory.peak import Peak, step_peak
-from memplan.memory.pipeline import fixed_seconds_share, pipeline_buffers, stage_output_bytes
+from memplan.memory.pipeline import pipeline_buffers, rank_times, rank_totals, stage_output_bytes
 from memplan.memory.sharding import Sharding, rank_float8_bytes
 from memplan.memory.terms import grads_at_bytes
 from memplan.memory.vocab import (
@@ -73,7 +75,7 @@ from memplan.memory.vocab import (
 )
 from memplan.parallel import Parallel, in_flight, stage_layers
 from memplan.plan import Plan, Strategy
-from memplan.profile import Affine, FixedPart, Layer, Point, Profile, Segment, Totals
+from memplan.profile import Affine, FixedPart, Layer, Point, Profile, Segment
 
 
 def _scale(value: Affine, factor: float) -> Affine:
@@ -101,15 +103,18 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
     # ``saved − savings``). Without SP/CP a TP rank holds them whole, so its savings lose
     # exactly what the plain run's saved bytes lose; with SP or CP they are split by
     # sequence like the block's input, not by the block's factor ``f`` (which also counts
-    # the TP regions' gathered inputs). A selective block also keeps matmul outputs: ``f``.
+    # the TP regions' gathered inputs). Selective's kept_j (above): ``f`` with SP or CP.
+    s = (layer.tp_selective_fraction or 0.0) if parallel.tp > 1 else 0.0
     split_input = parallel.sequence_parallel or parallel.cp > 1
     input_factor = hidden_factor(parallel)
 
-    def savings(value: Affine | None, hidden: bool) -> Affine | None:
+    def savings(value: Affine | None, hidden: bool, kept_factor: float = 1.0) -> Affine | None:
         if value is None:
             return None
         if not split_input:
             rank = _sub(value, _scale(layer.saved_bytes, 1.0 - f))
+            if kept_factor != 1.0:  # saved·f − kept·kept_factor
+                rank = _sub(rank, _scale(_sub(layer.saved_bytes, value), kept_factor - 1.0))
         elif hidden:
             kept = _scale(_sub(layer.saved_bytes, value), input_factor)
             rank = _sub(_scale(layer.saved_bytes, f), kept)
@@ -125,7 +130,9 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
         output_bytes=_scale(layer.output_bytes, input_factor),
         saved_bytes=_scale(layer.saved_bytes, f),
         savings_bytes=savings(layer.savings_bytes, hidden=True),
-        selective_savings_bytes=savings(layer.selective_savings_bytes, hidden=False),
+        selective_savings_bytes=savings(
+            layer.selective_savings_bytes, hidden=False, kept_factor=1.0 - s + s / parallel.tp
+        ),
         fwd_transient_bytes=_scale(layer.fwd_transient_bytes, f),
         bwd_transient_bytes=_scale(layer.bwd_transient_bytes, f),
         recompute_transient_bytes=_scale(layer.recompute_transient_bytes, f),
@@ -205,17 +212,6 @@ def cp_exchange_bytes(layer: Layer, parallel: Parallel) -> Affine:
 
 def _shift(point: Point, extra: float) -> Point:
     return (point[0] + extra, point[1])
-
-
-def _rank_totals(profile: Profile, layers: list[Layer], fixed: list[FixedPart]) -> Totals:
-    parts = [*layers, *fixed]
-    return Totals(
-        params_trainable_bytes=sum(p.params_trainable_bytes for p in parts),
-        params_frozen_bytes=sum(p.params_frozen_bytes for p in parts),
-        buffer_bytes=profile.totals.buffer_bytes,
-        grad_bytes=sum(p.grad_bytes for p in parts),
-        optimizer_state_bytes=sum(p.optimizer_state_bytes for p in parts),
-    )
 
 
 def _state_bytes(profile: Profile) -> int:
@@ -366,7 +362,7 @@ def rank_profile(
         for part in profile.fixed
         if (first and first_stage_part(part)) or (last and not first_stage_part(part))
     ]
-    totals = _rank_totals(profile, layers, fixed)
+    totals = rank_totals(profile, layers, fixed)
     f = [activation_factor(layer, parallel) for layer in profile.layers]
     input_factor = hidden_factor(parallel)
     # What a block adds to a micro-batch's held bytes: the whole model's (its saved bytes
@@ -475,13 +471,10 @@ def rank_profile(
         timeline[phase] = tuple(out)
     ratio = (state_rank + totals.grad_bytes) / max(state_full + profile.totals.grad_bytes, 1)
     optimizer = _scale(profile.optimizer_step_peak_bytes, ratio)
-    # the rank steps only its parameters and runs only its stage's fixed parts (TP-split)
-    share = fixed_seconds_share(profile, fixed)
     return dataclasses.replace(
         draft,
         timeline=timeline,
-        optimizer_step_seconds=_scale(profile.optimizer_step_seconds, ratio),
-        step_fixed_seconds=_scale(profile.step_fixed_seconds, share),
+        **rank_times(profile, fixed, ratio),
         # the schedule's buffers and the received inputs' gradients outlive the step
         optimizer_step_peak_bytes=Affine(
             intercept=optimizer.intercept + buffers.intercept + input_grads.intercept,

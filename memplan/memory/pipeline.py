@@ -1,13 +1,14 @@
 """What ``torch.distributed.pipelining`` keeps on a pipeline rank besides its blocks' saved
 bytes (issue 31): the last stage's output per micro-batch in flight, and the schedule's
 receive buffers and the received inputs' gradients. No torch; ``memory.parallel`` adds
-them to a rank's timeline."""
+them to a rank's timeline. Also a stage rank's totals and its own optimizer and fixed-part
+seconds (``rank_totals``, ``rank_times``)."""
 
 from __future__ import annotations
 
 from memplan.memory.vocab import LOSS_PART
 from memplan.parallel import Parallel, stage_layers
-from memplan.profile import Affine, FixedPart, Profile
+from memplan.profile import Affine, FixedPart, Layer, Profile, Totals
 
 
 def _scale(value: Affine, factor: float) -> Affine:
@@ -95,3 +96,27 @@ def fixed_seconds_share(profile: Profile, fixed: list[FixedPart] | tuple[FixedPa
 
     whole = sum(map(size, profile.fixed))
     return sum(map(size, fixed)) / whole if whole > 0 else 1.0
+
+
+def rank_totals(profile: Profile, layers: list[Layer], fixed: list[FixedPart]) -> Totals:
+    """A stage rank's totals: its blocks' and fixed parts' state (``memory.parallel``)."""
+    parts = [*layers, *fixed]
+    return Totals(
+        params_trainable_bytes=sum(p.params_trainable_bytes for p in parts),
+        params_frozen_bytes=sum(p.params_frozen_bytes for p in parts),
+        buffer_bytes=profile.totals.buffer_bytes,
+        grad_bytes=sum(p.grad_bytes for p in parts),
+        optimizer_state_bytes=sum(p.optimizer_state_bytes for p in parts),
+    )
+
+
+def rank_times(profile: Profile, fixed: list[FixedPart], state_ratio: float) -> dict[str, Affine]:
+    """A stage rank's own once-per-step and fixed-part seconds: it steps only its share of
+    the state (``state_ratio``) and runs only its stage's fixed parts, TP-split
+    (``fixed_seconds_share``). Before, every rank was charged the whole model's."""
+    return {
+        "optimizer_step_seconds": _scale(profile.optimizer_step_seconds, state_ratio),
+        "step_fixed_seconds": _scale(
+            profile.step_fixed_seconds, fixed_seconds_share(profile, fixed)
+        ),
+    }

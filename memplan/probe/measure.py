@@ -96,8 +96,9 @@ def measure_training_peak(
             ExitStack() as stack,
         ):
             for mode in sorted(set(modes.values()) - {FULL, KEEP}):
+                chosen = [modules[n] for n, m in modes.items() if m == mode]
                 stack.enter_context(
-                    in_mode([modules[n] for n, m in modes.items() if m == mode], mode)
+                    in_mode(chosen, mode, context_fn=backend.checkpoint_context_fn())
                 )
             with backend.guard():
                 one_step()  # warm-up: optimizer state exists from here on

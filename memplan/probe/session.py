@@ -76,9 +76,11 @@ class SizeRuns:
     """Bytes of the batch's tensors (made on the host by ``make_batch``)."""
     sel_no_grads: Run | None = None
     sel_grads_resident: Run | None = None
-    """Both phases with every layer under selective checkpointing (None on meta)."""
+    """Both phases with every layer under selective checkpointing (None when the model's
+    recompute refuses the selective policy)."""
     selective_seconds: tuple[float, ...] | None = None
-    """Per layer: the same under selective checkpointing (None on meta)."""
+    """Per layer: what selective checkpointing adds to a micro-step (on meta, the virtual
+    clock's: the roofline of the ops its recompute re-runs)."""
 
 
 @dataclass(slots=True)
@@ -97,8 +99,8 @@ class Session:
     kept_at_start: tuple[torch.Tensor, ...] = ()
     """``kept_tensors()`` before the first step: none of them is a cache a step fills."""
     selective_runs: bool = True
-    """Whether the all-selective runs happen: not on meta, and not on a model whose
-    recompute under the selective policy fails (:func:`memplan.probe.sizes.try_selective`)."""
+    """Whether the all-selective runs happen: not on a model whose recompute under the
+    selective policy fails (:func:`memplan.probe.sizes.try_selective`)."""
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """Tensors on the probe's device that the model's modules hold in plain attributes

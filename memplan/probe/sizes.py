@@ -42,7 +42,8 @@ class TimedSize:
     full_seconds: tuple[float, ...] | None
     """Per layer: extra seconds per micro-step with the layer fully checkpointed."""
     selective_seconds: tuple[float, ...] | None = None
-    """Per layer: the same under selective checkpointing (None on meta)."""
+    """Per layer: the same under selective checkpointing (on meta, from the tracked runs'
+    virtual clocks: :func:`run_size`)."""
 
 
 def _total_seconds(record: StepRecord) -> float:
@@ -91,7 +92,7 @@ def time_size(
         ("full", lambda: checkpointed(layers, context_fn=session.backend.checkpoint_context_fn())),
     ]
     if session.selective_runs:
-        configs.append((SELECTIVE, lambda: in_mode(layers, SELECTIVE)))
+        configs.append((SELECTIVE, lambda: selective_mode(session)))
     records: dict[str, list[StepRecord]] = {name: [] for name, _ in configs}
     for _ in range(TIMING_REPEATS):
         for name, context in configs:
@@ -205,19 +206,22 @@ def refuse_unfit_first_size(session: Session, size: int) -> None:
     _refuse(session, size, need, what, f"scaled from a step at micro-batch {CALIBRATION_SIZE}")
 
 
+def selective_mode(session: Session) -> Any:
+    """Every candidate layer under selective checkpointing, its recompute (on meta) under
+    the backend's autocast and attention kernels as the forward is."""
+    return in_mode(session.layers, SELECTIVE, context_fn=session.backend.checkpoint_context_fn())
+
+
 def try_selective(session: Session, size: int) -> None:
     """One micro-step with every layer under selective checkpointing, before any measured
     run. A model whose recompute under the selective policy fails (torch's check that a
     tensor the policy saved was not changed in place afterwards, ConvBERT's in-place ops
     on a matmul's output) gets no selective figures, with a warning, rather than no
     profile: keep and full still run. Any other error is the probe's to report."""
-    if session.backend.device == "meta":
-        session.selective_runs = False
-        return
     batch = session.backend.batch(session.model_file, size)
     session.zero_grad()
     try:
-        with in_mode(session.layers, SELECTIVE):
+        with selective_mode(session), session.backend.guard():
             session.micro_step(batch, None)
     except Exception as exc:
         if checkpointing_failure(exc, session.model_file.spec) is None:
@@ -289,12 +293,14 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     session.zero_grad()
     sel_no_grads = sel_grads_resident = None
     if session.selective_runs:
-        with in_mode(session.layers, SELECTIVE):
+        with selective_mode(session):
             sel_no_grads = session.tracked_step(batch)
             sel_grads_resident = session.tracked_step(batch)
         refuse_random_layers(session, size, sel_no_grads, sel_grads_resident, "selective")
         tick(f"b={size}: selective")
         session.zero_grad()
+        if backend.device == "meta":  # the roofline of the ops the recompute re-runs
+            selective_seconds = mode_seconds([no_grads.record], [sel_no_grads.record])
     assert timing is not None
     return SizeRuns(
         size,

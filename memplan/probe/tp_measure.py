@@ -1,56 +1,109 @@
 """What tensor parallelism divides, measured (issue 25): each block is run once more under
 TP 2 on one process, with a fake process group (``torch.testing._internal.distributed.
 fake_pg``: collectives return at once) and DTensor's ``parallelize_module`` on a CPU mesh
-with the model's own TP plan (memplan.run.tp_plan). From the bytes its forward saves for
-backward, plain and under TP 2::
+with the model's own TP plan (memplan.run.tp_plan). From the bytes its forward keeps for
+backward (:func:`kept_activation_bytes`), plain and under TP 2::
 
-    saved(t) = outside + inside / t   ⇒   inside = 2·(saved(1) − saved(2))
+    kept(t) = outside + inside / t   ⇒   inside = 2·(kept(1) − kept(2))
 
-and ``Layer.tp_saved_fraction = inside / saved(1)``. Parameters are never counted as saved
-(their storages are skipped). ``tp_sharded_bytes`` is what the TP plan took off the block's
+and ``Layer.tp_saved_fraction = inside / kept(1)``; the same of the block under selective
+checkpointing (memplan.modes) is ``Layer.tp_selective_fraction``, when the profile has
+selective figures. ``tp_sharded_bytes`` is what the TP plan took off the block's
 parameters on one rank, × 2 (the whole of what is split). Fixed parts (embedding, head)
 are not run: a module the plan names has its weight split (its bias too when colwise),
 from the shapes. Blocks alike (same class, parameter shapes, input shapes) are run once.
+On meta the blocks run as the probe runs them: with CPU twins of small tensors, the target
+device's attention kernels and autocast (memplan.probe.backends).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import weakref
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import BadInputError
+from memplan.modes import KEEP, SELECTIVE
+from memplan.probe.tracker import LiveTracker, tensors_in
 from memplan.profile import Profile
+from memplan.run.checkpoint import in_mode
 from memplan.run.tp_plan import tp_degree_divides, tp_modules, tp_plan_for
 
 TP_PROBE_DEGREE = 2
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def _storage_key(t: torch.Tensor) -> tuple[int, int]:
-    local = t.to_local() if hasattr(t, "to_local") else t
-    storage = local.untyped_storage()
+    storage = _local(t).untyped_storage()
     return storage._cdata, storage.nbytes()
 
 
-def saved_activation_bytes(module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
-    """Bytes of the distinct storages ``module``'s forward saves for backward, parameters
-    left out."""
-    params = {_storage_key(p)[0] for p in module.parameters()}
-    seen: dict[int, int] = {}
+class _Created(TorchDispatchMode):
+    """The storages the ops of a forward create (a DTensor's by its local shard), each with
+    a weak reference whose callback forgets it when it is freed (its id may be reused)."""
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        key, nbytes = _storage_key(t)
-        if key not in params:
-            seen[key] = nbytes
-        return t
+    def __init__(self) -> None:
+        super().__init__()
+        self.alive: dict[int, tuple[weakref.ref, int]] = {}
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        for tensor in tensors_in(out, []):
+            try:
+                storage = _local(tensor).untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage of its own
+                continue
+            key = storage._cdata
+            if key not in self.alive:
+                forget = functools.partial(self._forget, key)
+                self.alive[key] = (weakref.ref(storage, forget), storage.nbytes())
+        return out
+
+    def _forget(self, key: int, _ref: weakref.ref) -> None:
+        entry = self.alive.get(key)
+        if entry is not None and entry[0] is _ref:
+            del self.alive[key]
+
+
+def kept_activation_bytes(
+    module: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    mode: str = KEEP,
+    context_fn: Any = None,
+) -> int:
+    """Bytes of the distinct storages ``module``'s forward in ``mode`` (memplan.modes)
+    creates and leaves alive while its output is held: what it keeps for backward, and its
+    output, as the probe's ``saved_bytes`` counts a layer (what existed before, parameters,
+    buffers and inputs, and views of it, left out). Counted from the storages' lives, not from saved-tensor hooks, which a
+    checkpoint's own hooks hide: a block under selective or full checkpointing (or one that
+    checkpoints itself) is measured too. ``context_fn`` as memplan.run.checkpoint's."""
+    existing = [*module.parameters(), *module.buffers(), *tensors_in((args, kwargs), [])]
+    before = {_storage_key(t)[0] for t in existing}  # and views of them: not created here
+    created = _Created()
+    chosen = nullcontext() if mode == KEEP else in_mode([module], mode, context_fn=context_fn)
+    with chosen, created:
         out = module(*args, **kwargs)
+    kept = sum(n for key, (ref, n) in created.alive.items() if key not in before and ref())
     del out
-    return sum(seen.values())
+    return kept
+
+
+def saved_activation_bytes(module: torch.nn.Module, args: tuple, kwargs: dict) -> int:
+    """:func:`kept_activation_bytes` of the plain forward."""
+    return kept_activation_bytes(module, args, kwargs)
 
 
 def _local_param_bytes(module: torch.nn.Module) -> int:
@@ -87,12 +140,18 @@ def capture_inputs(session: Any, size: int) -> dict[tuple, tuple[tuple, dict]]:
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in session.layers]
     batch = session.backend.batch(session.model_file, size)
     try:
-        with torch.no_grad(), session.backend.forward_context():
+        with torch.no_grad(), _as_probed(session.backend), session.backend.forward_context():
             session.model_file.loss(session.model, batch)
     finally:
         for handle in handles:
             handle.remove()
     return got
+
+
+def _as_probed(backend: Any) -> Any:
+    """On meta, the CPU twins that answer value reads (memplan.probe.shadow) without the
+    probe's op cache, which has no key for DTensor arguments; elsewhere nothing."""
+    return LiveTracker(record=False, meta=True) if backend.device == "meta" else nullcontext()
 
 
 def _style(style: str) -> Any:
@@ -168,8 +227,11 @@ def _measured(session: Any, profile: Profile, split: dict[str, str], inputs: dic
     from torch.distributed.tensor.parallel import parallelize_module
 
     model = session.model
+    backend = session.backend
     mesh = init_device_mesh("cpu", (TP_PROBE_DEGREE,))
-    by_signature: dict[tuple, tuple[float, int]] = {}
+    selective = all(layer.selective_savings_bytes is not None for layer in profile.layers)
+    modes = (KEEP, SELECTIVE) if selective else (KEEP,)
+    by_signature: dict[tuple, tuple[dict[str, float], int]] = {}
     layers = []
     for name, module, layer in zip(
         session.layer_names, session.layers, profile.layers, strict=True
@@ -180,18 +242,31 @@ def _measured(session: Any, profile: Profile, split: dict[str, str], inputs: dic
             prefix = name + "."
             styles = {n[len(prefix) :]: s for n, s in split.items() if n.startswith(prefix)}
             plain = copy.deepcopy(module)
-            whole = saved_activation_bytes(plain, *(_fresh(args), _fresh(kwargs)))
             tp = copy.deepcopy(module)
             torch_styles = {n: _style(s) for n, s in styles.items()}
             parallelize_module(tp, mesh, {n: s for n, s in torch_styles.items() if s})
-            under_tp = saved_activation_bytes(tp, *(_fresh(args), _fresh(kwargs)))
-            inside = TP_PROBE_DEGREE * (whole - under_tp)
-            fraction = min(max(inside / whole, 0.0), 1.0) if whole > 0 else 0.0
+            fractions = {}
+            with _as_probed(backend), backend.forward_context():
+                for mode in modes:
+                    whole, under_tp = (
+                        kept_activation_bytes(
+                            block, _fresh(args), _fresh(kwargs), mode,
+                            backend.checkpoint_context_fn(),
+                        )
+                        for block in (plain, tp)
+                    )  # fmt: skip
+                    inside = TP_PROBE_DEGREE * (whole - under_tp)
+                    fractions[mode] = min(max(inside / whole, 0.0), 1.0) if whole > 0 else 0.0
             sharded = TP_PROBE_DEGREE * (_local_param_bytes(plain) - _local_param_bytes(tp))
-            by_signature[sig] = (fraction, sharded // (TP_PROBE_DEGREE - 1))
-        fraction, sharded = by_signature.get(sig, (0.0, 0))
+            by_signature[sig] = (fractions, sharded // (TP_PROBE_DEGREE - 1))
+        fractions, sharded = by_signature.get(sig, ({}, 0))
         layers.append(
-            dataclasses.replace(layer, tp_saved_fraction=fraction, tp_sharded_bytes=sharded)
+            dataclasses.replace(
+                layer,
+                tp_saved_fraction=fractions.get(KEEP, 0.0),
+                tp_selective_fraction=fractions.get(SELECTIVE),
+                tp_sharded_bytes=sharded,
+            )
         )
     modules = dict(model.named_modules())
     fixed = []

@@ -165,6 +165,11 @@ class Layer:
     ``saved(t) = outside + inside/t`` from the two runs. None: not measured (no TP plan,
     or an older profile); the rest is the norm/residual region that only sequence parallel
     divides."""
+    tp_selective_fraction: float | None = None
+    """The same share of what the block keeps under selective checkpointing (``saved_bytes
+    − selective_savings_bytes``: the matmul and attention outputs the policy keeps, most of
+    them inside the TP region), measured the same way. None: not measured (no TP plan, no
+    selective figures, or an older profile): a rank then keeps all of it."""
     float8_param_bytes: int = 0
     """Bytes of its parameters (as probed) that are weights of linears converted to float8
     (``Environment.float8``): what FSDP2 gathers at one byte an element under float8

@@ -57,8 +57,8 @@ _SIGNED_AFFINE = {
     "savings_bytes",
     "recompute_seconds",
     "saved_bytes",
-    # selective keeps every matmul output, also those the plain run does not keep (a
-    # frozen LoRA base, a U-Net skip): its savings can be negative, measured.
+    # selective keeps matmul outputs (every second one) also where the plain run does not
+    # keep them (a frozen LoRA base, a U-Net skip): its savings can be negative, measured.
     "selective_savings_bytes",
     "selective_recompute_seconds",
 }
@@ -83,9 +83,9 @@ slopes, e.g. -32 B per sample on CPU: they are held to >= 0 at the probed sizes.
 def _affine_problem(profile: Profile) -> tuple[str, str] | None:
     """A byte fit negative over the sizes the solver uses (b >= 1), savings growing faster
     than what the layer keeps, or full savings shrinking faster than its inputs grow (all a
-    full checkpoint keeps). Selective savings have no floor: selective keeps every matmul's
-    output, also those the plain run frees at once (a frozen LoRA base's, in bf16:
-    docs/design.md, "The profile")."""
+    full checkpoint keeps). Selective savings have no floor: selective keeps matmul outputs
+    (every second one) also where the plain run frees them at once (a frozen LoRA base's,
+    in bf16: docs/design.md, "The profile")."""
     for i, layer in enumerate(profile.layers):
         path = f"profile.layers[{i}]"
         for name in _SIZE_AFFINE_BYTES:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -25,7 +25,16 @@ from torch.utils.checkpoint import (
 )
 
 from memplan.errors import BadInputError
-from memplan.modes import FULL, KEEP, MODES, OFFLOAD, SAVE_OPS, SELECTIVE
+from memplan.modes import (
+    COUNTED_MATMULS,
+    FULL,
+    KEEP,
+    MODES,
+    OFFLOAD,
+    RECOMPUTE_EVERY_NTH_MATMUL,
+    SAVE_OPS,
+    SELECTIVE,
+)
 from memplan.plan import Plan
 from memplan.run.training_state import disable_kv_cache, kv_cache_note
 from memplan.suggest import close_matches
@@ -41,43 +50,87 @@ ContextFn = Callable[[], tuple[Any, Any]]
 # Keys in a patched module's __dict__. Instance attributes, not submodules, parameters or
 # buffers, so ``named_modules()`` and ``state_dict()`` keys do not change.
 _MARK = "_memplan_checkpointed"  # the module's mode
-_CONTEXT = "_memplan_context_fn"  # a full-mode context factory (the meta probe's autocast)
+_CONTEXT = "_memplan_context_fn"  # extra checkpoint contexts (the meta probe's autocast)
 _SAVED_FORWARD = "_memplan_saved_forward"
 _PATCH_KEYS = ("forward", _SAVED_FORWARD, _MARK, _CONTEXT)
 _MISSING = object()  # the instance had no forward of its own (the usual case)
 
 _MAX_LISTED_NAMES = 30
 
-_save_packets: frozenset[Any] | None = None
+_save_overloads: tuple[frozenset[Any], frozenset[Any]] | None = None
 
 
-def _save_ops() -> frozenset[Any]:
-    """The aten op packets of memplan.modes.SAVE_OPS this torch has."""
-    global _save_packets
-    if _save_packets is None:
-        found = []
-        for name in SAVE_OPS:
-            try:
-                found.append(getattr(torch.ops.aten, name))
-            except (AttributeError, RuntimeError):  # an op this torch build lacks
-                continue
-        _save_packets = frozenset(found)
-    return _save_packets
+def _selective_ops() -> tuple[frozenset[Any], frozenset[Any]]:
+    """The ``.default`` overloads of memplan.modes.SAVE_OPS and COUNTED_MATMULS this torch
+    has (torchtitan matches ``.default`` overloads), in ``aten`` or ``_c10d_functional``."""
+    global _save_overloads
+    if _save_overloads is None:
+
+        def overloads(names: tuple[str, ...]) -> frozenset[Any]:
+            found = []
+            for name in names:
+                for namespace in (torch.ops.aten, torch.ops._c10d_functional):
+                    try:
+                        found.append(getattr(namespace, name).default)
+                        break
+                    except (AttributeError, RuntimeError):  # an op this build lacks
+                        continue
+            return frozenset(found)
+
+        _save_overloads = (overloads(SAVE_OPS), overloads(COUNTED_MATMULS))
+    return _save_overloads
 
 
-def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Keep the outputs of matmul, convolution and attention ops; recompute the rest
-    (PyTorch's selective activation checkpointing API, torch.utils.checkpoint docs)."""
-    del ctx, args, kwargs
-    packet = getattr(op, "overloadpacket", op)
-    return (
-        CheckpointPolicy.MUST_SAVE if packet in _save_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-    )
+def selective_policy() -> Callable[..., CheckpointPolicy]:
+    """A fresh policy for one checkpointed call: torchtitan's ``SelectiveAC`` (memplan.modes
+    .SAVE_OPS): keep the outputs of the save-list ops, except every second matmul, counted
+    from the call's first; recompute everything else. PyTorch asks the policy during the
+    forward only (torch 2.13 ``_CachingTorchDispatchMode``; the recompute replays what the
+    forward decided), so one counter per call is torchtitan's ``forward_mm_count``."""
+    save, counted = _selective_ops()
+    matmuls = 0
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        nonlocal matmuls
+        del ctx, args, kwargs
+        if op in counted:
+            matmuls += 1
+            if matmuls % RECOMPUTE_EVERY_NTH_MATMUL == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
 
 
-def selective_context_fn() -> tuple[Any, Any]:
-    """checkpoint's ``context_fn`` for the ``selective`` mode."""
-    return create_selective_checkpoint_contexts(_selective_policy)
+def selective_context_fn(extra: ContextFn | None = None) -> tuple[Any, Any]:
+    """checkpoint's ``context_fn`` for the ``selective`` mode; ``extra`` adds contexts of
+    its own to the forward and the recompute (the meta probe's autocast and attention
+    kernels, which checkpoint cannot restore), entered around SAC's."""
+    forward, recompute = create_selective_checkpoint_contexts(selective_policy())
+    if extra is None:
+        return forward, recompute
+    extra_forward, extra_recompute = extra()
+    return _Entered(extra_forward, forward), _Entered(extra_recompute, recompute)
+
+
+class _Entered:
+    """Several contexts as one, entered in order. A class, not a ``@contextmanager``
+    generator: checkpoint stops a recompute early by raising through the recompute
+    context, and a generator's frame changed when the block's tensors were released
+    (a meta probe's selective backward held one activation less than the cpu probe's)."""
+
+    def __init__(self, *contexts: Any) -> None:
+        self._contexts = contexts
+        self._stack: ExitStack | None = None
+
+    def __enter__(self) -> None:
+        self._stack = ExitStack()
+        for context in self._contexts:
+            self._stack.enter_context(context)
+
+    def __exit__(self, *exc: Any) -> bool:
+        stack, self._stack = self._stack, None
+        return bool(stack is not None and stack.__exit__(*exc))
 
 
 def require_offload_device() -> None:
@@ -96,13 +149,17 @@ def run_in_mode(
     """``forward(*args, **kwargs)`` in ``mode``: ``full`` and ``selective`` through
     checkpoint with :data:`CHECKPOINT_SETTINGS`, ``offload`` under
     ``torch.autograd.graph.save_on_cpu(pin_memory=True)``. ``context_fn`` replaces ``full``
-    mode's (empty) checkpoint contexts."""
+    mode's (empty) checkpoint contexts, and is entered around ``selective`` mode's."""
     if mode == FULL:
         extra = {} if context_fn is None else {"context_fn": context_fn}
         return checkpoint(forward, *args, **CHECKPOINT_SETTINGS, **extra, **kwargs)
     if mode == SELECTIVE:
         return checkpoint(
-            forward, *args, **CHECKPOINT_SETTINGS, context_fn=selective_context_fn, **kwargs
+            forward,
+            *args,
+            **CHECKPOINT_SETTINGS,
+            context_fn=lambda: selective_context_fn(context_fn),
+            **kwargs,
         )
     if mode == OFFLOAD:
         with torch.autograd.graph.save_on_cpu(pin_memory=True):
@@ -166,7 +223,7 @@ def modes_applied(
     try:
         for module, mode in modes:
             before.append((module, {k: module.__dict__.get(k, _MISSING) for k in _PATCH_KEYS}))
-            _patch(module, mode, context_fn if mode == FULL else None)
+            _patch(module, mode, context_fn if mode in (FULL, SELECTIVE) else None)
         yield
     finally:
         for module, state in reversed(before):
@@ -189,9 +246,12 @@ def checkpointed(
 
 
 @contextmanager
-def in_mode(modules: Iterable[torch.nn.Module], mode: str) -> Iterator[None]:
-    """Within the block, each of ``modules`` runs in ``mode`` (see :func:`run_in_mode`)."""
-    with modes_applied((m, mode) for m in modules):
+def in_mode(
+    modules: Iterable[torch.nn.Module], mode: str, *, context_fn: ContextFn | None = None
+) -> Iterator[None]:
+    """Within the block, each of ``modules`` runs in ``mode`` (see :func:`run_in_mode`;
+    ``context_fn`` as there)."""
+    with modes_applied(((m, mode) for m in modules), context_fn=context_fn):
         yield
 
 
