@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 from profiles_factory import uniform_chain
+from tiny_llama import llama_reference
 
 from memplan.memory.ddp_tp import ddp_splits_grads
 from memplan.memory.parallel import rank_profile
@@ -69,22 +70,7 @@ def test_tp2_ddp2_every_block_checkpointed_within_three_percent_on_four_ranks(tm
     from memplan.cli import app
     from memplan.plan import load_plan
 
-    config = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": 128,
-        "max_position_embeddings": 64,
-        "tie_word_embeddings": False,
-    }
-    folder = tmp_path / "llama"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    model = f"hf:{folder}?task=causal-lm&seq-len=16"
+    model = llama_reference(tmp_path / "llama")
     profile, plan_path = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
     runner = CliRunner()
     steps = [

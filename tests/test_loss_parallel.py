@@ -7,23 +7,10 @@ import dataclasses
 import json
 
 import pytest
+from tiny_llama import llama_reference
 
 from memplan.errors import BadInputError
 from memplan.parallel import Parallel
-
-LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    # a vocabulary 32× the hidden size, so the logits and the loss make the peak
-    "vocab_size": 1024,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
 
 
 def test_loss_parallel_needs_tensor_parallel_and_is_described():
@@ -64,10 +51,8 @@ def test_tp2_loss_parallel_from_probe_to_four_ranks_within_three_percent(tmp_pat
     from memplan.plan import load_plan
     from memplan.profile import load_profile
 
-    folder = tmp_path / "llama"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA))
-    model = f"hf:{folder}?task=causal-lm&seq-len=16"
+    # a vocabulary 32× the hidden size, so the logits and the loss make the peak
+    model = llama_reference(tmp_path / "llama", vocab_size=1024)
     profile, plan_path = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
     runner = CliRunner()
     steps = [

@@ -13,6 +13,7 @@ import pytest
 import torch
 from profile_bytes import assert_meta_equals_cpu
 from profiles_factory import uniform_chain
+from tiny_llama import TINY_LLAMA, llama_reference
 
 from memplan.devices import load_device
 from memplan.memory.parallel import rank_profile
@@ -22,17 +23,7 @@ from memplan.profile import Affine
 from memplan.timing import roofline_times
 
 MODELS = Path(__file__).parent / "models"
-LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+LLAMA = {k: v for k, v in TINY_LLAMA.items() if k != "architectures"}
 
 
 def _decisions(prepare, monkeypatch) -> list[tuple[str, str]]:
@@ -97,10 +88,7 @@ def test_a_meta_probe_plans_per_op_sac_as_the_cpu_probe_measures_it(tmp_path):
     # through SAC's dispatch modes, bypassing the CPU twins), so the profile had none, and
     # its TP re-run of the blocks failed on the same read ("plans with --tp > 1 are
     # refused").
-    folder = tmp_path / "llama"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA))
-    model = f"hf:{folder}?task=causal-lm&seq-len=16"
+    model = llama_reference(tmp_path / "llama", architectures=None)
     cpu = probe_model(model, device="cpu", micro_batches=(1, 2))
     meta = probe_model(model, device="meta", micro_batches=(1, 2))
     assert all(layer.selective_savings_bytes is not None for layer in meta.layers)
@@ -198,11 +186,14 @@ def test_tp2_with_selective_checkpointing_within_three_percent_on_four_ranks(tmp
     from memplan.cli import app
     from memplan.plan import load_plan
 
-    folder = tmp_path / "llama"
-    folder.mkdir()
-    config = {**LLAMA, "hidden_size": 64, "intermediate_size": 128, "vocab_size": 1024}
-    (folder / "config.json").write_text(json.dumps(config))
-    model = f"hf:{folder}?task=causal-lm&seq-len=64"
+    model = llama_reference(
+        tmp_path / "llama",
+        64,
+        architectures=None,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=1024,
+    )
     profile, plan_path = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
     runner = CliRunner()
     steps = [

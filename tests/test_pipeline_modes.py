@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 from profiles_factory import uniform_chain
+from tiny_llama import llama_reference
 
 from memplan.memory.parallel import layout_peaks, own_checkpoint, stage_blocks, stage_checkpoint
 from memplan.parallel import Parallel
@@ -173,20 +174,6 @@ def test_a_pruned_checkpointed_block_is_freed_without_the_cycle_collector(tmp_pa
     assert run.checkpoint.checkpointed_names(net) == ["model.layers.0", "model.layers.1"]
 
 
-LLAMA4 = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
-
-
 @pytest.mark.slow
 def test_pp2_with_full_and_selective_checkpointing_within_three_percent_on_four_ranks(
     tmp_path,
@@ -202,10 +189,7 @@ def test_pp2_with_full_and_selective_checkpointing_within_three_percent_on_four_
     from memplan.cli import app
     from memplan.plan import load_plan
 
-    folder = tmp_path / "llama"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA4))
-    model = f"hf:{folder}?task=causal-lm&seq-len=16"
+    model = llama_reference(tmp_path / "llama")
     profile = tmp_path / "p.yaml"
     runner = CliRunner()
     result = runner.invoke(app, ["probe", model, "-o", str(profile)])

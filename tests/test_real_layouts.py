@@ -8,20 +8,12 @@ import json
 
 import pytest
 import torch
+from tiny_llama import TINY_LLAMA
 
 from memplan.errors import BadInputError
 from memplan.parallel import Parallel, stage_layers
 
-COMMON = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+COMMON = {k: v for k, v in TINY_LLAMA.items() if k not in ("model_type", "architectures")}
 GRANITE = {
     **COMMON,
     "model_type": "granite",
