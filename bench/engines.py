@@ -456,15 +456,15 @@ def run(device: str) -> str:
             "|---|---:|---|---|---|---|---|",
             *rows,
             "",
-            "*Selective rows:* memplan's `selective` mode keeps the output of every matmul and "
-            "attention op (memplan.modes); torchtitan's `SelectiveAC` keeps the same ops but "
-            "recomputes every second matmul (torchtitan/distributed/activation_checkpoint.py "
-            "`SelectiveAC._wrap_block`), so it holds less and memplan is over. Measured here "
-            "over one block's forward (memplan's tracker, less what `FullAC` keeps): "
+            "*Selective rows:* memplan's `selective` mode is torchtitan's per-op policy "
+            "(memplan.modes: every second matmul recomputed, attention kept; torchtitan/"
+            "distributed/activation_checkpoint.py `SelectiveAC`), with one addition: it also "
+            "keeps the CPU flash-attention kernel's output, as torchtitan's list keeps the GPU "
+            "kernels', where torchtitan's list on a CPU recomputes it. Measured here over one "
+            "block's forward (memplan's tracker, less what `FullAC` keeps): "
             f"{kept['memplan']:,} B per sample under memplan's mode, {kept['SelectiveAC']:,} "
-            "B under torchtitan's; each block a pipeline stage or the backward still holds "
-            "carries the difference. Planning torchtitan's policy itself is per-op selective "
-            "checkpointing (issue 31).",
+            "B under torchtitan's; the difference is that attention output and its "
+            "log-sum-exp (128 tokens × 256 × 4 B + 16 heads × 128 × 4 B = 139,264 B).",
         ]
     )
 
