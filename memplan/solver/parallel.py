@@ -223,6 +223,22 @@ def _rank_profile(
     return _RANKS[key]
 
 
+def _all_full_variant(
+    profile: Profile, request: SolveRequest, parallel: Parallel, stage: int, m: int
+) -> tuple[Profile, SolveRequest] | None:
+    """With pipeline stages and ``full`` allowed: the stage's rank with every block fully
+    checkpointed in every micro-batch in flight, and the request pinning that map."""
+    if parallel.pp == 1 or (request.modes is not None and "full" not in request.modes):
+        return None
+    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
+    if not rank_full.layers:
+        return None
+    forced = dataclasses.replace(
+        request, always_checkpoint=rank_full.layer_names, never_checkpoint=(), modes=("full",)
+    )
+    return rank_full, forced
+
+
 def _solve_stage(
     profile: Profile, request: SolveRequest, parallel: Parallel, stage: int, m: int
 ) -> SolveResult | None:
@@ -230,16 +246,11 @@ def _solve_stage(
     as ``rank_profile`` charges them without a map; and, with pipeline stages, once more
     with every block fully checkpointed in every micro-batch in flight (what the stage
     then holds, exactly): the faster that fits."""
-    rank = _rank_profile(profile, parallel, stage, m)
-    result = solve_if_fits(rank, request, explain=False)
-    full_allowed = request.modes is None or "full" in request.modes
-    if parallel.pp == 1 or not full_allowed or not rank.layers:
+    result = solve_if_fits(_rank_profile(profile, parallel, stage, m), request, explain=False)
+    variant = _all_full_variant(profile, request, parallel, stage, m)
+    if variant is None:
         return result
-    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
-    forced = dataclasses.replace(
-        request, always_checkpoint=rank_full.layer_names, never_checkpoint=(), modes=("full",)
-    )
-    full = solve_if_fits(rank_full, forced, explain=False)
+    full = solve_if_fits(*variant, explain=False)
     if full is None:
         return result
     if result is None or full.plan.predicted.step_seconds <= result.plan.predicted.step_seconds:
@@ -423,15 +434,8 @@ def _least_stage_peak(
     from memplan.solver.search import least_peak_bytes
 
     least = least_peak_bytes(_rank_profile(profile, parallel, stage, m), request)
-    if parallel.pp == 1 or (request.modes is not None and "full" not in request.modes):
-        return least
-    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
-    if not rank_full.layers:
-        return least
-    forced = dataclasses.replace(
-        request, always_checkpoint=rank_full.layer_names, never_checkpoint=(), modes=("full",)
-    )
-    return min(least, least_peak_bytes(rank_full, forced))
+    variant = _all_full_variant(profile, request, parallel, stage, m)
+    return least if variant is None else min(least, least_peak_bytes(*variant))
 
 
 def least_layout_peak(
