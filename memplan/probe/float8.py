@@ -39,15 +39,27 @@ import torch
 
 from memplan.run.float8 import DEFAULT_SKIP, RECIPES, Float8Conversion
 
-__all__ = ["DEFAULT_SKIP", "FLOAT8_DTYPES", "RECIPES", "Float8Conversion", "is_float8"]
+__all__ = [
+    "DEFAULT_SKIP",
+    "FLOAT8_DTYPES",
+    "RECIPES",
+    "Float8Conversion",
+    "float8_bits",
+    "is_float8",
+]
+
+
+def float8_bits(tensor: torch.Tensor) -> Any:
+    """What holds a tensor's elements: torchao's ``Float8TrainingTensor`` keeps its float8
+    bits in ``_data`` (its own dtype is the original one); any other tensor itself."""
+    return getattr(tensor, "_data", tensor)
 
 
 def is_float8(tensor: Any) -> bool:
-    """A float8 operand: a float8 tensor, or torchao's ``Float8TrainingTensor`` (its dtype is
-    the original one; its ``_data`` holds the float8 bits)."""
+    """A float8 operand: a float8 tensor, or torchao's ``Float8TrainingTensor``."""
     if not isinstance(tensor, torch.Tensor):
         return False
-    data = getattr(tensor, "_data", tensor)
+    data = float8_bits(tensor)
     return isinstance(data, torch.Tensor) and data.dtype in FLOAT8_DTYPES
 
 

@@ -27,7 +27,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import CannotMeasureError, MemplanError, first_line, internal_failure
 from memplan.probe import shadow
-from memplan.probe.float8 import is_float8
+from memplan.probe.float8 import float8_bits, is_float8
 from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
 
 _EMPTY: dict[str, Any] = {}
@@ -159,7 +159,7 @@ def _tensor_bytes(value: Any) -> int:
     if not isinstance(value, torch.Tensor):
         return 0
     if type(value) is not torch.Tensor and is_float8(value):  # torchao's float8 subclass
-        value = getattr(value, "_data", value)  # its bits: one byte an element
+        value = float8_bits(value)  # its bits: one byte an element
     return value.numel() * value.element_size()
 
 
@@ -306,7 +306,7 @@ class LiveTracker(TorchDispatchMode):
             dtype = outputs[0].dtype if outputs else None
             if op_flops:  # a matmul on float8 operands runs at the float8 peak
                 dtype = next(
-                    (_float8_dtype(t) for t in tensors_in(args, []) if is_float8(t)), dtype
+                    (float8_bits(t).dtype for t in tensors_in(args, []) if is_float8(t)), dtype
                 )
             self.virtual_seconds += self.roofline.seconds(
                 op_flops, moved, dtype, func, args, kwargs
@@ -332,11 +332,6 @@ class LiveTracker(TorchDispatchMode):
                 entry.flops, entry.moved_bytes, dtype, func, args, kwargs
             )
         return out
-
-
-def _float8_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The float8 dtype of a float8 operand (torchao's subclass keeps it in ``_data``)."""
-    return getattr(tensor, "_data", tensor).dtype
 
 
 def storages_bytes(tensors: Iterable[Any]) -> int:
