@@ -380,11 +380,7 @@ def rank_profile(
         names = profile.layer_names
         for j, layer in zip(stage_range, layers, strict=True):
             if names[j] in modes:
-                kept = _mode_savings(layer, modes[names[j]])
-                stage_saved = Affine(
-                    intercept=stage_saved.intercept - kept.intercept,
-                    slope=stage_saved.slope - kept.slope,
-                )
+                stage_saved = _sub(stage_saved, _mode_savings(layer, modes[names[j]]))
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
     kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
     buffers, input_grads = pipeline_buffers(profile, parallel, stage, micro_batches)
