@@ -87,15 +87,17 @@ def freed_inputs(profile: Profile) -> tuple[Affine, ...]:
     return tuple(out)
 
 
-def held_bytes(profile: Profile, parallel: Parallel, blocks: range) -> dict[int, Affine]:
+def held_bytes(
+    profile: Profile, parallel: Parallel, blocks: range, freed: tuple[Affine, ...]
+) -> dict[int, Affine]:
     """Per block of ``blocks`` (one stage's, in the whole model's numbering): what it adds to
     one micro-batch's bytes on a rank once its forward has run, un-checkpointed: its saved
     bytes times its factor ``f`` less the input the plain step freed (``freed_inputs``, a
     hidden state: ``hidden_factor``). A later stage's first input is its receive buffer,
     which ``torch.distributed.pipelining`` keeps (memory.pipeline), so nothing is freed there.
     A checkpointed block keeps ``hidden_factor`` of its ``saved − savings − freed``: its
-    output (memory.parallel's rank savings)."""
-    freed = freed_inputs(profile)
+    output (memory.parallel's rank savings). ``freed``: ``freed_inputs(profile)``, which
+    the caller has read already."""
     out = {}
     for j in blocks:
         layer = profile.layers[j]

@@ -369,7 +369,7 @@ def rank_profile(
     # less the input the plain step frees after it) and the rank's (``held_bytes``).
     freed = freed_inputs(profile)
     saved = [_sub(layer.saved_bytes, freed[j]) for j, layer in enumerate(profile.layers)]
-    rank_saved = held_bytes(profile, parallel, stage_range)
+    rank_saved = held_bytes(profile, parallel, stage_range, freed)
     stage_saved = Affine.zero()
     for j in stage_range:
         stage_saved = Affine(
