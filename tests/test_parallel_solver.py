@@ -230,7 +230,9 @@ def test_data_parallel_collectives_run_at_the_groups_bandwidth():
     # Ranks numbered tp innermost: a data-parallel group takes every tp-th rank. Within a
     # node of 8 it runs on NVLink (450 GB/s); across nodes each of its ranks on a node
     # brings its own 50 GB/s NIC: tp 8 leaves one a node (50 GB/s), tp 2 four (200), tp 1
-    # eight (400, under NVLink's 450).
+    # eight (400, under NVLink's 450). FSDP spans cp too (dp_shard × cp, torchtitan's
+    # dp_shard_cp): dp 16 × cp 2 at tp 2 is a group of 32, four a node (200); DDP's
+    # replicas take every (tp·cp)-th rank: two a node (100).
     from memplan.solver.parallel import data_parallel_bandwidth
 
     nvlink = 450e9
@@ -240,10 +242,13 @@ def test_data_parallel_collectives_run_at_the_groups_bandwidth():
         Parallel(dp_shard=256): 400e9,
         Parallel(dp_shard=4, tp=2): nvlink,
         Parallel(dp_shard=8, pp=4): nvlink,
-        Parallel(dp_shard=16, tp=2, cp=2): 100e9,
+        Parallel(dp_shard=16, tp=2, cp=2): 200e9,
+        Parallel(dp_shard=2, cp=4): nvlink,
     }
     for parallel, want in cases.items():
         assert data_parallel_bandwidth(parallel, nvlink, 8) == want, parallel
+    replicas = Parallel(dp_replicate=16, tp=2, cp=2)
+    assert data_parallel_bandwidth(replicas, nvlink, 8, sharded=False) == 100e9
 
 
 def test_a_fully_checkpointed_block_repeats_its_tp_collectives_in_its_recompute():

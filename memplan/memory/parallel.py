@@ -484,11 +484,15 @@ def layout_sharding(
     strategy: Strategy, parallel: Parallel, grad_sync: str = "last_micro_step"
 ) -> Sharding:
     """The data-parallel dimension of a layout as the per-rank model sees it: DDP over all
-    ``dp`` ranks; a sharded strategy (ZeRO, FSDP) over ``dp_shard`` (HSDP replicates the
-    shards ``dp_replicate`` times, which adds no memory). A pipeline's replicas are not
-    wrapped in DDP (its bucket rebuild cannot wrap a stage): memplan's runtime all-reduces
-    each gradient in place after the schedule, so no buckets (world 1 here)."""
-    world = parallel.dp if strategy == "ddp" else parallel.dp_shard
+    ``dp`` ranks; a sharded strategy (ZeRO, FSDP) over ``dp_shard × cp`` (HSDP replicates the
+    shards ``dp_replicate`` times, which adds no memory). Context-parallel ranks hold the
+    same weights, so torchtitan shards them over the two together: it flattens ``dp_shard``
+    and ``cp`` into one ``dp_shard_cp`` mesh dimension and applies ``fully_shard`` over it
+    (torchtitan 9dec370, torchtitan/parallelisms/parallel_dims.py ``build_mesh`` and
+    parallelize_llama.py; the same ``fsdp`` mesh in torchtitan 0.3). A pipeline's replicas
+    are not wrapped in DDP (its bucket rebuild cannot wrap a stage): memplan's runtime
+    all-reduces each gradient in place after the schedule, so no buckets (world 1 here)."""
+    world = parallel.dp if strategy == "ddp" else parallel.dp_shard * parallel.cp
     if strategy == "ddp" and parallel.pp > 1:
         world = 1
     return Sharding(
@@ -532,8 +536,10 @@ class LayoutPeaks:
 
 def communicators(parallel: Parallel) -> int:
     """NCCL communicators a rank of ``parallel`` belongs to: one per dimension of two or
-    more ranks (data-parallel replicate and shard, tensor, pipeline, context)."""
-    sizes = (parallel.dp_replicate, parallel.dp_shard, parallel.tp, parallel.pp, parallel.cp)
+    more ranks (data-parallel replicate and shard, tensor, pipeline, context), the shards'
+    spanning ``dp_shard × cp`` (``layout_sharding``)."""
+    shards = parallel.dp_shard * parallel.cp
+    sizes = (parallel.dp_replicate, shards, parallel.tp, parallel.pp, parallel.cp)
     return sum(1 for size in sizes if size > 1)
 
 

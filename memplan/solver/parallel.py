@@ -65,21 +65,28 @@ INTER_NODE_BYTES_PER_SECOND = 50e9
 and data-parallel groups that span nodes."""
 
 
-def data_parallel_bandwidth(parallel: Parallel, intra: float, gpus_per_node: int) -> float:
+def data_parallel_bandwidth(
+    parallel: Parallel, intra: float, gpus_per_node: int, sharded: bool = True
+) -> float:
     """Bytes per second per rank of the data-parallel collectives of ``parallel`` (FSDP's
     all-gathers and reduce-scatters, DDP's all-reduce). Ranks are numbered with tp
-    innermost, then cp, dp, pp (torchtitan's mesh order, ``memory.parallel.stage_of_rank``),
-    so a data-parallel group takes every (tp·cp)-th rank: within one node while
-    dp·tp·cp ≤ gpus_per_node (NVLink, ``intra``); otherwise across nodes, where its
-    g = gpus_per_node / (tp·cp) ranks on a node each reach the others through their own NIC
+    innermost, then cp, dp, pp (torchtitan's mesh order, ``memory.parallel.stage_of_rank``).
+    A sharded group spans ``dp × cp`` ranks (FSDP over ``dp_shard_cp``,
+    ``memory.parallel.layout_sharding``), every tp-th rank; DDP's replicas span ``dp``,
+    every (tp·cp)-th. A group runs within one node while its ranks times its stride fit
+    in ``gpus_per_node`` (NVLink, ``intra``); otherwise across nodes, where its g ranks on a
+    node (gpus_per_node over the stride) each reach the others through their own NIC
     (DGX H100: one 400 Gb/s ConnectX-7 per GPU for the compute fabric, NVIDIA DGX H100 user
     guide) and NCCL's rings run a channel per NIC, so the group moves g × 50 GB/s between
     nodes (nccl-tests' bus bandwidth: a full node's 8 NICs give about 400 GB/s), never more
     than NVLink. Before, every group was timed at NVLink: at dp 32 × tp 8 the FSDP traffic
     of a 70B ran 9× too fast."""
-    if parallel.dp <= 1 or parallel.dp * parallel.tp * parallel.cp <= gpus_per_node:
+    ranks, stride = parallel.dp, parallel.tp * parallel.cp
+    if sharded:
+        ranks, stride = parallel.dp * parallel.cp, parallel.tp
+    if ranks <= 1 or ranks * stride <= gpus_per_node:
         return intra
-    per_node = max(1, gpus_per_node // (parallel.tp * parallel.cp))
+    per_node = max(1, gpus_per_node // stride)
     return min(intra, per_node * INTER_NODE_BYTES_PER_SECOND)
 
 
@@ -136,12 +143,13 @@ def candidate_layouts(
                     continue  # it would split a head or a projection unevenly
 
                 dp = world // (tp * pp * cp)
-                if profile.environment.mixed_precision == "params" and dp < 2:
+                replicas = strategy == "ddp"
+                shards = dp if replicas else dp * cp  # FSDP spans cp (layout_sharding)
+                if profile.environment.mixed_precision == "params" and shards < 2:
                     continue  # FSDP's mixed-precision policy, as probed, needs shards
                 sp = ask.sequence_parallel
                 if sp is None:  # the runtime runs SP without pipeline stages only
                     sp = ask.auto and tp > 1 and pp == 1
-                replicas = strategy == "ddp"
                 lp = ask.loss_parallel is not False and tp > 1
                 out.append(
                     Parallel(
@@ -259,10 +267,11 @@ def _solve_stage(
 
 
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
-    """The data-parallel engine: as asked; ``auto`` shards (FSDP2, as torchtitan does)."""
+    """The data-parallel engine: as asked; ``auto`` shards (FSDP2, as torchtitan does, over
+    ``dp_shard × cp``)."""
     if request.strategy != "auto":
         return request.strategy
-    return "fsdp" if parallel.dp_shard > 1 else "ddp"
+    return "fsdp" if parallel.dp_shard * parallel.cp > 1 else "ddp"
 
 
 def _stage_request(
@@ -288,7 +297,9 @@ def _stage_request(
         reshard_after_forward=parallel.pp == 1,
         reduce_after_schedule=parallel.pp > 1,
         communicators=communicators(parallel),
-        data_parallel_bandwidth=data_parallel_bandwidth(parallel, intra, gpus_per_node),
+        data_parallel_bandwidth=data_parallel_bandwidth(
+            parallel, intra, gpus_per_node, sharded=strategy != "ddp"
+        ),
     )
 
 
