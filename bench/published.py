@@ -31,11 +31,20 @@ docs/performance.md (read at commit 4d88a8a, added in 395a526; removed since), w
 tokens per second per GPU and MFU but no memory; their AC: "selective layer" is torchtitan's
 option ``'2'`` (every second block fully checkpointed, the default of its config_manager.py
 then), "selective op" its per-op policy, 70B full.
+
+The context-parallel rows (Tables 2 and 6: 8B on 8 GPUs, FSDP × CP, local batch 1; 405B on
+512, FSDP × TP 8 × PP 8 × CP, 1F1B, local batch 8; both full AC, compile and float8,
+sequences of 32,768 to 262,144 tokens with ``cp`` from 1 to 8, so every rank runs 32,768
+tokens a sample): each probed at its own sequence (``CP_ROWS``), solved with ``--cp``.
+Their published TPS divides the local batch's tokens by cp·tp·pp (``Published.step_seconds``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,10 +94,14 @@ class Published:
     precision: str = "bf16"
     """``float8``: the published run used torchao's Float8 linears (its techniques say so),
     predicted from a ``--precision float8`` probe (issue 34)."""
+    cp: int = 1
+    """Context-parallel degree (Tables 2 and 6): the sequence split over ``cp`` ranks."""
+    seq: int = SEQ
+    """Tokens per sample: the run's ``training.seq_len``."""
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
     def eager_bf16(self) -> bool:
@@ -96,7 +109,9 @@ class Published:
 
     @property
     def step_seconds(self) -> float:
-        tokens_per_gpu = self.local_batch * SEQ * self.dp / self.gpus
+        # torchtitan 9dec370 train.py: tps = the local batch's labels.numel() (counted before
+        # CP splits them) / (time × cp·tp·pp, ``non_data_parallel_size``)
+        tokens_per_gpu = self.local_batch * self.seq * self.dp / self.gpus
         return tokens_per_gpu / self.tps
 
 
@@ -241,8 +256,68 @@ ROWS = [
 ]
 
 
-def probe(factory: str, out: Path, device: str = DEVICE, precision: str = "bf16") -> float:
-    return layouts.probe(factory, out, MODEL, device, precision)["seconds"]
+# Tables 2 and 6: context parallel, as torchtitan 9dec370 ran it (train.py,
+# utils.create_context_parallel_ctx; torch's torch/distributed/tensor/experimental/
+# _attention.py at the runs' 1963fc8): the data loader gives each data-parallel rank its
+# local batch at the full sequence; torch's ``context_parallel`` then splits the sequence
+# dimension of the tokens, the labels and the rotary table over the cp ranks (round-robin
+# chunks for the causal load balance), so every op but attention runs on S/cp tokens, and
+# SDPA becomes ring attention (K/V all-gathered over cp, the default
+# ``context_parallel_rotate_method``). FSDP shards over dp × cp (``dp_shard_cp``). With
+# pipeline stages (Table 6) the split happens before the schedule cuts the local batch of 8
+# into pp = 8 micro-batches of 1. Each row is probed at its own sequence length.
+CP_ROWS = [
+    Published(
+        "8B", f"build_8b_{k}k", f"Table 2, seq {seq:,}", 8, 1, 1, 1, 1, "full", memory, tps,
+        "compile+float8", precision="float8", cp=cp, seq=seq,
+    )
+    for k, seq, cp, tps, memory in (
+        (32, 32768, 1, 3890, 83.9),
+        (64, 65536, 2, 2540, 84.2),
+        (128, 131072, 4, 1071, 84.0),
+        (256, 262144, 8, 548, 84.5),
+    )
+] + [
+    Published(
+        "405B", f"build_405b_{k}k", f"Table 6, seq {seq:,}", 512, 8, 8, 8, 1, "full", memory,
+        tps, "compile+float8+asyncTP", precision="float8", cp=cp, seq=seq,
+    )
+    for k, seq, cp, tps, memory in (
+        (32, 32768, 1, 76, 75.3),
+        (64, 65536, 2, 47, 75.9),
+        (128, 131072, 4, 31, 77.1),
+        (256, 262144, 8, 16, 84.9),
+    )
+]  # fmt: skip
+
+_PROBE_AT = """
+import json, sys, time
+from memplan.model.loader import load_model_file
+from memplan.probe.runner import probe_model
+from memplan.profile import profile_to_yaml
+start = time.perf_counter()
+spec, out, device, precision, seq = sys.argv[1:6]
+model = load_model_file(spec).at_seq_len(int(seq))
+profile = probe_model(model, device="meta", precision=precision, mixed_precision="params",
+                      device_profile=device)
+open(out, "w").write(profile_to_yaml(profile))
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+def probe(
+    factory: str, out: Path, device: str = DEVICE, precision: str = "bf16", seq: int = SEQ
+) -> float:
+    """Probe ``factory`` on meta; at ``seq`` tokens a sample (``probe --seq-len``) when the
+    run's sequence is not the example's own."""
+    if seq == SEQ:
+        return layouts.probe(factory, out, MODEL, device, precision)["seconds"]
+    run = subprocess.run(
+        [sys.executable, "-c", _PROBE_AT, f"{MODEL}:{factory}", str(out), device, precision,
+         str(seq)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(run.stdout.strip().splitlines()[-1])["seconds"]
 
 
 def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
@@ -250,7 +325,7 @@ def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
     key = (row.factory, spec.name, precision)
     if key not in probes:
         out = Path(tmp) / f"{row.factory}-{spec.name}-{precision}.yaml"
-        seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))), precision)
+        seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))), precision, row.seq)
         # examples/llama31.py is not a transformers decoder, so memplan's runtime cannot
         # split it into stages (the probe records that, and the solver's model-kind rule
         # reads hf_blocks); the published pipeline layouts are modelled here, not run: both
@@ -295,7 +370,7 @@ def predict(profile, row: Published, spec, modes: tuple[str, ...], every: int = 
     ask = LayoutRequest(
         tp=row.tp,
         pp=row.pp,
-        cp=1,
+        cp=row.cp,
         schedule=row.schedule,
         virtual_stages=row.virtual_stages,
         sequence_parallel=row.tp > 1,
@@ -305,8 +380,8 @@ def predict(profile, row: Published, spec, modes: tuple[str, ...], every: int = 
 
 def ranked_first(profile, row: Published, spec):
     """The plan memplan's layout search ranks first for the run's GPUs and global batch,
-    within the device's memory (``solve --layout auto --strategy fsdp``), or the reason
-    none fits."""
+    within the device's memory (``solve --layout auto --strategy fsdp``; the published
+    context-parallel degree kept: ``--cp``), or the reason none fits."""
     request = SolveRequest(
         target_batch=row.local_batch * row.dp,
         budget_bytes=spec.memory_bytes,
@@ -315,7 +390,7 @@ def ranked_first(profile, row: Published, spec):
         device_spec=spec,
     )
     try:
-        return solve_layout(profile, request, LayoutRequest(auto=True)).plan
+        return solve_layout(profile, request, LayoutRequest(auto=True, cp=row.cp)).plan
     except NoPlanFitsError as exc:
         return exc.message
 
@@ -330,7 +405,7 @@ def run(device: str) -> str:
     searches: dict[tuple, object] = {}
     a100_steps: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="memplan-published-") as tmp:
-        for row in ROWS + A100_ROWS:
+        for row in ROWS + CP_ROWS + A100_ROWS:
             spec = run_spec(row)
             profile = probed(probes, tmp, row, spec, row.precision)
             # op-sac: memplan's selective mode is torchtitan's SelectiveAC (memplan.modes)
@@ -380,7 +455,7 @@ def run(device: str) -> str:
                 print(f"published: {bracket_lines[-1]}", flush=True)
             if published_plan is None:
                 continue
-            where = (row.factory, spec.name, row.gpus, row.local_batch * row.dp)
+            where = (row.factory, spec.name, row.gpus, row.local_batch * row.dp, row.cp)
             if where not in searches:
                 searches[where] = ranked_first(profile, row, spec)
             search_lines.append(search_line(row, published_plan, searches[where]))
@@ -414,7 +489,12 @@ def run(device: str) -> str:
             "micro-batches of 4 (torchtitan splits it into pp unless told otherwise); the "
             "published runs' last stage also kept every micro-batch's logits to the step's "
             "end (torch's `return_outputs` default then, off in torchtitan since e5ef99a and "
-            "in memplan's runtime): 7 × 1.0 GiB more on stage 7, which memplan leaves out.\n",
+            "in memplan's runtime): 7 × 1.0 GiB more on stage 7, which memplan leaves out. "
+            "Tables 2 and 6 (context parallel, 'seq' in the run's name): each probed at the "
+            "run's sequence (`probe --seq-len`), solved with `--cp`; torchtitan shards FSDP "
+            "over dp × cp and splits every op's sequence over cp (ring attention for SDPA, "
+            "whose K/V exchange memplan models by formula, not measured); the published "
+            "TPS/GPU counts the local batch's tokens over cp·tp·pp GPUs.\n",
             "| model | published run | device spec | layout | local batch (micro × m) | AC | "
             "published GiB | memplan GiB | ratio | published step | memplan step | ratio |",
             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",

@@ -15,6 +15,7 @@ Only ever probed on meta (405B has 4.1e11 parameters); the identical-block short
 ``make bench`` (section ``published``) sets each beside torchtitan's published figures.
 """
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -67,6 +68,45 @@ def build_405b() -> nn.Module:
 build_model = build_8b
 
 
-def make_batch(batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB, (batch_size, SEQ_LEN + 1))
+# The long sequences of the published context-parallel runs (Tables 2 and 6: 32k to 256k
+# tokens): the same shapes with rotary tables that long (torchtitan sizes its freqs_cis by
+# the training seq_len too), probed with ``--seq-len`` at that length (make_batch below).
+def _long(shape: Shape, seq_len: int) -> nn.Module:
+    return Llama(dataclasses.replace(shape, seq_len=seq_len))
+
+
+def build_8b_32k() -> nn.Module:
+    return _long(LLAMA31_8B, 32768)
+
+
+def build_8b_64k() -> nn.Module:
+    return _long(LLAMA31_8B, 65536)
+
+
+def build_8b_128k() -> nn.Module:
+    return _long(LLAMA31_8B, 131072)
+
+
+def build_8b_256k() -> nn.Module:
+    return _long(LLAMA31_8B, 262144)
+
+
+def build_405b_32k() -> nn.Module:
+    return _long(LLAMA31_405B, 32768)
+
+
+def build_405b_64k() -> nn.Module:
+    return _long(LLAMA31_405B, 65536)
+
+
+def build_405b_128k() -> nn.Module:
+    return _long(LLAMA31_405B, 131072)
+
+
+def build_405b_256k() -> nn.Module:
+    return _long(LLAMA31_405B, 262144)
+
+
+def make_batch(batch_size: int, seq_len: int = SEQ_LEN) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (batch_size, seq_len + 1))
     return tokens[:, :-1].clone(), tokens[:, 1:].clone()
