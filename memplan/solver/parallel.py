@@ -23,10 +23,9 @@ collectives add, none of them overlapped (an upper bound, as for data parallelis
 with ``t_s`` stage s's micro-batches (compute and recompute), ``o_s`` what it runs once per
 step (optimizer step; data-parallel collectives at ``data_parallel_bandwidth``: NVLink
 within a node, the group's NICs between nodes), both from the stage solve, and ``act_bytes``
-one sample's block input. The
-fastest fitting plan wins; ties: less peak. What this cannot know without a GPU: overlap of
-collectives with compute, kernel efficiency at small per-rank shapes, the network's real
-topology; so the ranking of close layouts is a model's, and the reasons say by how much.
+one sample's block input. The fastest fitting plan wins (ties: less peak). Unknown without
+a GPU: the collectives' overlap with compute, kernel efficiency at small per-rank shapes,
+the real network; so close layouts rank by a model's figures (the reasons say by how much).
 """
 
 from __future__ import annotations
@@ -68,22 +67,16 @@ and data-parallel groups that span nodes."""
 def data_parallel_bandwidth(
     parallel: Parallel, intra: float, gpus_per_node: int, sharded: bool = True
 ) -> float:
-    """Bytes per second per rank of the data-parallel collectives of ``parallel`` (FSDP's
-    all-gathers and reduce-scatters, DDP's all-reduce). Ranks are numbered with tp
-    innermost, then cp, dp, pp (torchtitan's mesh order, ``memory.parallel.stage_of_rank``).
-    A sharded group spans ``dp × cp`` ranks (FSDP over ``dp_shard_cp``,
-    ``memory.parallel.layout_sharding``), every tp-th rank; DDP's replicas span ``dp``,
-    every (tp·cp)-th. A group runs within one node while its ranks times its stride fit
-    in ``gpus_per_node`` (NVLink, ``intra``); otherwise across nodes, where its g ranks on a
-    node (gpus_per_node over the stride) each reach the others through their own NIC
-    (DGX H100: one 400 Gb/s ConnectX-7 per GPU for the compute fabric, NVIDIA DGX H100 user
-    guide) and NCCL's rings run a channel per NIC, so the group moves g × 50 GB/s between
-    nodes (nccl-tests' bus bandwidth: a full node's 8 NICs give about 400 GB/s), never more
-    than NVLink. Before, every group was timed at NVLink: at dp 32 × tp 8 the FSDP traffic
-    of a 70B ran 9× too fast."""
-    ranks, stride = parallel.dp, parallel.tp * parallel.cp
-    if sharded:
-        ranks, stride = parallel.dp * parallel.cp, parallel.tp
+    """Bytes per second per rank of the data-parallel collectives of ``parallel``. Ranks
+    are numbered tp innermost, then cp, dp, pp (torchtitan's mesh order, ``memory.parallel.
+    stage_of_rank``): a sharded group (FSDP over dp × cp, ``layout_sharding``) takes every
+    tp-th rank, DDP's replicas every (tp·cp)-th. Within a node (ranks × stride ≤
+    gpus_per_node) on NVLink (``intra``); across nodes its g = gpus_per_node / stride ranks
+    a node each bring a NIC (DGX H100: a 400 Gb/s ConnectX-7 per GPU, NVIDIA's user guide;
+    NCCL runs a ring channel per NIC): g × 50 GB/s (nccl-tests: 8 NICs give about 400 GB/s),
+    at most NVLink. Before, all ran at NVLink: FSDP at dp 32 × tp 8 (70B) 9× too fast."""
+    shards = (parallel.dp * parallel.cp, parallel.tp)
+    ranks, stride = shards if sharded else (parallel.dp, parallel.tp * parallel.cp)
     if ranks <= 1 or ranks * stride <= gpus_per_node:
         return intra
     per_node = max(1, gpus_per_node // stride)
@@ -141,7 +134,6 @@ def candidate_layouts(
                     continue  # the model cannot be split into stages memplan runs
                 if tp > 1 and profile.tp_degree_divides and profile.tp_degree_divides % tp:
                     continue  # it would split a head or a projection unevenly
-
                 dp = world // (tp * pp * cp)
                 replicas = strategy == "ddp"
                 shards = dp if replicas else dp * cp  # FSDP spans cp (layout_sharding)
@@ -267,8 +259,7 @@ def _solve_stage(
 
 
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
-    """The data-parallel engine: as asked; ``auto`` shards (FSDP2, as torchtitan does, over
-    ``dp_shard × cp``)."""
+    """The data-parallel engine: as asked; ``auto`` shards (FSDP2 over dp × cp, as torchtitan)."""
     if request.strategy != "auto":
         return request.strategy
     return "fsdp" if parallel.dp_shard * parallel.cp > 1 else "ddp"
@@ -282,11 +273,11 @@ def _stage_request(
     pipeline's DDP replicas are all-reduced after the schedule, no buckets, world 1 to the
     stage solve; their all-reduce is timed with the layout's own collectives), its
     bandwidth (``data_parallel_bandwidth``), and the reserve's NCCL communicators of the
-    whole layout (``communicators``), as the plan's peak (``memory.parallel.stage_peak``)
-    counts them."""
+    whole layout (``communicators``), as the plan's peak (``stage_peak``) counts them."""
     strategy = _strategy(request, parallel)
     world = layout_sharding(strategy, parallel).world_size
     intra, _ = timing.interconnect_bandwidth(request.device_spec)
+    bandwidth = data_parallel_bandwidth(parallel, intra, gpus_per_node, strategy != "ddp")
     return dataclasses.replace(
         request,
         target_batch=b * m * world,
@@ -297,9 +288,7 @@ def _stage_request(
         reshard_after_forward=parallel.pp == 1,
         reduce_after_schedule=parallel.pp > 1,
         communicators=communicators(parallel),
-        data_parallel_bandwidth=data_parallel_bandwidth(
-            parallel, intra, gpus_per_node, sharded=strategy != "ddp"
-        ),
+        data_parallel_bandwidth=bandwidth,
     )
 
 
