@@ -2,6 +2,7 @@
 context, the caching allocator's rounding and fragmentation, FSDP2's all-gather and
 reduce-scatter stream pools, NCCL's buffers; nothing off CUDA."""
 
+import pytest
 from profiles_factory import uniform_chain
 from test_memory import CPU, H100
 
@@ -92,3 +93,46 @@ def test_a_layout_rank_has_one_communicator_per_dimension():
     assert communicators(Parallel(dp_shard=8, tp=8, pp=8)) == 3
     assert communicators(Parallel(dp_replicate=2, dp_shard=4, tp=2, pp=2, cp=2)) == 5
     assert communicators(Parallel()) == 0
+
+
+def _sharded_grad_storages(rank: int, world: int, init_file: str, out: str) -> None:
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    model(torch.randn(4, 8)).sum().backward()
+    storages = {
+        name: param.grad.to_local().untyped_storage().data_ptr()
+        for name, param in model.named_parameters()
+    }
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(storages, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_gradients_are_views_of_one_reduce_scatter_output_per_unit(tmp_path):
+    # The reduce-scatter pool's premise, on the installed torch: a unit's sharded gradients
+    # are views of the one reduce-scatter output foreach_reduce allocates (in the
+    # reduce-scatter stream on CUDA), not tensors of their own; so the pool keeps every
+    # unit's output until zero_grad drops the gradients.
+    import json
+
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "storages")
+    mp.spawn(_sharded_grad_storages, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    for rank in range(2):
+        storages = json.loads((tmp_path / f"storages.{rank}").read_text())
+        assert storages["0.weight"] == storages["0.bias"]
+        assert storages["1.weight"] == storages["1.bias"]
+        assert storages["0.weight"] != storages["1.weight"]
