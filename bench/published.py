@@ -396,7 +396,7 @@ def run(device: str) -> str:
                 print(f"published: {bracket_lines[-1]}", flush=True)
             if published_plan is None:
                 continue
-            if row.model == "8B" and row.device == DEVICE:  # the peak's range, 8B probes
+            if row.device == DEVICE:  # the H100 peak's range
                 peak_lines.append(peak_range_line(probes, tmp, row, published_plan))
                 print(f"published: {peak_lines[-1]}", flush=True)
             where = (row.factory, spec.name, row.gpus, row.local_batch * row.dp)
@@ -451,12 +451,11 @@ def run(device: str) -> str:
             "",
             "**The H100 rows' unknown peak, both ends.** The published parts' dense bf16 "
             "peak \"is between SXM and NVL\" and unknown to the runs' authors (the source's "
-            "footnote 2), so each 8B row's step is predicted at both ends: the SXM part's "
+            "footnote 2), so each row's step is predicted at both ends: the SXM part's "
             "989 / 1,979 TFLOP/s (bf16 / FP8, the table above) and the NVL part's 835 / "
             "1,671 (NVIDIA H100 NVL datasheet), every efficiency a fraction of that peak. "
             "A published step between the two is what memplan's model allows; none is "
-            "fitted. (The 70B and 405B float8 probes take 4-15 minutes each, so their NVL "
-            "end is not run.)\n",
+            "fitted.\n",
             "| model | published run | published step | memplan, SXM peaks | ratio | "
             "memplan, NVL peaks | ratio |",
             "|---|---|---:|---:|---:|---:|---:|",
