@@ -259,6 +259,9 @@ def _evaluate(
     times = timing.micro_step_times(
         profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
     )
+    times = timing.with_optimizer_share(
+        times, sharding.world_size, sharding.strategy in ("zero1", "zero2", "fsdp")
+    )
     if OFFLOAD in ctx.modes:
         times = timing.with_offload(times, timing.offload_seconds(bounds.host_bytes, ctx.host_link))
     costs = {mode: timing.mode_picoseconds(times, mode) for mode in ctx.modes if mode != KEEP}
