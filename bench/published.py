@@ -46,7 +46,12 @@ from bench import layouts
 from memplan.devices import load_device
 from memplan.errors import NoPlanFitsError
 from memplan.files.schema import to_data
-from memplan.memory.budget import DEFAULT_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
+from memplan.memory.budget import (
+    DEFAULT_CONTEXT_BYTES,
+    DEFAULT_MARGIN,
+    NCCL_COMMUNICATOR_BYTES,
+    usable_budget_bytes,
+)
 from memplan.memory.parallel import communicators
 from memplan.profile import load_profile
 from memplan.solver import SolveRequest
@@ -342,6 +347,8 @@ def run(device: str) -> str:
     bracket_lines = []
     float8_lines: list[str] = []
     peak_lines: list[str] = []
+    fit_lines: list[str] = []
+    fit_lines_seen: dict = {}
     probes: dict = {}
     searches: dict[tuple, object] = {}
     a100_steps: dict[str, tuple[float, float]] = {}
@@ -373,6 +380,9 @@ def run(device: str) -> str:
                     if row.memory_gib
                     else f"— | {reserved:.1f} | —"
                 )
+                if row.memory_gib and not fit_lines_seen.get(row, False):
+                    fit_lines_seen[row] = True
+                    fit_lines.append(fit_line(row, plan))
                 lines.append(
                     f"| {row.model} | {row.table}, {row.techniques} | {spec.display_name}"
                     f"{', float8' if row.precision == 'float8' else ''} | {layout} | "
@@ -449,6 +459,18 @@ def run(device: str) -> str:
             "",
             sac_ranking(a100_steps),
             "",
+            "**Would the recipe fit an 80 GB H100?** The published runs had 96 GB parts. "
+            "Their device memory: the published reserved GiB plus what max_memory_reserved "
+            "leaves out, the CUDA context and NCCL's buffers as memplan counts them; an "
+            "80 GB H100 holds 79.6 GiB (85,520,809,984 B, profiles/devices/h100-80gb.yaml). "
+            "memplan's verdict: its predicted peak within that capacity less the default "
+            "3% margin (what `solve --budget` on that card would accept). A recipe whose "
+            "published memory does not fit must not be called fitting.\n",
+            "| model | published run | published + context + NCCL GiB | fits 80 GB? | "
+            "memplan peak GiB | memplan says |",
+            "|---|---|---:|---|---:|---|",
+            *fit_lines,
+            "",
             "**The H100 rows' unknown peak, both ends.** The published parts' dense bf16 "
             "peak \"is between SXM and NVL\" and unknown to the runs' authors (the source's "
             "footnote 2), so each row's step is predicted at both ends: the SXM part's "
@@ -490,6 +512,23 @@ def run(device: str) -> str:
             "|---|---|---|---|---:|---:|---:|---:|---:|",
             *float8_lines,
         ]
+    )
+
+
+H100_80GB = 85_520_809_984
+
+
+def fit_line(row: Published, plan) -> str:
+    """One line: whether the published run's memory, and memplan's prediction of it, fit an
+    80 GB H100 (module doc; the table's header says how each is counted)."""
+    outside = DEFAULT_CONTEXT_BYTES + communicators(plan.parallel) * NCCL_COMMUNICATOR_BYTES
+    published = row.memory_gib * GiB + outside
+    ours = plan.predicted.peak_bytes
+    usable = usable_budget_bytes(H100_80GB, DEFAULT_MARGIN)
+    return (
+        f"| {row.model} | {row.table}, {row.techniques} | {published / GiB:.1f} | "
+        f"{'yes' if published <= H100_80GB else 'no'} | {ours / GiB:.1f} | "
+        f"{'fits' if ours <= usable else 'does not fit'} |"
     )
 
 
