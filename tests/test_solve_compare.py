@@ -312,3 +312,69 @@ def test_cli_another_model_or_device_is_exit_2_and_writes_nothing(files, tmp_pat
     assert data["exit_code"] == 2
     assert data["error"].startswith(f"{meta}'s step times are meta clock against h100-80gb")
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ real probes
+@pytest.mark.slow  # two meta probes of a tiny model (torchao's Float8Linear), ~10 s each
+def test_real_bf16_and_float8_probes_compare_as_each_solved_alone(tmp_path):
+    """tests/models/float8_block.py probed on meta against h100-80gb in bf16 and in float8
+    (FSDP's mixed-precision policy, as torchtitan trains): the same model file (one sha256),
+    one timing basis. ``solve --compare`` writes the plan of the faster that fits, as each
+    solved alone says; at a budget between their least peaks, the one that fits."""
+    pytest.importorskip("torchao.float8", reason="the 'float8' extra (torchao) is not installed")
+    from pathlib import Path
+
+    from memplan.devices import load_device
+    from memplan.profile import load_profile
+
+    model = Path(__file__).resolve().parent / "models" / "float8_block.py"
+    paths = {}
+    for precision in ("bf16", "float8"):
+        paths[precision] = tmp_path / f"{precision}.yaml"
+        probed = runner.invoke(
+            app,
+            ["probe", str(model), "--device", "meta", "--precision", precision,
+             "--mixed-precision", "params", "--device-profile", "h100-80gb",
+             "--micro-batches", "1,2,4", "-o", str(paths[precision])],
+        )  # fmt: skip
+        assert probed.exit_code == 0, probed.output
+    profiles = {name: load_profile(path) for name, path in paths.items()}
+    assert profiles["bf16"].model.sha256 == profiles["float8"].model.sha256
+    spec = load_device("h100-80gb")
+    base = SolveRequest(
+        target_batch=16, budget_bytes=spec.memory_bytes, world_size=2, strategy="fsdp",
+        device_spec=spec, min_micro=2, max_micro=2, margin=0.0,
+    )  # fmt: skip
+    alone = {name: solve(p, base).plan for name, p in profiles.items()}
+    faster = min(alone, key=lambda name: (alone[name].predicted.step_seconds, name != "bf16"))
+    out = tmp_path / "plan.yaml"
+    args = [
+        "solve", str(paths["bf16"]), "--compare", str(paths["float8"]), "--target-batch", "16",
+        "--world-size", "2", "--strategy", "fsdp", "--device-profile", "h100-80gb",
+        "--min-micro", "2", "--max-micro", "2", "--margin", "0", "--json",
+    ]  # fmt: skip
+    result = runner.invoke(app, [*args, "--budget", "100%", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["compared"]
+    assert [r["step_seconds"] for r in rows] == [
+        pytest.approx(alone["bf16"].predicted.step_seconds),
+        pytest.approx(alone["float8"].predicted.step_seconds),
+    ]
+    assert [r["peak_bytes"] for r in rows] == [
+        alone["bf16"].predicted.peak_bytes,
+        alone["float8"].predicted.peak_bytes,
+    ]
+    written = load_plan(out)
+    assert written.profile == str(paths[faster])
+    assert written.predicted.peak_bytes == alone[faster].predicted.peak_bytes
+    assert (written.float8 is not None) == (faster == "float8")
+    # a budget only the smaller least peak fits
+    least = {name: _least(p, base) for name, p in profiles.items()}
+    assert least["bf16"] != least["float8"]
+    small = min(least, key=least.get)
+    budget = min(least.values())
+    only = runner.invoke(app, [*args, "--budget", str(budget)])
+    assert only.exit_code == 0, only.output
+    rows = json.loads(only.stdout)["compared"]
+    assert [r["fits"] for r in rows] == [small == "bf16", small == "float8"]
+    assert json.loads(only.stdout)["plan"]["profile"] == str(paths[small])
