@@ -21,7 +21,7 @@ from memplan.cli.options import (
     finite,
     split_names,
 )
-from memplan.devices import load_device, resolve_budget
+from memplan.devices import load_device, resolve_budget, spec_file_label
 from memplan.emit.files import plan_targets
 from memplan.errors import BadInputError, MemplanError, NoPlanFitsError
 from memplan.files.schema import to_data
@@ -196,6 +196,7 @@ def solve(
             bn_min_micro=bn_min_micro,
             allow_small_bn_micro=allow_small_bn_micro,
             device_spec=spec,
+            device=spec_file_label(device_profile),
             model_path=model or profile.model.spec,
             profile_path=str(profile_path),
             modes=modes,
