@@ -53,7 +53,7 @@ import yaml
 
 from bench import layouts
 from memplan.devices import load_device
-from memplan.errors import NoPlanFitsError
+from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.files.schema import to_data
 from memplan.memory.budget import (
     DEFAULT_CONTEXT_BYTES,
@@ -407,7 +407,7 @@ def ranked_first(profile, row: Published, spec):
     )
     try:
         return solve_layout(profile, request, LayoutRequest(auto=True, cp=row.cp)).plan
-    except NoPlanFitsError as exc:
+    except (NoPlanFitsError, BadInputError) as exc:  # none fits, or none splits the batch
         return exc.message
 
 
