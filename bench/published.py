@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -336,12 +337,23 @@ def probe(
     return json.loads(run.stdout.strip().splitlines()[-1])["seconds"]
 
 
+PROBES_ENV = "MEMPLAN_BENCH_PROBES"
+"""A folder of this section's probes from an earlier run of the same probe code
+(``{factory}-{spec}-{precision}.yaml``): read instead of probing again (the 405B float8 probe
+takes 5-15 minutes here). Unset: every probe is run."""
+
+
 def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
     """The meta profile of the row's model for ``spec`` at ``precision``, probed once."""
     key = (row.factory, spec.name, precision)
     if key not in probes:
-        out = Path(tmp) / f"{row.factory}-{spec.name}-{precision}.yaml"
-        seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))), precision, row.seq)
+        name = f"{row.factory}-{spec.name}-{precision}.yaml"
+        out = Path(tmp) / name
+        kept = Path(os.environ.get(PROBES_ENV, tmp)) / name
+        if kept.is_file():  # probed before by this code (PROBES_ENV)
+            out, seconds = kept, 0.0
+        else:
+            seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))), precision, row.seq)
         # examples/llama31.py is not a transformers decoder, so memplan's runtime cannot
         # split it into stages (the probe records that, and the solver's model-kind rule
         # reads hf_blocks); the published pipeline layouts are modelled here, not run: both
@@ -351,7 +363,8 @@ def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
             loaded, pipeline_refused=None, hf_blocks=loaded.layer_names
         )
         print(
-            f"published: {row.model} {precision} probed for {spec.name} in {seconds:.0f} s",
+            f"published: {row.model} {precision} for {spec.name}: "
+            + (f"probed in {seconds:.0f} s" if seconds else f"read from {out}"),
             flush=True,
         )
     return probes[key]
@@ -477,7 +490,7 @@ def run(device: str) -> str:
                 print(f"published: {bracket_lines[-1]}", flush=True)
             if published_plan is None:
                 continue
-            if row.device == DEVICE:  # the H100 peak's range
+            if row in ROWS and row.device == DEVICE:  # the H100 peak's range (no CP rows)
                 peak_lines.append(peak_range_line(probes, tmp, row, published_plan))
                 print(f"published: {peak_lines[-1]}", flush=True)
             where = (row.factory, spec.name, row.gpus, row.local_batch * row.dp, row.cp)
