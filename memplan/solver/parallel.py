@@ -134,7 +134,6 @@ def candidate_layouts(
                     continue  # the model cannot be split into stages memplan runs
                 if tp > 1 and profile.tp_degree_divides and profile.tp_degree_divides % tp:
                     continue  # it would split a head or a projection unevenly
-
                 dp = world // (tp * pp * cp)
                 if profile.environment.mixed_precision == "params" and dp < 2:
                     continue  # FSDP's mixed-precision policy, as probed, needs shards
@@ -154,6 +153,7 @@ def candidate_layouts(
                         schedule=ask.schedule if pp > 1 else "1f1b",
                         virtual_stages=ask.virtual_stages if pp > 1 else 1,
                         loss_parallel=lp and loss_parallel_possible(profile),
+                        kept_outputs=ask.kept_outputs if pp > 1 else "none",
                     )
                 )
     return out
