@@ -46,7 +46,12 @@ from bench import layouts
 from memplan.devices import load_device
 from memplan.errors import NoPlanFitsError
 from memplan.files.schema import to_data
-from memplan.memory.budget import DEFAULT_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES
+from memplan.memory.budget import (
+    DEFAULT_CONTEXT_BYTES,
+    DEFAULT_MARGIN,
+    NCCL_COMMUNICATOR_BYTES,
+    usable_budget_bytes,
+)
 from memplan.memory.parallel import communicators
 from memplan.parallel import KeptOutputs
 from memplan.profile import load_profile
@@ -137,12 +142,18 @@ FA2_H100 = 329.5 / 989
 # H100 datasheet): memplan's step time for them is a lower bound of its own model's.
 GRAND_TETON_BANDWIDTH = 2.4e12
 GRAND_TETON_MEMORY = 96 * 10**9
+# The other end of footnote 2's range: the H100 NVL part's dense peaks (NVIDIA H100 NVL
+# datasheet: BF16 1,671 and FP8 3,341 TFLOP/s with sparsity, half that dense).
+NVL_BF16_FLOPS = 835e12
+NVL_FP8_FLOPS = 1671e12
 
 
-def run_spec(row: Published):
+def run_spec(row: Published, peaks: str = "sxm"):
     """The device spec the run is predicted on: its device profile, with the attention
     efficiency of the kernel the run's torch ran and, for the December 2024 table, the
-    published parts' memory and bandwidth (module doc)."""
+    published parts' memory and bandwidth (module doc); ``peaks="nvl"``: with the NVL part's
+    compute peaks instead of the SXM part's, the other end of the range the source gives
+    (every efficiency, attention's too, a fraction of the lower peak)."""
     spec = load_device(row.device)
     if row.device == DEVICE:  # the December 2024 H100 table
         spec = dataclasses.replace(
@@ -153,6 +164,15 @@ def run_spec(row: Published):
             memory_bandwidth=GRAND_TETON_BANDWIDTH,
             efficiency=dataclasses.replace(spec.efficiency, attention=round(FA2_H100, 3)),
         )
+        if peaks == "nvl":
+            spec = dataclasses.replace(
+                spec,
+                name="h100-96gb-hbm2e-fa2-nvl-peaks",
+                display_name="NVIDIA H100 96GB HBM2e 500 W (NVL peaks), FlashAttention-2 SDPA",
+                bf16_flops=NVL_BF16_FLOPS,
+                fp16_flops=NVL_BF16_FLOPS,
+                fp8_flops=NVL_FP8_FLOPS,
+            )
     return spec
 
 
@@ -337,6 +357,9 @@ def run(device: str) -> str:
     search_lines = []
     bracket_lines = []
     float8_lines: list[str] = []
+    peak_lines: list[str] = []
+    fit_lines: list[str] = []
+    fit_lines_seen: dict = {}
     probes: dict = {}
     searches: dict[tuple, object] = {}
     a100_steps: dict[str, tuple[float, float]] = {}
@@ -368,6 +391,9 @@ def run(device: str) -> str:
                     if row.memory_gib
                     else f"— | {reserved:.1f} | —"
                 )
+                if row.memory_gib and not fit_lines_seen.get(row, False):
+                    fit_lines_seen[row] = True
+                    fit_lines.append(fit_line(row, plan))
                 lines.append(
                     f"| {row.model} | {row.table}, {row.techniques} | {spec.display_name}"
                     f"{', float8' if row.precision == 'float8' else ''} | {layout} | "
@@ -391,6 +417,9 @@ def run(device: str) -> str:
                 print(f"published: {bracket_lines[-1]}", flush=True)
             if published_plan is None:
                 continue
+            if row.device == DEVICE:  # the H100 peak's range
+                peak_lines.append(peak_range_line(probes, tmp, row, published_plan))
+                print(f"published: {peak_lines[-1]}", flush=True)
             where = (row.factory, spec.name, row.gpus, row.local_batch * row.dp)
             if where not in searches:
                 searches[where] = ranked_first(profile, row, spec)
@@ -442,6 +471,30 @@ def run(device: str) -> str:
             "",
             sac_ranking(a100_steps),
             "",
+            "**Would the recipe fit an 80 GB H100?** The published runs had 96 GB parts. "
+            "Their device memory: the published reserved GiB plus what max_memory_reserved "
+            "leaves out, the CUDA context and NCCL's buffers as memplan counts them; an "
+            "80 GB H100 holds 79.6 GiB (85,520,809,984 B, profiles/devices/h100-80gb.yaml). "
+            "memplan's verdict: its predicted peak within that capacity less the default "
+            "3% margin (what `solve --budget` on that card would accept). A recipe whose "
+            "published memory does not fit must not be called fitting.\n",
+            "| model | published run | published + context + NCCL GiB | fits 80 GB? | "
+            "memplan peak GiB | memplan says |",
+            "|---|---|---:|---|---:|---|",
+            *fit_lines,
+            "",
+            "**The H100 rows' unknown peak, both ends.** The published parts' dense bf16 "
+            "peak \"is between SXM and NVL\" and unknown to the runs' authors (the source's "
+            "footnote 2), so each row's step is predicted at both ends: the SXM part's "
+            "989 / 1,979 TFLOP/s (bf16 / FP8, the table above) and the NVL part's 835 / "
+            "1,671 (NVIDIA H100 NVL datasheet), every efficiency a fraction of that peak. "
+            "A published step between the two is what memplan's model allows; none is "
+            "fitted.\n",
+            "| model | published run | published step | memplan, SXM peaks | ratio | "
+            "memplan, NVL peaks | ratio |",
+            "|---|---|---:|---:|---:|---:|---:|",
+            *peak_lines,
+            "",
             "**The layout search beside the published recipes.** For each run: memplan's "
             "predicted step for the published layout (as above), and the plan its search "
             "ranks first on the same GPUs and global batch within the device's memory "
@@ -471,6 +524,37 @@ def run(device: str) -> str:
             "|---|---|---|---|---:|---:|---:|---:|---:|",
             *float8_lines,
         ]
+    )
+
+
+H100_80GB = 85_520_809_984
+
+
+def fit_line(row: Published, plan) -> str:
+    """One line: whether the published run's memory, and memplan's prediction of it, fit an
+    80 GB H100 (module doc; the table's header says how each is counted)."""
+    outside = DEFAULT_CONTEXT_BYTES + communicators(plan.parallel) * NCCL_COMMUNICATOR_BYTES
+    published = row.memory_gib * GiB + outside
+    ours = plan.predicted.peak_bytes
+    usable = usable_budget_bytes(H100_80GB, DEFAULT_MARGIN)
+    return (
+        f"| {row.model} | {row.table}, {row.techniques} | {published / GiB:.1f} | "
+        f"{'yes' if published <= H100_80GB else 'no'} | {ours / GiB:.1f} | "
+        f"{'fits' if ours <= usable else 'does not fit'} |"
+    )
+
+
+def peak_range_line(probes: dict, tmp: str, row: Published, plan) -> str:
+    """One line: the row's step at the SXM part's peaks (``plan``) and at the NVL part's."""
+    spec = run_spec(row, peaks="nvl")
+    profile = probed(probes, tmp, row, spec, row.precision)
+    modes = {"full": ("full",), "op-sac": ("selective",)}[row.ac]
+    nvl = predict(profile, row, spec, modes).predicted.step_seconds
+    sxm = plan.predicted.step_seconds
+    published = row.step_seconds
+    return (
+        f"| {row.model} | {row.table}, {row.techniques} | {published:.2f} s | {sxm:.2f} s | "
+        f"{sxm / published:.2f} | {nvl:.2f} s | {nvl / published:.2f} |"
     )
 
 

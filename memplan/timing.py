@@ -446,6 +446,18 @@ def with_offload(times: MicroStepTimes, seconds: tuple[float, ...]) -> MicroStep
     return dataclasses.replace(times, offload_seconds=seconds)
 
 
+def with_optimizer_share(times: MicroStepTimes, world_size: int, sharded: bool) -> MicroStepTimes:
+    """``times`` for a rank that steps 1/``world_size`` of the optimizer state (``sharded``:
+    ZeRO-1 and up, FSDP): each rank runs the optimizer over its own partition only (ZeRO
+    paper §5.1; FSDP2's sharded DTensor parameters), and the step is memory-bound, so its
+    time scales with the bytes it updates."""
+    if not sharded or world_size <= 1:
+        return times
+    return dataclasses.replace(
+        times, optimizer_step_seconds=times.optimizer_step_seconds / world_size
+    )
+
+
 # --------------------------------------------------------------------------- communication
 # Without a device spec (or one with no interconnect figure) collectives are timed at
 # 10 GB/s per rank: PCIe 4.0 x16 after protocol overhead, and the order of a gloo ring over

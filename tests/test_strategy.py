@@ -373,3 +373,24 @@ def test_cli_solve_with_a_strategy_and_verify_refuses_another_world(tmp_path):
     assert result.exit_code == 2 and "strategy" in result.output
     result = runner.invoke(app, ["verify", "m.py", str(plan_path), "--world-size", "3"])
     assert result.exit_code == 2 and "--world-size 3" in result.output
+
+
+def test_a_sharded_rank_steps_its_share_of_the_optimizer():
+    # uniform_chain: the optimizer step takes 0.5 s for the whole state. A DDP rank steps
+    # all of it; a ZeRO-1, ZeRO-2 or FSDP rank of 4 steps its quarter, 0.125 s. The same
+    # micro-steps otherwise: the step times differ by the optimizer's 0.375 s and the
+    # collectives' bytes (hundreds of bytes at 10 GB/s: nanoseconds).
+    profile = chain()
+    steps = {}
+    for strategy in ("ddp", "zero1", "zero2", "fsdp"):
+        plan = solve(
+            profile, request(strategy=strategy, world_size=4, min_micro=2, max_micro=2)
+        ).plan
+        assert (plan.micro_batch_size, plan.accumulation_steps) == (2, 1)
+        assert plan.checkpoint == {} or not plan.checkpoint
+        steps[strategy] = plan.predicted.step_seconds
+    for strategy in ("zero1", "zero2", "fsdp"):
+        assert steps["ddp"] - steps[strategy] == pytest.approx(0.375, abs=1e-6)
+    assert timing.with_optimizer_share(
+        timing.micro_step_times(profile, 1), 4, sharded=False
+    ).optimizer_step_seconds == pytest.approx(0.5)

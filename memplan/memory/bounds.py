@@ -379,6 +379,8 @@ def plan_peak(profile: Profile, plan: Plan, device_spec: DeviceSpec | None = Non
         plan.micro_batch_size,
         plan.checkpoint,
         plan.accumulation_steps,
-        reserve=reserve_for(profile, device_spec, sharding_for(plan)),
+        reserve=reserve_for(
+            profile, device_spec, sharding_for(plan), accumulation_steps=plan.accumulation_steps
+        ),
         sharding=sharding_for(plan),
     )

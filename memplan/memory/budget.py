@@ -8,7 +8,13 @@ import math
 from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
-from memplan.memory.sharding import Sharding
+from memplan.memory.sharding import (
+    Sharding,
+    fsdp_sharded_grads_bytes,
+    fsdp_shards_resident,
+    gathered_root_bytes,
+    gathered_unit_bytes,
+)
 from memplan.profile import Profile
 from memplan.units import MiB
 
@@ -84,26 +90,39 @@ def plans_for_cuda(profile: Profile, device_spec: DeviceSpec | None = None) -> b
     return env.device == "meta" and env.device_profile not in (None, "", "cpu")
 
 
-def fsdp_stream_bytes(profile: Profile, sharding: Sharding | None) -> int:
-    """FSDP2's stream pools: the caching allocator keeps a freed block for the stream that
-    allocated it (c10/cuda/CUDACachingAllocator.cpp: a free block is found only in its own
-    stream's pool), and FSDP2 allocates its all-gather outputs in its all-gather stream and
-    its reduce-scatter inputs in its reduce-scatter stream (torch 2.13
-    torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: ``comm_ctx.all_gather_stream``,
-    ``reduce_scatter_stream``; _fsdp_collectives.py ``foreach_all_gather``,
-    ``foreach_reduce``). So one unit's gathered parameters and one unit's unsharded
-    gradients in ``reduce_dtype`` stay reserved in those pools whatever the default stream
-    needs: the largest unit's of each. (The allocated bytes already count the units in
-    flight; this is what the pools keep besides.) Zero unless FSDP over two or more ranks."""
+def fsdp_stream_bytes(
+    profile: Profile, sharding: Sharding | None, accumulation_steps: int = 1
+) -> int:
+    """FSDP2's stream pools. The caching allocator reuses a freed block only for the stream
+    that allocated it (torch 2.13 c10/cuda/CUDACachingAllocator.cpp ``get_free_block``: a
+    block of another stream is not a match), so what FSDP2 allocates outside the default
+    stream stays reserved beside what the default stream needs:
+
+    * the all-gather stream's pool: one unit's gathered parameters, the largest unit's (the
+      root's too: embeddings and head, under torchtitan the largest unit of a Llama).
+      ``foreach_all_gather`` allocates the flat all-gather output in
+      ``all_gather_copy_in_stream`` (torch 2.13 _fsdp_collectives.py); the unsharded
+      parameters it is copied into are the default stream's and counted as allocated;
+    * the reduce-scatter stream's pool: every unit's reduce-scatter output, which the sharded
+      gradients are views of (``foreach_reduce``: "the RS output is allocated in the RS
+      stream and used in the default stream (for optimizer)"), freed together by
+      ``zero_grad`` and then reusable by no forward. pytorch/pytorch#129721 (June 2024,
+      before torch 2.6) moved the reduce-scatter *input* to the default stream for this
+      reason and left the outputs there ("we iteratively allocate them through backward
+      and free them altogether after optimizer"), so the input is allocated bytes and not
+      a pool. With the shards resident across micro-steps (``fsdp_shards_resident``) the
+      allocated peak holds them already, and the pool adds nothing.
+
+    Zero unless FSDP over two or more ranks."""
     if sharding is None or sharding.strategy != "fsdp" or sharding.world_size < 2:
         return 0
-    from memplan.memory.sharding import gathered_unit_bytes, master_bytes
-
-    if not profile.layers:
-        return 0
-    gathered = max(gathered_unit_bytes(profile, i) for i in range(len(profile.layers)))
-    grads = max(layer.grad_bytes for layer in profile.layers)
-    return gathered + master_bytes(profile, sharding, grads)
+    gathered = max(
+        [gathered_root_bytes(profile)]
+        + [gathered_unit_bytes(profile, i) for i in range(len(profile.layers))]
+    )
+    if fsdp_shards_resident(sharding, accumulation_steps):
+        return gathered
+    return gathered + fsdp_sharded_grads_bytes(profile, sharding)
 
 
 def reserve_for(
@@ -111,11 +130,12 @@ def reserve_for(
     device_spec: DeviceSpec | None = None,
     sharding: Sharding | None = None,
     communicators: int | None = None,
+    accumulation_steps: int = 1,
 ) -> Reserve:
     """The CUDA reserve, nothing off CUDA: the CUDA context (measured, else
     ``DEFAULT_CONTEXT_BYTES``); the allocator's rounding and fragmentation (measured, else
     ``DEFAULT_FRAGMENTATION_FRACTION`` of the allocated peak); FSDP2's stream pools
-    (``fsdp_stream_bytes``); NCCL's buffers, ``NCCL_COMMUNICATOR_BYTES`` for each of
+    (``fsdp_stream_bytes``, for ``accumulation_steps`` micro-steps); NCCL's buffers, ``NCCL_COMMUNICATOR_BYTES`` for each of
     ``communicators`` (default: one when ``sharding`` spans two or more ranks)."""
     if not plans_for_cuda(profile, device_spec):
         return NO_RESERVE
@@ -127,7 +147,7 @@ def reserve_for(
         parts.append("default CUDA context 512 MiB")
     else:
         parts.append("measured CUDA context")
-    streams = fsdp_stream_bytes(profile, sharding)
+    streams = fsdp_stream_bytes(profile, sharding, accumulation_steps)
     if communicators is None:
         communicators = 1 if sharding is not None and sharding.world_size > 1 else 0
     nccl = communicators * NCCL_COMMUNICATOR_BYTES

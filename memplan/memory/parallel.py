@@ -576,7 +576,9 @@ def stage_peak(
         plan.micro_batch_size,
         chosen,
         plan.accumulation_steps,
-        reserve=reserve_for(rank, device_spec, sharding, communicators(parallel)),
+        reserve=reserve_for(
+            rank, device_spec, sharding, communicators(parallel), plan.accumulation_steps
+        ),
         sharding=sharding,
     )
     forwards = in_flight(parallel, stage, plan.accumulation_steps)

@@ -336,6 +336,26 @@ def _root_grads_bytes(profile: Profile) -> int:
     return max(grads_bytes(profile) - sum(layer.grad_bytes for layer in profile.layers), 0)
 
 
+def fsdp_sharded_grads_bytes(profile: Profile, sharding: Sharding) -> int:
+    """Every unit's sharded gradient (the root's too) in ``reduce_dtype``, padded as FSDP2
+    pads: what one rank's reduce-scatter outputs add up to after a backward."""
+    units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
+    units.append(_unit_grads(profile, sharding, _root_grads_bytes(profile)))
+    return sum(unit.shard for unit in units)
+
+
+def fsdp_shards_resident(sharding: Sharding, accumulation_steps: int) -> bool:
+    """Whether the sharded gradients stay live from one micro-step into the next (FSDP
+    reduce-scattering every micro-step with accumulation): then the allocated peak holds
+    them already."""
+    return (
+        sharding.strategy == "fsdp"
+        and accumulation_steps > 1
+        and syncs_every_micro_step(sharding, accumulation_steps)
+        and not sharding.reduce_after_schedule
+    )
+
+
 def fsdp_grads_bytes(
     profile: Profile, sharding: Sharding, phase: str, index: int, accumulation_steps: int
 ) -> int:

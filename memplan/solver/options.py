@@ -159,6 +159,8 @@ class SolveContext:
     reserve: Reserve
     limit_bytes: int
     """Largest allocated peak that fits (budget less margin and reserve)."""
+    ignore_budget: bool = False
+    """Every option evaluated at its least peak (``limit_bytes`` is then -1)."""
     usable_bytes: int
     timing_source: timing.TimingSource
     bandwidth: float = timing.DEFAULT_INTERCONNECT_BYTES_PER_SECOND
@@ -221,6 +223,21 @@ def barred_selective_reason(
     ]
 
 
+def _reserve_and_limit(
+    ctx: SolveContext, sharding: Sharding, accumulation: int
+) -> tuple[Reserve, int]:
+    """The reserve of this strategy and accumulation, and the allocated limit it leaves.
+    The solve's own (``ctx.reserve``) is the most sharded strategy's with one micro-step;
+    FSDP2's reduce-scatter pool depends on both (``memory.fsdp_stream_bytes``)."""
+    request = ctx.request
+    reserve = memory.reserve_for(
+        ctx.profile, request.device_spec, sharding, request.communicators, accumulation
+    )
+    if reserve == ctx.reserve or ctx.ignore_budget:
+        return reserve, ctx.limit_bytes
+    return reserve, memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
+
+
 def _evaluate(
     ctx: SolveContext,
     micro_batch: int,
@@ -242,12 +259,16 @@ def _evaluate(
     times = timing.micro_step_times(
         profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
     )
+    times = timing.with_optimizer_share(
+        times, sharding.world_size, sharding.strategy in ("zero1", "zero2", "fsdp")
+    )
     if OFFLOAD in ctx.modes:
         times = timing.with_offload(times, timing.offload_seconds(bounds.host_bytes, ctx.host_link))
     costs = {mode: timing.mode_picoseconds(times, mode) for mode in ctx.modes if mode != KEEP}
     bounds = bar_slow_selective(bounds, times, ctx.modes)
     forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
-    chosen = least_cost_modes(bounds, ctx.limit_bytes, costs, **forced)
+    reserve, limit = _reserve_and_limit(ctx, sharding, accumulation)
+    chosen = least_cost_modes(bounds, limit, costs, **forced)
     fits = chosen is not None
     if chosen is None:
         least = memory.min_allocated_bytes(bounds, **forced)
@@ -258,7 +279,7 @@ def _evaluate(
             )
         assert chosen is not None, "the least peak is reachable by definition"
     peak = memory.step_peak(
-        profile, micro_batch, chosen, accumulation, reserve=ctx.reserve, sharding=sharding
+        profile, micro_batch, chosen, accumulation, reserve=reserve, sharding=sharding
     )
     comm_bytes = timing.communication_bytes(
         strategy,

@@ -118,6 +118,7 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
         limit_bytes=-1
         if ignore_budget
         else memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve),
+        ignore_budget=ignore_budget,
         usable_bytes=memory.usable_budget_bytes(request.budget_bytes, request.margin),
         timing_source=source,
         bandwidth=bandwidth,
