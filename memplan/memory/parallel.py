@@ -61,6 +61,7 @@ from memplan.memory.budget import reserve_for
 from memplan.memory.ddp_tp import held_split_grads
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.pipeline import (
+    affine_sum,
     kept_output_bytes,
     pipeline_buffers,
     rank_times,
@@ -89,10 +90,6 @@ def _scale(value: Affine, factor: float) -> Affine:
     return Affine(
         intercept=value.intercept * factor, slope=value.slope * factor, residual=value.residual
     )
-
-
-def _plus(*values: Affine) -> Affine:
-    return Affine(intercept=sum(v.intercept for v in values), slope=sum(v.slope for v in values))
 
 
 def _sub(a: Affine, b: Affine) -> Affine:
@@ -404,7 +401,7 @@ def rank_profile(
     done = {"no_grads": 0, "grads_resident": max(micro_batches - k_resident, 0)}
     offsets = {}
     for phase, held in ks.items():
-        extra = _plus(
+        extra = affine_sum(
             buffers,
             _scale(finished, done[phase]),
             input_grads if phase == "grads_resident" else Affine.zero(),
@@ -485,7 +482,7 @@ def rank_profile(
         timeline=timeline,
         **rank_times(profile, fixed, ratio),
         # the schedule's buffers, the inputs' gradients and kept outputs outlive the step
-        optimizer_step_peak_bytes=_plus(
+        optimizer_step_peak_bytes=affine_sum(
             optimizer, buffers, input_grads, _scale(finished, micro_batches)
         ),
     )

@@ -35,8 +35,9 @@ def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
     return freed
 
 
-def _add(a: Affine, b: Affine) -> Affine:
-    return Affine(intercept=a.intercept + b.intercept, slope=a.slope + b.slope)
+def affine_sum(*values: Affine) -> Affine:
+    """The sum of ``values`` (no residual)."""
+    return Affine(intercept=sum(v.intercept for v in values), slope=sum(v.slope for v in values))
 
 
 def kept_output_bytes(profile: Profile, parallel: Parallel, stage: int) -> tuple[Affine, Affine]:
@@ -59,10 +60,10 @@ def kept_output_bytes(profile: Profile, parallel: Parallel, stage: int) -> tuple
     for v in range(parallel.virtual_stages):
         index = stage + v * parallel.pp
         if index == parallel.stages - 1:
-            kept = _add(kept, stage_output_bytes(profile, parallel))
+            kept = affine_sum(kept, stage_output_bytes(profile, parallel))
         elif parallel.kept_outputs == "all" and chunks[index]:
             hidden = profile.layers[chunks[index].stop - 1].output_bytes
-            kept = _add(kept, _scale(hidden, hidden_factor(parallel)))
+            kept = affine_sum(kept, _scale(hidden, hidden_factor(parallel)))
     merged = stage_output_bytes(profile, parallel) if stage == parallel.pp - 1 else zero
     return kept, merged
 
