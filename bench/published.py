@@ -156,23 +156,19 @@ def run_spec(row: Published, peaks: str = "sxm"):
     (every efficiency, attention's too, a fraction of the lower peak)."""
     spec = load_device(row.device)
     if row.device == DEVICE:  # the December 2024 H100 table
+        nvl = peaks == "nvl"
         spec = dataclasses.replace(
             spec,
-            name="h100-96gb-hbm2e-fa2",
-            display_name="NVIDIA H100 96GB HBM2e 500 W (SXM peaks), FlashAttention-2 SDPA",
+            name="h100-96gb-hbm2e-fa2" + ("-nvl-peaks" if nvl else ""),
+            display_name=f"NVIDIA H100 96GB HBM2e 500 W ({'NVL' if nvl else 'SXM'} peaks), "
+            "FlashAttention-2 SDPA",
             memory_bytes=GRAND_TETON_MEMORY,
             memory_bandwidth=GRAND_TETON_BANDWIDTH,
             efficiency=dataclasses.replace(spec.efficiency, attention=round(FA2_H100, 3)),
+            bf16_flops=NVL_BF16_FLOPS if nvl else spec.bf16_flops,
+            fp16_flops=NVL_BF16_FLOPS if nvl else spec.fp16_flops,
+            fp8_flops=NVL_FP8_FLOPS if nvl else spec.fp8_flops,
         )
-        if peaks == "nvl":
-            spec = dataclasses.replace(
-                spec,
-                name="h100-96gb-hbm2e-fa2-nvl-peaks",
-                display_name="NVIDIA H100 96GB HBM2e 500 W (NVL peaks), FlashAttention-2 SDPA",
-                bf16_flops=NVL_BF16_FLOPS,
-                fp16_flops=NVL_BF16_FLOPS,
-                fp8_flops=NVL_FP8_FLOPS,
-            )
     return spec
 
 

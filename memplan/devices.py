@@ -127,6 +127,18 @@ def load_device(name: str) -> DeviceSpec:
     )
 
 
+def spec_file_label(name: str | None) -> str | None:
+    """The plan's ``device`` for a ``--device-profile`` given as a spec file: its absolute
+    path (``load_device`` reads it back), so a plan solved for a spec of one's own names
+    it; None for a shipped profile's name (the plan names the spec)."""
+    if name is None:
+        return None
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return str(path.resolve())
+    return None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuInfo:
     name: str

@@ -345,10 +345,11 @@ def plan_problem(plan: Plan) -> tuple[str, str] | None:
     if not 0 <= plan.margin < 1:
         return "plan.margin", f"is {plan.margin}, not a fraction in [0, 1)"
     known = {*PLAN_DEVICES, *list_devices(), *ALIASES}
-    if plan.device.lower() not in known:
+    spec_file = plan.device.lower().endswith((".yaml", ".yml"))  # solve --device-profile FILE
+    if plan.device.lower() not in known and not spec_file:
         return "plan.device", (
-            f"is {plan.device!r}, not one of {', '.join(PLAN_DEVICES)} or a device profile "
-            f"({', '.join(list_devices())})"
+            f"is {plan.device!r}, not one of {', '.join(PLAN_DEVICES)}, a device profile "
+            f"({', '.join(list_devices())}) or a device profile file"
         )
     if plan.seq_len is not None and not 1 <= plan.seq_len <= 2**24:
         return "plan.seq_len", f"is {plan.seq_len}, not a length from 1 to {2**24} tokens"

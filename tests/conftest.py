@@ -40,6 +40,7 @@ FAST_FILES = {
     "test_seqlen.py",
     "test_solver.py",
     "test_solver_bruteforce.py",
+    "test_solve_compare.py",
     "test_strategy.py",
     "test_suggest.py",
     "test_suite_hygiene.py",

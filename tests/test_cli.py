@@ -175,6 +175,31 @@ def test_solve_percent_budget_with_device_profile(profile_path):
     assert plan["budget_bytes"] == 15360 * 1024**2 // 2  # half of a T4's 15360 MiB
 
 
+def test_a_plan_solved_for_a_spec_file_names_the_file(profile_path, tmp_path):
+    # A device spec of one's own (a copy of t4 under another name and capacity): the plan
+    # is written (it was refused at write, exit 3, naming plan.device) and names the file,
+    # which reads back as the spec its reserve was computed for.
+    import yaml
+
+    from memplan.devices import load_device, profiles_dir
+    from memplan.report import device_spec_for_plan
+
+    spec = yaml.safe_load((profiles_dir() / "devices" / "t4.yaml").read_text())
+    spec.update(name="my-t4", memory_bytes=8 * 1024**3)
+    spec_path = tmp_path / "my-t4.yaml"
+    spec_path.write_text(yaml.safe_dump(spec))
+    plan_path = tmp_path / "plan.yaml"
+    result = invoke(
+        "solve", profile_path, "--target-batch", "8", "--budget", "50%",
+        "--device-profile", spec_path, "-o", plan_path,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = load_plan(plan_path)
+    assert plan.device == str(spec_path.resolve())
+    assert plan.budget_bytes == 4 * 1024**3
+    assert device_spec_for_plan(plan) == load_device(str(spec_path))
+
+
 def test_verify_measures_within_tolerance(profile_path, tmp_path):
     # A budget just above micro-batch 8's best peak, so the plan runs close to it.
     plan_path = tmp_path / "plan.yaml"

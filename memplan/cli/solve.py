@@ -21,18 +21,19 @@ from memplan.cli.options import (
     finite,
     split_names,
 )
-from memplan.devices import load_device, resolve_budget
+from memplan.devices import load_device, resolve_budget, spec_file_label
 from memplan.emit.files import plan_targets
-from memplan.errors import MemplanError, NoPlanFitsError
+from memplan.errors import BadInputError, MemplanError, NoPlanFitsError
 from memplan.files.schema import to_data
 from memplan.memory import DEFAULT_MARGIN
 from memplan.plan import plan_to_data
-from memplan.profile import load_profile
+from memplan.profile import Profile, load_profile
 from memplan.profile.seqlen import parse_seq_len
 from memplan.units import parse_size
 
 if TYPE_CHECKING:
     from memplan.solver import SolveResult
+    from memplan.solver.compare import Comparison
 
 
 @run_command
@@ -142,15 +143,28 @@ def solve(
     ] = None,
     force: ForceOption = False,
     as_json: JsonOption = False,
+    compare: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--compare",
+            metavar="PROFILE",
+            help="Another profile of the same model, probed another way (e.g. --precision "
+            "float8 beside bf16): each is solved with this request, and the fastest that fits "
+            "is the plan (ties: PROFILE). Repeatable.",
+        ),
+    ] = None,
 ) -> None:
     """Pick micro-batch × accumulation × checkpointed layers that fit the budget and run fastest."""
     from memplan import render
     from memplan.solver import SolveRequest, layout_request
     from memplan.solver import solve as run_solver
+    from memplan.solver.compare import solve_compared
 
+    comparison = None
     try:  # every refusal of an output or a request comes before anything is solved
         targets = plan_targets(output, formats, out_dir, force=force)
         profile = load_profile(profile_path)
+        others = _compared_profiles(profile_path, compare or [])
         spec = load_device(device_profile) if device_profile else None
         request = SolveRequest(
             target_batch=target_batch,
@@ -182,6 +196,7 @@ def solve(
             bn_min_micro=bn_min_micro,
             allow_small_bn_micro=allow_small_bn_micro,
             device_spec=spec,
+            device=spec_file_label(device_profile),
             model_path=model or profile.model.spec,
             profile_path=str(profile_path),
             modes=modes,
@@ -191,15 +206,36 @@ def solve(
         )
         with render.progress("memplan solve", quiet=as_json) as on_progress:
             on_progress(0, 0, f"{len(profile.layers):,} layers")
-            result = run_solver(profile, request)
+            if others:
+                comparison = solve_compared([(str(profile_path), profile), *others], request)
+                result = comparison.result
+                if result is None:  # none fits: the main profile's error, as without --compare
+                    raise comparison.rows[0].no_fit  # type: ignore[misc]  # set when no plan
+            else:
+                result = run_solver(profile, request)
     except NoPlanFitsError as exc:
-        _show_no_fit(exc, request.budget_bytes, as_json=as_json)
+        _show_no_fit(exc, request.budget_bytes, as_json=as_json, comparison=comparison)
         raise
     except MemplanError as exc:
         _show_refusal(exc, as_json=as_json)
         raise
-    _show_result(result, as_json=as_json)
+    _show_result(result, as_json=as_json, comparison=comparison)
     _write(result.plan, targets, force=force)
+
+
+def _compared_profiles(main: Path, paths: list[Path]) -> list[tuple[str, Profile]]:
+    """The ``--compare`` profiles, read; a file named twice (or the main PROFILE again,
+    however spelled) is refused before any is read."""
+    seen = {main.resolve(): f"the main PROFILE ({main})"}
+    for path in paths:
+        earlier = seen.setdefault(path.resolve(), f"--compare {path}")
+        if earlier != f"--compare {path}" or [str(p) for p in paths].count(str(path)) > 1:
+            raise BadInputError(
+                f"{path} is the same file as {earlier}: a profile is compared with itself.",
+                hint="Give --compare each other profile of the model once (probed another "
+                "way, e.g. `memplan probe MODEL --precision float8 -o float8.yaml`).",
+            )
+    return [(str(path), load_profile(path)) for path in paths]
 
 
 def _write(plan, targets, *, force: bool) -> None:
@@ -215,11 +251,15 @@ def _write(plan, targets, *, force: bool) -> None:
         raise written.refused[-1][1]
 
 
-def _show_result(result: SolveResult, *, as_json: bool) -> None:
+def _show_result(
+    result: SolveResult, *, as_json: bool, comparison: Comparison | None = None
+) -> None:
     from memplan import render
+    from memplan.solver.compare import comparison_rows
     from memplan.units import format_bytes
 
     plan, seq = result.plan, result.seq
+    compared = {"compared": comparison_rows(comparison)} if comparison else {}
     if as_json and result.layouts:
         rows = [
             {
@@ -234,12 +274,14 @@ def _show_result(result: SolveResult, *, as_json: bool) -> None:
             }
             for o in result.layouts
         ]
-        render.print_json({"feasible": True, "plan": plan_to_data(plan), "layouts": rows})
+        render.print_json(
+            {"feasible": True, "plan": plan_to_data(plan), "layouts": rows, **compared}
+        )
     elif as_json:
         rows = [dict(to_data(cand)) for cand in result.candidates]
         extra = {"seq": to_data(dataclasses.replace(seq, result=None))} if seq else {}
         render.print_json(
-            {"feasible": True, "plan": plan_to_data(plan), "candidates": rows, **extra}
+            {"feasible": True, "plan": plan_to_data(plan), "candidates": rows, **extra, **compared}
         )
     else:
         render.show_plan(plan)
@@ -252,6 +294,10 @@ def _show_result(result: SolveResult, *, as_json: bool) -> None:
                 f"seq_len {plan.seq_len} chosen; {seq.next_len} tokens has no plan: it needs "
                 f"{format_bytes(seq.next_least_peak_bytes)} at the least"
             )
+        if comparison is not None:
+            from memplan.render.compare import show_comparison
+
+            show_comparison(comparison)
 
 
 def _show_refusal(exc: MemplanError, *, as_json: bool) -> None:
@@ -271,8 +317,15 @@ def _show_refusal(exc: MemplanError, *, as_json: bool) -> None:
         )
 
 
-def _show_no_fit(exc: NoPlanFitsError, budget_bytes: int, *, as_json: bool) -> None:
+def _show_no_fit(
+    exc: NoPlanFitsError,
+    budget_bytes: int,
+    *,
+    as_json: bool,
+    comparison: Comparison | None = None,
+) -> None:
     from memplan import render
+    from memplan.solver.compare import comparison_rows
     from memplan.units import format_bytes
 
     if as_json:
@@ -283,6 +336,7 @@ def _show_no_fit(exc: NoPlanFitsError, budget_bytes: int, *, as_json: bool) -> N
                 "budget_bytes": budget_bytes,
                 "message": str(exc),
                 "closest": to_data(exc.closest) if exc.closest else None,
+                **({"compared": comparison_rows(comparison)} if comparison else {}),
             }
         )
     elif exc.closest is not None:
@@ -290,3 +344,7 @@ def _show_no_fit(exc: NoPlanFitsError, budget_bytes: int, *, as_json: bool) -> N
         # the error paragraph that follows says why it does not fit: not twice
         reasons = tuple(r for r in exc.closest.reasons if r not in str(exc))
         render.show_plan(dataclasses.replace(exc.closest, reasons=reasons))
+    if comparison is not None and not as_json:
+        from memplan.render.compare import show_comparison
+
+        show_comparison(comparison)

@@ -34,7 +34,8 @@ carries the batch, the length and the layout, sent to the search that answers it
 (splitting the target batch), ``layer_modes`` (the per-layer DP), ``options`` (one option
 evaluated), ``search`` (``solve_batch`` and ``least_peak`` at one batch), ``seqlen`` (over sequence
 lengths), ``parallel`` (over parallel layouts), ``explain`` (reasons, warnings and
-candidates) and ``no_fit`` (the no-fit error and its hints).
+candidates), ``no_fit`` (the no-fit error and its hints) and ``compare`` (one request on
+several profiles of a model, the fastest that fits: ``solve --compare``).
 """
 
 from memplan.solver.entry import solve
