@@ -63,6 +63,7 @@ from memplan.memory.budget import (
     usable_budget_bytes,
 )
 from memplan.memory.parallel import communicators
+from memplan.parallel import KeptOutputs
 from memplan.profile import load_profile
 from memplan.solver import SolveRequest
 from memplan.solver.parallel import LayoutRequest, solve_layout
@@ -104,6 +105,15 @@ class Published:
     """Context-parallel degree (Tables 2 and 6): the sequence split over ``cp`` ranks."""
     seq: int = SEQ
     """Tokens per sample: the run's ``training.seq_len``."""
+    kept_outputs: KeptOutputs = "all"
+    """Which pipeline stages the run's torch kept every micro-batch's output on to the step's
+    end (``Parallel.kept_outputs``). The December 2024 runs: torch 1963fc8 (2024-12-23),
+    before pytorch/pytorch#153383 (May 2025: only the last stage keeps them); its
+    ``PipelineStage.forward_one_chunk`` appends every stage's output to ``output_chunks``
+    (read in torch 2.6.0's torch/distributed/pipelining/stage.py, git 2236df1, branched
+    from main that month), and torchtitan 9dec370's train.py calls ``pp_schedule.step``
+    without ``return_outputs`` (added to torch by #165822, passed False by torchtitan
+    e5ef99a, October 2025), so the last stage also merged them at the step's end."""
 
     @property
     def dp(self) -> int:
@@ -403,6 +413,7 @@ def predict(profile, row: Published, spec, modes: tuple[str, ...], every: int = 
         schedule=row.schedule,
         virtual_stages=row.virtual_stages,
         sequence_parallel=row.tp > 1,
+        kept_outputs=row.kept_outputs,
     )
     return solve_layout(profile, request, ask).plan
 
@@ -525,9 +536,10 @@ def run(device: str) -> str:
             "is no transformers decoder, so memplan's runtime would refuse its pipeline stages: "
             "the 405B rows are modelled, not run. Their local batch of 32 runs as 8 "
             "micro-batches of 4 (torchtitan splits it into pp unless told otherwise); the "
-            "published runs' last stage also kept every micro-batch's logits to the step's "
-            "end (torch's `return_outputs` default then, off in torchtitan since e5ef99a and "
-            "in memplan's runtime): 7 × 1.0 GiB more on stage 7, which memplan leaves out. "
+            "runs' torch (1963fc8, before pytorch/pytorch#153383) kept every stage's output of "
+            "every micro-batch to the step's end, and merged the last stage's logits "
+            "(`return_outputs` was on: torchtitan turns it off since e5ef99a, as memplan's "
+            "runtime does), so these rows are solved with `kept_outputs: all`. "
             "Tables 2 and 6 (context parallel, 'seq' in the run's name): each probed at the "
             "run's sequence (`probe --seq-len`), solved with `--cp`; torchtitan shards FSDP "
             "over dp × cp and splits every op's sequence over cp (ring attention for SDPA, "

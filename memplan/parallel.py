@@ -17,6 +17,11 @@ SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 """Pipeline schedules: GPipe (all forwards, then all backwards), 1F1B (the first stage holds
 up to pp micro-batches in flight), interleaved 1F1B (``virtual_stages`` stages per rank)."""
 
+KeptOutputs = Literal["none", "last", "all"]
+KEPT_OUTPUTS: tuple[KeptOutputs, ...] = ("none", "last", "all")
+"""Which pipeline stages keep every micro-batch's forward output to the end of the step, an
+engine-version rule (``Parallel.kept_outputs``)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Dimension:
@@ -71,6 +76,16 @@ class Parallel:
     the TP ranks (torchtitan's ``loss_parallel``, on unless
     ``parallelism.disable_loss_parallel``; Megatron's vocab-parallel cross-entropy, always)
     instead of gathered whole on every rank. Off in plans written before it."""
+    kept_outputs: KeptOutputs = "none"
+    """With ``pp`` > 1: which stages keep every micro-batch's forward output until the step
+    ends (``PipelineStage.output_chunks``, cleared at the next step's start), beside the one
+    each micro-batch in flight holds. ``none``: torch 2.13's ``schedule.step(...,
+    return_outputs=False)``, what memplan's runtime and torchtitan since e5ef99a (October
+    2025) run. ``last``: the last stage's, ``return_outputs=True`` (torch's default; from
+    pytorch/pytorch#153383, May 2025, on), which ``step`` also concatenates into one tensor
+    at its end (``_merge_outputs``). ``all``: every stage's, torch before #153383 (torch
+    2.6.0's stage.py ``forward_one_chunk`` appends every stage's output, which
+    ``get_fwd_send_ops`` sends from), the torch of torchtitan's December 2024 runs."""
 
     def __post_init__(self) -> None:
         for name in (*(d.field for d in DIMENSIONS), "virtual_stages"):
@@ -87,6 +102,11 @@ class Parallel:
             raise ValueError("parallel.loss_parallel needs tp > 1")
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ValueError("parallel.virtual_stages > 1 needs schedule interleaved_1f1b")
+        if self.kept_outputs not in KEPT_OUTPUTS:
+            raise ValueError(
+                f"parallel.kept_outputs must be one of {', '.join(KEPT_OUTPUTS)}, "
+                f"got {self.kept_outputs!r}"
+            )
 
     @property
     def dp(self) -> int:

@@ -60,7 +60,15 @@ from memplan.memory.activations import (
 from memplan.memory.budget import reserve_for
 from memplan.memory.ddp_tp import held_split_grads
 from memplan.memory.peak import Peak, step_peak
-from memplan.memory.pipeline import pipeline_buffers, rank_times, rank_totals, stage_output_bytes
+from memplan.memory.pipeline import (
+    affine_sum,
+    kept_output_bytes,
+    pipeline_buffers,
+    rank_times,
+    rank_totals,
+    stage_output_bytes,
+    with_merged_outputs,
+)
 from memplan.memory.sharding import Sharding, rank_float8_bytes
 from memplan.memory.terms import grads_at_bytes
 from memplan.memory.vocab import (
@@ -386,20 +394,22 @@ def rank_profile(
     buffers, input_grads = pipeline_buffers(profile, parallel, stage, micro_batches)
     buffers = _scale(buffers, input_factor)
     input_grads = _scale(input_grads, input_factor)
-    offsets = {
-        phase: (
-            (n - 1) * stage_saved.intercept
-            + n * kept.intercept
-            + buffers.intercept
-            + (input_grads.intercept if phase == "grads_resident" else 0.0),
-            (n - 1) * stage_saved.slope
-            + n * kept.slope
-            + buffers.slope
-            + (input_grads.slope if phase == "grads_resident" else 0.0)
-            + exchange.slope,
+    # The outputs an engine version keeps (``kept_output_bytes``): with ``k`` micro-batches
+    # in flight while gradients are resident, ``m − k`` have finished (1F1B: the last point
+    # with ``k`` in flight comes once every forward has run); none before the first backward.
+    finished, merged = kept_output_bytes(profile, parallel, stage)
+    done = {"no_grads": 0, "grads_resident": max(micro_batches - k_resident, 0)}
+    offsets = {}
+    for phase, held in ks.items():
+        extra = affine_sum(
+            buffers,
+            _scale(finished, done[phase]),
+            input_grads if phase == "grads_resident" else Affine.zero(),
         )
-        for phase, n in ks.items()
-    }
+        offsets[phase] = (
+            (held - 1) * stage_saved.intercept + held * kept.intercept + extra.intercept,
+            (held - 1) * stage_saved.slope + held * kept.slope + extra.slope + exchange.slope,
+        )
     # Prefix sums of the plain saved bytes (whole model) and of the rank's (this stage).
     full_prefix = [(0.0, 0.0)]
     rank_prefix = [(0.0, 0.0)]
@@ -467,16 +477,16 @@ def rank_profile(
         timeline[phase] = tuple(out)
     ratio = (state_rank + totals.grad_bytes) / max(state_full + profile.totals.grad_bytes, 1)
     optimizer = _scale(profile.optimizer_step_peak_bytes, ratio)
-    return dataclasses.replace(
+    rank = dataclasses.replace(
         draft,
         timeline=timeline,
         **rank_times(profile, fixed, ratio),
-        # the schedule's buffers and the received inputs' gradients outlive the step
-        optimizer_step_peak_bytes=Affine(
-            intercept=optimizer.intercept + buffers.intercept + input_grads.intercept,
-            slope=optimizer.slope + buffers.slope + input_grads.slope,
+        # the schedule's buffers, the inputs' gradients and kept outputs outlive the step
+        optimizer_step_peak_bytes=affine_sum(
+            optimizer, buffers, input_grads, _scale(finished, micro_batches)
         ),
     )
+    return with_merged_outputs(rank, _scale(merged, micro_batches))
 
 
 # --------------------------------------------------------------------------- a plan's peaks

@@ -1,11 +1,16 @@
 """What ``torch.distributed.pipelining`` keeps on a pipeline rank besides its blocks' saved
 bytes (issue 31): the last stage's output per micro-batch in flight, and the schedule's
-receive buffers and the received inputs' gradients. No torch; ``memory.parallel`` adds
+receive buffers and the received inputs' gradients, and the outputs an engine version keeps
+to the step's end (``kept_output_bytes``). No torch; ``memory.parallel`` adds
 them to a rank's timeline. Also a stage rank's totals and its own optimizer and fixed-part
 seconds (``rank_totals``, ``rank_times``)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+from memplan.memory.activations import hidden_factor
+from memplan.memory.sharding import optimizer_transient_bytes
 from memplan.memory.vocab import LOSS_PART
 from memplan.parallel import Parallel, stage_layers
 from memplan.profile import Affine, FixedPart, Layer, Profile, Totals
@@ -28,6 +33,62 @@ def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
         if part.name == LOSS_PART and part.saved_bytes.slope < 0:
             freed = _scale(part.saved_bytes, -vocab / parallel.cp)
     return freed
+
+
+def affine_sum(*values: Affine) -> Affine:
+    """The sum of ``values`` (no residual)."""
+    return Affine(intercept=sum(v.intercept for v in values), slope=sum(v.slope for v in values))
+
+
+def kept_output_bytes(profile: Profile, parallel: Parallel, stage: int) -> tuple[Affine, Affine]:
+    """``(kept, merged)`` per sample of a micro-batch on pipeline rank ``stage`` under
+    ``parallel.kept_outputs`` (memplan.parallel.Parallel): ``kept``, the outputs one finished
+    micro-batch leaves in ``PipelineStage.output_chunks`` (torch/distributed/pipelining/
+    stage.py ``forward_one_chunk``; its ``fwd_cache`` entry, which ``stage_output_bytes``
+    and the blocks' bytes count while it is in flight, is gone after its backward, the
+    output stays to the next step's ``clear_runtime_states``): the last stage's logits
+    (``stage_output_bytes``), and under ``all`` each other chunk's hidden state as sent;
+    ``merged``, on the last rank, what ``step`` allocates at its end to return them merged
+    (``_merge_outputs``: one ``torch.cat`` of every micro-batch's logits, beside the
+    chunks). Zero under ``none``. Measured: tests/test_kept_outputs.py (torch 2.13,
+    ``return_outputs=True`` against ``False``, 2 gloo ranks)."""
+    zero = Affine.zero()
+    if parallel.pp == 1 or parallel.kept_outputs == "none":
+        return zero, zero
+    chunks = stage_layers(len(profile.layers), parallel.stages)
+    kept = zero
+    for v in range(parallel.virtual_stages):
+        index = stage + v * parallel.pp
+        if index == parallel.stages - 1:
+            kept = affine_sum(kept, stage_output_bytes(profile, parallel))
+        elif parallel.kept_outputs == "all" and chunks[index]:
+            hidden = profile.layers[chunks[index].stop - 1].output_bytes
+            kept = affine_sum(kept, _scale(hidden, hidden_factor(parallel)))
+    merged = stage_output_bytes(profile, parallel) if stage == parallel.pp - 1 else zero
+    return kept, merged
+
+
+def with_merged_outputs(rank: Profile, merged: Affine) -> Profile:
+    """A stage rank's profile with the step's merged outputs (``merged``, every micro-batch's:
+    ``kept_output_bytes``) at its end. ``step`` returns them before the optimizer runs, so
+    that point holds the optimizer step's bytes less its temporaries, plus ``merged``: when
+    ``merged`` outgrows the temporaries at every micro-batch size it is that point (the
+    optimizer step's figure less its temporaries, plus ``merged``); otherwise ``merged`` is
+    counted at the optimizer step whole, an over-estimate by at most the smaller of the
+    two."""
+    if merged.slope <= 0 and merged.intercept <= 0:
+        return rank
+    temporaries = optimizer_transient_bytes(rank)
+    if merged.intercept + merged.slope < temporaries:
+        temporaries = 0
+    peak = rank.optimizer_step_peak_bytes
+    return dataclasses.replace(
+        rank,
+        optimizer_step_peak_bytes=Affine(
+            intercept=peak.intercept + merged.intercept - temporaries,
+            slope=peak.slope + merged.slope,
+        ),
+    )
 
 
 def pipeline_buffers(

@@ -33,14 +33,9 @@ def vocab_split(rest: float, whole: float, vocab: float, cap: float = math.inf) 
 
 def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
     """The most vocabulary-sized bytes per sample a TP rank holds under loss parallel,
-    before dividing by ``tp``: the whole-logits run's most, less one gradient of the
-    log-softmax's size. torch's loss parallel fuses the NLL and log-softmax backwards into
-    one (``_nll_loss_and_log_softmax_backward``, torch/distributed/tensor/parallel/loss.py,
-    torch 2.13: one ``zeros_like`` gradient, its log-softmax backward a pass-through), where
-    the plain path holds NLL's gradient beside log-softmax's. The log-softmax runs in fp32
-    (the loss upcasts bf16 logits), so that gradient is the head's output (``saved_bytes``,
-    the logits) times 4 / the logits' element size. Measured: 4 logits-sized fp32 tensors at
-    the whole-logits peak, 3 shards under loss parallel (tiny HF Llama, vocabulary 8192)."""
+    before dividing by ``tp`` (``fused_loss_most``): from the whole-logits run's most once
+    its blocks have run, and the head's logits (its saved bytes) in the profile's element
+    size."""
     most = 0.0
     # what the blocks hold once they have run (their saved bytes less the inputs the plain
     # step freed, memory.activations.freed_inputs)
@@ -52,7 +47,33 @@ def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
                 most = max(most, *(p[1] - held - whole.slope for p in seg.points))
     logits = sum(max(p.saved_bytes.slope, 0.0) for p in profile.fixed if is_head(p))
     element = 2 if profile.environment.precision in ("bf16", "fp16") else 4
-    return max(most - logits * 4 / element, 0.0)
+    return fused_loss_most(most, logits, element)
+
+
+def fused_loss_most(most: float, logits: float, element: int) -> float:
+    """What torch's loss parallel holds at its peak, whole (``tp`` ranks hold it as
+    ``1/tp`` shards), from the plain cross-entropy's most (``most``) and the logits' bytes
+    (``logits``, ``element`` bytes each). Two peaks (torch 2.13,
+    torch/distributed/tensor/parallel/loss.py):
+
+    - the backward's: the plain one less one gradient of the log-softmax's size. Loss
+      parallel fuses the NLL and log-softmax backwards (``_nll_loss_and_log_softmax_
+      backward``: one ``zeros_like`` gradient, its log-softmax backward a pass-through)
+      where the plain path holds NLL's gradient beside log-softmax's; the log-softmax runs
+      in fp32 (the loss upcasts bf16 logits), so that gradient is ``logits·4/element``;
+    - the forward's, which the fusion leaves as it is: the logits, their fp32 copy when
+      they are not fp32 (``.float()``), and the fp32 log-softmax (``_log_softmax_handler``,
+      over the local shard).
+
+    Measured, one op at a time on whole logits and on 2 gloo ranks' shards (tests/
+    test_loss_parallel_region.py): fp32, the plain step holds 3 logits at its most (the
+    log-softmax, NLL's gradient and log-softmax's) and loss parallel 2 (in the backward,
+    the forward's 2 equal); bf16 (L the bf16 logits), the plain step 6L, loss parallel
+    5L in its forward (the bf16 logits, the fp32 copy, the log-softmax), where the
+    backward rule alone gave 4L (a bf16 logits' worth short)."""
+    upcast = logits * 4 / element
+    forward = logits + upcast + (upcast if element < 4 else 0.0)
+    return max(most - upcast, min(forward, most), 0.0)
 
 
 LOSS_PART = "(loss)"

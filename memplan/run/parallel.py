@@ -312,7 +312,9 @@ class Layout:
         losses: list[torch.Tensor] = []
         args = (whole["input_ids"],) if self.is_first else ()
         target = whole["labels"] if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        # the merged outputs step returns (kept_outputs 'last') are dropped at once
+        keep = self.parallel.kept_outputs != "none"
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=keep)
         if self.parallel.dp_replicate > 1 and self.parallel.dp_shard == 1:
             self._average_gradients()
         if self.max_grad_norm is not None:
@@ -428,6 +430,13 @@ def build_layout(
             "Sequence parallelism with pipeline stages is modelled but not run by memplan "
             "(a stage would send sequence-sharded hidden states).",
             hint="Verify the layout with --pp 1, or without --sequence-parallel.",
+        )
+    if parallel.kept_outputs == "all":
+        raise BadInputError(
+            "parallel.kept_outputs 'all' (every stage keeping its outputs, torch before "
+            "pytorch/pytorch#153383) is modelled but not run: torch 2.13 keeps the last "
+            "stage's only.",
+            hint="Verify the plan with kept_outputs 'last' or 'none'.",
         )
     if parallel.pp > 1:  # on the whole model, before TP splits it: every rank alike
         check_pipeline_split(net, parallel.pp)

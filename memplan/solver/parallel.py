@@ -154,6 +154,7 @@ def candidate_layouts(
                         schedule=ask.schedule if pp > 1 else "1f1b",
                         virtual_stages=ask.virtual_stages if pp > 1 else 1,
                         loss_parallel=lp and loss_parallel_possible(profile),
+                        kept_outputs=ask.kept_outputs if pp > 1 else "none",
                     )
                 )
     return out

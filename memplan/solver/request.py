@@ -14,7 +14,7 @@ from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
 from memplan.memory import Reserve
 from memplan.modes import parse_modes
-from memplan.parallel import SCHEDULES, Schedule
+from memplan.parallel import KEPT_OUTPUTS, SCHEDULES, KeptOutputs, Schedule
 from memplan.plan import STRATEGIES, GradSync, Plan
 from memplan.profile.seqlen import DEFAULT_SEQ_MULTIPLE
 from memplan.timing import TimingMode
@@ -50,6 +50,10 @@ class LayoutRequest:
     loss_parallel: bool | None = None
     """None: on with TP where the model's TP plan splits its head (torchtitan's default,
     Megatron's only way); False: logits gathered whole on every TP rank."""
+    kept_outputs: KeptOutputs = "none"
+    """Which pipeline stages the engine lets keep every micro-batch's output to the step's
+    end (``Parallel.kept_outputs``): ``none`` as memplan's runtime and torch 2.13 with
+    ``return_outputs=False`` run; set for a run of another engine version."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -68,6 +72,10 @@ class LayoutRequest:
             raise SolveRequestError(
                 f"--virtual-stages must be a positive integer, got {self.virtual_stages!r}.",
                 hint="Give 1, or 2 or more with --schedule interleaved_1f1b.",
+            )
+        if self.kept_outputs not in KEPT_OUTPUTS:
+            raise SolveRequestError(
+                f"kept_outputs must be one of {', '.join(KEPT_OUTPUTS)}, got {self.kept_outputs!r}."
             )
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise SolveRequestError(
