@@ -61,6 +61,7 @@ from memplan.memory.budget import reserve_for
 from memplan.memory.ddp_tp import held_split_grads
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.pipeline import (
+    affine_scale,
     affine_sum,
     kept_output_bytes,
     pipeline_buffers,
@@ -84,12 +85,6 @@ from memplan.memory.vocab import (
 from memplan.parallel import Parallel, in_flight, stage_layers
 from memplan.plan import Plan, Strategy
 from memplan.profile import Affine, FixedPart, Layer, Point, Profile, Segment
-
-
-def _scale(value: Affine, factor: float) -> Affine:
-    return Affine(
-        intercept=value.intercept * factor, slope=value.slope * factor, residual=value.residual
-    )
 
 
 def _sub(a: Affine, b: Affine) -> Affine:
@@ -120,39 +115,39 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
         if value is None:
             return None
         if not split_input:
-            rank = _sub(value, _scale(layer.saved_bytes, 1.0 - f))
+            rank = _sub(value, affine_scale(layer.saved_bytes, 1.0 - f))
             if kept_factor != 1.0:  # saved·f − kept·kept_factor
-                rank = _sub(rank, _scale(_sub(layer.saved_bytes, value), kept_factor - 1.0))
+                rank = _sub(rank, affine_scale(_sub(layer.saved_bytes, value), kept_factor - 1.0))
         elif hidden:
-            kept = _scale(_sub(layer.saved_bytes, value), input_factor)
-            rank = _sub(_scale(layer.saved_bytes, f), kept)
+            kept = affine_scale(_sub(layer.saved_bytes, value), input_factor)
+            rank = _sub(affine_scale(layer.saved_bytes, f), kept)
         else:
-            rank = _scale(value, f)
-        return _scale(rank, k)
+            rank = affine_scale(value, f)
+        return affine_scale(rank, k)
 
     compute = 1.0 / (parallel.tp * parallel.cp)
     return dataclasses.replace(
         layer,
         **_model_state(layer, r),
-        input_bytes=_scale(layer.input_bytes, input_factor),
-        output_bytes=_scale(layer.output_bytes, input_factor),
-        saved_bytes=_scale(layer.saved_bytes, f),
+        input_bytes=affine_scale(layer.input_bytes, input_factor),
+        output_bytes=affine_scale(layer.output_bytes, input_factor),
+        saved_bytes=affine_scale(layer.saved_bytes, f),
         savings_bytes=savings(layer.savings_bytes, hidden=True),
         selective_savings_bytes=savings(
             layer.selective_savings_bytes, hidden=False, kept_factor=1.0 - s + s / parallel.tp
         ),
-        fwd_transient_bytes=_scale(layer.fwd_transient_bytes, f),
-        bwd_transient_bytes=_scale(layer.bwd_transient_bytes, f),
-        recompute_transient_bytes=_scale(layer.recompute_transient_bytes, f),
-        fwd_seconds=_scale(layer.fwd_seconds, compute),
-        bwd_seconds=_scale(layer.bwd_seconds, compute),
-        fwd_flops=_scale(layer.fwd_flops, compute),
+        fwd_transient_bytes=affine_scale(layer.fwd_transient_bytes, f),
+        bwd_transient_bytes=affine_scale(layer.bwd_transient_bytes, f),
+        recompute_transient_bytes=affine_scale(layer.recompute_transient_bytes, f),
+        fwd_seconds=affine_scale(layer.fwd_seconds, compute),
+        bwd_seconds=affine_scale(layer.bwd_seconds, compute),
+        fwd_flops=affine_scale(layer.fwd_flops, compute),
         recompute_seconds=None
         if layer.recompute_seconds is None
-        else _scale(layer.recompute_seconds, compute),
+        else affine_scale(layer.recompute_seconds, compute),
         selective_recompute_seconds=None
         if layer.selective_recompute_seconds is None
-        else _scale(layer.selective_recompute_seconds, compute),
+        else affine_scale(layer.selective_recompute_seconds, compute),
         tp_sharded_bytes=math.ceil(layer.tp_sharded_bytes / parallel.tp),
         float8_param_bytes=rank_float8_bytes(layer, parallel.tp),
     )
@@ -172,8 +167,8 @@ def _rank_fixed(part: FixedPart, parallel: Parallel) -> FixedPart:
     return dataclasses.replace(
         part,
         **_model_state(part, r),
-        saved_bytes=_scale(part.saved_bytes, saved),
-        fwd_flops=_scale(part.fwd_flops, r),  # a TP-split head's matmul is split with it
+        saved_bytes=affine_scale(part.saved_bytes, saved),
+        fwd_flops=affine_scale(part.fwd_flops, r),  # a TP-split head's matmul is split with it
         tp_sharded_bytes=math.ceil(part.tp_sharded_bytes / parallel.tp),
         float8_param_bytes=rank_float8_bytes(part, parallel.tp),
     )
@@ -392,8 +387,8 @@ def rank_profile(
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
     kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
     buffers, input_grads = pipeline_buffers(profile, parallel, stage, micro_batches)
-    buffers = _scale(buffers, input_factor)
-    input_grads = _scale(input_grads, input_factor)
+    buffers = affine_scale(buffers, input_factor)
+    input_grads = affine_scale(input_grads, input_factor)
     # The outputs an engine version keeps (``kept_output_bytes``): with ``k`` micro-batches
     # in flight while gradients are resident, ``m − k`` have finished (1F1B: the last point
     # with ``k`` in flight comes once every forward has run); none before the first backward.
@@ -403,7 +398,7 @@ def rank_profile(
     for phase, held in ks.items():
         extra = affine_sum(
             buffers,
-            _scale(finished, done[phase]),
+            affine_scale(finished, done[phase]),
             input_grads if phase == "grads_resident" else Affine.zero(),
         )
         offsets[phase] = (
@@ -476,17 +471,17 @@ def rank_profile(
             )
         timeline[phase] = tuple(out)
     ratio = (state_rank + totals.grad_bytes) / max(state_full + profile.totals.grad_bytes, 1)
-    optimizer = _scale(profile.optimizer_step_peak_bytes, ratio)
+    optimizer = affine_scale(profile.optimizer_step_peak_bytes, ratio)
     rank = dataclasses.replace(
         draft,
         timeline=timeline,
         **rank_times(profile, fixed, ratio),
         # the schedule's buffers, the inputs' gradients and kept outputs outlive the step
         optimizer_step_peak_bytes=affine_sum(
-            optimizer, buffers, input_grads, _scale(finished, micro_batches)
+            optimizer, buffers, input_grads, affine_scale(finished, micro_batches)
         ),
     )
-    return with_merged_outputs(rank, _scale(merged, micro_batches))
+    return with_merged_outputs(rank, affine_scale(merged, micro_batches))
 
 
 # --------------------------------------------------------------------------- a plan's peaks

@@ -16,7 +16,8 @@ from memplan.parallel import Parallel, stage_layers
 from memplan.profile import Affine, FixedPart, Layer, Profile, Totals
 
 
-def _scale(value: Affine, factor: float) -> Affine:
+def affine_scale(value: Affine, factor: float) -> Affine:
+    """``value`` times ``factor`` (its residual kept)."""
     return Affine(
         intercept=value.intercept * factor, slope=value.slope * factor, residual=value.residual
     )
@@ -31,7 +32,7 @@ def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
     vocab = 1.0 / parallel.tp if parallel.loss_parallel else 1.0
     for part in profile.fixed:
         if part.name == LOSS_PART and part.saved_bytes.slope < 0:
-            freed = _scale(part.saved_bytes, -vocab / parallel.cp)
+            freed = affine_scale(part.saved_bytes, -vocab / parallel.cp)
     return freed
 
 
@@ -63,7 +64,7 @@ def kept_output_bytes(profile: Profile, parallel: Parallel, stage: int) -> tuple
             kept = affine_sum(kept, stage_output_bytes(profile, parallel))
         elif parallel.kept_outputs == "all" and chunks[index]:
             hidden = profile.layers[chunks[index].stop - 1].output_bytes
-            kept = affine_sum(kept, _scale(hidden, hidden_factor(parallel)))
+            kept = affine_sum(kept, affine_scale(hidden, hidden_factor(parallel)))
     merged = stage_output_bytes(profile, parallel) if stage == parallel.pp - 1 else zero
     return kept, merged
 
@@ -140,7 +141,9 @@ def pipeline_buffers(
     buffers = Affine(
         intercept=received.intercept + sent.intercept, slope=received.slope + sent.slope
     )
-    grads = _scale(received, (micro_batches - 1) / micro_batches) if recv_count else Affine.zero()
+    grads = (
+        affine_scale(received, (micro_batches - 1) / micro_batches) if recv_count else Affine.zero()
+    )
     return buffers, grads
 
 
@@ -176,8 +179,8 @@ def rank_times(profile: Profile, fixed: list[FixedPart], state_ratio: float) -> 
     the state (``state_ratio``) and runs only its stage's fixed parts, TP-split
     (``fixed_seconds_share``). Before, every rank was charged the whole model's."""
     return {
-        "optimizer_step_seconds": _scale(profile.optimizer_step_seconds, state_ratio),
-        "step_fixed_seconds": _scale(
+        "optimizer_step_seconds": affine_scale(profile.optimizer_step_seconds, state_ratio),
+        "step_fixed_seconds": affine_scale(
             profile.step_fixed_seconds, fixed_seconds_share(profile, fixed)
         ),
     }

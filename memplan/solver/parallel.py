@@ -160,10 +160,6 @@ def candidate_layouts(
     return out
 
 
-def _ring(nbytes: float, n: int) -> float:
-    return 2.0 * (n - 1) / n * nbytes
-
-
 def layout_comm_seconds(
     profile: Profile,
     parallel: Parallel,
@@ -180,8 +176,8 @@ def layout_comm_seconds(
     act /= parallel.cp
     out = {"tp": 0.0, "pp": 0.0, "cp": 0.0}
     if parallel.tp > 1:
-        collectives = 4 * stage_layers + 2 * recomputed
-        out["tp"] = m * collectives * _ring(act, parallel.tp) / INTRA_NODE_BYTES_PER_SECOND
+        ring = 2 * timing.ring_fraction(parallel.tp) * act  # per all-reduce
+        out["tp"] = m * (4 * stage_layers + 2 * recomputed) * ring / INTRA_NODE_BYTES_PER_SECOND
     if parallel.pp > 1:
         out["pp"] = m * 2 * act / INTER_NODE_BYTES_PER_SECOND
     if parallel.cp > 1:
@@ -324,7 +320,7 @@ def evaluate_layout(
     if world == 1 and parallel.dp > 1:  # the pipeline's replicas, all-reduced after the step
         grads = profile.totals.grad_bytes / (parallel.pp * parallel.tp)
         bandwidth = stage_request.data_parallel_bandwidth or INTER_NODE_BYTES_PER_SECOND
-        comm["dp"] = _ring(grads, parallel.dp) / bandwidth
+        comm["dp"] = 2 * timing.ring_fraction(parallel.dp) * grads / bandwidth
     bubble = bubble_fraction(parallel, m)
     step = slowest / (1.0 - bubble) + once + sum(comm.values())
     return LayoutOption(
