@@ -393,3 +393,24 @@ def raw_profile(
     }
     kwargs.update(profile_kwargs)
     return Profile(**kwargs)
+
+
+def with_loss_part(profile: Profile, logits_per_sample: float) -> Profile:
+    """``profile`` with a ``(loss)`` fixed part that frees ``logits_per_sample`` bytes per
+    sample (negative saved bytes): the logits a pipeline's last stage would keep as its
+    output (memory.pipeline.stage_output_bytes)."""
+    import dataclasses
+
+    loss = FixedPart(
+        name="(loss)",
+        module_type="loss",
+        params_trainable_bytes=0,
+        params_frozen_bytes=0,
+        grad_bytes=0,
+        optimizer_state_bytes=0,
+        saved_bytes=Affine(intercept=0.0, slope=-logits_per_sample),
+        fwd_seconds=Affine.zero(),
+        bwd_seconds=Affine.zero(),
+        fwd_flops=Affine.zero(),
+    )
+    return dataclasses.replace(profile, fixed=(*profile.fixed, loss))

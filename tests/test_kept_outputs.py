@@ -8,14 +8,14 @@ import dataclasses
 import json
 
 import pytest
-from profiles_factory import uniform_chain
+from profiles_factory import uniform_chain, with_loss_part
 from tiny_llama import llama_reference
 
 from memplan.memory.parallel import rank_profile
 from memplan.memory.pipeline import kept_output_bytes
 from memplan.parallel import Parallel
 from memplan.plan import Breakdown, Plan, Prediction
-from memplan.profile import Affine, FixedPart
+from memplan.profile import Affine
 
 LOGITS = 50.0
 """Bytes per sample of the chain's logits: what its loss frees (the (loss) part's negative
@@ -24,19 +24,7 @@ saved bytes, memory.pipeline.stage_output_bytes)."""
 
 def _chain():
     profile = uniform_chain(4, saved=[4000] * 4, output=[400] * 4).profile()
-    loss = FixedPart(
-        name="(loss)",
-        module_type="loss",
-        params_trainable_bytes=0,
-        params_frozen_bytes=0,
-        grad_bytes=0,
-        optimizer_state_bytes=0,
-        saved_bytes=Affine(intercept=0.0, slope=-LOGITS),
-        fwd_seconds=Affine.zero(),
-        bwd_seconds=Affine.zero(),
-        fwd_flops=Affine.zero(),
-    )
-    return dataclasses.replace(profile, fixed=(*profile.fixed, loss))
+    return with_loss_part(profile, LOGITS)
 
 
 def test_kept_outputs_are_the_last_stage_logits_or_every_stage_output():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from profiles_factory import uniform_chain
+from profiles_factory import uniform_chain, with_loss_part
 
 from memplan.errors import BadInputError
 from memplan.memory import plan_peak
@@ -140,22 +140,8 @@ def test_last_stage_keeps_its_output_until_backward():
     # torch.distributed.pipelining keeps the last stage's output (the logits the loss would
     # free: the (loss) part's negative saved bytes, 50 B per sample here) per micro-batch in
     # flight; the last stage of 1F1B holds one: every micro-step point rises by 50 × b.
-    from memplan.profile import Affine, FixedPart
-
     profile = uniform_chain(4).profile()
-    loss = FixedPart(
-        name="(loss)",
-        module_type="loss",
-        params_trainable_bytes=0,
-        params_frozen_bytes=0,
-        grad_bytes=0,
-        optimizer_state_bytes=0,
-        saved_bytes=Affine(intercept=0.0, slope=-50.0),
-        fwd_seconds=Affine.zero(),
-        bwd_seconds=Affine.zero(),
-        fwd_flops=Affine.zero(),
-    )
-    with_loss = dataclasses.replace(profile, fixed=(*profile.fixed, loss))
+    with_loss = with_loss_part(profile, 50.0)
     b = 2
     sizes = {"world_size": 2, "target_batch": 4, "micro_batch_size": b, "accumulation_steps": 2}
     plan = _plan(**sizes, parallel=Parallel(pp=2))
