@@ -51,18 +51,11 @@ from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
-from memplan.memory.activations import (
-    activation_factor,
-    freed_inputs,
-    held_bytes,
-    hidden_factor,
-)
+from memplan.memory.activations import activation_factor, freed_inputs, held_bytes, hidden_factor
 from memplan.memory.budget import reserve_for
 from memplan.memory.ddp_tp import held_split_grads
 from memplan.memory.peak import Peak, step_peak
 from memplan.memory.pipeline import (
-    affine_scale,
-    affine_sum,
     kept_output_bytes,
     pipeline_buffers,
     rank_times,
@@ -84,11 +77,17 @@ from memplan.memory.vocab import (
 )
 from memplan.parallel import Parallel, in_flight, stage_layers
 from memplan.plan import Plan, Strategy
-from memplan.profile import Affine, FixedPart, Layer, Point, Profile, Segment
-
-
-def _sub(a: Affine, b: Affine) -> Affine:
-    return Affine(intercept=a.intercept - b.intercept, slope=a.slope - b.slope)
+from memplan.profile import (
+    Affine,
+    FixedPart,
+    Layer,
+    Point,
+    Profile,
+    Segment,
+    affine_scale,
+    affine_sub,
+    affine_sum,
+)
 
 
 def _state_ratio(params: int, sharded: int, tp: int) -> float:
@@ -115,12 +114,14 @@ def _rank_layer(layer: Layer, parallel: Parallel, k: int) -> Layer:
         if value is None:
             return None
         if not split_input:
-            rank = _sub(value, affine_scale(layer.saved_bytes, 1.0 - f))
+            rank = affine_sub(value, affine_scale(layer.saved_bytes, 1.0 - f))
             if kept_factor != 1.0:  # saved·f − kept·kept_factor
-                rank = _sub(rank, affine_scale(_sub(layer.saved_bytes, value), kept_factor - 1.0))
+                rank = affine_sub(
+                    rank, affine_scale(affine_sub(layer.saved_bytes, value), kept_factor - 1.0)
+                )
         elif hidden:
-            kept = affine_scale(_sub(layer.saved_bytes, value), input_factor)
-            rank = _sub(affine_scale(layer.saved_bytes, f), kept)
+            kept = affine_scale(affine_sub(layer.saved_bytes, value), input_factor)
+            rank = affine_sub(affine_scale(layer.saved_bytes, f), kept)
         else:
             rank = affine_scale(value, f)
         return affine_scale(rank, k)
@@ -371,19 +372,14 @@ def rank_profile(
     # What a block adds to a micro-batch's held bytes: the whole model's (its saved bytes
     # less the input the plain step frees after it) and the rank's (``held_bytes``).
     freed = freed_inputs(profile)
-    saved = [_sub(layer.saved_bytes, freed[j]) for j, layer in enumerate(profile.layers)]
+    saved = [affine_sub(layer.saved_bytes, freed[j]) for j, layer in enumerate(profile.layers)]
     rank_saved = held_bytes(profile, parallel, stage_range, freed)
-    stage_saved = Affine.zero()
-    for j in stage_range:
-        stage_saved = Affine(
-            intercept=stage_saved.intercept + rank_saved[j].intercept,
-            slope=stage_saved.slope + rank_saved[j].slope,
-        )
+    stage_saved = affine_sum(*(rank_saved[j] for j in stage_range))
     if modes is not None:  # each waiting micro-batch keeps only what the modes keep
         names = profile.layer_names
         for j, layer in zip(stage_range, layers, strict=True):
             if names[j] in modes:
-                stage_saved = _sub(stage_saved, _mode_savings(layer, modes[names[j]]))
+                stage_saved = affine_sub(stage_saved, _mode_savings(layer, modes[names[j]]))
     exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
     kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
     buffers, input_grads = pipeline_buffers(profile, parallel, stage, micro_batches)

@@ -13,14 +13,15 @@ from memplan.memory.activations import hidden_factor
 from memplan.memory.sharding import optimizer_transient_bytes
 from memplan.memory.vocab import LOSS_PART
 from memplan.parallel import Parallel, stage_layers
-from memplan.profile import Affine, FixedPart, Layer, Profile, Totals
-
-
-def affine_scale(value: Affine, factor: float) -> Affine:
-    """``value`` times ``factor`` (its residual kept)."""
-    return Affine(
-        intercept=value.intercept * factor, slope=value.slope * factor, residual=value.residual
-    )
+from memplan.profile import (
+    Affine,
+    FixedPart,
+    Layer,
+    Profile,
+    Totals,
+    affine_scale,
+    affine_sum,
+)
 
 
 def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
@@ -34,11 +35,6 @@ def stage_output_bytes(profile: Profile, parallel: Parallel) -> Affine:
         if part.name == LOSS_PART and part.saved_bytes.slope < 0:
             freed = affine_scale(part.saved_bytes, -vocab / parallel.cp)
     return freed
-
-
-def affine_sum(*values: Affine) -> Affine:
-    """The sum of ``values`` (no residual)."""
-    return Affine(intercept=sum(v.intercept for v in values), slope=sum(v.slope for v in values))
 
 
 def kept_output_bytes(profile: Profile, parallel: Parallel, stage: int) -> tuple[Affine, Affine]:
@@ -138,9 +134,7 @@ def pipeline_buffers(
                 intercept=sent.intercept + micro_batches * out.intercept,
                 slope=sent.slope + micro_batches * out.slope,
             )
-    buffers = Affine(
-        intercept=received.intercept + sent.intercept, slope=received.slope + sent.slope
-    )
+    buffers = affine_sum(received, sent)
     grads = (
         affine_scale(received, (micro_batches - 1) / micro_batches) if recv_count else Affine.zero()
     )

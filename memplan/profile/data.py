@@ -76,6 +76,23 @@ class Affine:
         return Affine(intercept=0.0, slope=0.0)
 
 
+def affine_scale(value: Affine, factor: float) -> Affine:
+    """``value`` times ``factor`` (its residual kept)."""
+    return Affine(
+        intercept=value.intercept * factor, slope=value.slope * factor, residual=value.residual
+    )
+
+
+def affine_sum(*values: Affine) -> Affine:
+    """The sum of ``values`` (no residual)."""
+    return Affine(intercept=sum(v.intercept for v in values), slope=sum(v.slope for v in values))
+
+
+def affine_sub(a: Affine, b: Affine) -> Affine:
+    """``a`` less ``b`` (no residual)."""
+    return Affine(intercept=a.intercept - b.intercept, slope=a.slope - b.slope)
+
+
 # A timeline point: (intercept_bytes, slope_bytes_per_sample). Plain tuples keep profiles
 # with thousands of points small in YAML.
 Point = tuple[float, float]

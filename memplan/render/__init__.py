@@ -28,7 +28,7 @@ from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
 from memplan.modes import MODES
 from memplan.plan import Plan
-from memplan.profile import Affine, Profile
+from memplan.profile import Affine, Profile, affine_sum
 from memplan.report.runs import run_label, runs
 from memplan.units import format_bytes, format_seconds
 
@@ -337,8 +337,8 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
         label = run_label(names, run) + (", each" if run.count > 1 else "")
         add({"layer": escape(label), **rows[run.start]})
     totals = profile.totals
-    saved = _sum_affine(
-        [p.saved_bytes for p in profile.layers] + [p.saved_bytes for p in profile.fixed]
+    saved = affine_sum(
+        *(p.saved_bytes for p in profile.layers), *(p.saved_bytes for p in profile.fixed)
     )
     table.add_section()
     add(
@@ -352,10 +352,6 @@ def _profile_table(profile: Profile, *, narrow: bool) -> Table:
         }
     )
     return table
-
-
-def _sum_affine(values: list[Affine]) -> Affine:
-    return Affine(intercept=sum(v.intercept for v in values), slope=sum(v.slope for v in values))
 
 
 def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> None:
