@@ -392,7 +392,8 @@ def fsdp_grads_bytes(
     every = syncs_every_micro_step(sharding, accumulation_steps)
     every = every and not sharding.reduce_after_schedule
     syncing = (every or resident) and not sharding.reduce_after_schedule
-    sharded_before = resident and every  # accumulated sharded, in place
+    # accumulated sharded, in place (the reserve reads the same fact: fsdp_shards_resident)
+    sharded_before = resident and fsdp_shards_resident(sharding, accumulation_steps)
     mixed = mixed_precision_params(profile, sharding)
     units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
     root = _unit_grads(profile, sharding, _root_grads_bytes(profile))
