@@ -109,11 +109,17 @@ def list_devices() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
+def _spec_file(name: str) -> Path | None:
+    """``name`` as a device spec file (a YAML file that exists), else None (a profile name)."""
+    path = Path(name)
+    return path if path.suffix in (".yaml", ".yml") and path.is_file() else None
+
+
 def load_device(name: str) -> DeviceSpec:
     """The spec named ``name`` (file stem, case-insensitive, common aliases accepted) or a
     path to a spec file."""
-    path = Path(name)
-    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+    path = _spec_file(name)
+    if path is None:
         key = ALIASES.get(name.lower(), name.lower())
         path = profiles_dir() / "devices" / f"{key}.yaml"
         if not path.is_file():
@@ -131,12 +137,8 @@ def spec_file_label(name: str | None) -> str | None:
     """The plan's ``device`` for a ``--device-profile`` given as a spec file: its absolute
     path (``load_device`` reads it back), so a plan solved for a spec of one's own names
     it; None for a shipped profile's name (the plan names the spec)."""
-    if name is None:
-        return None
-    path = Path(name)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return str(path.resolve())
-    return None
+    path = None if name is None else _spec_file(name)
+    return None if path is None else str(path.resolve())
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
