@@ -168,6 +168,18 @@ def _refusal(other: Profile, request: SolveRequest | None = None) -> str:
     return str(info.value)
 
 
+def test_the_same_file_however_spelled_is_refused_by_the_library_too():
+    # solve_compared refuses what the CLI refuses (solver.compare.same_file_problem): the
+    # main profile again as ./bf16.yaml, or a compared file named twice.
+    with pytest.raises(BadInputError, match=r"\./bf16\.yaml is the same file as the main"):
+        solve_compared([("bf16.yaml", BF16), ("./bf16.yaml", FLOAT8)], _request(1 << 30))
+    with pytest.raises(BadInputError, match=r"same file as --compare f8\.yaml"):
+        solve_compared(
+            [("bf16.yaml", BF16), ("f8.yaml", FLOAT8), ("sub/../f8.yaml", FLOAT8)],
+            _request(1 << 30),
+        )
+
+
 def test_another_model_is_refused_naming_the_file():
     other = dataclasses.replace(FLOAT8, model=ModelRef(path="model.py", sha256="cd" * 32))
     text = _refusal(other)

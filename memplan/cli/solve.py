@@ -23,7 +23,7 @@ from memplan.cli.options import (
 )
 from memplan.devices import load_device, resolve_budget, spec_file_label
 from memplan.emit.files import plan_targets
-from memplan.errors import BadInputError, MemplanError, NoPlanFitsError
+from memplan.errors import MemplanError, NoPlanFitsError
 from memplan.files.schema import to_data
 from memplan.memory import DEFAULT_MARGIN
 from memplan.plan import plan_to_data
@@ -226,15 +226,10 @@ def solve(
 def _compared_profiles(main: Path, paths: list[Path]) -> list[tuple[str, Profile]]:
     """The ``--compare`` profiles, read; a file named twice (or the main PROFILE again,
     however spelled) is refused before any is read."""
-    seen = {main.resolve(): f"the main PROFILE ({main})"}
-    for path in paths:
-        earlier = seen.setdefault(path.resolve(), f"--compare {path}")
-        if earlier != f"--compare {path}" or [str(p) for p in paths].count(str(path)) > 1:
-            raise BadInputError(
-                f"{path} is the same file as {earlier}: a profile is compared with itself.",
-                hint="Give --compare each other profile of the model once (probed another "
-                "way, e.g. `memplan probe MODEL --precision float8 -o float8.yaml`).",
-            )
+    from memplan.solver.compare import same_file_problem
+
+    if problem := same_file_problem(str(main), [str(path) for path in paths]):
+        raise problem
     return [(str(path), load_profile(path)) for path in paths]
 
 

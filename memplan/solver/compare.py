@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from memplan import timing
@@ -86,16 +87,28 @@ def timing_basis(profile: Profile, request: SolveRequest) -> str:
     return f"measured on {env.device_name or env.device}"
 
 
+def same_file_problem(main_path: str, paths: Sequence[str]) -> BadInputError | None:
+    """A file among ``paths`` named twice, or the main PROFILE (``main_path``) again,
+    however the path is spelled, as the error to raise; None when each is its own file.
+    Asked before any compared profile is read (``memplan solve --compare``)."""
+    seen = {Path(main_path).resolve(): f"the main PROFILE ({main_path})"}
+    for path in paths:
+        key = Path(path).resolve()
+        if key in seen:
+            return BadInputError(
+                f"{path} is the same file as {seen[key]}: a profile is compared with itself.",
+                hint="Give --compare each other profile of the model once (probed another "
+                "way, e.g. `memplan probe MODEL --precision float8 -o float8.yaml`).",
+            )
+        seen[key] = f"--compare {path}"
+    return None
+
+
 def comparison_problem(
     main: Profile, main_path: str, other: Profile, other_path: str, request: SolveRequest
 ) -> BadInputError | None:
     """Why ``other`` (file ``other_path``) cannot be compared with ``main`` under
     ``request``, as the error to raise; None when it can."""
-    if other_path == main_path:
-        return BadInputError(
-            f"{other_path} is compared with itself: --compare names the main PROFILE again.",
-            hint="Give --compare a profile of the same model probed another way. " + _WHAT_TO_DO,
-        )
     mine, theirs = main.model, other.model
     same_file = mine.sha256 == theirs.sha256 if mine.sha256 and theirs.sha256 else None
     if same_file is None:
@@ -164,12 +177,9 @@ def solve_compared(profiles: Sequence[tuple[str, Profile]], request: SolveReques
             hint="Compare at a fixed --seq-len N.",
         )
     main_path, main = profiles[0]
+    if problem := same_file_problem(main_path, [path for path, _ in profiles[1:]]):
+        raise problem
     for path, other in profiles[1:]:
-        seen = [p for p, _ in profiles].count(path) > 1
-        if seen and path != main_path:
-            raise BadInputError(
-                f"{path} is given to --compare twice.", hint="Name each profile once."
-            )
         if problem := comparison_problem(main, main_path, other, path, request):
             raise problem
     rows = [
