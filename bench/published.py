@@ -435,6 +435,15 @@ def ranked_first(profile, row: Published, spec):
         return exc.message
 
 
+VARIANTS = {
+    "full": [("full AC", ("full",), 1)],
+    "every-2nd": [("every 2nd block full (torchtitan's layer option 2)", ("full",), 2)],
+    # memplan's selective mode is torchtitan's SelectiveAC (memplan.modes)
+    "op-sac": [("per-op SAC", ("selective",), 1)],
+}
+"""Each published AC as memplan solves it: (label, modes, every n-th block checkpointed)."""
+
+
 def run(device: str) -> str:
     del device  # meta probes
     lines = []
@@ -443,7 +452,6 @@ def run(device: str) -> str:
     float8_lines: list[str] = []
     peak_lines: list[str] = []
     fit_lines: list[str] = []
-    fit_lines_seen: dict = {}
     probes: dict = {}
     searches: dict[tuple, object] = {}
     a100_steps: dict[str, tuple[float, float]] = {}
@@ -451,14 +459,8 @@ def run(device: str) -> str:
         for row in ROWS + CP_ROWS + A100_ROWS:
             spec = run_spec(row)
             profile = probed(probes, tmp, row, spec, row.precision)
-            # op-sac: memplan's selective mode is torchtitan's SelectiveAC (memplan.modes)
-            variants = {
-                "full": [("full AC", ("full",), 1)],
-                "every-2nd": [("every 2nd block full (torchtitan's layer option 2)", ("full",), 2)],
-                "op-sac": [("per-op SAC", ("selective",), 1)],
-            }[row.ac]
             published_plan = None
-            for label, modes, every in variants:
+            for label, modes, every in VARIANTS[row.ac]:
                 try:
                     plan = predict(profile, row, spec, modes, every)
                 except NoPlanFitsError as exc:
@@ -475,8 +477,7 @@ def run(device: str) -> str:
                     if row.memory_gib
                     else f"— | {reserved:.1f} | —"
                 )
-                if row.memory_gib and not fit_lines_seen.get(row, False):
-                    fit_lines_seen[row] = True
+                if row.memory_gib and plan is published_plan:
                     fit_lines.append(fit_line(row, plan))
                 lines.append(
                     f"| {row.model} | {row.table}, {row.techniques} | {spec.display_name}"
@@ -637,8 +638,8 @@ def peak_range_line(probes: dict, tmp: str, row: Published, plan) -> str:
     """One line: the row's step at the SXM part's peaks (``plan``) and at the NVL part's."""
     spec = run_spec(row, peaks="nvl")
     profile = probed(probes, tmp, row, spec, row.precision)
-    modes = {"full": ("full",), "op-sac": ("selective",)}[row.ac]
-    nvl = predict(profile, row, spec, modes).predicted.step_seconds
+    _, modes, every = VARIANTS[row.ac][0]
+    nvl = predict(profile, row, spec, modes, every).predicted.step_seconds
     sxm = plan.predicted.step_seconds
     published = row.step_seconds
     return (
