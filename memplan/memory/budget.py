@@ -135,8 +135,9 @@ def reserve_for(
     """The CUDA reserve, nothing off CUDA: the CUDA context (measured, else
     ``DEFAULT_CONTEXT_BYTES``); the allocator's rounding and fragmentation (measured, else
     ``DEFAULT_FRAGMENTATION_FRACTION`` of the allocated peak); FSDP2's stream pools
-    (``fsdp_stream_bytes``, for ``accumulation_steps`` micro-steps); NCCL's buffers, ``NCCL_COMMUNICATOR_BYTES`` for each of
-    ``communicators`` (default: one when ``sharding`` spans two or more ranks)."""
+    (``fsdp_stream_bytes``, for ``accumulation_steps`` micro-steps); NCCL's buffers,
+    ``NCCL_COMMUNICATOR_BYTES`` for each of ``communicators`` (default: one when
+    ``sharding`` spans two or more ranks)."""
     if not plans_for_cuda(profile, device_spec):
         return NO_RESERVE
     context = profile.context_bytes
