@@ -350,7 +350,25 @@ def probe(
 PROBES_ENV = "MEMPLAN_BENCH_PROBES"
 """A folder of this section's probes from an earlier run of the same probe code
 (``{factory}-{spec}-{precision}.yaml``): read instead of probing again (the 405B float8 probe
-takes 5-15 minutes here). Unset: every probe is run."""
+takes 5-15 minutes here) when ``kept_probe_matches``. Unset: every probe is run."""
+
+
+def kept_probe_matches(path: Path) -> bool:
+    """Whether a kept probe (``PROBES_ENV``) may stand for a new one: it exists, is of
+    today's examples/llama31.py (the profile's sha256 of the model file) and today's torch.
+    What it cannot tell is a change to memplan's probe code (the profile's memplan_version
+    does not move with it): keep such a folder within one tree."""
+    if not path.is_file():
+        return False
+    import hashlib
+
+    import torch
+
+    kept = load_profile(path)
+    return (
+        kept.model.sha256 == hashlib.sha256(MODEL.read_bytes()).hexdigest()
+        and kept.environment.torch_version == torch.__version__
+    )
 
 
 def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
@@ -360,7 +378,7 @@ def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
         name = f"{row.factory}-{spec.name}-{precision}.yaml"
         out = Path(tmp) / name
         kept = Path(os.environ.get(PROBES_ENV, tmp)) / name
-        if kept.is_file():  # probed before by this code (PROBES_ENV)
+        if kept_probe_matches(kept):  # probed before (PROBES_ENV)
             out, seconds = kept, 0.0
         else:
             seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))), precision, row.seq)

@@ -26,3 +26,36 @@ def test_context_parallel_rows_step_from_published_tps():
     assert t6.step_seconds == 4096 / 16
     # every rank runs 32,768 tokens a sample: S / cp is the same in each table
     assert {r.seq // r.cp for r in CP_ROWS} == {32768}
+
+
+def test_a_kept_probe_stands_only_for_the_same_model_file_and_torch(tmp_path):
+    # MEMPLAN_BENCH_PROBES: a kept probe of examples/llama31.py as it is, under this torch,
+    # is read; the same probe of another version of the file (one byte changed: another
+    # sha256), or of another torch, or a missing file, is probed again.
+    import dataclasses
+    import hashlib
+
+    import torch
+    from profiles_factory import uniform_chain
+
+    from bench.published import MODEL, kept_probe_matches
+    from memplan.model.reference import ModelRef
+    from memplan.profile import profile_to_yaml
+
+    today = hashlib.sha256(MODEL.read_bytes()).hexdigest()
+    profile = uniform_chain(2).profile()
+    env = dataclasses.replace(profile.environment, torch_version=torch.__version__)
+
+    def kept(name, sha, environment=env):
+        path = tmp_path / name
+        model = ModelRef(path=str(MODEL), factory="build_8b", sha256=sha)
+        changed = dataclasses.replace(profile, model=model, environment=environment)
+        path.write_text(profile_to_yaml(changed))
+        return path
+
+    assert kept_probe_matches(kept("same.yaml", today))
+    edited = hashlib.sha256(MODEL.read_bytes() + b" ").hexdigest()
+    assert not kept_probe_matches(kept("edited.yaml", edited))
+    other_torch = dataclasses.replace(env, torch_version="2.6.0")
+    assert not kept_probe_matches(kept("torch.yaml", today, other_torch))
+    assert not kept_probe_matches(tmp_path / "missing.yaml")
