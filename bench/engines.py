@@ -74,6 +74,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "bench" / "engines_llama.py"
+WIDE_VOCAB_MODEL = ROOT / "bench" / "engines_llama_vocab.py"
+"""The same Llama with a vocabulary of 32768: its logits and loss make each rank's peak."""
 STEPS = 2
 TOLERANCE = 0.03
 """Each rank's measured peak within 3% of memplan's prediction (issue 31)."""
@@ -90,6 +92,7 @@ class Case:
     micro: int = 2
     microbatches: int = 1
     """Pipeline micro-batches per step (1F1B), each of ``micro`` samples."""
+    model: Path = MODEL
 
     @property
     def dp(self) -> int:
@@ -105,14 +108,20 @@ CASES = (
         name="PP 2 (1F1B), selective AC", world=2, pp=2, micro=1, microbatches=4, mode="selective"
     ),
     Case(name="FSDP 2 × PP 2 (1F1B), full AC", world=4, pp=2, micro=1, microbatches=4),
+    Case(
+        name="FSDP 2 × TP 2, loss parallel, full AC, vocabulary 32768",
+        world=4,
+        tp=2,
+        model=WIDE_VOCAB_MODEL,
+    ),
 )
 
 
 # --------------------------------------------------------------------------- memplan's side
-def probe(out: Path) -> Path:
+def probe(out: Path, model: Path = MODEL) -> Path:
     """memplan's profile of the model file (CPU, fp32, its blocks named)."""
     _memplan(
-        "probe", str(MODEL), "--device", "cpu", "--layers", "layers.*", "-o", str(out), "--force"
+        "probe", str(model), "--device", "cpu", "--layers", "layers.*", "-o", str(out), "--force"
     )
     return out
 
@@ -121,7 +130,7 @@ def solve(profile: Path, case: Case, out_dir: Path):
     """memplan's plan for ``case`` (the layout, micro-batch and checkpoint mode fixed)."""
     from memplan.plan import load_plan
 
-    out = out_dir / f"plan-{case.world}-{case.tp}-{case.pp}-{case.mode}.yaml"
+    out = out_dir / f"plan-{case.model.stem}-{case.world}-{case.tp}-{case.pp}-{case.mode}.yaml"
     pipeline = ["--pp", str(case.pp), "--schedule", "1f1b"] if case.pp > 1 else []
     if case.pp > 1:
         profile = _stages_allowed(profile)
@@ -131,7 +140,7 @@ def solve(profile: Path, case: Case, out_dir: Path):
         "--target-batch", str(case.micro * case.microbatches * case.dp),
         "--min-micro", str(case.micro), "--max-micro", str(case.micro),
         "--always-checkpoint", "layers.*", "--modes", case.mode,
-        "--budget", "1GiB", "--model", str(MODEL), "-o", str(out), "--force",
+        "--budget", "1GiB", "--model", str(case.model), "-o", str(out), "--force",
     )  # fmt: skip
     return load_plan(out)
 
@@ -186,7 +195,7 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     from memplan.verify.distributed import DistributedTracker
 
     titan_dims.device_type = "cpu"  # see the module doc: torchtitan falls back to "cuda"
-    mf = load_model_file(str(MODEL))
+    mf = load_model_file(str(config["model"]))
     job = ConfigManager().parse_args(list(config["args"]))
     model_config = mf.module.model_config()
     job.model_spec.model = model_config
@@ -310,7 +319,9 @@ def _sharded_by_vocabulary(logits: Any) -> bool:
     )
 
 
-def run_torchtitan(plan: Any, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+def run_torchtitan(
+    plan: Any, timeout_s: float = 300.0, model: Path = MODEL
+) -> list[dict[str, Any]]:
     """What each rank reports under torchtitan for ``plan``'s emitted config: its measured
     peak (bytes) and whether its logits were sharded by vocabulary."""
     import os
@@ -329,6 +340,7 @@ def run_torchtitan(plan: Any, timeout_s: float = 300.0) -> list[dict[str, Any]]:
         stage_fqns[0].insert(0, "tok_embeddings")
         stage_fqns[-1] += ["norm", "lm_head"]
     config = {
+        "model": str(model),
         "stage_fqns": stage_fqns,
         "parent_pid": os.getpid(),
         "world_size": plan.world_size,
@@ -362,7 +374,7 @@ def check(case: Case, profile: Path, out_dir: Path) -> Result:
     from memplan.verify.single import predicted_for_device
 
     plan = solve(profile, case, out_dir)
-    ranks = run_torchtitan(plan)
+    ranks = run_torchtitan(plan, model=case.model)
     per_rank = rank_predictions(plan, "cpu", plan.world_size)
     if not per_rank:
         per_rank = (predicted_for_device(plan, "cpu")[0],) * plan.world_size
@@ -421,9 +433,11 @@ def run(device: str) -> str:
     kept = selective_held_bytes()
     print(f"engines: one block keeps per sample {kept}", flush=True)
     with tempfile.TemporaryDirectory(prefix="memplan-engines-") as tmp:
-        profile = probe(Path(tmp) / "profile.yaml")
+        profiles: dict[Path, Path] = {}
         for case in CASES:
-            result = check(case, profile, Path(tmp))
+            if case.model not in profiles:
+                profiles[case.model] = probe(Path(tmp) / f"{case.model.stem}.yaml", case.model)
+            result = check(case, profiles[case.model], Path(tmp))
             errors = result.errors()
             print(f"engines: {case.name}: {[f'{e:+.1%}' for e in errors]}", flush=True)
             mib = 2**20

@@ -43,7 +43,9 @@ def test_tp2_loss_parallel_from_probe_to_four_ranks_within_three_percent(tmp_pat
     # probe (measures the TP split), solve --tp 2 (loss parallel on: the head is split),
     # verify on 4 gloo ranks: each rank's tracker peak within 3% of the prediction, its
     # gradient shard equal to one process's. With the logits gathered whole the same
-    # model predicts 35% more than the ranks measure, so the test tells the two apart.
+    # model predicts 14% more than the ranks measure (each rank's tracker seeing loss
+    # parallel's handler temporaries: 34% more when it counted their outputs only), so the
+    # test tells the two apart.
     from typer.testing import CliRunner
 
     from memplan.cli import app
@@ -79,7 +81,7 @@ def test_tp2_loss_parallel_from_probe_to_four_ranks_within_three_percent(tmp_pat
         plan, parallel=dataclasses.replace(plan.parallel, loss_parallel=False)
     )
     whole = layout_peaks(load_profile(profile), gathered).worst.peak.allocated_bytes
-    assert whole > 1.25 * max(measured), (whole, measured)
+    assert whole > 1.10 * max(measured), (whole, measured)
 
 
 def test_torchtitan_toml_says_whether_loss_parallel_is_on():

@@ -9,22 +9,32 @@ import os
 import pytest
 import torch
 
-from memplan.memory.vocab import fused_loss_most
+from memplan.memory.vocab import fused_loss_most, vocab_split
 
 N, V = 256, 8192
 """Tokens and vocabulary of the measured logits."""
 
 
-def test_loss_parallel_holds_the_larger_of_its_forward_and_fused_backward():
+def test_loss_parallel_holds_its_handlers_temporaries():
     L = 1000.0  # the logits' bytes
-    # fp32: the plain step's most is its backward's, 3 logits (the log-softmax, NLL's
-    # gradient, log-softmax's); fused, one fewer: 2, as the forward (logits, log-softmax)
-    assert fused_loss_most(3 * L, L, 4) == 2 * L
-    # bf16: the plain backward 6L (three fp32 tensors); fused 4L; but the forward holds the
-    # bf16 logits, their fp32 copy and the fp32 log-softmax: 1 + 2 + 2 = 5L
-    assert fused_loss_most(6 * L, L, 2) == 5 * L
-    # never more than the plain step's most (a loss that is not a log-softmax and NLL)
-    assert fused_loss_most(1.5 * L, L, 2) == 1.5 * L
+    # fp32 (F = L): forward the logits, shifted and its exp (3F); backward the saved
+    # log-probabilities, a zeros_like gradient, exp of the log-probabilities, their sum (4F)
+    assert fused_loss_most(3 * L, L, 4) == 4 * L
+    # bf16 (F = 2L): forward the bf16 logits, the fp32 copy, shifted, exp: L + 3F = 7L;
+    # the backward's 4F = 8L is the most, more than the plain kernels' 6L
+    assert fused_loss_most(6 * L, L, 2) == 8 * L
+    # no head's logits found: the whole run's most stands
+    assert fused_loss_most(1.5 * L, 0.0, 2) == 1.5 * L
+
+
+def test_vocab_split_caps_or_scales_to_loss_parallels_most():
+    # whole 10 B; the whole run's excess peaks at 60 B
+    assert vocab_split(70.0, 10.0, 0.5, most=60.0, lp_most=40.0) == 10 + 40 * 0.5  # capped
+    assert vocab_split(40.0, 10.0, 0.5, most=60.0, lp_most=40.0) == 10 + 30 * 0.5  # below cap
+    # loss parallel holds more than the plain kernels: 80 at the peak, the rest in proportion
+    assert vocab_split(70.0, 10.0, 0.5, most=60.0, lp_most=80.0) == 10 + 80 * 0.5
+    assert vocab_split(40.0, 10.0, 0.5, most=60.0, lp_most=80.0) == 10 + 40 * 0.5
+    assert vocab_split(5.0, 10.0, 0.5, most=60.0, lp_most=80.0) == 5.0
 
 
 def _plain(dtype: torch.dtype) -> int:
@@ -79,9 +89,10 @@ def _rank(rank: int, dtype: torch.dtype, port: int, queue) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_loss_parallel_measured_on_two_gloo_ranks_within_three_percent(dtype):
-    # Measured (256 tokens, vocabulary 8192; L the whole logits): fp32 plain 3L, each rank
-    # 1.0L (2 shards); bf16 plain 6L, each rank 2.5L (5 bf16 shards, in the forward). The
-    # backward rule alone predicted 2.0L for bf16 (−20%).
+    # Measured (256 tokens, vocabulary 8192; F the whole logits in fp32), the tracker seeing
+    # into DTensor's loss handlers: each rank 2F (4 fp32 shards, in the fused backward) in
+    # fp32 and bf16; the plain kernels hold 3F. Counted by the handlers' outputs only (the
+    # tracker before), each rank held 1F in fp32 and 1.25F in bf16.
     import torch.multiprocessing as mp
 
     from memplan.verify.distributed import free_port

@@ -69,7 +69,7 @@ from memplan.memory.vocab import (
     LOSS_PART,
     first_stage_part,
     is_head,
-    loss_parallel_cap,
+    loss_parallel_most,
     loss_parallel_possible,
     loss_parallel_whole_bytes,
     tp_measured,
@@ -188,16 +188,18 @@ class _Frame:
     whole: Point | None = None
     """Loss parallel, after the blocks: the bytes of the rest that stay whole on a TP rank
     (``loss_parallel_whole_bytes``); what exceeds them is the vocabulary's, at most
-    ``cap`` per sample, times ``vocab``."""
+    loss parallel's most per sample (``lp_most``, the whole run's ``most``, ``vocab_split``),
+    times ``vocab``."""
     vocab: float = 1.0
-    cap: float = math.inf
+    most: float = math.inf
+    lp_most: float = math.inf
 
     def move(self, point: Point) -> Point:
         rest0 = point[0] - self.base_full - self.held_full[0]
         rest1 = point[1] - self.held_full[1]
         if self.whole is not None:
             rest0 = vocab_split(rest0, self.whole[0], self.vocab)
-            rest1 = vocab_split(rest1, self.whole[1], self.vocab, self.cap)
+            rest1 = vocab_split(rest1, self.whole[1], self.vocab, self.most, self.lp_most)
         return (
             self.base_rank + self.held_rank[0] + self.cur * rest0 + self.offset[0],
             self.held_rank[1] + self.cur * rest1 + self.offset[1],
@@ -425,7 +427,7 @@ def rank_profile(
     state_full = _state_bytes(profile)
     lp_whole = loss_parallel_whole_bytes(profile)
     whole = (lp_whole.intercept, lp_whole.slope)
-    cap = loss_parallel_cap(profile, lp_whole) if parallel.loss_parallel else math.inf
+    most, lp_most = loss_parallel_most(profile, lp_whole) if parallel.loss_parallel else (0.0, 0.0)
     draft = dataclasses.replace(
         profile,
         layers=tuple(layers),
@@ -455,7 +457,8 @@ def rank_profile(
                 _shift(offsets.get(phase, offsets["no_grads"]), split[i]),
                 whole if after_blocks and parallel.loss_parallel else None,
                 1.0 / parallel.tp,
-                cap,
+                most,
+                lp_most,
             )
             out.append(
                 dataclasses.replace(

@@ -27,15 +27,29 @@ def tp_measured(profile: Profile) -> bool:
     )
 
 
-def vocab_split(rest: float, whole: float, vocab: float, cap: float = math.inf) -> float:
-    return min(rest, whole) + min(max(rest - whole, 0.0), cap) * vocab
+def vocab_split(
+    rest: float, whole: float, vocab: float, most: float = math.inf, lp_most: float = math.inf
+) -> float:
+    """A point after the blocks on a TP rank under loss parallel: of the whole-logits run's
+    ``rest`` bytes, ``whole`` stay whole and the excess is vocabulary-sized, held as a
+    ``vocab`` share. The whole run's excess reaches ``most`` at its peak; loss parallel's
+    reaches ``lp_most`` (``loss_parallel_most``): where that is less the excess is capped at
+    it, where it is more (loss parallel's handlers hold more fp32 temporaries than the plain
+    kernels) every excess is scaled by ``lp_most / most``, so the region's peak is
+    ``lp_most`` and its shape the measured run's."""
+    excess = max(rest - whole, 0.0)
+    if lp_most <= most:
+        excess = min(excess, lp_most)
+    elif most > 0:
+        excess *= lp_most / most
+    return min(rest, whole) + excess * vocab
 
 
-def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
-    """The most vocabulary-sized bytes per sample a TP rank holds under loss parallel,
-    before dividing by ``tp`` (``fused_loss_most``): from the whole-logits run's most once
-    its blocks have run, and the head's logits (its saved bytes) in the profile's element
-    size."""
+def loss_parallel_most(profile: Profile, whole: Affine) -> tuple[float, float]:
+    """The most vocabulary-sized bytes per sample, before dividing by ``tp``: the whole-
+    logits run's, once its blocks have run (``most``), and loss parallel's
+    (``fused_loss_most``, from the head's logits, its saved bytes, in the profile's element
+    size)."""
     most = 0.0
     # what the blocks hold once they have run (their saved bytes less the inputs the plain
     # step freed, memory.activations.freed_inputs)
@@ -47,33 +61,35 @@ def loss_parallel_cap(profile: Profile, whole: Affine) -> float:
                 most = max(most, *(p[1] - held - whole.slope for p in seg.points))
     logits = sum(max(p.saved_bytes.slope, 0.0) for p in profile.fixed if is_head(p))
     element = 2 if profile.environment.precision in ("bf16", "fp16") else 4
-    return fused_loss_most(most, logits, element)
+    return most, fused_loss_most(most, logits, element)
 
 
 def fused_loss_most(most: float, logits: float, element: int) -> float:
     """What torch's loss parallel holds at its peak, whole (``tp`` ranks hold it as
-    ``1/tp`` shards), from the plain cross-entropy's most (``most``) and the logits' bytes
-    (``logits``, ``element`` bytes each). Two peaks (torch 2.13,
-    torch/distributed/tensor/parallel/loss.py):
+    ``1/tp`` shards), from the logits' bytes (``logits``, ``element`` bytes each; ``F`` =
+    their fp32 size). Its handlers (torch 2.13, torch/distributed/tensor/parallel/loss.py)
+    run the cross-entropy as local ops, each a tensor a device's allocator holds:
 
-    - the backward's: the plain one less one gradient of the log-softmax's size. Loss
-      parallel fuses the NLL and log-softmax backwards (``_nll_loss_and_log_softmax_
-      backward``: one ``zeros_like`` gradient, its log-softmax backward a pass-through)
-      where the plain path holds NLL's gradient beside log-softmax's; the log-softmax runs
-      in fp32 (the loss upcasts bf16 logits), so that gradient is ``logits·4/element``;
-    - the forward's, which the fusion leaves as it is: the logits, their fp32 copy when
-      they are not fp32 (``.float()``), and the fp32 log-softmax (``_log_softmax_handler``,
-      over the local shard).
+    - forward (``_log_softmax``): the logits, their fp32 copy when they are not fp32
+      (``.float()``, as torchtitan's loss upcasts), ``shifted = x - max`` and its ``exp``
+      (freed once summed): ``logits + F + 2F`` in bf16, ``3F`` in fp32;
+    - backward (``_nll_loss_and_log_softmax_backward``, NLL's and log-softmax's backwards
+      fused): the saved log-probabilities, a ``zeros_like`` gradient, ``exp`` of the
+      log-probabilities and their sum (``(grad_input + exp(x)) * grad_output``): ``4F``.
 
-    Measured, one op at a time on whole logits and on 2 gloo ranks' shards (tests/
-    test_loss_parallel_region.py): fp32, the plain step holds 3 logits at its most (the
-    log-softmax, NLL's gradient and log-softmax's) and loss parallel 2 (in the backward,
-    the forward's 2 equal); bf16 (L the bf16 logits), the plain step 6L, loss parallel
-    5L in its forward (the bf16 logits, the fp32 copy, the log-softmax), where the
-    backward rule alone gave 4L (a bf16 logits' worth short)."""
-    upcast = logits * 4 / element
-    forward = logits + upcast + (upcast if element < 4 else 0.0)
-    return max(most - upcast, min(forward, most), 0.0)
+    torchtitan 0.3.0's own ``_LossParallelCrossEntropy`` (components/loss.py) on local
+    shards holds the same. Measured on 2 gloo ranks with the distributed tracker seeing
+    into the handlers (tests/test_loss_parallel_region.py, 256 tokens, vocabulary 8192):
+    each rank 4F/2 in fp32 and bf16, where the plain kernels hold 3F (fp32: the log-softmax,
+    NLL's gradient, log-softmax's) and loss parallel, counted by its outputs only, 2F.
+    ``most`` (the whole-logits run's most) stands when no head's logits were found."""
+    if logits <= 0:
+        return most
+    f32 = logits * 4 / element
+    upcast = f32 if element < 4 else 0.0
+    forward = logits + upcast + 2 * f32
+    backward = 4 * f32
+    return max(forward, backward)
 
 
 LOSS_PART = "(loss)"

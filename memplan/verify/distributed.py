@@ -93,7 +93,15 @@ class DistributedTracker(LiveTracker):
     whenever gloo's worker thread drops the finished work, before or after the call
     returns, so counting it made the peak vary by up to a unit's gradients from run to run
     (seen: 11,750 vs 11,510 B on two ranks of one run). NCCL makes no such copy; storages
-    first seen during ``torch.distributed.reduce_scatter_single`` are not counted."""
+    first seen during ``torch.distributed.reduce_scatter_single`` are not counted.
+
+    And seeing into loss parallel's handlers: under ``loss_parallel()`` DTensor runs the
+    log-softmax and the NLL (``customized_loss_ops`` in torch.distributed.tensor.parallel
+    .loss) as Python handlers of many local ops (the shifted logits, their ``exp``, the
+    result; a ``zeros_like`` gradient, ``exp`` of the log-probabilities, their product).
+    They run inside DTensor's dispatch, where this mode is off, so only their outputs were
+    counted, where a device's allocator holds every temporary. While the tracker is active
+    each handler runs with the tracker pushed again (``_LossHandlers``)."""
 
     _in_collective = False
 
@@ -105,6 +113,8 @@ class DistributedTracker(LiveTracker):
                 if id(tensor.untyped_storage()) not in self._storages:
                     return
 
+        if _fake(tensor):  # DTensor's shape propagation (meta or fake tensors): no memory
+            return
         if is_traceable_wrapper_subclass(tensor):
             names, _ = tensor.__tensor_flatten__()
             for name in names:
@@ -150,13 +160,81 @@ class DistributedTracker(LiveTracker):
                 tracker._in_collective = False
 
         dist.reduce_scatter_single = reduce_scatter_single
+        self._loss_handlers = _LossHandlers(self)
+        self._loss_handlers.wrap()
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
         torch.distributed.reduce_scatter_single = self._original_reduce_scatter
+        self._loss_handlers.restore()
         super().__exit__(*exc)
+
+
+def _fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds no memory: a meta tensor or a ``FakeTensor`` (which reports
+    the device it stands for; its storage is on meta)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return tensor.device.type == "meta" or isinstance(tensor, FakeTensor)
+
+
+class _LossHandlers:
+    """Loss parallel's DTensor handlers, each wrapped to run under ``tracker``: the module's
+    table (``customized_loss_ops``, copied into DTensor's dispatcher when ``loss_parallel()``
+    is entered) and whatever of it the dispatcher holds now (entered before the tracker)."""
+
+    def __init__(self, tracker: LiveTracker) -> None:
+        self.tracker = tracker
+        self.active = False
+        """Whether the tracker is active: a wrapped handler that outlives it (copied into
+        DTensor's dispatcher by a ``loss_parallel()`` entered inside) runs as it is."""
+        self._saved: list[tuple[dict, Any, Any]] = []
+
+    def wrap(self) -> None:
+        try:
+            from torch.distributed.tensor import DTensor
+            from torch.distributed.tensor.parallel import loss
+        except ImportError:  # a torch without DTensor: nothing to see into
+            return
+        table = getattr(loss, "customized_loss_ops", None)
+        handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
+        if not isinstance(table, dict):
+            return
+        self.active = True
+        for target in (table, handlers if isinstance(handlers, dict) else {}):
+            for op in table:
+                if op in target:
+                    self._saved.append((target, op, target[op]))
+                    target[op] = self._inside(target[op])
+
+    def restore(self) -> None:
+        self.active = False
+        for target, op, handler in reversed(self._saved):
+            if op in target:  # loss_parallel() may have left since (it pops its ops)
+                target[op] = handler
+        self._saved.clear()
+
+    def _inside(self, handler: Callable[..., Any]) -> Callable[..., Any]:
+        from torch.utils._python_dispatch import (
+            TorchDispatchMode,
+            _get_current_dispatch_mode_stack,
+        )
+
+        tracker = self.tracker
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if not self.active or any(mode is tracker for mode in _get_current_dispatch_mode_stack()):
+                return handler(*args, **kwargs)  # the tracker is on already
+            TorchDispatchMode.__enter__(tracker)
+            try:
+                return handler(*args, **kwargs)
+            finally:
+                TorchDispatchMode.__exit__(tracker, None, None, None)
+
+        run.__wrapped__ = handler  # type: ignore[attr-defined]
+        return run
 
 
 # --------------------------------------------------------------------------- results
