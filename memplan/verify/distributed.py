@@ -57,6 +57,7 @@ from memplan.run.float8 import convert_for_plan, refuse_float8_gather
 from memplan.run.wrap import wrap_for_plan
 from memplan.verify.distributed_grads import gradient_check, gradient_error
 from memplan.verify.grad_check import BatchCoupling
+from memplan.verify.loss_handlers import LossHandlers, fake
 from memplan.verify.parallel import rank_predictions, run_layout_rank
 from memplan.verify.rank_lifetime import (
     RANK_BYTES,
@@ -88,20 +89,9 @@ class DistributedTracker(LiveTracker):
     * FSDP2 frees and re-allocates unsharded parameters with ``UntypedStorage.resize_``,
       which no aten op reports: ``resize_`` is wrapped while the tracker is active.
 
-    And leaving out what only gloo holds: its reduce-scatter (``_reduce_scatter_base_``)
-    works on a copy of the whole input, first seen here when ``wait`` splits it, and freed
-    whenever gloo's worker thread drops the finished work, before or after the call
-    returns, so counting it made the peak vary by up to a unit's gradients from run to run
-    (seen: 11,750 vs 11,510 B on two ranks of one run). NCCL makes no such copy; storages
-    first seen during ``torch.distributed.reduce_scatter_single`` are not counted.
-
-    And seeing into loss parallel's handlers: under ``loss_parallel()`` DTensor runs the
-    log-softmax and the NLL (``customized_loss_ops`` in torch.distributed.tensor.parallel
-    .loss) as Python handlers of many local ops (the shifted logits, their ``exp``, the
-    result; a ``zeros_like`` gradient, ``exp`` of the log-probabilities, their product).
-    They run inside DTensor's dispatch, where this mode is off, so only their outputs were
-    counted, where a device's allocator holds every temporary. While the tracker is active
-    each handler runs with the tracker pushed again (``_LossHandlers``)."""
+    And loss parallel's handler temporaries (verify.loss_handlers). Not counted: storages
+    first seen in ``reduce_scatter_single`` (gloo's copy of its input, freed at varying
+    times, 11,750 vs 11,510 B seen on two ranks; NCCL makes none)."""
 
     _in_collective = False
 
@@ -113,7 +103,7 @@ class DistributedTracker(LiveTracker):
                 if id(tensor.untyped_storage()) not in self._storages:
                     return
 
-        if _fake(tensor):  # DTensor's shape propagation (meta or fake tensors): no memory
+        if fake(tensor):  # DTensor's shape propagation (meta or fake tensors): no memory
             return
         if is_traceable_wrapper_subclass(tensor):
             names, _ = tensor.__tensor_flatten__()
@@ -160,8 +150,7 @@ class DistributedTracker(LiveTracker):
                 tracker._in_collective = False
 
         dist.reduce_scatter_single = reduce_scatter_single
-        self._loss_handlers = _LossHandlers(self)
-        self._loss_handlers.wrap()
+        self._loss_handlers = LossHandlers(self).wrap()
         super().__enter__()
         return self
 
@@ -170,71 +159,6 @@ class DistributedTracker(LiveTracker):
         torch.distributed.reduce_scatter_single = self._original_reduce_scatter
         self._loss_handlers.restore()
         super().__exit__(*exc)
-
-
-def _fake(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` holds no memory: a meta tensor or a ``FakeTensor`` (which reports
-    the device it stands for; its storage is on meta)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return tensor.device.type == "meta" or isinstance(tensor, FakeTensor)
-
-
-class _LossHandlers:
-    """Loss parallel's DTensor handlers, each wrapped to run under ``tracker``: the module's
-    table (``customized_loss_ops``, copied into DTensor's dispatcher when ``loss_parallel()``
-    is entered) and whatever of it the dispatcher holds now (entered before the tracker)."""
-
-    def __init__(self, tracker: LiveTracker) -> None:
-        self.tracker = tracker
-        self.active = False
-        """Whether the tracker is active: a wrapped handler that outlives it (copied into
-        DTensor's dispatcher by a ``loss_parallel()`` entered inside) runs as it is."""
-        self._saved: list[tuple[dict, Any, Any]] = []
-
-    def wrap(self) -> None:
-        try:
-            from torch.distributed.tensor import DTensor
-            from torch.distributed.tensor.parallel import loss
-        except ImportError:  # a torch without DTensor: nothing to see into
-            return
-        table = getattr(loss, "customized_loss_ops", None)
-        handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", None)
-        if not isinstance(table, dict):
-            return
-        self.active = True
-        for target in (table, handlers if isinstance(handlers, dict) else {}):
-            for op in table:
-                if op in target:
-                    self._saved.append((target, op, target[op]))
-                    target[op] = self._inside(target[op])
-
-    def restore(self) -> None:
-        self.active = False
-        for target, op, handler in reversed(self._saved):
-            if op in target:  # loss_parallel() may have left since (it pops its ops)
-                target[op] = handler
-        self._saved.clear()
-
-    def _inside(self, handler: Callable[..., Any]) -> Callable[..., Any]:
-        from torch.utils._python_dispatch import (
-            TorchDispatchMode,
-            _get_current_dispatch_mode_stack,
-        )
-
-        tracker = self.tracker
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            if not self.active or any(mode is tracker for mode in _get_current_dispatch_mode_stack()):
-                return handler(*args, **kwargs)  # the tracker is on already
-            TorchDispatchMode.__enter__(tracker)
-            try:
-                return handler(*args, **kwargs)
-            finally:
-                TorchDispatchMode.__exit__(tracker, None, None, None)
-
-        run.__wrapped__ = handler  # type: ignore[attr-defined]
-        return run
 
 
 # --------------------------------------------------------------------------- results
