@@ -65,6 +65,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -124,6 +125,19 @@ def probe(out: Path, model: Path = MODEL) -> Path:
         "probe", str(model), "--device", "cpu", "--layers", "layers.*", "-o", str(out), "--force"
     )
     return out
+
+
+def probes(folder: Path) -> Callable[[Path], Path]:
+    """``probe`` once per model file, into ``folder``, on a model's first use (the cases
+    share a model's profile)."""
+    made: dict[Path, Path] = {}
+
+    def profile(model: Path) -> Path:
+        if model not in made:
+            made[model] = probe(folder / f"{model.stem}.yaml", model)
+        return made[model]
+
+    return profile
 
 
 def solve(profile: Path, case: Case, out_dir: Path):
@@ -433,11 +447,9 @@ def run(device: str) -> str:
     kept = selective_held_bytes()
     print(f"engines: one block keeps per sample {kept}", flush=True)
     with tempfile.TemporaryDirectory(prefix="memplan-engines-") as tmp:
-        profiles: dict[Path, Path] = {}
+        profile = probes(Path(tmp))
         for case in CASES:
-            if case.model not in profiles:
-                profiles[case.model] = probe(Path(tmp) / f"{case.model.stem}.yaml", case.model)
-            result = check(case, profiles[case.model], Path(tmp))
+            result = check(case, profile(case.model), Path(tmp))
             errors = result.errors()
             print(f"engines: {case.name}: {[f'{e:+.1%}' for e in errors]}", flush=True)
             mib = 2**20

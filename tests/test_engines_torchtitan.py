@@ -33,15 +33,7 @@ def profiles(tmp_path_factory):
         importlib.import_module("torchtitan.models.llama3")
     except ImportError as exc:  # torchtitan is in the dev extras; triton with it
         pytest.skip(f"torchtitan's Llama 3 is not importable here: {exc}")
-    folder = tmp_path_factory.mktemp("engines")
-    made: dict[Path, Path] = {}
-
-    def profile(model: Path) -> Path:
-        if model not in made:
-            made[model] = engines.probe(folder / f"{model.stem}.yaml", model)
-        return made[model]
-
-    return profile
+    return engines.probes(tmp_path_factory.mktemp("engines"))
 
 
 @pytest.mark.parametrize(

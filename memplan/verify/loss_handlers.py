@@ -8,13 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 def fake(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` holds no memory: a meta tensor or a ``FakeTensor`` (which reports
     the device it stands for; its storage is on meta)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return tensor.device.type == "meta" or isinstance(tensor, FakeTensor)
 
 
