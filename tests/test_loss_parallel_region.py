@@ -109,3 +109,43 @@ def test_loss_parallel_measured_on_two_gloo_ranks_within_three_percent(dtype):
     predicted = fused_loss_most(plain, logits, element) / 2
     for rank, got in measured.items():
         assert abs(predicted / got - 1) < 0.03, (rank, predicted, got, plain)
+
+
+@pytest.mark.slow
+def test_a_failing_loss_handler_leaves_no_tracker_behind():
+    # a careless call (labels sharded where the handler wants them whole) raising inside loss parallel's handler:
+    # the tracker's re-entry is undone, and on exit every handler is torch's own again
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss, loss_parallel
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from memplan.verify.distributed import DistributedTracker, free_port
+
+    originals = dict(loss.customized_loss_ops)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        leaf = torch.randn(8, 16, requires_grad=True)
+        pred = DTensor.from_local(leaf, mesh, [Shard(1)])
+        tracker = DistributedTracker(record=False)
+        with tracker, loss_parallel():
+            labels = DTensor.from_local(torch.zeros(8, dtype=torch.long), mesh, [Shard(0)])
+            with pytest.raises(RuntimeError, match="Expected"):  # labels sharded, not whole
+                F.cross_entropy(pred, labels)
+            assert list(_get_current_dispatch_mode_stack()) == [tracker]
+        assert list(_get_current_dispatch_mode_stack()) == []
+        assert loss.customized_loss_ops == originals
+        # and the next tracker still sees the handlers' temporaries: 4 fp32 logits' worth in
+        # the fused backward (F = 8 × 16 × 4 B), where their outputs alone are 2F
+        again = DistributedTracker(record=False)
+        with again, loss_parallel():
+            F.cross_entropy(pred, torch.zeros(8, dtype=torch.long)).backward()
+        assert again.peak_bytes >= 4 * 8 * 16 * 4, again.peak_bytes
+        assert torch.isfinite(leaf.grad).all()
+    finally:
+        dist.destroy_process_group()
