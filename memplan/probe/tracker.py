@@ -16,6 +16,7 @@ peak, bytes against its bandwidth), so a meta probe has times without running an
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -166,6 +167,11 @@ def _tensor_bytes(value: Any) -> int:
 class LiveTracker(TorchDispatchMode):
     """Counts live tensor-storage bytes; records the count after every op when ``record``."""
 
+    settle_s = 0.0
+    """Seconds to give up the GIL before taking a new peak, so that frees other threads
+    owe (a collective backend's worker dropping a finished call's buffers) land first.
+    0: never (one process, no collectives: the probe)."""
+
     def __init__(
         self,
         *,
@@ -285,7 +291,9 @@ class LiveTracker(TorchDispatchMode):
         for tensor in outputs:
             self._add_tensor(tensor)
         if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+            if self.settle_s:  # frees due on other threads land before a new peak is taken
+                time.sleep(self.settle_s)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         packet = func._overloadpacket
         if self.record:
             self.values.append(self.live_bytes)
@@ -321,7 +329,9 @@ class LiveTracker(TorchDispatchMode):
         for tensor in outputs:
             self._add_tensor(tensor)
         if self.live_bytes > self.peak_bytes:
-            self.peak_bytes = self.live_bytes
+            if self.settle_s:  # frees due on other threads land before a new peak is taken
+                time.sleep(self.settle_s)
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if self.record:
             self.values.append(self.live_bytes)
             self.ops.append(func._overloadpacket.__name__)

@@ -14,20 +14,17 @@ wraps the model with memplan.wrap.wrap_for_plan, as memplan's training scripts d
   ``mixed_precision`` is ``params``; with ``grad_sync: last_micro_step`` accumulation skips
   the reduce-scatter with ``set_requires_gradient_sync(False)``, with ``every_micro_step``
   every micro-step reduce-scatters into sharded gradients.
-
 (``zero2`` is DeepSpeed's; there is no torch engine to run it with, so it is refused.)
 Then it runs 1 + ``steps`` optimizer steps (the first creates the optimizer state) with
-``memplan.Accumulator`` on ``make_batch`` batches (different on every rank) under the probe's live-tensor tracker, extended to count
-the local shards inside DTensors and storages FSDP2 resizes by hand, and reports its peak:
-what the plan predicts per rank. On CUDA ``max_memory_allocated``/``max_memory_reserved`` are
-reported too. Memory that gloo or NCCL allocate outside PyTorch tensors is not seen.
+``memplan.Accumulator`` on ``make_batch`` batches (different on every rank) under the
+probe's tracker, extended (``DistributedTracker``), and reports its peak per rank. On
+CUDA ``max_memory_allocated``/``max_memory_reserved`` are reported too. Memory that gloo or
+NCCL allocate outside PyTorch tensors is not seen.
 
 A rank that raises, dies or outlives ``timeout_s`` ends the run: the others are killed,
-and a ``CannotMeasureError`` says which rank, how, and the tail of its error.
-
-It also checks the gradients (memplan.verify.distributed_grads): the ranks' against the same
-micro-batches run the textbook way in one process, and separately whether micro-batching
-changes the objective (batch coupling).
+and a ``CannotMeasureError`` says which rank, how, and the tail of its error. It also checks
+the gradients (memplan.verify.distributed_grads): the ranks' against the same micro-batches
+run the textbook way in one process, and whether micro-batching changes the objective.
 """
 
 from __future__ import annotations
@@ -91,9 +88,12 @@ class DistributedTracker(LiveTracker):
 
     And loss parallel's handler temporaries (verify.loss_handlers). Not counted: storages
     first seen in ``reduce_scatter_single`` (gloo's copy of its input, freed at varying
-    times, 11,750 vs 11,510 B seen on two ranks; NCCL makes none)."""
+    times; NCCL makes none). Before a new peak it yields the GIL for ``settle_s``: gloo's
+    worker thread drops a finished collective's buffers after the caller has resumed
+    (ProcessGroupGloo::runLoop), so one rank in four had held 24 KiB more at its peak."""
 
     _in_collective = False
+    settle_s = 0.001
 
     def _add_tensor(self, tensor: torch.Tensor) -> None:
         from torch.utils._python_dispatch import is_traceable_wrapper_subclass
