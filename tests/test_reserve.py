@@ -2,6 +2,8 @@
 context, the caching allocator's rounding and fragmentation, FSDP2's all-gather and
 reduce-scatter stream pools, NCCL's buffers; nothing off CUDA."""
 
+import os
+
 import pytest
 from profiles_factory import uniform_chain
 from test_memory import CPU, H100
@@ -103,6 +105,11 @@ def _sharded_grad_storages(rank: int, world: int, init_file: str, out: str) -> N
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
+    from memplan.verify.distributed import _loopback_interface
+
+    interface = _loopback_interface()  # as verify's ranks: gloo on loopback, not the hostname's
+    if interface:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
