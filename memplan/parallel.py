@@ -157,7 +157,8 @@ class Parallel:
             dp += f" ({self.dp_replicate} replicas × {self.dp_shard} shards)"
         tp = f"tp {self.tp}" + (" + SP" if self.sequence_parallel else "")
         parts = [dp, tp + (" + loss parallel" if self.loss_parallel else "")]
-        parts.append(f"pp {self.pp}" + (f" ({self.schedule})" if self.pp > 1 else ""))
+        split = f", {self.stage_split} stages" if self.stage_split != "memplan" else ""
+        parts.append(f"pp {self.pp}" + (f" ({self.schedule}{split})" if self.pp > 1 else ""))
         parts.append(f"cp {self.cp}")
         return " × ".join(parts)
 

@@ -40,6 +40,12 @@ def test_126_blocks_in_8_stages_by_hand():
     ranges = Parallel(pp=8, stage_split="torchtitan-2412").stage_ranges(126)
     assert (ranges[0], ranges[1], ranges[7]) == (range(0, 15), range(15, 31), range(111, 126))
     assert Parallel(pp=8).stage_ranges(126)[7] == range(110, 126)  # memplan: 16 on the last
+    assert (
+        Parallel(pp=8, stage_split="torchtitan-2412")
+        .describe()
+        .endswith("pp 8 (1f1b, torchtitan-2412 stages) × cp 1")
+    )
+    assert Parallel(pp=8).describe().endswith("pp 8 (1f1b) × cp 1")  # as before
 
 
 def test_32_blocks_pp_4_interleaved_two_stages_a_rank_by_hand():
