@@ -277,3 +277,37 @@ def test_torchtitan_builds_the_emitted_stages_on_every_rank(titan, tmp_path, rul
             assert (chunk.tok_embeddings is not None) == (index == 0)
             assert (chunk.lm_head is not None) == (index == layout.stages - 1)
         assert tuple(held) == stage_blocks(6, layout, rank)[1], (rule, v, rank)
+
+
+@pytest.mark.slow
+def test_memplans_runtime_runs_the_rules_stages_on_two_gloo_ranks(tmp_path):
+    """memplan's runtime (``verify --world-size``) splits the stages by the plan's rule: 5
+    blocks in 2 stages are 2 + 3 by memplan's rule and 3 + 2 by torchtitan 0.3.0's, so the
+    first rank holds one block more and the second one fewer, and the split still computes
+    the whole model's gradients."""
+    from tiny_llama import llama_reference
+
+    from memplan.verify.distributed import verify_distributed
+
+    model = llama_reference(tmp_path / "llama", num_hidden_layers=5)
+    zero = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
+    peaks = {}
+    for rule in ("memplan", "torchtitan-2504"):
+        layout = Parallel(pp=2, stage_split=rule)
+        assert [len(r) for r in layout.stage_ranges(5)] == ([2, 3] if rule == "memplan" else [3, 2])
+        plan = Plan(
+            target_batch=4,
+            micro_batch_size=2,
+            accumulation_steps=2,
+            world_size=2,
+            strategy="ddp",
+            budget_bytes=1 << 40,
+            predicted=Prediction(peak_bytes=1 << 20, step_seconds=1.0, breakdown=zero),
+            model=model,
+            parallel=layout,
+        )
+        result = verify_distributed(model, plan, steps=1, timeout_s=600)
+        assert result.gradient_check.status == "pass", result.gradient_check
+        peaks[rule] = [r.peak_bytes for r in result.ranks]
+    assert peaks["torchtitan-2504"][0] > peaks["memplan"][0]
+    assert peaks["torchtitan-2504"][1] < peaks["memplan"][1]
