@@ -222,8 +222,6 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     parallel_dims.build_mesh()
     dist_utils.set_spmd_backend(job.parallelism.spmd_backend)
     model_config.update_from_config(config=job)
-    if config.get("stage_fqns"):  # memplan's stage boundaries, as torchtitan takes them
-        job.parallelism.module_fqns_per_model_part = [list(s) for s in config["stage_fqns"]]
     with torch.device("meta"):
         model = model_config.build()
     loss_fn = job.loss.build(compile_config=job.compile)
@@ -341,21 +339,13 @@ def run_torchtitan(
     import os
 
     from memplan.emit.torchtitan import torchtitan_args
-    from memplan.parallel import stage_layers
     from memplan.verify.distributed import free_port, run_ranks
 
-    args = [word for item in torchtitan_args(plan) for word in item.split(" ", 1)]
-    layout = plan.parallel
-    stage_fqns = []
-    if layout is not None and layout.pp > 1:
-        n = len(plan.model_fingerprint.candidate_layers)
-        stages = stage_layers(n, layout.stages)
-        stage_fqns = [[f"layers.{i}" for i in blocks] for blocks in stages]
-        stage_fqns[0].insert(0, "tok_embeddings")
-        stage_fqns[-1] += ["norm", "lm_head"]
+    # the emitted words: with pipeline stages they carry memplan's stage lists
+    # (--parallelism.module_fqns_per_model_part, one word per stage)
+    args = [word for item in torchtitan_args(plan) for word in item.split(" ")]
     config = {
         "model": str(model),
-        "stage_fqns": stage_fqns,
         "parent_pid": os.getpid(),
         "world_size": plan.world_size,
         "device": "cpu",

@@ -63,7 +63,7 @@ from memplan.memory.budget import (
     usable_budget_bytes,
 )
 from memplan.memory.parallel import communicators
-from memplan.parallel import KeptOutputs
+from memplan.parallel import KeptOutputs, StageSplit
 from memplan.profile import load_profile
 from memplan.solver import SolveRequest
 from memplan.solver.parallel import LayoutRequest, solve_layout
@@ -114,6 +114,11 @@ class Published:
     from main that month), and torchtitan 9dec370's train.py calls ``pp_schedule.step``
     without ``return_outputs`` (added to torch by #165822, passed False by torchtitan
     e5ef99a, October 2025), so the last stage also merged them at the step's end."""
+    stage_split: StageSplit = "torchtitan-2412"
+    """How the run's torchtitan divided the blocks into pipeline stages
+    (``Parallel.stage_split``): 9dec370's ``generate_split_points``
+    (torchtitan/parallelisms/pipelining_utils.py), no split points being given; read for the
+    rows with ``pp`` > 1 only."""
 
     @property
     def dp(self) -> int:
@@ -432,6 +437,7 @@ def predict(profile, row: Published, spec, modes: tuple[str, ...], every: int = 
         virtual_stages=row.virtual_stages,
         sequence_parallel=row.tp > 1,
         kept_outputs=row.kept_outputs,
+        stage_split=row.stage_split if row.pp > 1 else "memplan",
     )
     return solve_layout(profile, request, ask).plan
 
@@ -558,7 +564,9 @@ def run(device: str) -> str:
             "runs' torch (1963fc8, before pytorch/pytorch#153383) kept every stage's output of "
             "every micro-batch to the step's end, and merged the last stage's logits "
             "(`return_outputs` was on: torchtitan turns it off since e5ef99a, as memplan's "
-            "runtime does), so these rows are solved with `kept_outputs: all`. "
+            "runtime does), so these rows are solved with `kept_outputs: all`, and with their "
+            "blocks in the stages that torchtitan (9dec370, `generate_split_points`) made "
+            "(`stage_split: torchtitan-2412`: 15, 16 × 6, 15 blocks; interleaved 7, 8 × 14, 7). "
             "Tables 2 and 6 (context parallel, 'seq' in the run's name): each probed at the "
             "run's sequence (`probe --seq-len`), solved with `--cp`; torchtitan shards FSDP "
             "over dp × cp and splits every op's sequence over cp (ring attention for SDPA, "

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from memplan.errors import BadInputError
+
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b")
 """Pipeline schedules: GPipe (all forwards, then all backwards), 1F1B (the first stage holds
@@ -21,6 +23,11 @@ KeptOutputs = Literal["none", "last", "all"]
 KEPT_OUTPUTS: tuple[KeptOutputs, ...] = ("none", "last", "all")
 """Which pipeline stages keep every micro-batch's forward output to the end of the step, an
 engine-version rule (``Parallel.kept_outputs``)."""
+
+StageSplit = Literal["memplan", "torchtitan-2412", "torchtitan-2504"]
+STAGE_SPLITS: tuple[StageSplit, ...] = ("memplan", "torchtitan-2412", "torchtitan-2504")
+"""How the blocks are divided into pipeline stages (``Parallel.stage_split``,
+``split_stages``): memplan's own rule, or an engine version's."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +93,17 @@ class Parallel:
     at its end (``_merge_outputs``). ``all``: every stage's, torch before #153383 (torch
     2.6.0's stage.py ``forward_one_chunk`` appends every stage's output, which
     ``get_fwd_send_ops`` sends from), the torch of torchtitan's December 2024 runs."""
+    stage_split: StageSplit = "memplan"
+    """With ``pp`` > 1: which rule divides the blocks into the ``stages`` contiguous stages
+    (``stage_ranges``, ``split_stages``), an engine-version rule like ``kept_outputs``.
+    ``memplan``: memplan's own (``stage_layers``: the later stages take the extra blocks),
+    what memplan's runtime runs. ``torchtitan-2412``: torchtitan 9dec370 (December 2024, the
+    published Llama 3.1 runs), torchtitan/parallelisms/pipelining_utils.py
+    ``generate_split_points``. ``torchtitan-2504``: torchtitan f64cf3c (April 2025,
+    pytorch/torchtitan#1103) to 0.3.0, torchtitan/distributed/pipeline_parallel.py
+    ``_generate_llm_fqn_per_model_part`` in 0.3.0, with its default first/last-stage
+    weights of one block each. Engines without a default of their own take the plan's stages
+    as ``--format torchtitan`` writes them (``module_fqns_per_model_part``)."""
 
     def __post_init__(self) -> None:
         for name in (*(d.field for d in DIMENSIONS), "virtual_stages"):
@@ -107,6 +125,11 @@ class Parallel:
                 f"parallel.kept_outputs must be one of {', '.join(KEPT_OUTPUTS)}, "
                 f"got {self.kept_outputs!r}"
             )
+        if self.stage_split not in STAGE_SPLITS:
+            raise ValueError(
+                f"parallel.stage_split must be one of {', '.join(STAGE_SPLITS)}, "
+                f"got {self.stage_split!r}"
+            )
 
     @property
     def dp(self) -> int:
@@ -122,6 +145,11 @@ class Parallel:
         """Pipeline stages in all: ``pp × virtual_stages``."""
         return self.pp * self.virtual_stages
 
+    def stage_ranges(self, n_blocks: int) -> tuple[range, ...]:
+        """Each pipeline stage's blocks (``stages`` of them, stage ``s`` on rank ``s % pp``)
+        under ``stage_split``: ``split_stages``."""
+        return split_stages(n_blocks, self.stages, self.stage_split)
+
     def describe(self) -> str:
         """``dp 2 (shard 2) × tp 2 × pp 1 × cp 1``-style summary for reasons and tables."""
         dp = f"dp {self.dp}"
@@ -129,7 +157,8 @@ class Parallel:
             dp += f" ({self.dp_replicate} replicas × {self.dp_shard} shards)"
         tp = f"tp {self.tp}" + (" + SP" if self.sequence_parallel else "")
         parts = [dp, tp + (" + loss parallel" if self.loss_parallel else "")]
-        parts.append(f"pp {self.pp}" + (f" ({self.schedule})" if self.pp > 1 else ""))
+        split = f", {self.stage_split} stages" if self.stage_split != "memplan" else ""
+        parts.append(f"pp {self.pp}" + (f" ({self.schedule}{split})" if self.pp > 1 else ""))
         parts.append(f"cp {self.cp}")
         return " × ".join(parts)
 
@@ -150,6 +179,73 @@ def stage_layers(n_layers: int, stages: int) -> tuple[range, ...]:
         out.append(range(start, start + size))
         start += size
     return tuple(out)
+
+
+def _torchtitan_2412(n: int, stages: int) -> list[int]:
+    """Blocks per stage by torchtitan 9dec370's ``generate_split_points``
+    (torchtitan/parallelisms/pipelining_utils.py, December 2024): ``n // stages`` on the
+    first stage, one more on each middle stage while the remainder lasts, the rest on the
+    last (so with a remainder of ``stages − 1`` the last also takes one more)."""
+    base, extra = divmod(n, stages)
+    sizes = [base] + [base + (1 if s <= extra else 0) for s in range(1, stages - 1)]
+    return [*sizes, n - sum(sizes)] if stages > 1 else [n]
+
+
+def _torchtitan_2504(n: int, stages: int) -> list[int]:
+    """Blocks per stage by torchtitan 0.3.0's ``_generate_llm_fqn_per_model_part``
+    (torchtitan/distributed/pipeline_parallel.py; the rule of f64cf3c, April 2025): the
+    embeddings and the norm + head each weigh one block
+    (``pipeline_parallel_first_stage_less_layers`` and ``_last_``, default 1), the ``n + 2``
+    weighted blocks are divided evenly with the remainder on the first stages, and the
+    first and last stages hold one block fewer."""
+    if stages == 1:
+        return [n]
+    base, extra = divmod(n + 2, stages)
+    sizes = [base + (1 if s < extra else 0) for s in range(stages)]
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    return sizes
+
+
+def split_stages(n_blocks: int, stages: int, rule: StageSplit = "memplan") -> tuple[range, ...]:
+    """The blocks of each of ``stages`` pipeline stages, contiguous and in order, under
+    ``rule`` (``Parallel.stage_split``). Every stage holds at least one block: a split that
+    leaves one empty (more stages than blocks; torchtitan-2504 with a stage of embeddings or
+    head alone) is refused (BadInputError)."""
+    if rule not in STAGE_SPLITS:
+        raise BadInputError(
+            f"parallel.stage_split must be one of {', '.join(STAGE_SPLITS)}, got {rule!r}."
+        )
+    if stages > n_blocks:
+        raise BadInputError(
+            f"{stages} pipeline stages (parallel.pp × parallel.virtual_stages) cannot each "
+            f"hold one of the model's {n_blocks} blocks (parallel.stage_split {rule}).",
+            hint=f"Plan with at most {n_blocks} stages in all.",
+        )
+    if rule == "memplan":
+        return stage_layers(n_blocks, stages)
+    sizes = (_torchtitan_2412 if rule == "torchtitan-2412" else _torchtitan_2504)(n_blocks, stages)
+    if min(sizes) < 1:
+        empty = sizes.index(min(sizes))
+        raise BadInputError(
+            f"parallel.stage_split {rule} gives pipeline stage {empty} of {stages} no block "
+            f"of the model's {n_blocks} (blocks per stage: {sizes}).",
+            hint="Plan with fewer stages, or with parallel.stage_split memplan.",
+        )
+    out, start = [], 0
+    for size in sizes:
+        out.append(range(start, start + size))
+        start += size
+    return tuple(out)
+
+
+def split_fits(n_blocks: int, stages: int, rule: StageSplit) -> bool:
+    """Whether ``rule`` gives each of ``stages`` pipeline stages a block of ``n_blocks``
+    (``split_stages`` does not refuse it)."""
+    try:
+        return bool(split_stages(n_blocks, stages, rule))
+    except BadInputError:
+        return False
 
 
 def in_flight(parallel: Parallel, stage: int, micro_batches: int) -> int:

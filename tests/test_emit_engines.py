@@ -165,8 +165,12 @@ def test_torchtitans_config_manager_loads_the_plans_numbers(
         assert training.local_batch_size == plan.micro_batch_size
         accumulation = training.global_batch_size // (training.local_batch_size * layout.dp)
         assert accumulation == plan.accumulation_steps
-    if layout.virtual_stages > 1:
-        assert par.pipeline_parallel_layers_per_stage == len(BLOCKS) // layout.stages
+    if layout.pp > 1:  # the plan's stages, not torchtitan's default split
+        stages = [[f"layers.{i}" for i in r] for r in layout.stage_ranges(len(BLOCKS))]
+        stages[0].insert(0, "tok_embeddings")
+        stages[-1] += ["norm", "lm_head"]
+        assert par.module_fqns_per_model_part == stages
+        assert par.pipeline_parallel_layers_per_stage is None
     if layout.tp > 1:
         assert par.enable_sequence_parallel is layout.sequence_parallel
     assert training.seq_len == (seq_len if seq_len is not None else 2048)  # the config's own

@@ -88,6 +88,15 @@ def solve(
     virtual_stages: Annotated[
         int, typer.Option("--virtual-stages", help="Stages per pipeline rank (interleaved).")
     ] = 1,
+    stage_split: Annotated[
+        str,
+        typer.Option(
+            "--stage-split",
+            help="How the blocks divide into pipeline stages: memplan (its own: later stages "
+            "take the extra blocks), torchtitan-2412 (torchtitan of December 2024) or "
+            "torchtitan-2504 (torchtitan from April 2025 to 0.3).",
+        ),
+    ] = "memplan",
     sequence_parallel: Annotated[
         bool | None,
         typer.Option(
@@ -180,6 +189,7 @@ def solve(
                 schedule=schedule,
                 virtual_stages=virtual_stages,
                 sequence_parallel=sequence_parallel,
+                stage_split=stage_split,
             ),
             budget_bytes=resolve_budget(
                 budget,  # type: ignore[arg-type]  # required

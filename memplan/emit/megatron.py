@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from memplan.emit._common import comment_string, plan_blocks, plan_layout
 from memplan.modes import SELECTIVE
-from memplan.parallel import stage_layers
 from memplan.plan import Plan
 
 MEGATRON_STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
@@ -49,7 +48,7 @@ def megatron_args(plan: Plan) -> list[str]:
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     if p.virtual_stages > 1:
-        layers = stage_layers(plan_blocks(plan), p.stages)
+        layers = p.stage_ranges(plan_blocks(plan))
         args.append(f"--num-layers-per-virtual-pipeline-stage {len(layers[0])}")
     if plan.strategy == "zero1":
         args.append("--use-distributed-optimizer")
@@ -64,7 +63,7 @@ def megatron_args(plan: Plan) -> list[str]:
     if modes == {SELECTIVE}:
         args.append("--recompute-granularity selective")
     elif plan.checkpoint:
-        per_stage = stage_layers(plan_blocks(plan), p.stages)
+        per_stage = p.stage_ranges(plan_blocks(plan))
         names = (
             plan.model_fingerprint.candidate_layers
             if plan.model_fingerprint and plan.model_fingerprint.candidate_layers

@@ -9,7 +9,10 @@ as torchtitan 0.3.0 names them: ``--parallelism.`` ``data_parallel_replicate_deg
 ``data_parallel_shard_degree``, ``tensor_parallel_degree``, ``enable_sequence_parallel``
 (``no_enable_sequence_parallel``), ``pipeline_parallel_degree``,
 ``pipeline_parallel_schedule``, ``pipeline_parallel_microbatch_size``,
-``pipeline_parallel_layers_per_stage``, ``context_parallel_degree`` (torchtitan/config/
+``module_fqns_per_model_part`` (the plan's stages, ``stage_fqns``: one comma-separated list
+of module names per stage, as 0.3.0's ``ConfigManager`` parses a ``list[str]``, so that
+torchtitan runs memplan's blocks on every stage whatever its own default split, 0.3.0's
+``_generate_llm_fqn_per_model_part``), ``context_parallel_degree`` (torchtitan/config/
 configs.py ``ParallelismConfig``); ``--training.`` ``local_batch_size``,
 ``global_batch_size``, ``seq_len`` and ``disable_cuda_graphs`` (``TrainingConfig``; a
 pipelined ``Trainer.Config`` is refused without the last). Activation checkpointing is a
@@ -28,11 +31,14 @@ count and parameter count), and otherwise the closest one with what differs, in 
 
 **torchtitan 0.1.0 to 0.2.2** (``--format torchtitan-toml``): the job TOML those releases read
 with ``--job.config_file`` (their ``JobConfig``: torchtitan/config_manager.py in 0.1.0,
-torchtitan/config/job_config.py in 0.2.x; every key written here is in all of them):
-``[parallelism]`` ``data_parallel_replicate_degree``, ``data_parallel_shard_degree``,
+torchtitan/config/job_config.py in 0.2.x; every key written here is in all of them but
+one): ``[parallelism]`` ``data_parallel_replicate_degree``, ``data_parallel_shard_degree``,
 ``tensor_parallel_degree``, ``pipeline_parallel_degree``, ``pipeline_parallel_schedule``,
 ``pipeline_parallel_microbatch_size``, ``context_parallel_degree``,
-``disable_loss_parallel``; ``[training]`` ``local_batch_size`` (per data-parallel rank per
+``disable_loss_parallel``, and with pipeline stages ``module_fqns_per_model_part`` (0.2.0
+to 0.2.2, the head named ``output``; 0.1.0 ignores it and 0.2.x refuses 0.1.0's
+``pipeline_parallel_split_points``, the first block of each later stage, which a comment
+gives instead); ``[training]`` ``local_batch_size`` (per data-parallel rank per
 step; with PP split into micro-batches of ``pipeline_parallel_microbatch_size``),
 ``global_batch_size`` (more than local × dp means gradient accumulation), ``seq_len``;
 ``[activation_checkpoint]`` ``mode`` (selective, full, none) and ``selective_ac_option``
@@ -50,7 +56,7 @@ from dataclasses import dataclass
 
 from memplan.emit._common import comment_string, plan_blocks, plan_layout
 from memplan.modes import FULL, SELECTIVE
-from memplan.parallel import stage_layers
+from memplan.parallel import Parallel
 from memplan.plan import Plan
 
 TORCHTITAN_STRATEGIES = frozenset({"ddp", "fsdp"})
@@ -65,6 +71,18 @@ RELEASE = "0.3.0"
 _SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}
 """memplan's schedule -> torch.distributed.pipelining's class name less ``Schedule``
 (what torchtitan's ``pipeline_parallel_schedule`` takes)."""
+
+
+def stage_fqns(parallel: Parallel, n_blocks: int, head: str = "lm_head") -> list[list[str]]:
+    """The plan's pipeline stages as torchtitan's ``module_fqns_per_model_part`` takes them
+    (torchtitan 0.2.0 to 0.3.0, ``ParallelismConfig``; one list per stage, stage ``s`` on
+    rank ``s % pp`` for the looped schedules): each stage's blocks (``layers.<i>``,
+    ``Parallel.stage_ranges``), ``tok_embeddings`` first on the first stage, ``norm`` and
+    the head last on the last (``lm_head`` in 0.3.0's Llama 3, ``output`` in 0.2.x's)."""
+    stages = [[f"layers.{i}" for i in blocks] for blocks in parallel.stage_ranges(n_blocks)]
+    stages[0].insert(0, "tok_embeddings")
+    stages[-1] += ["norm", head]
+    return stages
 
 
 def _every(n: int) -> str:
@@ -137,9 +155,14 @@ def emit_torchtitan_toml(plan: Plan, *, model_path: str) -> str:
     if p.pp > 1:
         parallelism["pipeline_parallel_schedule"] = _SCHEDULES[p.schedule]
         parallelism["pipeline_parallel_microbatch_size"] = plan.micro_batch_size
-        if p.virtual_stages > 1:
-            layers = stage_layers(n_blocks, p.stages)
-            parallelism["pipeline_parallel_layers_per_stage"] = len(layers[0])
+        parallelism["module_fqns_per_model_part"] = stage_fqns(p, n_blocks, head="output")
+        starts = [f"layers.{r.start}" for r in p.stage_ranges(n_blocks)[1:]]
+        notes.append(
+            "pipeline stages as planned (module_fqns_per_model_part, torchtitan 0.2.x; "
+            "0.2.x refuses the 0.1.0 key, 0.1.0 ignores this one and splits by its own "
+            "rule): for torchtitan 0.1.0 replace it with pipeline_parallel_split_points = "
+            + _toml(starts)
+        )
     lines = [
         f"# torchtitan {TOML_RELEASES} job config: train with --job.config_file <this file>. "
         "torchtitan 0.3 reads no TOML: use --format torchtitan."
@@ -322,9 +345,8 @@ def torchtitan_args(plan: Plan) -> list[str]:
             f"--parallelism.pipeline_parallel_schedule {_SCHEDULES[p.schedule]}",
             f"--parallelism.pipeline_parallel_microbatch_size {plan.micro_batch_size}",
         ]
-        if p.virtual_stages > 1:
-            layers = stage_layers(n_blocks, p.stages)
-            args.append(f"--parallelism.pipeline_parallel_layers_per_stage {len(layers[0])}")
+        stages = " ".join(",".join(stage) for stage in stage_fqns(p, n_blocks))
+        args.append(f"--parallelism.module_fqns_per_model_part {stages}")
         args.append("--training.disable_cuda_graphs")
     local = plan.micro_batch_size * (plan.accumulation_steps if p.pp > 1 else 1)
     args += [
@@ -377,9 +399,10 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
             "(loss parallel); the plan charged them whole, so torchtitan holds less"
         )
     if p.pp > 1:
+        sizes = [len(r) for r in p.stage_ranges(n_blocks)]
         notes.append(
-            "stage boundaries are torchtitan's (pipeline_parallel_first/last_stage_less_layers); "
-            "memplan planned contiguous stages, the later ones a block longer where they differ"
+            f"pipeline stages as planned ({p.stage_split} split, blocks per stage {sizes}): "
+            "--parallelism.module_fqns_per_model_part, one comma-separated list per stage"
         )
     notes.append(
         f"launch with {p.world_size} ranks: torchrun --nproc_per_node <gpus per node> "

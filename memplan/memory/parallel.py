@@ -2,7 +2,7 @@
 parallel on top of the data-parallel model. No torch.
 
 The probe measured one process holding the whole model. A rank of a layout holds one
-pipeline stage's blocks (``memplan.parallel.stage_layers``; the embeddings on the first
+pipeline stage's blocks (``Parallel.stage_ranges``; the embeddings on the first
 stage, the final norm, head and loss on the last), each block's TP-split parameters divided
 by ``tp`` and its activations scaled by the block's measured factor::
 
@@ -75,7 +75,7 @@ from memplan.memory.vocab import (
     tp_measured,
     vocab_split,
 )
-from memplan.parallel import Parallel, in_flight, stage_layers
+from memplan.parallel import Parallel, in_flight
 from memplan.plan import Plan, Strategy
 from memplan.profile import (
     Affine,
@@ -288,7 +288,7 @@ def stage_blocks(n: int, parallel: Parallel, stage: int) -> tuple[range, tuple[i
     that are not contiguous; they are modelled as one run of as many blocks, ending the
     model on the last rank (exact for identical blocks, the case interleaving is for): the
     run's ``i``-th block stands in for the rank's ``i``-th own block."""
-    chunks = stage_layers(n, parallel.stages)
+    chunks = parallel.stage_ranges(n)
     mine = [chunks[stage + v * parallel.pp] for v in range(parallel.virtual_stages)]
     first, last = stage == 0, stage == parallel.pp - 1
     count = sum(len(chunk) for chunk in mine)

@@ -12,7 +12,7 @@ import dataclasses
 from memplan.memory.activations import hidden_factor
 from memplan.memory.sharding import optimizer_transient_bytes
 from memplan.memory.vocab import LOSS_PART
-from memplan.parallel import Parallel, stage_layers
+from memplan.parallel import Parallel
 from memplan.profile import (
     Affine,
     FixedPart,
@@ -52,7 +52,7 @@ def kept_output_bytes(profile: Profile, parallel: Parallel, stage: int) -> tuple
     zero = Affine.zero()
     if parallel.pp == 1 or parallel.kept_outputs == "none":
         return zero, zero
-    chunks = stage_layers(len(profile.layers), parallel.stages)
+    chunks = parallel.stage_ranges(len(profile.layers))
     kept = zero
     for v in range(parallel.virtual_stages):
         index = stage + v * parallel.pp
@@ -114,7 +114,7 @@ def pipeline_buffers(
     remainder; tests/test_pipeline_modes.py)."""
     if parallel.pp == 1:
         return Affine.zero(), Affine.zero()
-    chunks = stage_layers(len(profile.layers), parallel.stages)
+    chunks = parallel.stage_ranges(len(profile.layers))
     received = Affine.zero()
     sent = Affine.zero()
     recv_count = 0

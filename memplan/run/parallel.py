@@ -15,7 +15,7 @@ the emitted training scripts import.
    = SequenceParallel); the same styles as torchtitan's Llama ``apply_tp``
    (``tok_embeddings``: RowwiseParallel(input_layouts=Replicate()));
 3. pipeline parallelism: the repeated block list split into contiguous stages
-   (``stage_layers``: uneven allowed), embeddings on the first stage, final norm, head and
+   (``Parallel.stage_ranges``: uneven allowed), embeddings on the first stage, final norm, head and
    loss on the last; the layers of other stages are replaced by pass-throughs so every
    module keeps its fully-qualified name; ``torch.distributed.pipelining`` runs the plan's
    schedule (GPipe, 1F1B, interleaved 1F1B) over ``accumulation_steps`` micro-batches;
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from memplan.errors import BadInputError
-from memplan.parallel import Parallel, stage_layers
+from memplan.parallel import Parallel
 from memplan.run.pipeline import (
     SkippedLayer,
     check_pipeline_split,
@@ -439,7 +439,7 @@ def build_layout(
             hint="Verify the plan with kept_outputs 'last' or 'none'.",
         )
     if parallel.pp > 1:  # on the whole model, before TP splits it: every rank alike
-        check_pipeline_split(net, parallel.pp)
+        check_pipeline_split(net, parallel.pp, parallel.stage_split)
     rank = torch.distributed.get_rank()
     mesh = build_mesh(parallel, device.type)
     styles: dict[str, str] = {}
@@ -492,7 +492,7 @@ def build_layout(
             hint=f"Plan with --pp {n_layers} or less.",
         )
     stage = mesh_coordinates(parallel, rank)["pp"]
-    ranges = stage_layers(n_layers, parallel.pp)
+    ranges = parallel.stage_ranges(n_layers)
     first, last = stage == 0, stage == parallel.pp - 1
     make_stage_module(net, parts, ranges[stage], first=first, last=last)
     model = _wrap_data_parallel(net, plan, parallel, mesh)

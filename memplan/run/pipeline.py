@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memplan.errors import BadInputError
-from memplan.parallel import stage_layers
+from memplan.parallel import StageSplit, split_stages
 
 
 class SkippedLayer(torch.nn.Module):
@@ -199,16 +199,21 @@ def split_tolerance(net: torch.nn.Module) -> float:
     return 16 * torch.finfo(dtype).eps
 
 
-def check_pipeline_split(net: torch.nn.Module, stages: int | None = None) -> None:
+def check_pipeline_split(
+    net: torch.nn.Module, stages: int | None = None, split: StageSplit = "memplan"
+) -> None:
     """Refuse (BadInputError, naming what differs) unless ``net`` split into ``stages``
-    pipeline stages (None: every layer its own stage, so every split point is tried)
-    computes exactly its forward: on one sample of token ids, in eval mode, without
-    gradients, each stage pruned in turn as ``make_stage_module`` prunes it and the hidden
-    states handed on, against the whole model's logits and each boundary's hidden states."""
+    pipeline stages by ``split`` (``Parallel.stage_split``; ``stages`` None: every layer its
+    own stage, so every split point is tried) computes exactly its forward: on one sample of
+    token ids, in eval mode, without gradients, each stage pruned in turn as
+    ``make_stage_module`` prunes it and the hidden states handed on, against the whole
+    model's logits and each boundary's hidden states."""
     parts = pipeline_parts(net)
     block_list = net.get_submodule(parts.layers)
     n_layers = len(block_list)
-    ranges = stage_layers(n_layers, min(stages or n_layers, n_layers))
+    ranges = split_stages(
+        n_layers, min(stages or n_layers, n_layers), split if stages else "memplan"
+    )
     config = net.config  # type: ignore[union-attr]
     vocab = int(getattr(config, "vocab_size", 2) or 2)
     device = next(net.parameters()).device

@@ -47,7 +47,7 @@ from memplan.memory.parallel import (
     tp_measured,
 )
 from memplan.modes import FULL
-from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind
+from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind, split_fits
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.batches import divisors, micro_batch_sizes, split_error
@@ -126,7 +126,7 @@ def candidate_layouts(
                     continue
                 if tp * cp > ask.gpus_per_node and (ask.auto and not ask.tp):
                     continue
-                if pp * ask.virtual_stages > n:
+                if pp > 1 and not split_fits(n, pp * ask.virtual_stages, ask.stage_split):
                     continue
                 if tp > 1 and not tp_measured(profile):
                     continue
@@ -155,6 +155,7 @@ def candidate_layouts(
                         virtual_stages=ask.virtual_stages if pp > 1 else 1,
                         loss_parallel=lp and loss_parallel_possible(profile),
                         kept_outputs=ask.kept_outputs if pp > 1 else "none",
+                        stage_split=ask.stage_split if pp > 1 else "memplan",
                     )
                 )
     return out

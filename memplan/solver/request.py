@@ -14,7 +14,14 @@ from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
 from memplan.memory import Reserve
 from memplan.modes import parse_modes
-from memplan.parallel import KEPT_OUTPUTS, SCHEDULES, KeptOutputs, Schedule
+from memplan.parallel import (
+    KEPT_OUTPUTS,
+    SCHEDULES,
+    STAGE_SPLITS,
+    KeptOutputs,
+    Schedule,
+    StageSplit,
+)
 from memplan.plan import STRATEGIES, GradSync, Plan
 from memplan.profile.seqlen import DEFAULT_SEQ_MULTIPLE
 from memplan.timing import TimingMode
@@ -54,6 +61,9 @@ class LayoutRequest:
     """Which pipeline stages the engine lets keep every micro-batch's output to the step's
     end (``Parallel.kept_outputs``): ``none`` as memplan's runtime and torch 2.13 with
     ``return_outputs=False`` run; set for a run of another engine version."""
+    stage_split: StageSplit = "memplan"
+    """Which rule divides the blocks into pipeline stages (``Parallel.stage_split``):
+    memplan's own, or a torchtitan version's default split."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -77,6 +87,10 @@ class LayoutRequest:
             raise SolveRequestError(
                 f"kept_outputs must be one of {', '.join(KEPT_OUTPUTS)}, got {self.kept_outputs!r}."
             )
+        if self.stage_split not in STAGE_SPLITS:
+            raise SolveRequestError(
+                f"--stage-split must be one of {', '.join(STAGE_SPLITS)}, got {self.stage_split!r}."
+            )
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise SolveRequestError(
                 f"--virtual-stages {self.virtual_stages} needs --schedule interleaved_1f1b "
@@ -96,6 +110,7 @@ def layout_request(
     virtual_stages: int = 1,
     sequence_parallel: bool | None = None,
     loss_parallel: bool | None = None,
+    stage_split: str = "memplan",
 ) -> LayoutRequest | None:
     """The layout asked for by ``--layout``, ``--tp``, ``--pp``, ``--cp`` and the pipeline
     options, validated; None for data parallelism alone (no degree, no ``--layout``)."""
@@ -117,6 +132,7 @@ def layout_request(
         sequence_parallel=sequence_parallel,
         virtual_stages=virtual_stages,
         loss_parallel=loss_parallel,
+        stage_split=stage_split,  # type: ignore[arg-type]
     )
 
 
