@@ -353,17 +353,41 @@ def probe(
 
 
 PROBES_ENV = "MEMPLAN_BENCH_PROBES"
-"""A folder of this section's probes from an earlier run of the same probe code
-(``{factory}-{spec}-{precision}.yaml``): read instead of probing again (the 405B float8 probe
-takes 5-15 minutes here) when ``kept_probe_matches``. Unset: every probe is run."""
+"""A folder that keeps this section's probes between runs (``{factory}-{spec}-{precision}
+.yaml``, each beside a ``.key`` file): a kept probe is read instead of probing again (the 405B
+float8 probe takes 5-15 minutes here) when ``kept_probe_matches``, and a new probe is saved
+there. Unset: every probe is run and none is kept."""
+
+PROBE_CODE = ("probe", "profile", "model", "run", "files", "devices.py", "modes.py", "units.py")
+"""memplan's sources (under the package) that make a probe's bytes and its meta clock."""
 
 
-def kept_probe_matches(path: Path) -> bool:
+def probe_key(spec, precision: str, seq: int) -> str:
+    """What a kept probe must have been made with besides the model file and torch, which its
+    profile records: memplan's probing code (``PROBE_CODE``, every file's path and bytes),
+    the device spec (its efficiencies time the meta clock, and a spec's name does not change
+    with them), the precision and the sequence length. A sha256."""
+    import hashlib
+
+    import memplan
+
+    root = Path(memplan.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for entry in PROBE_CODE:
+        path = root / entry
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(file.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(file.read_bytes())
+    digest.update(f"{spec!r}|{precision}|{seq}".encode())
+    return digest.hexdigest()
+
+
+def kept_probe_matches(path: Path, key: str) -> bool:
     """Whether a kept probe (``PROBES_ENV``) may stand for a new one: it exists, is of
-    today's examples/llama31.py (the profile's sha256 of the model file) and today's torch.
-    What it cannot tell is a change to memplan's probe code (the profile's memplan_version
-    does not move with it): keep such a folder within one tree."""
-    if not path.is_file():
+    today's examples/llama31.py (the profile's sha256 of the model file) and today's torch,
+    and its ``.key`` file holds ``key`` (``probe_key``: today's probing code and spec)."""
+    sidecar = path.with_suffix(".key")
+    if not path.is_file() or not sidecar.is_file() or sidecar.read_text().strip() != key:
         return False
     import hashlib
 
@@ -376,17 +400,35 @@ def kept_probe_matches(path: Path) -> bool:
     )
 
 
+def keep_probe(probed_file: Path, kept: Path, key: str) -> None:
+    """Save a new probe into the ``PROBES_ENV`` folder: the profile, then its ``.key``, each
+    written whole (a temporary file renamed), so a run stopped midway leaves no key beside a
+    torn or older profile."""
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    for target, text in ((kept, probed_file.read_text()), (kept.with_suffix(".key"), key)):
+        handle, temporary = tempfile.mkstemp(dir=kept.parent, prefix=f".{target.name}.")
+        with os.fdopen(handle, "w") as out:
+            out.write(text)
+        os.replace(temporary, target)
+
+
 def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
     """The meta profile of the row's model for ``spec`` at ``precision``, probed once."""
     key = (row.factory, spec.name, precision)
     if key not in probes:
         name = f"{row.factory}-{spec.name}-{precision}.yaml"
         out = Path(tmp) / name
-        kept = Path(os.environ.get(PROBES_ENV, tmp)) / name
-        if kept_probe_matches(kept):  # probed before (PROBES_ENV)
+        folder = os.environ.get(PROBES_ENV)
+        kept = Path(folder) / name if folder else None
+        code = probe_key(spec, precision, row.seq)
+        if kept is not None and kept_probe_matches(kept, code):  # probed before
             out, seconds = kept, 0.0
         else:
+            if kept is not None:  # stale or torn: its key goes first, so it is never read
+                kept.with_suffix(".key").unlink(missing_ok=True)
             seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))), precision, row.seq)
+            if kept is not None:
+                keep_probe(out, kept, code)
         # examples/llama31.py is not a transformers decoder, so memplan's runtime cannot
         # split it into stages (the probe records that, and the solver's model-kind rule
         # reads hf_blocks); the published pipeline layouts are modelled here, not run: both

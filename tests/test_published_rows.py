@@ -28,34 +28,81 @@ def test_context_parallel_rows_step_from_published_tps():
     assert {r.seq // r.cp for r in CP_ROWS} == {32768}
 
 
-def test_a_kept_probe_stands_only_for_the_same_model_file_and_torch(tmp_path):
+def test_a_kept_probe_stands_only_for_the_same_model_file_torch_code_and_spec(tmp_path):
     # MEMPLAN_BENCH_PROBES: a kept probe of examples/llama31.py as it is, under this torch,
-    # is read; the same probe of another version of the file (one byte changed: another
-    # sha256), or of another torch, or a missing file, is probed again.
+    # saved with today's probe key, is read; the same probe of another version of the file
+    # (one byte changed: another sha256), or of another torch, or with another key (another
+    # probe code or spec), or without its key, or a missing file, is probed again.
     import dataclasses
     import hashlib
 
     import torch
     from profiles_factory import uniform_chain
 
-    from bench.published import MODEL, kept_probe_matches
+    from bench.published import MODEL, ROWS, keep_probe, kept_probe_matches, probe_key, run_spec
     from memplan.model.reference import ModelRef
     from memplan.profile import profile_to_yaml
 
     today = hashlib.sha256(MODEL.read_bytes()).hexdigest()
     profile = uniform_chain(2).profile()
     env = dataclasses.replace(profile.environment, torch_version=torch.__version__)
+    spec = run_spec(ROWS[0])
+    key = probe_key(spec, "bf16", 8192)
 
-    def kept(name, sha, environment=env):
-        path = tmp_path / name
+    def kept(name, sha, environment=env, with_key=key):
+        made = tmp_path / "made" / name
+        made.parent.mkdir(exist_ok=True)
         model = ModelRef(path=str(MODEL), factory="build_8b", sha256=sha)
         changed = dataclasses.replace(profile, model=model, environment=environment)
-        path.write_text(profile_to_yaml(changed))
-        return path
+        made.write_text(profile_to_yaml(changed))
+        keep_probe(made, tmp_path / "kept" / name, with_key)
+        return tmp_path / "kept" / name
 
-    assert kept_probe_matches(kept("same.yaml", today))
+    assert kept_probe_matches(kept("same.yaml", today), key)
+    assert (tmp_path / "kept" / "same.key").read_text() == key
     edited = hashlib.sha256(MODEL.read_bytes() + b" ").hexdigest()
-    assert not kept_probe_matches(kept("edited.yaml", edited))
+    assert not kept_probe_matches(kept("edited.yaml", edited), key)
     other_torch = dataclasses.replace(env, torch_version="2.6.0")
-    assert not kept_probe_matches(kept("torch.yaml", today, other_torch))
-    assert not kept_probe_matches(tmp_path / "missing.yaml")
+    assert not kept_probe_matches(kept("torch.yaml", today, other_torch), key)
+    # another spec (its efficiencies time the meta clock), precision or sequence: another key
+    faster = dataclasses.replace(spec, efficiency=dataclasses.replace(spec.efficiency, matmul=1.0))
+    for other in (
+        probe_key(faster, "bf16", 8192),
+        probe_key(spec, "float8", 8192),
+        probe_key(spec, "bf16", 32768),
+    ):
+        assert other != key
+        assert not kept_probe_matches(kept("other.yaml", today, with_key=other), key)
+    keyless = kept("keyless.yaml", today)
+    keyless.with_suffix(".key").unlink()
+    assert not kept_probe_matches(keyless, key)
+    assert not kept_probe_matches(tmp_path / "missing.yaml", key)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir() if p.name.startswith(".")) == []
+
+
+def test_the_probe_key_moves_with_memplans_probe_code_only(tmp_path, monkeypatch):
+    # A copy of the package's probing sources: one byte more in probe/ (or in devices.py)
+    # gives another key; a change to the solver (not probing code) keeps it.
+    import shutil
+
+    import memplan
+    from bench.published import PROBE_CODE, ROWS, probe_key, run_spec
+
+    root = Path(memplan.__file__).resolve().parent
+    copy = tmp_path / "memplan"
+    for entry in (*PROBE_CODE, "solver"):
+        source = root / entry
+        if source.is_dir():
+            shutil.copytree(source, copy / entry)
+        else:
+            shutil.copy(source, copy / entry)
+    monkeypatch.setattr(memplan, "__file__", str(copy / "__init__.py"))
+    spec = run_spec(ROWS[0])
+    key = probe_key(spec, "bf16", 8192)
+    solver = next((copy / "solver").glob("*.py"))
+    solver.write_bytes(solver.read_bytes() + b"\n")
+    assert probe_key(spec, "bf16", 8192) == key
+    for changed in (next((copy / "probe").glob("*.py")), copy / "devices.py"):
+        changed.write_bytes(changed.read_bytes() + b"\n")
+        assert probe_key(spec, "bf16", 8192) != key
+        key = probe_key(spec, "bf16", 8192)
