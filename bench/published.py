@@ -25,8 +25,9 @@ runs). The runs' software decides one of them: torch of December 2024 ran SDPA's
 FlashAttention-2 path on H100 (pytorch/pytorch#142132, measured on the nightly of 2024-12-04:
 329.5 TFLOP/s, where cuDNN attention, torch's first choice on sm90 only from 2.9, reached
 631.3), so the H100 rows are probed with the H100 spec's attention efficiency set to that
-FlashAttention-2 measurement (``FA2_H100``). The A100 rows (Llama 3 8B and 70B on 64 A100
-80GB, FSDP only, local batch 1, sequence 8192, bf16 eager, April 2024): torchtitan's
+FlashAttention-2 measurement (``FA2_H100``), its backward's to FlashAttention-2's backward on
+H100 in the FlashAttention-3 paper (``FA2_H100_BACKWARD``). The A100 rows (Llama 3 8B and 70B
+on 64 A100 80GB, FSDP only, local batch 1, sequence 8192, bf16 eager, April 2024): torchtitan's
 docs/performance.md (read at commit 4d88a8a, added in 395a526; removed since), which gives
 tokens per second per GPU and MFU but no memory; their AC: "selective layer" is torchtitan's
 option ``'2'`` (every second block fully checkpointed, the default of its config_manager.py
@@ -155,6 +156,10 @@ A100_ROWS = [  # (memory: not published, 0.0)
 # PyTorch's FlashAttention-2 path on H100, measured by pytorch/pytorch#142132 on the nightly
 # of 2024-12-04 (the torch of the December 2024 H100 runs): 329.5 of 989 TFLOP/s.
 FA2_H100 = 329.5 / 989
+# Its backward on H100: 318 of 989 TFLOP/s (bf16, head dim 128, sequence 8k, non-causal), the
+# FlashAttention-2 bars of FlashAttention-3's figure "Attention backward speed, head dim 128
+# (H100 80GB SXM5)" (Shah et al. 2024, arXiv 2407.08608).
+FA2_H100_BACKWARD = 318 / 989
 # The published H100s are not the h100-80gb part (the source's "Hardware" and footnote 2): 96 GB
 # of HBM2e at 2.4 TB/s peak (the SXM5 80 GB part: 3.35 TB/s of HBM3), run at the default 500 W
 # limit, whose bf16 peak "is between SXM and NVL" and unknown to its authors. So the rows take
@@ -185,7 +190,11 @@ def run_spec(row: Published, peaks: str = "sxm"):
             "FlashAttention-2 SDPA",
             memory_bytes=GRAND_TETON_MEMORY,
             memory_bandwidth=GRAND_TETON_BANDWIDTH,
-            efficiency=dataclasses.replace(spec.efficiency, attention=round(FA2_H100, 3)),
+            efficiency=dataclasses.replace(
+                spec.efficiency,
+                attention=round(FA2_H100, 3),
+                attention_backward=round(FA2_H100_BACKWARD, 3),
+            ),
             bf16_flops=NVL_BF16_FLOPS if nvl else spec.bf16_flops,
             fp16_flops=NVL_BF16_FLOPS if nvl else spec.fp16_flops,
             fp8_flops=NVL_FP8_FLOPS if nvl else spec.fp8_flops,
@@ -594,9 +603,11 @@ def run(device: str) -> str:
             "(what `max_memory_reserved` counts; no CUDA context), worst rank. Step time = "
             "memplan's meta clock at each device's measured efficiency (large bf16 GEMMs, "
             "attention, memory-bound ops; profiles/devices/*.yaml cites each, none is taken "
-            "from these runs), attention at FlashAttention-2's measured rate on H100 "
-            f"({FA2_H100:.3f} of peak, pytorch/pytorch#142132: the December 2024 torch ran "
-            "it) and on A100, plus memplan's unoverlapped collectives. Float8 rows (', float8' "
+            "from these runs), attention at FlashAttention-2's measured rates on H100 "
+            f"({FA2_H100:.3f} of peak forward, pytorch/pytorch#142132: the December 2024 torch "
+            f"ran it; {FA2_H100_BACKWARD:.3f} backward, arXiv 2407.08608) and on A100, plus "
+            "memplan's unoverlapped collectives at NCCL's bus bandwidth and FSDP's copies "
+            "around them at memory bandwidth. Float8 rows (', float8' "
             "after the spec) are predicted from a float8 probe (below), its casts timed as "
             "compiled; otherwise memplan models eager training, so on the other compiled rows "
             "its time is not the same program; the eager bf16 rows are the test. The example model "

@@ -26,16 +26,26 @@ class Efficiency:
     matmul: float = 1.0
     """Large GEMMs (mm, addmm, bmm, ...) against the precision's peak FLOP/s."""
     attention: float = 1.0
-    """Fused attention kernels (forward and backward) against the same peak, on FLOPs
-    counted as the attention papers count them: a causal call does half the full product's
-    work."""
+    """Fused attention kernels' forward against the same peak (and their backward too when
+    ``attention_backward`` is not given), on FLOPs counted as the attention papers count
+    them: a causal call does half the full product's work."""
+    attention_backward: float | None = None
+    """Fused attention kernels' backward against the same peak; None: ``attention``'s. The
+    backward kernels reach a lower fraction than the forward (FlashAttention-2 on A100: 73%
+    forward, 63% backward, arXiv 2307.08691 §4.1)."""
     memory: float = 1.0
     """Memory-bound ops (elementwise, norms, copies, the optimizer) against
     ``memory_bandwidth``."""
+    interconnect: float = 1.0
+    """The fraction of ``interconnect_bandwidth`` NCCL's collectives reach: the bus bandwidth
+    nccl-tests measures over the link's one-way line rate (memplan.timing.
+    interconnect_bandwidth)."""
 
     def __post_init__(self) -> None:
-        for name in ("matmul", "attention", "memory"):
+        for name in ("matmul", "attention", "attention_backward", "memory", "interconnect"):
             value = getattr(self, name)
+            if value is None and name == "attention_backward":
+                continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name} must be a number, got {value!r}")
             if not 0.0 < value <= 1.0:
@@ -43,6 +53,12 @@ class Efficiency:
                     f"{name} is {value!r}; an efficiency is a fraction of the datasheet "
                     "peak, above 0 and at most 1"
                 )
+
+    @property
+    def backward_attention(self) -> float:
+        """The attention backward kernels' efficiency: ``attention_backward``, else
+        ``attention``."""
+        return self.attention if self.attention_backward is None else self.attention_backward
 
 
 ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "rtx-4090": "rtx4090"}

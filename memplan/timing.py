@@ -521,17 +521,57 @@ def communication_bytes(
 
 
 def interconnect_bandwidth(device_spec: DeviceSpec | None) -> tuple[float, str]:
-    """Bytes per second between ranks and where the figure comes from."""
+    """Bytes per second between ranks and where the figure comes from: the spec's one-way
+    link rate times its ``efficiency.interconnect`` (the bus bandwidth NCCL's ring
+    collectives reach: nccl-tests ``busbw`` is bytes × (w − 1)/w over time, the quantity
+    :func:`communication_bytes` counts), else memplan's default."""
     if device_spec is not None and device_spec.interconnect_bandwidth > 0:
-        return device_spec.interconnect_bandwidth, f"{device_spec.display_name} interconnect"
+        share = device_spec.efficiency.interconnect
+        where = f"{device_spec.display_name} interconnect"
+        if share < 1.0:
+            where += f" at {share:.0%} of its line rate (NCCL bus bandwidth)"
+        return device_spec.interconnect_bandwidth * share, where
     return DEFAULT_INTERCONNECT_BYTES_PER_SECOND, "memplan's default: no device spec gives one"
 
 
 def communication_seconds(bytes_moved: float, bandwidth: float) -> float:
     """Time of the step's collectives, added to the step *without overlap*: an upper bound
     (DDP overlaps its all-reduce with backward, FSDP its all-gathers with compute), chosen
-    so that more communication never looks free and ``auto`` prefers less sharding."""
+    so that more communication never looks free and ``auto`` prefers less sharding.
+    ``bandwidth`` is what the collectives reach (:func:`interconnect_bandwidth`)."""
     return bytes_moved / bandwidth if bandwidth > 0 else 0.0
+
+
+def fsdp_copy_bytes(
+    world_size: int,
+    *,
+    params_bytes: int,
+    grads_bytes: int,
+    accumulation_steps: int,
+    reduce_every_micro_step: bool = False,
+    gathered_once: bool = False,
+) -> float:
+    """Bytes one FSDP2 rank's copies around its collectives read and write per step, none
+    in a probe's clock (torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_collectives.py``):
+    ``foreach_all_gather``'s copy-in (``_foreach_copy_`` of the shards into the flat input),
+    2·P/w; ``foreach_all_gather_copy_out`` (``split_with_sizes_copy`` of the output into the
+    unsharded parameters), 2·P; ``foreach_reduce``'s copy-in (``chunk_cat`` of the gradients
+    into the reduce-scatter input), 2·G. P: ``params_bytes`` as gathered; G: ``grads_bytes``
+    as reduced (bf16 gradients read for an fp32 reduction counted at fp32, an upper bound).
+    Counted per step as :func:`communication_bytes` counts the collectives."""
+    if world_size <= 1:
+        return 0.0
+    k = accumulation_steps
+    gathers = 1 if gathered_once else 2 * k
+    reductions = k if reduce_every_micro_step else 1
+    return gathers * 2 * (params_bytes + params_bytes / world_size) + reductions * 2 * grads_bytes
+
+
+def fsdp_copy_seconds(copy_bytes: float, device_spec: DeviceSpec | None) -> float:
+    """:func:`fsdp_copy_bytes` at the spec's achievable memory bandwidth; 0 with no spec."""
+    if device_spec is None or copy_bytes <= 0:
+        return 0.0
+    return copy_bytes / achievable_bandwidth(device_spec)
 
 
 STEP_SPREAD_LIMIT = 0.25

@@ -73,6 +73,33 @@ def test_fused_attention_at_the_attention_efficiency_and_causal_at_half_the_flop
     assert twice == pytest.approx(2 * causal, rel=1e-12)
 
 
+def test_attention_backward_at_its_own_efficiency():
+    # The flash kernel's backward: torch's formula counts 2.5 × the forward's FLOPs
+    # (10,737,418,240), timed at attention_backward (0.2 × 1 TFLOP/s), causal at half;
+    # without attention_backward at the forward's 0.25 (the clock before it was told apart).
+    q, k, v = meta(1, 4, 2048, 64), meta(1, 4, 2048, 64), meta(1, 4, 2048, 64)
+    out, lse, cq, ck, mq, mk, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, False
+    )
+
+    def backward(causal: bool):
+        grad = meta(1, 4, 2048, 64)
+        return lambda: aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset
+        )
+
+    split = clock(**EFFICIENCY, attention_backward_efficiency=0.2)
+    assert timed(backward(False), split) == pytest.approx(2.5 * ATTENTION_FLOPS / 2e11, rel=1e-12)
+    assert timed(backward(True), split) == pytest.approx(
+        2.5 * ATTENTION_FLOPS / 2 / 2e11, rel=1e-12
+    )
+    assert timed(backward(False), clock(**EFFICIENCY)) == pytest.approx(
+        2.5 * ATTENTION_FLOPS / 2.5e11, rel=1e-12
+    )
+    # the forward stays at attention's 0.25
+    assert timed(flash(False), split) == pytest.approx(ATTENTION_FLOPS / 2.5e11, rel=1e-12)
+
+
 def test_a_memory_bound_op_at_the_memory_efficiency():
     x, y = meta(1024, 1024), meta(1024, 1024)
     # Two 2 MiB inputs and a 2 MiB output: 6,291,456 bytes at 0.8 × 100 GB/s; no FLOPs.

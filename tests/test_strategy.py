@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from profiles_factory import uniform_chain
 
 from memplan import memory, timing
+from memplan.devices import DeviceSpec, Efficiency, load_device
 from memplan.emit import emit
 from memplan.emit.deepspeed import deepspeed_config
 from memplan.errors import BadInputError, NoPlanFitsError
@@ -190,6 +191,56 @@ def test_a_pipeline_stages_fsdp_is_charged_one_all_gather_per_step():
     gathered = memory.gathered_params_bytes(profile)
     assert gathered == 5000  # 4 × 1000 B blocks, 500 B embedding and head
     assert steps[0] - steps[1] == pytest.approx(7 * 0.5 * gathered / 1e9)
+
+
+def test_fsdp_copy_bytes_by_hand():
+    # FSDP2's copy-in (2·P/w), copy-out (2·P) per all-gather and the reduce-scatter's copy-in
+    # (2·G) per reduction (torch _fsdp_collectives.py): P = G = 100 B, w = 4, k = 3.
+    kw = {"params_bytes": 100, "grads_bytes": 100, "accumulation_steps": 3}
+    # 2k = 6 all-gathers × 2 × (100 + 25) + one reduce-scatter × 2 × 100
+    assert timing.fsdp_copy_bytes(4, **kw) == pytest.approx(6 * 250 + 200)
+    assert timing.fsdp_copy_bytes(4, **kw, reduce_every_micro_step=True) == pytest.approx(2100)
+    assert timing.fsdp_copy_bytes(4, **kw, gathered_once=True) == pytest.approx(250 + 200)
+    assert timing.fsdp_copy_bytes(1, **kw) == 0.0
+    spec = dataclasses.replace(
+        load_device("a100-80gb"), memory_bandwidth=1e9, efficiency=Efficiency(memory=0.5)
+    )
+    assert timing.fsdp_copy_seconds(1700.0, spec) == pytest.approx(1700 / 5e8)
+    assert timing.fsdp_copy_seconds(1700.0, None) == 0.0
+
+
+def test_an_fsdp_plan_on_a_spec_pays_its_copies_and_the_nccl_bus_bandwidth():
+    # FSDP over 2 ranks, micro-batch 1, 4 micro-steps, on a spec whose link is 1 GB/s of
+    # which NCCL reaches 80% and whose memory-bound ops reach 50% of 1 GB/s. Per step:
+    # collectives (2k = 8 all-gathers of P + one reduce-scatter of G) × ½ at 0.8 GB/s, and
+    # the copies: 8 × 2 × (P + P/2) + 2·G at 0.5 GB/s. Before, 1 GB/s and no copies.
+    profile = uniform_chain(4).profile()
+    spec = DeviceSpec(
+        name="tiny",
+        display_name="Tiny",
+        memory_bytes=10**10,
+        bf16_flops=1e12,
+        fp16_flops=1e12,
+        fp32_flops=1e12,
+        memory_bandwidth=1e9,
+        interconnect_bandwidth=1e9,
+        efficiency=Efficiency(memory=0.5, interconnect=0.8),
+    )
+    ask = request(target_batch=8, world_size=2, strategy="fsdp", min_micro=1, max_micro=1)
+    ask = dataclasses.replace(ask, modes=("keep",), device_spec=spec)
+    result = solve(profile, ask)
+    assert result.plan.accumulation_steps == 4
+    params = memory.gathered_params_bytes(profile)
+    grads = profile.totals.grad_bytes
+    assert (params, grads) == (5000, 5000)  # fp32 throughout: gathered and reduced as kept
+    collectives = (8 * 0.5 * params + 0.5 * grads) / 0.8e9
+    copies = (8 * 2 * (params + params / 2) + 2 * grads) / 0.5e9
+    optimizer = timing.measured_times(profile, 1).optimizer_step_seconds / 2
+    assert result.once_seconds == pytest.approx(optimizer + collectives + copies, rel=1e-9)
+    # the plan's communication reason names both parts (28.1 µs and 260 µs)
+    (reason,) = [r for r in result.plan.reasons if r.startswith("communication:")]
+    assert "at 0.8 GB/s (Tiny interconnect at 80% of its line rate" in reason
+    assert "FSDP's copy-in/copy-out at memory bandwidth +" in reason
 
 
 # --------------------------------------------------------------------------- solver

@@ -177,13 +177,26 @@ def test_shipped_gpu_profiles_carry_a_cited_efficiency():
     # The shipped A100 and H100 files give every efficiency below 1 (each cited in the file);
     # an A100's bf16 matmul at 271.2 of 312 TFLOP/s (the measured MAMF) is 0.869.
     a100 = load_device("a100-80gb")
-    assert a100.efficiency == Efficiency(matmul=0.869, attention=0.656, memory=0.88)
+    assert a100.efficiency == Efficiency(
+        matmul=0.869, attention=0.73, attention_backward=0.63, memory=0.88, interconnect=0.767
+    )
     assert timing.achievable_flops(a100, "bf16") == pytest.approx(271.128e12)
     h100 = load_device("h100-80gb")
     assert timing.achievable_flops(h100, "bf16") == pytest.approx(794.167e12)
     assert timing.achievable_bandwidth(h100) == pytest.approx(2.814e12)
-    # A file without the field plans at the peaks, as before.
+    # NCCL's bus bandwidth: 230 of the A100's 300 GB/s, 360 of the H100's 450 (nccl-tests
+    # issues #149 and #326), the rate the collectives are timed at.
+    assert timing.interconnect_bandwidth(a100)[0] == pytest.approx(230.1e9)
+    assert timing.interconnect_bandwidth(h100)[0] == pytest.approx(360e9)
+    assert timing.communication_seconds(720e9, timing.interconnect_bandwidth(h100)[0]) == (
+        pytest.approx(2.0)
+    )
+    # A file without the field plans at the peaks, as before; attention's backward at its
+    # forward's rate where a file gives none.
     assert load_device("l4").efficiency == Efficiency()
+    assert timing.interconnect_bandwidth(load_device("l4"))[0] == 32e9
+    assert Efficiency(attention=0.6).backward_attention == 0.6
+    assert Efficiency(attention=0.6, attention_backward=0.5).backward_attention == 0.5
 
 
 @pytest.mark.parametrize(
@@ -191,6 +204,9 @@ def test_shipped_gpu_profiles_carry_a_cited_efficiency():
     [
         ("efficiency:\n  matmul: 1.3\n", "matmul is 1.3"),
         ("efficiency:\n  memory: 0\n", "memory is 0"),
+        ("efficiency:\n  attention_backward: 1.5\n", "attention_backward is 1.5"),
+        ("efficiency:\n  interconnect: 0\n", "interconnect is 0"),
+        ("efficiency:\n  interconnect: fast\n", "interconnect"),
         ("efficiency:\n  matmull: 0.8\n", "unknown key(s) matmull"),
         ("efficiency: 0.8\n", "must be a mapping"),
     ],

@@ -123,6 +123,7 @@ class Backend:
                 matmul_efficiency=spec.efficiency.matmul,
                 attention_efficiency=spec.efficiency.attention,
                 memory_efficiency=spec.efficiency.memory,
+                attention_backward_efficiency=spec.efficiency.backward_attention,
             )
 
     # --------------------------------------------------------------------------- model

@@ -60,7 +60,8 @@ _FLOP_FORMULAS = _flop_formulas()
 class Roofline:
     """Time of one op on a device spec: max(FLOPs / achievable FLOP/s, bytes / achievable
     bandwidth), where achievable is the datasheet peak times the spec's efficiency for the
-    op's kind (memplan.devices.Efficiency): fused attention kernels at ``attention``, every
+    op's kind (memplan.devices.Efficiency): fused attention kernels at ``attention`` (their
+    backward kernels, ``*_backward``, at ``attention_backward``, which defaults to it), every
     other op with counted FLOPs (matmuls, convolutions) at ``matmul``, and bytes at
     ``memory``. A causal attention call is charged half its counted FLOPs: torch's formula
     (torch/utils/flop_counter.py ``sdpa_flop_count``) counts the full QKᵀ and PV products,
@@ -76,31 +77,40 @@ class Roofline:
         matmul_efficiency: float = 1.0,
         attention_efficiency: float = 1.0,
         memory_efficiency: float = 1.0,
+        attention_backward_efficiency: float | None = None,
     ) -> None:
         self.flops_by_dtype = flops_by_dtype
         self.default_flops = default_flops
         self.memory_bandwidth = memory_bandwidth * memory_efficiency
         self.matmul_efficiency = matmul_efficiency
         self.attention_efficiency = attention_efficiency
-        self._kinds: dict[Any, tuple[bool, int | None, int | None]] = {}
+        self.attention_backward_efficiency = (
+            attention_efficiency
+            if attention_backward_efficiency is None
+            else attention_backward_efficiency
+        )
+        self._kinds: dict[Any, tuple[bool, int | None, int | None, bool]] = {}
 
-    def _kind(self, func: Any) -> tuple[bool, int | None, int | None]:
-        """(is a fused attention op, position of ``is_causal``, of ``custom_mask_type``) in
-        the op's schema, once per op."""
+    def _kind(self, func: Any) -> tuple[bool, int | None, int | None, bool]:
+        """(is a fused attention op, position of ``is_causal``, of ``custom_mask_type``, is
+        a backward kernel: ``_scaled_dot_product_flash_attention_backward``,
+        ``_efficient_attention_backward``, ...) in the op's schema, once per op."""
         kind = self._kinds.get(func)
         if kind is None:
-            attention = "attention" in func._overloadpacket.__name__
+            name = func._overloadpacket.__name__
+            attention = "attention" in name
             names = [a.name for a in func._schema.arguments] if attention else []
             kind = (
                 attention,
                 names.index("is_causal") if "is_causal" in names else None,
                 names.index("custom_mask_type") if "custom_mask_type" in names else None,
+                attention and name.endswith("_backward"),
             )
             self._kinds[func] = kind
         return kind
 
     def _causal(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        _, causal_at, mask_at = self._kind(func)
+        _, causal_at, mask_at, _ = self._kind(func)
         for name, at in (("is_causal", causal_at), ("custom_mask_type", mask_at)):
             if at is None:
                 continue
@@ -119,10 +129,14 @@ class Roofline:
         kwargs: dict | None = None,
     ) -> float:
         peak = self.flops_by_dtype.get(dtype, self.default_flops) if dtype else self.default_flops
-        if flops and func is not None and self._kind(func)[0]:
+        kind = self._kind(func) if flops and func is not None else None
+        if kind is not None and kind[0]:
             if self._causal(func, args, kwargs or _EMPTY):
                 flops = flops / 2
-            compute = flops / (peak * self.attention_efficiency)
+            efficiency = (
+                self.attention_backward_efficiency if kind[3] else self.attention_efficiency
+            )
+            compute = flops / (peak * efficiency)
         else:
             compute = flops / (peak * self.matmul_efficiency)
         return max(compute, bytes_moved / self.memory_bandwidth)

@@ -176,7 +176,14 @@ def _strategy_reasons(
         lines.append(
             f"communication: {format_bytes(round(best.comm_bytes))} sent per rank per step "
             f"at {ctx.bandwidth / 1e9:g} GB/s ({ctx.bandwidth_source}): "
-            f"+{format_seconds(best.comm_seconds)}, counted without overlap"
+            f"+{format_seconds(best.comm_seconds - best.copy_seconds)}"
+            + (
+                f", and FSDP's copy-in/copy-out at memory bandwidth "
+                f"+{format_seconds(best.copy_seconds)}"
+                if best.copy_seconds
+                else ""
+            )
+            + ", counted without overlap"
         )
     return lines
 

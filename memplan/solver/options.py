@@ -136,8 +136,11 @@ class PlanOption:
     """Communication included."""
     step_picoseconds: int
     comm_seconds: float
+    """The collectives' time plus ``copy_seconds``."""
     comm_bytes: float
     grad_sync: GradSync = "last_micro_step"
+    copy_seconds: float = 0.0
+    """FSDP's copy-in and copy-out around its collectives (``timing.fsdp_copy_bytes``)."""
 
     @property
     def rank(self) -> tuple[int, int, int, int, int]:
@@ -281,16 +284,19 @@ def _evaluate(
     peak = memory.step_peak(
         profile, micro_batch, chosen, accumulation, reserve=reserve, sharding=sharding
     )
-    comm_bytes = timing.communication_bytes(
-        strategy,
-        ctx.request.world_size,
-        params_bytes=memory.gathered_params_bytes(profile),
-        grads_bytes=memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
-        accumulation_steps=accumulation,
-        reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
-        gathered_once=sharding.reduce_after_schedule and not sharding.reshard_after_forward,
-    )
-    comm = timing.communication_seconds(comm_bytes, ctx.bandwidth)
+    collective = {
+        "params_bytes": memory.gathered_params_bytes(profile),
+        "grads_bytes": memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
+        "accumulation_steps": accumulation,
+        "reduce_every_micro_step": memory.syncs_every_micro_step(sharding, accumulation),
+        "gathered_once": sharding.reduce_after_schedule and not sharding.reshard_after_forward,
+    }
+    comm_bytes = timing.communication_bytes(strategy, ctx.request.world_size, **collective)
+    copies = 0.0
+    if strategy == "fsdp":  # FSDP2's copy-in/copy-out around its collectives, memory-bound
+        copy_bytes = timing.fsdp_copy_bytes(ctx.request.world_size, **collective)
+        copies = timing.fsdp_copy_seconds(copy_bytes, ctx.request.device_spec)
+    comm = timing.communication_seconds(comm_bytes, ctx.bandwidth) + copies
     return PlanOption(
         strategy=strategy,
         micro_batch=micro_batch,
@@ -306,6 +312,7 @@ def _evaluate(
         comm_seconds=comm,
         comm_bytes=comm_bytes,
         grad_sync=grad_sync,
+        copy_seconds=copies,
     )
 
 
