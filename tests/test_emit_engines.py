@@ -279,8 +279,63 @@ def test_megatrons_parser_reads_the_plans_numbers(
     # the most any stage checkpoints: 3 of 8 blocks in one stage; with stages of 4 or 2
     # blocks, stage 0 checkpoints layers.0 and .1
     assert ns.recompute_num_layers == (3 if layout.stages == 1 else 2)
-    if layout.virtual_stages > 1:
-        assert ns.num_layers_per_virtual_pipeline_stage == 2
+    if layout.pp > 1:  # the plan's stages, one character a layer (emit.megatron)
+        stages = "|".join(
+            ["Ett", "tt", "tt", "ttL"] if layout.virtual_stages > 1 else ["Etttt", "ttttL"]
+        )
+        assert ns.pipeline_model_parallel_layout == stages
+        assert ns.num_layers_per_virtual_pipeline_stage is None
+
+
+@pytest.mark.parametrize(
+    ("blocks", "layout"),
+    [
+        (8, Parallel(pp=2)),
+        (8, Parallel(pp=2, schedule="interleaved_1f1b", virtual_stages=2)),
+        (126, Parallel(pp=8)),
+        (126, Parallel(pp=8, stage_split="torchtitan-2412")),
+        (126, Parallel(pp=8, schedule="interleaved_1f1b", virtual_stages=2)),
+        (
+            126,
+            Parallel(
+                pp=8, schedule="interleaved_1f1b", virtual_stages=2, stage_split="torchtitan-2504"
+            ),
+        ),
+        (
+            32,
+            Parallel(
+                pp=4, schedule="interleaved_1f1b", virtual_stages=2, stage_split="torchtitan-2504"
+            ),
+        ),
+    ],
+)
+def test_megatrons_own_layout_parser_builds_the_plans_stages(tmp_path, monkeypatch, blocks, layout):
+    # megatron-core's PipelineParallelLayerLayout (0.16.1, the class Megatron-LM's
+    # TransformerConfig turns --pipeline-model-parallel-layout into) validates the emitted
+    # layout for the model's block count and gives every (pipeline rank, virtual stage) the
+    # blocks memplan planned there: uneven splits too, which Megatron's default even split
+    # refuses (126 blocks over 8 stages).
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    names = tuple(f"layers.{i}" for i in range(blocks))
+    plan = _plan(layout, strategy="fsdp", blocks=names)
+    args = _shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
+    text = args[args.index("--pipeline-model-parallel-layout") + 1]
+    parsed = PipelineParallelLayerLayout(text, layout.pp)
+    parsed.validate_layer_layout(blocks, None)
+    v = layout.virtual_stages
+    monkeypatch.setattr(
+        parallel_state, "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE", v if v > 1 else None
+    )
+    ranges = layout.stage_ranges(blocks)
+    for stage, expected in enumerate(ranges):
+        built = parsed.get_layer_id_list(vp_stage=stage // layout.pp, pp_rank=stage % layout.pp)
+        assert built == list(expected), (stage, built, expected)
+    assert parsed.virtual_pipeline_model_parallel_size == v
 
 
 def test_megatron_snippet_carries_seq_length(tmp_path):

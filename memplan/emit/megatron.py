@@ -3,7 +3,8 @@
 **Megatron-LM** (``--format megatron``): ``pretrain_gpt.py`` arguments from
 ``megatron/training/arguments.py``: ``--tensor-model-parallel-size``,
 ``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
-``--num-layers-per-virtual-pipeline-stage``, ``--micro-batch-size``,
+``--pipeline-model-parallel-layout`` (with pipeline stages: the plan's own stages, see
+``pipeline_layout``), ``--micro-batch-size``,
 ``--global-batch-size``, ``--seq-length`` (a plan made at a sequence length; Megatron's
 ``validate_args`` then asserts ``--max-position-embeddings`` ≥ it, a model argument the
 snippet leaves to the user and names in a comment), ``--recompute-granularity full|selective``,
@@ -33,6 +34,23 @@ MEGATRON_STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
 """Megatron-LM: DDP, its distributed optimizer (ZeRO-1), FSDP2."""
 
 
+def pipeline_layout(stages: list[range]) -> str:
+    """Megatron-LM's ``--pipeline-model-parallel-layout`` for memplan's stages (``stages[s]``:
+    the blocks of stage ``s`` of ``pp × virtual_stages``, on pipeline rank ``s mod pp``, as
+    Megatron numbers them too): one character a layer, ``E`` the embedding on the first
+    stage, ``t`` a decoder block, ``L`` the output layer and loss on the last, stages split by
+    ``|`` (megatron/core/transformer/pipeline_parallel_layer_layout.py ``parse_str_to_list``,
+    Megatron-LM d98e8a6; megatron-core 0.16.1). Megatron then runs the plan's blocks on every
+    stage whatever the split rule, where its default splits the blocks evenly and refuses
+    a count the stages do not divide (126 blocks over 8). The ``x*n`` shorthand is not
+    written: the snippet's words are expanded unquoted, and ``*`` could glob."""
+    last = len(stages) - 1
+    return "|".join(
+        ("E" if s == 0 else "") + "t" * len(blocks) + ("L" if s == last else "")
+        for s, blocks in enumerate(stages)
+    )
+
+
 def megatron_args(plan: Plan) -> list[str]:
     """Megatron-LM's arguments for ``plan`` (module docstring)."""
     p = plan_layout(plan)
@@ -47,9 +65,10 @@ def megatron_args(plan: Plan) -> list[str]:
         args.append(f"--seq-length {plan.seq_len}")
     if p.sequence_parallel:
         args.append("--sequence-parallel")
-    if p.virtual_stages > 1:
-        layers = p.stage_ranges(plan_blocks(plan))
-        args.append(f"--num-layers-per-virtual-pipeline-stage {len(layers[0])}")
+    if p.pp > 1:
+        args.append(
+            f"--pipeline-model-parallel-layout {pipeline_layout(p.stage_ranges(plan_blocks(plan)))}"
+        )
     if plan.strategy == "zero1":
         args.append("--use-distributed-optimizer")
     if plan.strategy == "fsdp":
