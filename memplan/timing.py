@@ -26,6 +26,7 @@ from typing import Literal
 
 import numpy as np
 
+from memplan.collective import Collective
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
 from memplan.modes import FULL, KEEP, SELECTIVE
@@ -471,16 +472,7 @@ def ring_fraction(world_size: int) -> float:
     return (world_size - 1) / world_size if world_size > 1 else 0.0
 
 
-def communication_bytes(
-    strategy: str,
-    world_size: int,
-    *,
-    params_bytes: int,
-    grads_bytes: int,
-    accumulation_steps: int,
-    reduce_every_micro_step: bool = False,
-    gathered_once: bool = False,
-) -> float:
+def communication_bytes(strategy: str, world_size: int, collective: Collective) -> float:
     """Bytes one rank sends per optimizer step (ZeRO paper, Rajbhandari et al. 2020, §7:
     data parallelism all-reduces the gradients, 2Ψ; ZeRO-3 adds a parameter all-gather in
     forward and another in backward, 3Ψ), for the engines memplan emits:
@@ -500,23 +492,24 @@ def communication_bytes(
       ``backward_maybe_with_nosync``: ``set_reshard_after_backward(False)``, reset by
       ``perform_reduce_grad`` after the schedule), so one all-gather, one reduce-scatter.
 
-    ``params_bytes`` is what the all-gathers move (bf16 under a mixed-precision policy) and
-    ``grads_bytes`` what the reductions move (fp32 under ``reduce_dtype=float32``).
+    ``collective.params_bytes`` is what the all-gathers move and ``grads_bytes`` what the
+    reductions move (:class:`memplan.collective.Collective`).
     """
     if world_size <= 1:
         return 0.0
     ring = ring_fraction(world_size)
-    k = accumulation_steps
+    k = collective.accumulation_steps
+    params, grads = collective.params_bytes, collective.grads_bytes
     if strategy == "ddp":
-        return 2 * ring * grads_bytes
+        return 2 * ring * grads
     if strategy == "zero1":
-        return 2 * ring * grads_bytes + ring * params_bytes
+        return 2 * ring * grads + ring * params
     if strategy == "zero2":
-        return k * ring * grads_bytes + ring * params_bytes
+        return k * ring * grads + ring * params
     if strategy == "fsdp":
-        reductions = k if reduce_every_micro_step else 1
-        gathers = 1 if gathered_once else 2 * k
-        return gathers * ring * params_bytes + reductions * ring * grads_bytes
+        reductions = k if collective.reduce_every_micro_step else 1
+        gathers = 1 if collective.gathered_once else 2 * k
+        return gathers * ring * params + reductions * ring * grads
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
@@ -542,15 +535,7 @@ def communication_seconds(bytes_moved: float, bandwidth: float) -> float:
     return bytes_moved / bandwidth if bandwidth > 0 else 0.0
 
 
-def fsdp_copy_bytes(
-    world_size: int,
-    *,
-    params_bytes: int,
-    grads_bytes: int,
-    accumulation_steps: int,
-    reduce_every_micro_step: bool = False,
-    gathered_once: bool = False,
-) -> float:
+def fsdp_copy_bytes(world_size: int, collective: Collective) -> float:
     """Bytes one FSDP2 rank's copies around its collectives read and write per step, none
     in a probe's clock (torch 2.13 ``distributed/fsdp/_fully_shard/_fsdp_collectives.py``):
     ``foreach_all_gather``'s copy-in (``_foreach_copy_`` of the shards into the flat input),
@@ -561,10 +546,11 @@ def fsdp_copy_bytes(
     Counted per step as :func:`communication_bytes` counts the collectives."""
     if world_size <= 1:
         return 0.0
-    k = accumulation_steps
-    gathers = 1 if gathered_once else 2 * k
-    reductions = k if reduce_every_micro_step else 1
-    return gathers * 2 * (params_bytes + params_bytes / world_size) + reductions * 2 * grads_bytes
+    k = collective.accumulation_steps
+    gathers = 1 if collective.gathered_once else 2 * k
+    reductions = k if collective.reduce_every_micro_step else 1
+    params, grads = collective.params_bytes, collective.grads_bytes
+    return gathers * 2 * (params + params / world_size) + reductions * 2 * grads
 
 
 def fsdp_copy_seconds(copy_bytes: float, device_spec: DeviceSpec | None) -> float:

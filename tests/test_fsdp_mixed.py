@@ -9,6 +9,7 @@ import pytest
 from profiles_factory import uniform_chain
 
 from memplan import memory, timing
+from memplan.collective import Collective
 from memplan.errors import BadInputError
 from memplan.memory import Sharding
 from memplan.plan import Breakdown, Plan, Prediction
@@ -104,8 +105,8 @@ def test_post_backward_puts_the_input_next_to_the_unsharded_gradients():
 
 def test_reduce_scatter_every_micro_step_costs_k_reductions():
     kw = {"params_bytes": 100, "grads_bytes": 200, "accumulation_steps": 3}
-    last = timing.communication_bytes("fsdp", 4, **kw)
-    every = timing.communication_bytes("fsdp", 4, **kw, reduce_every_micro_step=True)
+    last = timing.communication_bytes("fsdp", 4, Collective(**kw))
+    every = timing.communication_bytes("fsdp", 4, Collective(**kw, reduce_every_micro_step=True))
     assert last == pytest.approx(2 * 3 * 0.75 * 100 + 0.75 * 200)
     assert every == pytest.approx(2 * 3 * 0.75 * 100 + 3 * 0.75 * 200)
 

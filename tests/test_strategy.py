@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from profiles_factory import uniform_chain
 
 from memplan import memory, timing
+from memplan.collective import Collective
 from memplan.devices import DeviceSpec, Efficiency, load_device
 from memplan.emit import emit
 from memplan.emit.deepspeed import deepspeed_config
@@ -167,13 +168,14 @@ def test_breakdown_sums_to_the_peak_per_rank():
 # --------------------------------------------------------------------------- time
 def test_communication_bytes_per_strategy():
     kw = {"params_bytes": 100, "grads_bytes": 100, "accumulation_steps": 3}
-    assert timing.communication_bytes("ddp", 1, **kw) == 0
-    assert timing.communication_bytes("ddp", 4, **kw) == pytest.approx(150)  # 2 × 3/4 × G
-    assert timing.communication_bytes("zero1", 4, **kw) == pytest.approx(225)
-    assert timing.communication_bytes("zero2", 4, **kw) == pytest.approx(300)
-    assert timing.communication_bytes("fsdp", 4, **kw) == pytest.approx(525)  # 2k AG + RS
+    each = Collective(**kw)
+    assert timing.communication_bytes("ddp", 1, each) == 0
+    assert timing.communication_bytes("ddp", 4, each) == pytest.approx(150)  # 2 × 3/4 × G
+    assert timing.communication_bytes("zero1", 4, each) == pytest.approx(225)
+    assert timing.communication_bytes("zero2", 4, each) == pytest.approx(300)
+    assert timing.communication_bytes("fsdp", 4, each) == pytest.approx(525)  # 2k AG + RS
     # a pipeline stage's FSDP: gathered once per step, reduced once: (1 + 1) × 3/4 × 100
-    once = timing.communication_bytes("fsdp", 4, **kw, gathered_once=True)
+    once = timing.communication_bytes("fsdp", 4, Collective(**kw, gathered_once=True))
     assert once == pytest.approx(150)
 
 
@@ -198,10 +200,12 @@ def test_fsdp_copy_bytes_by_hand():
     # (2·G) per reduction (torch _fsdp_collectives.py): P = G = 100 B, w = 4, k = 3.
     kw = {"params_bytes": 100, "grads_bytes": 100, "accumulation_steps": 3}
     # 2k = 6 all-gathers × 2 × (100 + 25) + one reduce-scatter × 2 × 100
-    assert timing.fsdp_copy_bytes(4, **kw) == pytest.approx(6 * 250 + 200)
-    assert timing.fsdp_copy_bytes(4, **kw, reduce_every_micro_step=True) == pytest.approx(2100)
-    assert timing.fsdp_copy_bytes(4, **kw, gathered_once=True) == pytest.approx(250 + 200)
-    assert timing.fsdp_copy_bytes(1, **kw) == 0.0
+    every = Collective(**kw, reduce_every_micro_step=True)
+    once = Collective(**kw, gathered_once=True)
+    assert timing.fsdp_copy_bytes(4, Collective(**kw)) == pytest.approx(6 * 250 + 200)
+    assert timing.fsdp_copy_bytes(4, every) == pytest.approx(2100)
+    assert timing.fsdp_copy_bytes(4, once) == pytest.approx(250 + 200)
+    assert timing.fsdp_copy_bytes(1, Collective(**kw)) == 0.0
     spec = dataclasses.replace(
         load_device("a100-80gb"), memory_bandwidth=1e9, efficiency=Efficiency(memory=0.5)
     )

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from memplan import memory, timing
+from memplan.collective import Collective
 from memplan.errors import BadInputError
 from memplan.memory import Peak, Reserve, Sharding
 from memplan.modes import (
@@ -284,17 +285,17 @@ def _evaluate(
     peak = memory.step_peak(
         profile, micro_batch, chosen, accumulation, reserve=reserve, sharding=sharding
     )
-    collective = {
-        "params_bytes": memory.gathered_params_bytes(profile),
-        "grads_bytes": memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
-        "accumulation_steps": accumulation,
-        "reduce_every_micro_step": memory.syncs_every_micro_step(sharding, accumulation),
-        "gathered_once": sharding.reduce_after_schedule and not sharding.reshard_after_forward,
-    }
-    comm_bytes = timing.communication_bytes(strategy, ctx.request.world_size, **collective)
+    collective = Collective(
+        params_bytes=memory.gathered_params_bytes(profile),
+        grads_bytes=memory.master_bytes(profile, sharding, memory.grads_bytes(profile)),
+        accumulation_steps=accumulation,
+        reduce_every_micro_step=memory.syncs_every_micro_step(sharding, accumulation),
+        gathered_once=sharding.reduce_after_schedule and not sharding.reshard_after_forward,
+    )
+    comm_bytes = timing.communication_bytes(strategy, ctx.request.world_size, collective)
     copies = 0.0
     if strategy == "fsdp":  # FSDP2's copy-in/copy-out around its collectives, memory-bound
-        copy_bytes = timing.fsdp_copy_bytes(ctx.request.world_size, **collective)
+        copy_bytes = timing.fsdp_copy_bytes(ctx.request.world_size, collective)
         copies = timing.fsdp_copy_seconds(copy_bytes, ctx.request.device_spec)
     comm = timing.communication_seconds(comm_bytes, ctx.bandwidth) + copies
     return PlanOption(
