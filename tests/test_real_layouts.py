@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from plan_factory import hand_plan
 from tiny_llama import TINY_LLAMA
 
 from memplan.errors import BadInputError
@@ -100,22 +101,11 @@ def test_two_stages_compute_the_whole_forward(config, tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [GRANITE, GEMMA2], ids=["granite", "gemma2"])
 def test_pipeline_verify_passes_on_two_gloo_ranks(config, tmp_path):
-    from memplan.plan import Breakdown, Plan, Prediction
     from memplan.verify.distributed import verify_distributed
 
     model = _ref(tmp_path, config)
-    zero = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
-    plan = Plan(
-        target_batch=4,
-        micro_batch_size=2,
-        accumulation_steps=2,
-        world_size=2,
-        strategy="ddp",
-        budget_bytes=1 << 40,
-        predicted=Prediction(peak_bytes=1 << 20, step_seconds=1.0, breakdown=zero),
-        model=model,
-        parallel=Parallel(pp=2),
-    )
+    plan = hand_plan(model, micro=2, k=2, peak=1 << 20, budget=1 << 40, parallel=Parallel(pp=2))
+    assert (plan.target_batch, plan.world_size, plan.strategy) == (4, 2, "ddp")
     result = verify_distributed(model, plan, steps=1, timeout_s=600)
     check = result.gradient_check
     assert check.status == "pass", check

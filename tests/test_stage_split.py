@@ -14,6 +14,7 @@ import subprocess
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from plan_factory import hand_plan
 from profiles_factory import uniform_chain
 
 from memplan.emit import emit
@@ -21,7 +22,7 @@ from memplan.emit.torchtitan import stage_fqns
 from memplan.errors import BadInputError
 from memplan.memory.parallel import rank_profile, stage_blocks
 from memplan.parallel import STAGE_SPLITS, Parallel, split_fits, split_stages
-from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction
+from memplan.plan import ModelFingerprint, Plan
 
 
 def _sizes(n: int, stages: int, rule: str) -> list[int]:
@@ -128,18 +129,15 @@ def test_the_rank_model_charges_the_rules_blocks():
 
 
 def _plan(layout: Parallel, blocks: int = 6) -> Plan:
-    zero = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
     names = tuple(f"layers.{i}" for i in range(blocks))
-    return Plan(
-        target_batch=8 * layout.dp,
-        micro_batch_size=2,
-        accumulation_steps=4,
-        world_size=layout.world_size,
+    return hand_plan(
+        "m.py",
+        micro=2,
+        k=4,
+        peak=1 << 30,
+        budget=1 << 40,
+        full=names,
         strategy="fsdp",
-        checkpoint=dict.fromkeys(names, "full"),
-        budget_bytes=1 << 40,
-        predicted=Prediction(peak_bytes=1 << 30, step_seconds=1.0, breakdown=zero),
-        model="m.py",
         model_fingerprint=ModelFingerprint(parameter_bytes=1 << 20, candidate_layers=names),
         parallel=layout,
     )
@@ -290,22 +288,12 @@ def test_memplans_runtime_runs_the_rules_stages_on_two_gloo_ranks(tmp_path):
     from memplan.verify.distributed import verify_distributed
 
     model = llama_reference(tmp_path / "llama", num_hidden_layers=5)
-    zero = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
     peaks = {}
     for rule in ("memplan", "torchtitan-2504"):
         layout = Parallel(pp=2, stage_split=rule)
         assert [len(r) for r in layout.stage_ranges(5)] == ([2, 3] if rule == "memplan" else [3, 2])
-        plan = Plan(
-            target_batch=4,
-            micro_batch_size=2,
-            accumulation_steps=2,
-            world_size=2,
-            strategy="ddp",
-            budget_bytes=1 << 40,
-            predicted=Prediction(peak_bytes=1 << 20, step_seconds=1.0, breakdown=zero),
-            model=model,
-            parallel=layout,
-        )
+        plan = hand_plan(model, micro=2, k=2, peak=1 << 20, budget=1 << 40, parallel=layout)
+        assert (plan.target_batch, plan.world_size, plan.strategy) == (4, 2, "ddp")
         result = verify_distributed(model, plan, steps=1, timeout_s=600)
         assert result.gradient_check.status == "pass", result.gradient_check
         peaks[rule] = [r.peak_bytes for r in result.ranks]
