@@ -365,10 +365,35 @@ PROBES_ENV = "MEMPLAN_BENCH_PROBES"
 """A folder that keeps this section's probes between runs (``{factory}-{spec}-{precision}
 .yaml``, each beside a ``.key`` file): a kept probe is read instead of probing again (the 405B
 float8 probe takes 5-15 minutes here) when ``kept_probe_matches``, and a new probe is saved
-there. Unset: every probe is run and none is kept."""
+there. Unset: every probe is run and none is kept. A folder that cannot be made or written
+stops the section before its first probe (``kept_probes_folder``)."""
 
 PROBE_CODE = ("probe", "profile", "model", "run", "files", "devices.py", "modes.py", "units.py")
 """memplan's sources (under the package) that make a probe's bytes and its meta clock."""
+
+
+def kept_probes_folder() -> Path | None:
+    """The ``PROBES_ENV`` folder, made if missing and proven writable (a file written and
+    removed there), or None when the variable is unset or empty. One that cannot be made or
+    written ends the run with a message naming the variable and the path: asked to keep the
+    probes, the section fails before probing rather than probe for minutes and lose them."""
+    folder = os.environ.get(PROBES_ENV)
+    if not folder:
+        return None
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        handle, trial = tempfile.mkstemp(dir=path, prefix=".write-check.")
+        os.close(handle)
+        os.unlink(trial)
+    except OSError as exc:
+        raise SystemExit(
+            f"bench published: {PROBES_ENV}={folder} names a folder the probes cannot be kept "
+            f"in ({exc.strerror or exc}: {exc.filename or path}). Point {PROBES_ENV} at a "
+            f"folder you can write (it is made if missing, e.g. /tmp/memplan-probes), or unset "
+            f"it to probe every model again and keep nothing."
+        ) from None
+    return path
 
 
 def probe_key(spec, precision: str, seq: int) -> str:
@@ -427,8 +452,8 @@ def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
     if key not in probes:
         name = f"{row.factory}-{spec.name}-{precision}.yaml"
         out = Path(tmp) / name
-        folder = os.environ.get(PROBES_ENV)
-        kept = Path(folder) / name if folder else None
+        folder = kept_probes_folder()
+        kept = folder / name if folder else None
         code = probe_key(spec, precision, row.seq)
         if kept is not None and kept_probe_matches(kept, code):  # probed before
             out, seconds = kept, 0.0
@@ -521,6 +546,7 @@ VARIANTS = {
 
 def run(device: str) -> str:
     del device  # meta probes
+    kept_probes_folder()  # a folder that cannot keep the probes fails before the first one
     lines = []
     search_lines = []
     bracket_lines = []

@@ -106,3 +106,37 @@ def test_the_probe_key_moves_with_memplans_probe_code_only(tmp_path, monkeypatch
         changed.write_bytes(changed.read_bytes() + b"\n")
         assert probe_key(spec, "bf16", 8192) != key
         key = probe_key(spec, "bf16", 8192)
+
+
+def test_a_probes_folder_that_cannot_be_kept_fails_before_the_first_probe(tmp_path, monkeypatch):
+    # MEMPLAN_BENCH_PROBES under a regular file: no folder can be made there, for root too
+    # (CI runs as root, to whom a chmod'ed folder stays writable). The section stops before
+    # its first probe with the variable, the path and what to do; before, it probed (minutes)
+    # and keep_probe's mkdir then ended it with a bare NotADirectoryError traceback.
+    import pytest
+
+    from bench import published
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("probed before the folder was checked")
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = blocker / "probes"
+    monkeypatch.setenv(published.PROBES_ENV, str(bad))
+    monkeypatch.setattr(published, "probe", too_late)
+    with pytest.raises(SystemExit) as stopped:
+        published.run("cpu")
+    message = " ".join(str(stopped.value).split())
+    assert message.startswith(f"bench published: MEMPLAN_BENCH_PROBES={bad} names a folder")
+    assert "Not a directory" in message
+    assert "or unset it to probe every model again and keep nothing." in message
+    # a folder that can be written is made, left empty and returned; unset or empty: none
+    good = tmp_path / "made" / "probes"
+    monkeypatch.setenv(published.PROBES_ENV, str(good))
+    assert published.kept_probes_folder() == good
+    assert list(good.iterdir()) == []
+    monkeypatch.setenv(published.PROBES_ENV, "")
+    assert published.kept_probes_folder() is None
+    monkeypatch.delenv(published.PROBES_ENV)
+    assert published.kept_probes_folder() is None
