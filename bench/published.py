@@ -153,6 +153,25 @@ A100_ROWS = [  # (memory: not published, 0.0)
     ),
 ]  # fmt: skip
 
+H200_SOURCE = (
+    "torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Trainy, June 2025: torch "
+    "2.8.0a0+5228986c39, torchao 0afa4c1, torchtitan e7c0cae)"
+)
+H200_ROWS = [
+    # llama3_8b.toml (per-op SAC, seq 8192) on 4 and 8 hosts of 8 H200s, FSDP over all of
+    # them, --training.local_batch_size=2 --training.compile --model.converters=float8 with
+    # FSDP's float8 all-gather: that torchtitan compiles the loss too (build_cross_entropy_loss
+    # at e7c0cae), hence the factory with the compiled loss's bytes.
+    Published(
+        "8B", "build_8b_compiled_loss", "H200, 4 hosts", 32, 1, 1, 2, 2, "op-sac", 47.96,
+        10938, "compile+float8", device="h200", source=H200_SOURCE, precision="float8",
+    ),
+    Published(
+        "8B", "build_8b_compiled_loss", "H200, 8 hosts", 64, 1, 1, 2, 2, "op-sac", 46.97,
+        10753, "compile+float8", device="h200", source=H200_SOURCE, precision="float8",
+    ),
+]  # fmt: skip
+
 # PyTorch's FlashAttention-2 path on H100, measured by pytorch/pytorch#142132 on the nightly
 # of 2024-12-04 (the torch of the December 2024 H100 runs): 329.5 of 989 TFLOP/s.
 FA2_H100 = 329.5 / 989
@@ -557,7 +576,7 @@ def run(device: str) -> str:
     searches: dict[tuple, object] = {}
     a100_steps: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="memplan-published-") as tmp:
-        for row in ROWS + CP_ROWS + A100_ROWS:
+        for row in ROWS + CP_ROWS + A100_ROWS + H200_ROWS:
             spec = run_spec(row)
             profile = probed(probes, tmp, row, spec, row.precision)
             published_plan = None
@@ -578,7 +597,7 @@ def run(device: str) -> str:
                     if row.memory_gib
                     else f"— | {reserved:.1f} | —"
                 )
-                if row.memory_gib and plan is published_plan:
+                if row.memory_gib and plan is published_plan and row.device == DEVICE:
                     fit_lines.append(fit_line(row, plan))
                 lines.append(
                     f"| {row.model} | {row.table}, {row.techniques} | {spec.display_name}"
@@ -613,7 +632,7 @@ def run(device: str) -> str:
             print(f"published: {search_lines[-1]}", flush=True)
     return "\n".join(
         [
-            "### Published torchtitan runs (Llama 3.1 on H100, Llama 3 on A100)\n",
+            "### Published torchtitan runs (Llama 3.1 on H100 and H200, Llama 3 on A100)\n",
             f"Source of every *published* figure: {SOURCE} (pytorch/torchtitan at b5bcd76; "
             "runs of December 2024 on 96 GB HBM2e H100s at 500 W), and for the A100 rows "
             f"{A100_SOURCE} (tokens/s/GPU only: no memory published): memory is torchtitan's "
@@ -650,7 +669,12 @@ def run(device: str) -> str:
             "run's sequence (`probe --seq-len`), solved with `--cp`; torchtitan shards FSDP "
             "over dp × cp and splits every op's sequence over cp (ring attention for SDPA, "
             "whose K/V exchange memplan models by formula, not measured); the published "
-            "TPS/GPU counts the local batch's tokens over cp·tp·pp GPUs.\n",
+            "TPS/GPU counts the local batch's tokens over cp·tp·pp GPUs. The H200 rows: "
+            f"{H200_SOURCE}, memory and TPS/GPU at the 100th step, on the h200 profile as it "
+            "stands (its datasheet peaks and efficiencies); that torchtitan compiles the loss "
+            "under `training.compile` (the December 2024 one left it eager), so they are "
+            "probed from `build_8b_compiled_loss`, whose loss has the compiled loss's bytes "
+            "(`memplan.run.losses.compiled_cross_entropy`: no fp32 copy of the logits).\n",
             "| model | published run | device spec | layout | local batch (micro × m) | AC | "
             "published GiB | memplan GiB | ratio | published step | memplan step | ratio |",
             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",

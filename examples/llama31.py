@@ -65,6 +65,14 @@ def build_405b() -> nn.Module:
     return Llama(LLAMA31_405B)
 
 
+def build_8b_compiled_loss() -> nn.Module:
+    """8B with its loss as torchtitan compiles it under ``training.compile`` since June 2025
+    (torchtitan/components/loss.py at e7c0cae; its December 2024 train.py left the loss
+    eager): the bf16 logits and two fp32 values a row saved, the gradient written in bf16,
+    no fp32 copy of the logits (memplan.run.losses)."""
+    return Llama(LLAMA31_8B, compiled_loss=True)
+
+
 build_model = build_8b
 
 

@@ -137,9 +137,12 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, s: Shape) -> None:
+    def __init__(self, s: Shape, compiled_loss: bool = False) -> None:
         super().__init__()
         self.s = s
+        # torchtitan compiles its loss with training.compile since 2025 (e7c0cae,
+        # torchtitan/components/loss.py): no fp32 copy of the logits (memplan.run.losses)
+        self.compiled_loss = compiled_loss
         self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
         self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.layers))
         self.norm = RMSNorm(s.hidden, s.norm_eps)
@@ -152,6 +155,10 @@ class Llama(nn.Module):
         x = self.embed_tokens(idx)
         for layer in self.layers:
             x = layer(x, self.cos, self.sin)
+        if self.compiled_loss:
+            from memplan.run.losses import compiled_cross_entropy
+
+            return compiled_cross_entropy(self.lm_head(self.norm(x)), targets)
         logits = self.lm_head(self.norm(x)).float()
         return F.cross_entropy(logits.view(-1, self.s.vocab), targets.view(-1))
 
