@@ -623,7 +623,11 @@ def run(device: str) -> str:
             "Tables 2 and 6 (context parallel, 'seq' in the run's name): each probed at the "
             "run's sequence (`probe --seq-len`), solved with `--cp`; torchtitan shards FSDP "
             "over dp × cp and splits every op's sequence over cp (ring attention for SDPA, "
-            "whose K/V exchange memplan models by formula, not measured); the published "
+            "whose K/V memory memplan models by formula, not measured, and whose step time it "
+            "charges as torch's ring runs: K/V all-gathers forward, in the recompute and "
+            "backward, fp32 dK/dV permutes, at 50 GB/s once tp·cp leaves the node, and the "
+            "last rank's fp32 merges at memory bandwidth, bytes measured on gloo, "
+            "memplan.solver.ring); the published "
             "TPS/GPU counts the local batch's tokens over cp·tp·pp GPUs.\n",
             "| model | published run | device spec | layout | local batch (micro × m) | AC | "
             "published GiB | memplan GiB | ratio | published step | memplan step | ratio |",

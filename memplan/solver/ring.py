@@ -7,14 +7,19 @@ As torch runs it (torch/distributed/tensor/experimental/_attention.py, the same 
 rank's K/V chunk, causal load balance by head-tail chunks (the FLOPs of a rank are the ideal
 ``1/cp`` of the attention, which the rank profile already charges). What is *not* in the
 probed block, per ring call, for ``E`` elements of one rank's K (``b · S/cp`` tokens ×
-the heads after torchtitan's ``repeat_kv``: ``n_heads/tp · head_dim`` = ``d_model/tp``
+the heads after torchtitan's ``repeat_kv`` (models/llama/model.py ``Attention.forward``:
+``repeat_kv``, then ``transpose(1, 2)``, then SDPA): ``n_heads/tp · head_dim`` = ``d_model/tp``
 for Llama, not the K/V heads), activations of ``w`` bytes, accumulators of ``a = 4``
 (``_ContextParallelOptions.convert_to_f32``):
 
-- collectives (``_AllGatherRotater``, the default ``rotate_method``, PR 132820; dK/dV
-  always ``_AllToAllRotater``): forward, one all-gather of K and V, ``(cp − 1) · 2wE``
-  received; backward, the same all-gather again, and ``cp`` permutes of dK and dV in
-  fp32, ``2aE`` each. Under full AC the recompute runs the forward's all-gather again.
+- collectives (``_AllGatherRotater``: torch 2.13's default ``rotate_method``, added in
+  pytorch/pytorch PR 132820, August 2024, and torchtitan's ``context_parallel_rotate_method``
+  default "allgather", torchtitan PR 728, December 2024; dK/dV always
+  ``_AllToAllRotater``): forward, one all-gather of K and V, ``(cp − 1) · 2wE`` received
+  (the all-to-all rotation receives the same bytes in ``cp − 1`` permutes, so the count
+  does not hinge on which one the runs used); backward, the same all-gather again, and
+  ``cp`` permutes of dK and dV in fp32, ``2aE`` each. The head-tail load balance and the
+  fp32 merges date from PR 132442 (August 2024), before the runs' torch (1963fc8). Under full AC the recompute runs the forward's all-gather again.
   The cp group is every tp-th rank (torchtitan's mesh: tp innermost, cp next), so it leaves
   the node when ``tp · cp`` GPUs do not fit in one.
 - memory-bound ops on the compute stream, the slowest rank's (the last: every step after
@@ -43,7 +48,7 @@ from memplan.profile import Profile
 
 INTRA_NODE_BYTES_PER_SECOND = 450e9
 """NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU, 450 GB/s one way (NVIDIA H100
-datasheet). TP, and CP groups that fit in one."""
+datasheet). TP, and CP groups that fit in one node."""
 INTER_NODE_BYTES_PER_SECOND = 50e9
 """One 400 Gb/s InfiniBand NDR NIC per GPU (DGX H100): 50 GB/s one way. Pipeline stages
 and data-parallel groups that span nodes."""
