@@ -193,3 +193,42 @@ def test_ring_seconds_of_the_published_8b_at_cp_8():
     # across nodes (tp 8 × cp 8: every cp peer on another node) at 50 GB/s, over tp's share
     far = ring_seconds(profile, Parallel(tp=8, cp=8), 1, spec, gpus_per_node=8)
     assert far.fwd_comm == pytest.approx(28 * elements / 8 / 50e9)
+
+
+def test_a_cp_layout_step_carries_the_rings_exchanges_and_merges():
+    # 4 blocks on 8 ranks, dp 4 × cp 2, fully checkpointed, on an H100 spec: the layout's
+    # step is the stage's plus its collectives (cp's: m · (4 · (g_f + g_b) + 4 · g_f)) plus
+    # the ring's merges in the stage's compute (m · (4 · (r_f + r_b) + 4 · r_f)); without
+    # cp neither is there
+    from profiles_factory import uniform_chain
+
+    from memplan.devices import load_device
+    from memplan.solver import SolveRequest
+    from memplan.solver.parallel import LayoutRequest, solve_layout
+
+    spec = load_device("h100-80gb")
+    profile = uniform_chain(4).profile()
+    request = SolveRequest(
+        target_batch=16,
+        budget_bytes=1 << 40,
+        world_size=8,
+        strategy="fsdp",
+        device_spec=spec,
+        always_checkpoint=profile.layer_names,
+        modes=("full",),
+        min_micro=2,
+        max_micro=2,
+    )
+    result = solve_layout(profile, request, LayoutRequest(cp=2))
+    (option,) = [o for o in result.options if o.micro_batch == 2]
+    m = option.micro_batches
+    ring = ring_seconds(profile, option.parallel, 2, spec, gpus_per_node=8)
+    assert ring.fwd_memory > 0 and ring.bwd_comm > ring.fwd_comm > 0
+    assert option.comm_seconds["cp"] == pytest.approx(m * ring.comm(4, 4))
+    stage = option.stages[0].plan.predicted.step_seconds
+    assert option.step_seconds == pytest.approx(
+        stage + sum(option.comm_seconds.values()) + m * ring.memory(4, 4)
+    )
+    plain = solve_layout(profile, request, LayoutRequest(cp=1))
+    (no_cp,) = [o for o in plain.options if o.micro_batch == 2]
+    assert no_cp.comm_seconds.get("cp", 0.0) == 0.0
