@@ -17,10 +17,11 @@ collectives add, none of them overlapped (an upper bound, as for data parallelis
                the forward's 2 again in their recompute)
     comm_PP  = m · 2 · b · act_bytes / inter                (one activation and its gradient
                across each stage boundary per micro-batch)
-    comm_CP  = m · L_s · 2 · (cp − 1) · b · act_bytes / cp / intra   (K/V around the ring)
+    comm_CP  = m · (L_s · (g_f + g_b) + F_s · g_f)   (ring attention's K/V, dK/dV exchanges)
     ring(x, n) = 2 (n − 1) / n · x
 
-with ``t_s`` stage s's micro-batches (compute and recompute), ``o_s`` what it runs once per
+with ``t_s`` stage s's micro-batches (compute and recompute; with CP also the ring's
+memory-bound merges, memplan.solver.ring, as its g), ``o_s`` what it runs once per
 step (optimizer step; data-parallel collectives at ``data_parallel_bandwidth``: NVLink
 within a node, the group's NICs between nodes), both from the stage solve, and ``act_bytes``
 one sample's block input. The fastest fitting plan wins (ties: less peak). Unknown without
@@ -53,15 +54,13 @@ from memplan.profile import Profile
 from memplan.solver.batches import divisors, micro_batch_sizes, split_error
 from memplan.solver.options import MANY_MICRO_BATCHES
 from memplan.solver.request import LayoutRequest, SolveRequest, SolveResult
+from memplan.solver.ring import (
+    INTER_NODE_BYTES_PER_SECOND,
+    INTRA_NODE_BYTES_PER_SECOND,
+    ring_seconds,
+)
 from memplan.solver.search import solve_if_fits
 from memplan.units import format_bytes
-
-INTRA_NODE_BYTES_PER_SECOND = 450e9
-"""NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU, 450 GB/s one way (NVIDIA H100
-datasheet). TP and CP stay within a node."""
-INTER_NODE_BYTES_PER_SECOND = 50e9
-"""One 400 Gb/s InfiniBand NDR NIC per GPU (DGX H100): 50 GB/s one way. Pipeline stages
-and data-parallel groups that span nodes."""
 
 
 def data_parallel_bandwidth(
@@ -168,6 +167,7 @@ def layout_comm_seconds(
     m: int,
     stage_layers: int,
     recomputed: int = 0,
+    gpus_per_node: int = 8,
 ) -> dict[str, float]:
     """The collectives a layout adds to a step (module docstring), in seconds; ``recomputed``
     of the stage's blocks fully checkpointed, whose recompute runs the forward's two TP
@@ -175,14 +175,14 @@ def layout_comm_seconds(
     all-reduces, or SP's all-gathers and reduce-scatters)."""
     act = profile.layers[0].input_bytes.slope * b if profile.layers else 0.0
     act /= parallel.cp
-    out = {"tp": 0.0, "pp": 0.0, "cp": 0.0}
+    out = {"tp": 0.0, "pp": 0.0}
     if parallel.tp > 1:
         ring = 2 * timing.ring_fraction(parallel.tp) * act  # per all-reduce
         out["tp"] = m * (4 * stage_layers + 2 * recomputed) * ring / INTRA_NODE_BYTES_PER_SECOND
     if parallel.pp > 1:
         out["pp"] = m * 2 * act / INTER_NODE_BYTES_PER_SECOND
-    if parallel.cp > 1:
-        out["cp"] = m * stage_layers * 2 * (parallel.cp - 1) * act / INTRA_NODE_BYTES_PER_SECOND
+    ring = ring_seconds(profile, parallel, b, None, gpus_per_node)  # zero without CP
+    out["cp"] = m * ring.comm(stage_layers, recomputed)
     return out
 
 
@@ -317,7 +317,9 @@ def evaluate_layout(
     once = max(r.once_seconds for r in results)
     # a fully checkpointed block runs its forward's TP collectives again in its recompute
     recomputed = max(sum(1 for mode in r.plan.checkpoint.values() if mode == FULL) for r in results)
-    comm = layout_comm_seconds(profile, parallel, b, m, most_layers, recomputed)
+    comm = layout_comm_seconds(profile, parallel, b, m, most_layers, recomputed, gpus_per_node)
+    ring = ring_seconds(profile, parallel, b, request.device_spec, gpus_per_node)
+    slowest += m * ring.memory(most_layers, recomputed)  # the ring's merges: stage compute
     if world == 1 and parallel.dp > 1:  # the pipeline's replicas, all-reduced after the step
         grads = profile.totals.grad_bytes / (parallel.pp * parallel.tp)
         bandwidth = stage_request.data_parallel_bandwidth or INTER_NODE_BYTES_PER_SECOND
