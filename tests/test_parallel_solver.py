@@ -96,6 +96,17 @@ def test_auto_turns_sequence_parallel_on_only_without_pipeline_stages():
     assert all(p.sequence_parallel == (p.tp > 1) for p in layouts if p.pp == 1)
 
 
+def test_auto_with_a_given_cp_lets_the_cp_group_span_nodes_as_torchtitan_runs_it():
+    """torchtitan's 405B context-parallel runs are tp 8 × cp 2..8 on 8-GPU nodes: the search
+    with --cp keeps tp within a node and lets cp leave it (its exchange then at the
+    inter-node link), where it once kept tp × cp within a node and so never saw them."""
+    from memplan.solver.parallel import candidate_layouts
+
+    layouts = candidate_layouts(_tp_profile(), 64, LayoutRequest(auto=True, cp=2))
+    assert {(p.tp, p.cp) for p in layouts} == {(1, 2), (2, 2), (4, 2), (8, 2)}
+    assert any(p.tp == 8 and p.pp == 4 and p.dp == 1 for p in layouts)
+
+
 def test_bubble_is_pp_minus_one_over_m_plus_pp_minus_one():
     assert bubble_fraction(Parallel(pp=4), 8) == pytest.approx(3 / 11)
     assert bubble_fraction(Parallel(pp=1), 8) == 0.0

@@ -123,8 +123,6 @@ def candidate_layouts(
             for cp in cps:
                 if world % (tp * pp * cp):
                     continue
-                if tp * cp > ask.gpus_per_node and (ask.auto and not ask.tp):
-                    continue
                 if pp > 1 and not split_fits(n, pp * ask.virtual_stages, ask.stage_split):
                     continue
                 if tp > 1 and not tp_measured(profile):
@@ -363,7 +361,7 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
             f"no layout of {world} ranks fits the asked degrees (tp {ask.tp or searched}, pp "
             f"{ask.pp or searched}, cp {ask.cp or 1}) and the model's {len(profile.layers)} "
             "blocks.",
-            hint="Make the degrees divide --world-size, keep tp × cp within --gpus-per-node, "
+            hint="Make the degrees divide --world-size, keep tp within --gpus-per-node, "
             "and pp at most the number of blocks.",
         )
     for parallel in layouts:
