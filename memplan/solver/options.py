@@ -141,6 +141,9 @@ class PlanOption:
     grad_sync: GradSync = "last_micro_step"
     copy_seconds: float = 0.0
     """FSDP's copy-in and copy-out around its collectives (``timing.fsdp_copy_bytes``)."""
+    accumulate_seconds: float = 0.0
+    """FSDP's gradient accumulation over the micro-steps it does not reduce in
+    (``fsdp_accumulate_bytes``): in ``step_seconds``, per micro-step, not in ``comm_seconds``."""
 
     @property
     def rank(self) -> tuple[int, int, int, int, int]:
@@ -241,6 +244,26 @@ def _reserve_and_limit(
     return reserve, memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
 
 
+def fsdp_accumulate_bytes(probed_grads: int, reduced_grads: int, accumulation: int) -> int:
+    """Bytes an FSDP2 rank reads and writes per step to accumulate its unsharded gradients
+    over ``accumulation`` micro-steps without reducing them (``set_requires_gradient_sync
+    (False)``: a pipeline stage's every micro-batch, torch's ``PipelineStage``; the other
+    micro-steps under ``last_micro_step``). With a wider ``reduce_dtype`` (``reduced_grads``
+    > ``probed_grads``: bf16 gradients, fp32 reduction) FSDP2 keeps an accumulator in it:
+    ``to_accumulated_grad_if_needed`` copies the first micro-step's (read G, write G32),
+    ``accumulate_unsharded_grad_if_needed`` adds each later one (read G and G32, write G32)
+    (torch/distributed/_composable/fsdp/_fsdp_param.py, the late-2024 FSDP2 of the
+    published runs; torch 2.13 fsdp/_fully_shard/_fsdp_param.py, unchanged); otherwise
+    autograd adds each later one in place (read 2 G, write G). None in a probe's clock,
+    which times one micro-step."""
+    later = max(accumulation - 1, 0)
+    if accumulation <= 1:
+        return 0
+    if reduced_grads > probed_grads:
+        return probed_grads + reduced_grads + later * (probed_grads + 2 * reduced_grads)
+    return later * 3 * probed_grads
+
+
 def _evaluate(
     ctx: SolveContext,
     micro_batch: int,
@@ -297,6 +320,12 @@ def _evaluate(
         copy_bytes = timing.fsdp_copy_bytes(ctx.request.world_size, **collective)
         copies = timing.fsdp_copy_seconds(copy_bytes, ctx.request.device_spec)
     comm = timing.communication_seconds(comm_bytes, ctx.bandwidth) + copies
+    accumulate = 0.0
+    if strategy == "fsdp" and not collective["reduce_every_micro_step"]:
+        held = fsdp_accumulate_bytes(
+            memory.grads_bytes(profile), int(collective["grads_bytes"]), accumulation
+        )
+        accumulate = timing.fsdp_copy_seconds(held, ctx.request.device_spec)
     return PlanOption(
         strategy=strategy,
         micro_batch=micro_batch,
@@ -306,13 +335,15 @@ def _evaluate(
         checkpointed=chosen,
         peak=peak,
         times=times,
-        step_seconds=timing.step_seconds(times, accumulation, chosen) + comm,
+        step_seconds=timing.step_seconds(times, accumulation, chosen) + comm + accumulate,
         step_picoseconds=timing.step_picoseconds(times, accumulation, chosen)
-        + timing.to_picoseconds(comm),
+        + timing.to_picoseconds(comm)
+        + timing.to_picoseconds(accumulate),
         comm_seconds=comm,
         comm_bytes=comm_bytes,
         grad_sync=grad_sync,
         copy_seconds=copies,
+        accumulate_seconds=accumulate,
     )
 
 
