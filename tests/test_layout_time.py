@@ -86,12 +86,14 @@ def test_the_bubble_stretches_each_micro_batchs_tp_collectives():
 
 
 def test_fsdp_accumulates_unreduced_gradients_at_memory_bandwidth():
-    # bf16 gradients G = 100 B, fp32 accumulator 200 B, 4 micro-steps: the first copied
-    # (100 + 200), three added (100 + 2·200 each): 300 + 1500; same dtype: 3 later adds of
-    # 3·100; one micro-step: nothing
-    assert fsdp_accumulate_bytes(100, 200, 4) == 1800
-    assert fsdp_accumulate_bytes(100, 100, 4) == 900
-    assert fsdp_accumulate_bytes(100, 200, 1) == 0
+    # bf16 gradients G = 100 B, fp32 accumulator 200 B, 4 micro-steps unreduced: the first
+    # copied (100 + 200), three added (100 + 2·200 each): 300 + 1500. Reduced every
+    # micro-step over 2 ranks: three adds of the 100 B fp32 shard, 3·3·100. Same dtype,
+    # unreduced: autograd's own adds, as every engine's (none charged). One micro-step: 0.
+    assert fsdp_accumulate_bytes(100, 200, 4, 2, every=False) == 1800
+    assert fsdp_accumulate_bytes(100, 200, 4, 2, every=True) == 900
+    assert fsdp_accumulate_bytes(100, 100, 4, 2, every=False) == 0
+    assert fsdp_accumulate_bytes(100, 200, 1, 2, every=False) == 0
 
 
 def _lockstep_makespan(orders, p, v, forward, backward, c=0.0):

@@ -244,24 +244,31 @@ def _reserve_and_limit(
     return reserve, memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
 
 
-def fsdp_accumulate_bytes(probed_grads: int, reduced_grads: int, accumulation: int) -> int:
-    """Bytes an FSDP2 rank reads and writes per step to accumulate its unsharded gradients
-    over ``accumulation`` micro-steps without reducing them (``set_requires_gradient_sync
-    (False)``: a pipeline stage's every micro-batch, torch's ``PipelineStage``; the other
-    micro-steps under ``last_micro_step``). With a wider ``reduce_dtype`` (``reduced_grads``
-    > ``probed_grads``: bf16 gradients, fp32 reduction) FSDP2 keeps an accumulator in it:
-    ``to_accumulated_grad_if_needed`` copies the first micro-step's (read G, write G32),
-    ``accumulate_unsharded_grad_if_needed`` adds each later one (read G and G32, write G32)
-    (torch/distributed/_composable/fsdp/_fsdp_param.py, the late-2024 FSDP2 of the
-    published runs; torch 2.13 fsdp/_fully_shard/_fsdp_param.py, unchanged); otherwise
-    autograd adds each later one in place (read 2 G, write G). None in a probe's clock,
-    which times one micro-step."""
-    later = max(accumulation - 1, 0)
-    if accumulation <= 1:
-        return 0
+def fsdp_accumulate_bytes(
+    probed_grads: int, reduced_grads: int, accumulation: int, world: int, every: bool
+) -> float:
+    """Bytes an FSDP2 rank reads and writes per step to accumulate gradients over
+    ``accumulation`` micro-steps, beyond autograd's own in-place adds (which every engine's
+    local accumulation has and no engine is charged). Reducing in every micro-step
+    (``every``), ``foreach_reduce`` adds each later shard to the sharded gradient in the
+    reduce dtype (``sharded_param.grad._local_tensor += new_sharded_grad``: read 2, write 1
+    of ``reduced_grads / world``). Without (``set_requires_gradient_sync(False)``: a
+    pipeline stage's every micro-batch, torch's ``PipelineStage``; the micro-steps before the
+    last under ``last_micro_step``) and with a wider reduce dtype (``reduced_grads`` >
+    ``probed_grads``: bf16 gradients, fp32 reduction), FSDP2 keeps an unsharded accumulator
+    in it: ``to_accumulated_grad_if_needed`` copies the first micro-step's gradient (read G,
+    write G32), ``accumulate_unsharded_grad_if_needed`` adds each later one (read G and G32,
+    write G32) (torch/distributed/_composable/fsdp/_fsdp_param.py, the late-2024 FSDP2 of the
+    published runs; torch 2.13 fsdp/_fully_shard/_fsdp_param.py and _fsdp_collectives.py).
+    None in a probe's clock, which times one micro-step."""
+    later = accumulation - 1
+    if later <= 0:
+        return 0.0
+    if every:
+        return later * 3 * reduced_grads / max(world, 1)
     if reduced_grads > probed_grads:
         return probed_grads + reduced_grads + later * (probed_grads + 2 * reduced_grads)
-    return later * 3 * probed_grads
+    return 0.0
 
 
 def _evaluate(
@@ -321,9 +328,13 @@ def _evaluate(
         copies = timing.fsdp_copy_seconds(copy_bytes, ctx.request.device_spec)
     comm = timing.communication_seconds(comm_bytes, ctx.bandwidth) + copies
     accumulate = 0.0
-    if strategy == "fsdp" and not collective["reduce_every_micro_step"]:
+    if strategy == "fsdp":
         held = fsdp_accumulate_bytes(
-            memory.grads_bytes(profile), int(collective["grads_bytes"]), accumulation
+            memory.grads_bytes(profile),
+            int(collective["grads_bytes"]),
+            accumulation,
+            ctx.request.world_size,
+            bool(collective["reduce_every_micro_step"]),
         )
         accumulate = timing.fsdp_copy_seconds(held, ctx.request.device_spec)
     return PlanOption(
