@@ -165,9 +165,10 @@ def run(device: str) -> str:
                 "405B); its published memory per GPU (torchtitan's benchmarks/"
                 "llama3_h100_202412_torchtitan.md) is set beside memplan's in the section "
                 "*Published torchtitan runs* below. Step times rank layouts by memplan's model "
-                "(roofline compute, unoverlapped collectives at 450 GB/s NVLink and 50 GB/s "
-                "per GPU between nodes): without a GPU, overlap and small-shape kernel "
-                "efficiency are unknown.\n",
+                "(roofline compute, unoverlapped collectives within a node at NVLink's NCCL "
+                "bus bandwidth, 360 of 450 GB/s, and at 50 GB/s per GPU between nodes; a "
+                "pipeline's bubble stretches each micro-batch's collectives with its compute): "
+                "without a GPU, overlap and small-shape kernel efficiency are unknown.\n",
                 "| model | ranks | target | layout | micro × m | ckpt | peak (GiB) | Megatron "
                 "(GiB) | solve | torchtitan recipe |",
                 "|---|---:|---:|---|---|---:|---|---:|---:|---|",

@@ -266,7 +266,7 @@ def test_a_fully_checkpointed_block_repeats_its_tp_collectives_in_its_recompute(
     # 8 blocks whose first input is 8 B a sample, micro-batch 2, tp 4, 3 micro-batches:
     # each collective moves ring(16 B, 4) = 2·3/4·16 = 24 B; 4 per block plain, 6 when
     # fully checkpointed: (4·8 + 2·5)·3·24 B at 450 GB/s.
-    from memplan.solver.parallel import INTRA_NODE_BYTES_PER_SECOND, layout_comm_seconds
+    from memplan.solver.layout_time import INTRA_NODE_BYTES_PER_SECOND, layout_comm_seconds
 
     profile = _tp_profile()
     assert profile.layers[0].input_bytes.slope == 8

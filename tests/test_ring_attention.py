@@ -204,6 +204,7 @@ def test_a_cp_layout_step_carries_the_rings_exchanges_and_merges():
 
     from memplan.devices import load_device
     from memplan.solver import SolveRequest
+    from memplan.solver.layout_time import intra_node_bandwidth
     from memplan.solver.parallel import LayoutRequest, solve_layout
 
     spec = load_device("h100-80gb")
@@ -222,7 +223,10 @@ def test_a_cp_layout_step_carries_the_rings_exchanges_and_merges():
     result = solve_layout(profile, request, LayoutRequest(cp=2))
     (option,) = [o for o in result.options if o.micro_batch == 2]
     m = option.micro_batches
-    ring = ring_seconds(profile, option.parallel, 2, spec, gpus_per_node=8)
+    # within a node at NCCL's bus bandwidth of the spec's link, as TP's collectives
+    intra = intra_node_bandwidth(spec)
+    assert intra == pytest.approx(360e9)
+    ring = ring_seconds(profile, option.parallel, 2, spec, gpus_per_node=8, intra=intra)
     assert ring.fwd_memory > 0 and ring.bwd_comm > ring.fwd_comm > 0
     assert option.comm_seconds["cp"] == pytest.approx(m * ring.comm(4, 4))
     stage = option.stages[0].plan.predicted.step_seconds

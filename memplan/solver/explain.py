@@ -184,6 +184,12 @@ def _strategy_reasons(
                 else ""
             )
             + ", counted without overlap"
+            + (
+                f"; accumulating unreduced gradients over the micro-steps "
+                f"+{format_seconds(best.accumulate_seconds)} at memory bandwidth"
+                if best.accumulate_seconds
+                else ""
+            )
         )
     return lines
 

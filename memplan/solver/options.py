@@ -142,6 +142,9 @@ class PlanOption:
     grad_sync: GradSync = "last_micro_step"
     copy_seconds: float = 0.0
     """FSDP's copy-in and copy-out around its collectives (``timing.fsdp_copy_bytes``)."""
+    accumulate_seconds: float = 0.0
+    """FSDP's gradient accumulation over the micro-steps it does not reduce in
+    (``fsdp_accumulate_bytes``): in ``step_seconds``, per micro-step, not in ``comm_seconds``."""
 
     @property
     def rank(self) -> tuple[int, int, int, int, int]:
@@ -242,6 +245,33 @@ def _reserve_and_limit(
     return reserve, memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
 
 
+def fsdp_accumulate_bytes(
+    probed_grads: int, reduced_grads: int, accumulation: int, world: int, every: bool
+) -> float:
+    """Bytes an FSDP2 rank reads and writes per step to accumulate gradients over
+    ``accumulation`` micro-steps, beyond autograd's own in-place adds (which every engine's
+    local accumulation has and no engine is charged). Reducing in every micro-step
+    (``every``), ``foreach_reduce`` adds each later shard to the sharded gradient in the
+    reduce dtype (``sharded_param.grad._local_tensor += new_sharded_grad``: read 2, write 1
+    of ``reduced_grads / world``). Without (``set_requires_gradient_sync(False)``: a
+    pipeline stage's every micro-batch, torch's ``PipelineStage``; the micro-steps before the
+    last under ``last_micro_step``) and with a wider reduce dtype (``reduced_grads`` >
+    ``probed_grads``: bf16 gradients, fp32 reduction), FSDP2 keeps an unsharded accumulator
+    in it: ``to_accumulated_grad_if_needed`` copies the first micro-step's gradient (read G,
+    write G32), ``accumulate_unsharded_grad_if_needed`` adds each later one (read G and G32,
+    write G32) (torch/distributed/_composable/fsdp/_fsdp_param.py, the late-2024 FSDP2 of the
+    published runs; torch 2.13 fsdp/_fully_shard/_fsdp_param.py and _fsdp_collectives.py).
+    None in a probe's clock, which times one micro-step."""
+    later = accumulation - 1
+    if later <= 0:
+        return 0.0
+    if every:
+        return later * 3 * reduced_grads / max(world, 1)
+    if reduced_grads > probed_grads:
+        return probed_grads + reduced_grads + later * (probed_grads + 2 * reduced_grads)
+    return 0.0
+
+
 def _evaluate(
     ctx: SolveContext,
     micro_batch: int,
@@ -298,6 +328,16 @@ def _evaluate(
         copy_bytes = timing.fsdp_copy_bytes(ctx.request.world_size, collective)
         copies = timing.fsdp_copy_seconds(copy_bytes, ctx.request.device_spec)
     comm = timing.communication_seconds(comm_bytes, ctx.bandwidth) + copies
+    accumulate = 0.0
+    if strategy == "fsdp":
+        held = fsdp_accumulate_bytes(
+            memory.grads_bytes(profile),
+            collective.grads_bytes,
+            accumulation,
+            ctx.request.world_size,
+            collective.reduce_every_micro_step,
+        )
+        accumulate = timing.fsdp_copy_seconds(held, ctx.request.device_spec)
     return PlanOption(
         strategy=strategy,
         micro_batch=micro_batch,
@@ -307,13 +347,15 @@ def _evaluate(
         checkpointed=chosen,
         peak=peak,
         times=times,
-        step_seconds=timing.step_seconds(times, accumulation, chosen) + comm,
+        step_seconds=timing.step_seconds(times, accumulation, chosen) + comm + accumulate,
         step_picoseconds=timing.step_picoseconds(times, accumulation, chosen)
-        + timing.to_picoseconds(comm),
+        + timing.to_picoseconds(comm)
+        + timing.to_picoseconds(accumulate),
         comm_seconds=comm,
         comm_bytes=comm_bytes,
         grad_sync=grad_sync,
         copy_seconds=copies,
+        accumulate_seconds=accumulate,
     )
 
 

@@ -9,24 +9,26 @@ its checkpoint modes at that ``b`` and ``m``). The layout fits when every stage 
 step time is the slowest stage's, through the pipeline schedule, plus what the layout's
 collectives add, none of them overlapped (an upper bound, as for data parallelism)::
 
-    step     = (m + pp − 1) · max_s t_s / m  +  max_s o_s  +  comm_TP + comm_PP + comm_CP
+    step     = (m + pp − 1)/m · (max_s t_s + c_TP + c_PP + c_CP)  +  max_s o_s  (+ DDP's)
     bubble   = (pp − 1) / (m + pp − 1)                      (1F1B, GPipe; / v interleaved)
-    comm_TP  = m · (4·L_s + 2·F_s) · ring(b · act_bytes, tp) / intra   (2 all-reduces
+    c_TP     = m · (4·L_s + 2·F_s) · ring(b · act_bytes, tp) / intra   (2 all-reduces
                forward and 2 backward per block, Megatron's f/g operators; SP's all-gather
                + reduce-scatter move the same bytes; the F_s fully checkpointed blocks run
                the forward's 2 again in their recompute)
-    comm_PP  = m · 2 · b · act_bytes / inter                (one activation and its gradient
-               across each stage boundary per micro-batch)
-    comm_CP  = m · (L_s · (g_f + g_b) + F_s · g_f)   (ring attention's K/V, dK/dV exchanges)
+    c_PP     = m · 2v · b · act_bytes (/ tp under SP) / inter   (an activation and its
+               gradient across each of a rank's v stage boundaries per micro-batch)
+    c_CP     = m · (L_s · (g_f + g_b) + F_s · g_f)   (ring attention's K/V, dK/dV exchanges,
+               memplan.solver.ring: NCCL's NVLink within a node, 50 GB/s once tp·cp leaves it)
     ring(x, n) = 2 (n − 1) / n · x
 
-with ``t_s`` stage s's micro-batches (compute and recompute; with CP also the ring's
-memory-bound merges, memplan.solver.ring, as its g), ``o_s`` what it runs once per
-step (optimizer step; data-parallel collectives at ``data_parallel_bandwidth``: NVLink
-within a node, the group's NICs between nodes), both from the stage solve, and ``act_bytes``
-one sample's block input. The fastest fitting plan wins (ties: less peak). Unknown without
-a GPU: the collectives' overlap with compute, kernel efficiency at small per-rank shapes,
-the real network; so close layouts rank by a model's figures (the reasons say by how much).
+(``layout_time``: the bubble stretches each micro-batch's collectives with its compute;
+before, they were added once, outside it), with ``t_s`` stage s's micro-batches (compute and
+recompute; with CP also the ring's memory-bound merges, memplan.solver.ring), ``o_s`` what it runs once per step (optimizer step; data-parallel collectives at
+``data_parallel_bandwidth``: NVLink within a node, the group's NICs between nodes), both from
+the stage solve, ``act_bytes`` one sample's block input and ``intra`` the device's NVLink at
+NCCL's bus bandwidth. The fastest fitting plan wins (ties: less peak). Unknown without a
+GPU: the collectives' overlap with compute, kernel efficiency at small per-rank shapes, the
+real network; so close layouts rank by a model's figures (the reasons say by how much).
 """
 
 from __future__ import annotations
@@ -52,34 +54,19 @@ from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind, spli
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.batches import divisors, micro_batch_sizes, split_error
+from memplan.solver.layout_time import (  # re-exported: the layout search's time terms
+    INTER_NODE_BYTES_PER_SECOND,
+    bubble_fraction,
+    data_parallel_bandwidth,
+    intra_node_bandwidth,
+    layout_comm_seconds,
+    pipeline_seconds,
+)
 from memplan.solver.options import MANY_MICRO_BATCHES
 from memplan.solver.request import LayoutRequest, SolveRequest, SolveResult
-from memplan.solver.ring import (
-    INTER_NODE_BYTES_PER_SECOND,
-    INTRA_NODE_BYTES_PER_SECOND,
-    ring_seconds,
-)
+from memplan.solver.ring import ring_seconds
 from memplan.solver.search import solve_if_fits
 from memplan.units import format_bytes
-
-
-def data_parallel_bandwidth(
-    parallel: Parallel, intra: float, gpus_per_node: int, sharded: bool = True
-) -> float:
-    """Bytes per second per rank of the data-parallel collectives of ``parallel``. Ranks
-    are numbered tp innermost, then cp, dp, pp (torchtitan's mesh order, ``memory.parallel.
-    stage_of_rank``): a sharded group (FSDP over dp × cp, ``layout_sharding``) takes every
-    tp-th rank, DDP's replicas every (tp·cp)-th. Within a node (ranks × stride ≤
-    gpus_per_node) on NVLink (``intra``); across nodes its g = gpus_per_node / stride ranks
-    a node each bring a NIC (DGX H100: a 400 Gb/s ConnectX-7 per GPU, NVIDIA's user guide;
-    NCCL runs a ring channel per NIC): g × 50 GB/s (nccl-tests: 8 NICs give about 400 GB/s),
-    at most NVLink. Before, all ran at NVLink: FSDP at dp 32 × tp 8 (70B) 9× too fast."""
-    shards = (parallel.dp * parallel.cp, parallel.tp)
-    ranks, stride = shards if sharded else (parallel.dp, parallel.tp * parallel.cp)
-    if ranks <= 1 or ranks * stride <= gpus_per_node:
-        return intra
-    per_node = max(1, gpus_per_node // stride)
-    return min(intra, per_node * INTER_NODE_BYTES_PER_SECOND)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -156,41 +143,6 @@ def candidate_layouts(
                     )
                 )
     return out
-
-
-def layout_comm_seconds(
-    profile: Profile,
-    parallel: Parallel,
-    b: int,
-    m: int,
-    stage_layers: int,
-    recomputed: int = 0,
-    gpus_per_node: int = 8,
-) -> dict[str, float]:
-    """The collectives a layout adds to a step (module docstring), in seconds; ``recomputed``
-    of the stage's blocks fully checkpointed, whose recompute runs the forward's two TP
-    collectives again (Korthikanti et al. 2022, §4: full recomputation repeats the forward's
-    all-reduces, or SP's all-gathers and reduce-scatters)."""
-    act = profile.layers[0].input_bytes.slope * b if profile.layers else 0.0
-    act /= parallel.cp
-    out = {"tp": 0.0, "pp": 0.0}
-    if parallel.tp > 1:
-        ring = 2 * timing.ring_fraction(parallel.tp) * act  # per all-reduce
-        out["tp"] = m * (4 * stage_layers + 2 * recomputed) * ring / INTRA_NODE_BYTES_PER_SECOND
-    if parallel.pp > 1:
-        out["pp"] = m * 2 * act / INTER_NODE_BYTES_PER_SECOND
-    ring = ring_seconds(profile, parallel, b, None, gpus_per_node)  # zero without CP
-    out["cp"] = m * ring.comm(stage_layers, recomputed)
-    return out
-
-
-def bubble_fraction(parallel: Parallel, m: int) -> float:
-    """Idle share of a pipeline step: (pp − 1) / (m + pp − 1), over v when interleaved
-    (Narayanan et al. 2021, §2.2)."""
-    if parallel.pp == 1:
-        return 0.0
-    idle = (parallel.pp - 1) / parallel.virtual_stages
-    return idle / (m + idle)
 
 
 _RANKS: dict[tuple, Profile] = {}
@@ -315,15 +267,20 @@ def evaluate_layout(
     once = max(r.once_seconds for r in results)
     # a fully checkpointed block runs its forward's TP collectives again in its recompute
     recomputed = max(sum(1 for mode in r.plan.checkpoint.values() if mode == FULL) for r in results)
-    comm = layout_comm_seconds(profile, parallel, b, m, most_layers, recomputed, gpus_per_node)
-    ring = ring_seconds(profile, parallel, b, request.device_spec, gpus_per_node)
+    intra = intra_node_bandwidth(request.device_spec)
+    ring = ring_seconds(profile, parallel, b, request.device_spec, gpus_per_node, intra)
+    per_micro = layout_comm_seconds(
+        profile, parallel, b, m, most_layers, recomputed, intra, ring.comm(most_layers, recomputed)
+    )
     slowest += m * ring.memory(most_layers, recomputed)  # the ring's merges: stage compute
+    # the bubble stretches each micro-batch's collectives with its compute (layout_time)
+    micro, comm = pipeline_seconds(parallel, m, slowest, per_micro)
     if world == 1 and parallel.dp > 1:  # the pipeline's replicas, all-reduced after the step
         grads = profile.totals.grad_bytes / (parallel.pp * parallel.tp)
         bandwidth = stage_request.data_parallel_bandwidth or INTER_NODE_BYTES_PER_SECOND
         comm["dp"] = 2 * timing.ring_fraction(parallel.dp) * grads / bandwidth
     bubble = bubble_fraction(parallel, m)
-    step = slowest / (1.0 - bubble) + once + sum(comm.values())
+    step = micro + once + sum(comm.values())
     return LayoutOption(
         parallel=parallel,
         micro_batch=b,

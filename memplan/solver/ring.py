@@ -45,13 +45,8 @@ from dataclasses import dataclass
 from memplan.devices import DeviceSpec
 from memplan.parallel import Parallel
 from memplan.profile import Profile
+from memplan.solver.layout_time import INTER_NODE_BYTES_PER_SECOND, INTRA_NODE_BYTES_PER_SECOND
 
-INTRA_NODE_BYTES_PER_SECOND = 450e9
-"""NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU, 450 GB/s one way (NVIDIA H100
-datasheet). TP, and CP groups that fit in one node."""
-INTER_NODE_BYTES_PER_SECOND = 50e9
-"""One 400 Gb/s InfiniBand NDR NIC per GPU (DGX H100): 50 GB/s one way. Pipeline stages
-and data-parallel groups that span nodes."""
 ACCUM_BYTES = 4
 """torch's ring attention accumulates outputs and gradients in fp32
 (``_ContextParallelOptions.convert_to_f32 = True``)."""
@@ -131,6 +126,7 @@ def ring_seconds(
     b: int,
     spec: DeviceSpec | None,
     gpus_per_node: int = 8,
+    intra: float = INTRA_NODE_BYTES_PER_SECOND,
 ) -> RingSeconds:
     """The ring's extra seconds per block and micro-batch of ``b`` samples (module
     docstring); none without context parallelism. Without a device spec, no memory-bound
@@ -141,11 +137,8 @@ def ring_seconds(
     # one rank's K after repeat_kv: b · S/cp tokens × d_model/tp, as many as its block input
     # has elements over tp
     elements = profile.layers[0].input_bytes.slope * b / (w * parallel.cp * parallel.tp)
-    link = (
-        INTRA_NODE_BYTES_PER_SECOND
-        if cp_within_node(parallel, gpus_per_node)
-        else INTER_NODE_BYTES_PER_SECOND
-    )
+    # within a node at ``intra`` (NCCL's bus bandwidth of the spec's link, as TP's)
+    link = intra if cp_within_node(parallel, gpus_per_node) else INTER_NODE_BYTES_PER_SECOND
     fwd_comm, bwd_comm = ring_comm_bytes(parallel.cp, w)
     out = RingSeconds(fwd_comm=fwd_comm * elements / link, bwd_comm=bwd_comm * elements / link)
     if spec is None or not spec.memory_bandwidth:
