@@ -172,6 +172,33 @@ H200_ROWS = [
     ),
 ]  # fmt: skip
 
+ASYNC_TP_SOURCE = (
+    "torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md (June 2025, the same "
+    "96 GB HBM2e H100s at 500 W: torch 38410cf9, torchtitan 820504e; Average TPS only)"
+)
+ASYNC_TP_ROWS = [
+    # Its vanilla-TP rows (memplan charges TP's collectives unoverlapped, as vanilla TP runs
+    # them; async TP hides them), bf16 and float8 tensorwise (the rowwise baseline is a
+    # known slow path, pytorch/torchtitan#1207). All compiled, so the 8B loss is compiled
+    # too; 70B takes the eager-loss factory: under loss parallel its loss is 0.1% of the step.
+    Published(
+        "70B", "build_70b", "asyncTP 2025-06, vanilla TP", 256, 8, 1, 16, 16, "full", 0.0,
+        597, "compile", source=ASYNC_TP_SOURCE,
+    ),
+    Published(
+        "70B", "build_70b", "asyncTP 2025-06, vanilla TP", 256, 8, 1, 16, 16, "full", 0.0,
+        810, "compile+float8", source=ASYNC_TP_SOURCE, precision="float8",
+    ),
+    Published(
+        "8B", "build_8b_compiled_loss", "asyncTP 2025-06, vanilla TP", 64, 8, 1, 12, 12,
+        "op-sac", 0.0, 4378, "compile", source=ASYNC_TP_SOURCE,
+    ),
+    Published(
+        "8B", "build_8b_compiled_loss", "asyncTP 2025-06, vanilla TP", 64, 8, 1, 12, 12,
+        "op-sac", 0.0, 5078, "compile+float8", source=ASYNC_TP_SOURCE, precision="float8",
+    ),
+]  # fmt: skip
+
 # PyTorch's FlashAttention-2 path on H100, measured by pytorch/pytorch#142132 on the nightly
 # of 2024-12-04 (the torch of the December 2024 H100 runs): 329.5 of 989 TFLOP/s.
 FA2_H100 = 329.5 / 989
@@ -576,7 +603,7 @@ def run(device: str) -> str:
     searches: dict[tuple, object] = {}
     a100_steps: dict[str, tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="memplan-published-") as tmp:
-        for row in ROWS + CP_ROWS + A100_ROWS + H200_ROWS:
+        for row in ROWS + CP_ROWS + A100_ROWS + H200_ROWS + ASYNC_TP_ROWS:
             spec = run_spec(row)
             profile = probed(probes, tmp, row, spec, row.precision)
             published_plan = None
@@ -622,7 +649,7 @@ def run(device: str) -> str:
                 print(f"published: {bracket_lines[-1]}", flush=True)
             if published_plan is None:
                 continue
-            if row in ROWS and row.device == DEVICE:  # the H100 peak's range (no CP rows)
+            if row in ROWS + ASYNC_TP_ROWS and row.device == DEVICE:  # the H100 peaks (no CP)
                 peak_lines.append(peak_range_line(probes, tmp, row, published_plan))
                 print(f"published: {peak_lines[-1]}", flush=True)
             where = (row.factory, spec.name, row.gpus, row.local_batch * row.dp, row.cp)
@@ -678,7 +705,9 @@ def run(device: str) -> str:
             "stands (its datasheet peaks and efficiencies); that torchtitan compiles the loss "
             "under `training.compile` (the December 2024 one left it eager), so they are "
             "probed from `build_8b_compiled_loss`, whose loss has the compiled loss's bytes "
-            "(`memplan.run.losses.compiled_cross_entropy`: no fp32 copy of the logits).\n",
+            "(`memplan.run.losses.compiled_cross_entropy`: no fp32 copy of the logits). The "
+            f"'asyncTP 2025-06' rows: {ASYNC_TP_SOURCE}, its vanilla-TP runs in bf16 and float8 "
+            "tensorwise, TPS only, on the December table's H100 spec.\n",
             "| model | published run | device spec | layout | local batch (micro × m) | AC | "
             "published GiB | memplan GiB | ratio | published step | memplan step | ratio |",
             "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
