@@ -67,7 +67,6 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -187,15 +186,6 @@ def _memplan(*args: str) -> None:
 # --------------------------------------------------------------------------- torchtitan's side
 def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """One gloo rank of torchtitan's training on the emitted arguments (module doc)."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{config['port']}",
-        rank=rank,
-        world_size=int(config["world_size"]),
-        timeout=timedelta(seconds=float(config["timeout_s"])),
-    )
     import spmd_types as spmd
     import torchtitan.distributed.parallel_dims as titan_dims
     from torchtitan.components.loss import CrossEntropyLoss
@@ -207,7 +197,9 @@ def torchtitan_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     from memplan.model.loader import load_model_file
     from memplan.probe.tracker import resident_tensors
     from memplan.verify.distributed import DistributedTracker
+    from memplan.verify.rank_lifetime import join_group
 
+    join_group(rank, config)
     titan_dims.device_type = "cpu"  # see the module doc: torchtitan falls back to "cuda"
     mf = load_model_file(str(config["model"]))
     job = ConfigManager().parse_args(list(config["args"]))

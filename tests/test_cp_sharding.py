@@ -8,7 +8,6 @@ mesh, and set beside memplan's per-rank model (``memory.parallel.layout_sharding
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 from memplan import memory
 from memplan.memory.parallel import communicators, layout_sharding
 from memplan.parallel import Parallel
+from memplan.verify.rank_lifetime import join_group
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
@@ -28,19 +28,12 @@ BLOCKS, WIDTH = 4, 64  # 4 bias-free 64 × 64 fp32 linears: 16 KiB each, 64 KiB 
 def shard_bytes_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     """One gloo rank: the model fully sharded over torchtitan's ``fsdp`` mesh of dp_shard 2
     × cp 2, as parallelize_llama gathers it (``get_mesh(["fsdp"])``); its local bytes."""
-    import torch.distributed as dist
     import torchtitan.distributed.parallel_dims as titan_dims
     from torch import nn
     from torch.distributed.fsdp import fully_shard
     from torchtitan.distributed import ParallelDims
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{config['port']}",
-        rank=rank,
-        world_size=int(config["world_size"]),
-        timeout=timedelta(seconds=float(config["timeout_s"])),
-    )
+    join_group(rank, config)
     titan_dims.device_type = "cpu"  # torchtitan falls back to "cuda" (bench/engines.py)
     dims = ParallelDims(
         dp_replicate=1,

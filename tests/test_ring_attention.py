@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import Counter
-from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -25,6 +24,7 @@ from memplan.solver.ring import (
     ring_memory_bytes,
     ring_seconds,
 )
+from memplan.verify.rank_lifetime import join_group
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
@@ -75,13 +75,7 @@ def _count_ring(rank: int, config: dict[str, Any]) -> dict[str, Any]:
             self.memory += sum(t.nbytes for t in big)
             return out
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{config['port']}",
-        rank=rank,
-        world_size=int(config["world_size"]),
-        timeout=timedelta(seconds=float(config["timeout_s"])),
-    )
+    join_group(rank, config)
     torch.manual_seed(rank)
     q, k, v = (
         torch.randn(B, S_LOCAL, H, D, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)

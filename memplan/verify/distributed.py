@@ -39,7 +39,6 @@ import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from memplan.verify.rank_lifetime import (
     RANK_BYTES,
     RunFolder,
     die_with_parent,
+    join_group,
     rank_warnings,
     startable_cpu_ranks,
     warning_text,
@@ -296,13 +296,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo",
-        init_method=f"tcp://127.0.0.1:{config['port']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=float(config["timeout_s"])),
-    )
+    join_group(rank, config, "nccl" if cuda else "gloo")
     plan = plan_from_data(config["plan"], source="plan")
     parallel = plan.parallel
     if parallel is not None and (parallel.tp > 1 or parallel.pp > 1 or parallel.cp > 1):

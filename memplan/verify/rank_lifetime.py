@@ -256,3 +256,19 @@ def rank_warnings(per_rank: list[list[str]]) -> list[str]:
         else f"{text} (rank{'s' if len(who) > 1 else ''} {', '.join(map(str, who))})"
         for text, who in ranks.items()
     ]
+
+
+def join_group(rank: int, config: dict[str, Any], backend: str = "gloo") -> None:
+    """A rank started by the launcher joins its process group: the launcher's loopback
+    port, world size and timeout (``config``), over ``backend``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{config['port']}",
+        rank=rank,
+        world_size=int(config["world_size"]),
+        timeout=timedelta(seconds=float(config["timeout_s"])),
+    )
