@@ -5,6 +5,7 @@ compiled function saves for backward), op by op (no fp32 tensor of tokens × voc
 where eager makes several), and through memplan's probe (the peak falls by the bytes
 computed by hand)."""
 
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -82,14 +83,39 @@ def saved_by(fn, pred, labels) -> Counter:
     return saved
 
 
+_INDUCTOR = """
+import json, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_compiled_loss import eager_loss, saved_by
+pred = torch.randn(2, 64, 1024).bfloat16().requires_grad_()
+labels = torch.randint(0, 1024, (2, 64))
+saved = saved_by(torch.compile(eager_loss), pred, labels)
+print(json.dumps([[n, str(dtype), count] for (n, dtype), count in saved.items()]))
+"""
+
+
 def test_it_saves_what_inductor_saves_for_the_compiled_loss():
     """torch.compile (inductor, CPU) of torchtitan's loss saves the bf16 logits, the targets
     and two fp32 values per row; so does compiled_cross_entropy, where eager saves an fp32
-    log-softmax of every logit."""
-    torch._dynamo.reset()
+    log-softmax of every logit. Inductor runs in a fresh process: its compile workers and
+    threads left in pytest's process broke the gloo ranks later tests fork (SIGABRT at a
+    rank's exit), and its environment doubled a probe subprocess's memory."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _INDUCTOR, str(Path(__file__).parent)],
+        capture_output=True, text=True, env=env, check=True,
+    )  # fmt: skip
+    inductor = Counter(
+        {(n, getattr(torch, dtype.removeprefix("torch."))): count
+         for n, dtype, count in json.loads(run.stdout.strip().splitlines()[-1])}
+    )  # fmt: skip
     pred = torch.randn(2, 64, 1024).bfloat16().requires_grad_()
     labels = torch.randint(0, 1024, (2, 64))
-    inductor = saved_by(torch.compile(eager_loss), pred, labels)
     rows = 2 * 64
     expected = Counter(
         {(rows * 1024, torch.bfloat16): 1, (rows, torch.int64): 1, (rows, torch.float32): 2}
