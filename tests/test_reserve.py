@@ -123,6 +123,7 @@ def _sharded_grad_storages(rank: int, world: int, init_file: str, out: str) -> N
     }
     with open(f"{out}.{rank}", "w") as f:
         json.dump(storages, f)
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it (as verify's)
     dist.destroy_process_group()
 
 
