@@ -26,3 +26,15 @@ class Collective:
     gathered_once: bool = False
     """A pipeline stage's FSDP: the parameters gathered once per step (no reshard after
     forward, the gradients reduced after the schedule)."""
+
+    @property
+    def gathers(self) -> int:
+        """Parameter all-gathers a step: one per forward and one per backward of each
+        micro-step, or one for the step when ``gathered_once``."""
+        return 1 if self.gathered_once else 2 * self.accumulation_steps
+
+    @property
+    def reductions(self) -> int:
+        """Gradient reductions a step: one per micro-step when ``reduce_every_micro_step``,
+        else one."""
+        return self.accumulation_steps if self.reduce_every_micro_step else 1

@@ -507,9 +507,7 @@ def communication_bytes(strategy: str, world_size: int, collective: Collective) 
     if strategy == "zero2":
         return k * ring * grads + ring * params
     if strategy == "fsdp":
-        reductions = k if collective.reduce_every_micro_step else 1
-        gathers = 1 if collective.gathered_once else 2 * k
-        return gathers * ring * params + reductions * ring * grads
+        return collective.gathers * ring * params + collective.reductions * ring * grads
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
@@ -546,11 +544,10 @@ def fsdp_copy_bytes(world_size: int, collective: Collective) -> float:
     Counted per step as :func:`communication_bytes` counts the collectives."""
     if world_size <= 1:
         return 0.0
-    k = collective.accumulation_steps
-    gathers = 1 if collective.gathered_once else 2 * k
-    reductions = k if collective.reduce_every_micro_step else 1
     params, grads = collective.params_bytes, collective.grads_bytes
-    return gathers * 2 * (params + params / world_size) + reductions * 2 * grads
+    return (
+        collective.gathers * 2 * (params + params / world_size) + collective.reductions * 2 * grads
+    )
 
 
 def fsdp_copy_seconds(copy_bytes: float, device_spec: DeviceSpec | None) -> float:

@@ -59,6 +59,12 @@ def data_parallel_bandwidth(
     return min(intra, per_node * INTER_NODE_BYTES_PER_SECOND)
 
 
+def block_input_bytes(profile: Profile, parallel: Parallel, b: int) -> float:
+    """One rank's share of a block's input at micro-batch ``b``: the probe's bytes a sample,
+    over ``cp`` (its sequence split); what TP's, PP's and CP's exchanges are sized from."""
+    return profile.layers[0].input_bytes.slope * b / parallel.cp if profile.layers else 0.0
+
+
 def stage_boundary_bytes(profile: Profile, parallel: Parallel, b: int) -> float:
     """Bytes one rank sends across a stage boundary per micro-batch and direction: a block's
     input at micro-batch ``b`` (over ``cp``). Under sequence parallelism a block's output is
@@ -66,8 +72,7 @@ def stage_boundary_bytes(profile: Profile, parallel: Parallel, b: int) -> float:
     ``RowwiseParallel(output_layouts=Shard(1))``, local output; torch's ``PipelineStage``
     sends that local tensor), so 1/tp of it; without, each TP rank sends the whole
     replicated activation to its peer."""
-    act = profile.layers[0].input_bytes.slope * b if profile.layers else 0.0
-    act /= parallel.cp
+    act = block_input_bytes(profile, parallel, b)
     return act / parallel.tp if parallel.sequence_parallel else act
 
 
@@ -88,7 +93,7 @@ def layout_comm_seconds(
     SP's all-gathers and reduce-scatters). Each micro-batch crosses ``virtual_stages``
     boundaries a rank sends over, forward and backward. ``cp_seconds``: one micro-batch's
     ring-attention exchanges on the stage (``memplan.solver.ring``, ``RingSeconds.comm``)."""
-    act = profile.layers[0].input_bytes.slope * b / parallel.cp if profile.layers else 0.0
+    act = block_input_bytes(profile, parallel, b)
     out = {"tp": 0.0, "pp": 0.0, "cp": 0.0}
     if parallel.tp > 1:
         ring = 2 * timing.ring_fraction(parallel.tp) * act  # per all-reduce

@@ -323,13 +323,10 @@ def _evaluate(
         gathered_once=sharding.reduce_after_schedule and not sharding.reshard_after_forward,
     )
     comm_bytes = timing.communication_bytes(strategy, ctx.request.world_size, collective)
-    copies = 0.0
+    copies = accumulate = 0.0
     if strategy == "fsdp":  # FSDP2's copy-in/copy-out around its collectives, memory-bound
         copy_bytes = timing.fsdp_copy_bytes(ctx.request.world_size, collective)
         copies = timing.fsdp_copy_seconds(copy_bytes, ctx.request.device_spec)
-    comm = timing.communication_seconds(comm_bytes, ctx.bandwidth) + copies
-    accumulate = 0.0
-    if strategy == "fsdp":
         held = fsdp_accumulate_bytes(
             memory.grads_bytes(profile),
             collective.grads_bytes,
@@ -338,6 +335,7 @@ def _evaluate(
             collective.reduce_every_micro_step,
         )
         accumulate = timing.fsdp_copy_seconds(held, ctx.request.device_spec)
+    comm = timing.communication_seconds(comm_bytes, ctx.bandwidth) + copies
     return PlanOption(
         strategy=strategy,
         micro_batch=micro_batch,

@@ -45,7 +45,11 @@ from dataclasses import dataclass
 from memplan.devices import DeviceSpec
 from memplan.parallel import Parallel
 from memplan.profile import Profile
-from memplan.solver.layout_time import INTER_NODE_BYTES_PER_SECOND, INTRA_NODE_BYTES_PER_SECOND
+from memplan.solver.layout_time import (
+    INTER_NODE_BYTES_PER_SECOND,
+    INTRA_NODE_BYTES_PER_SECOND,
+    block_input_bytes,
+)
 
 ACCUM_BYTES = 4
 """torch's ring attention accumulates outputs and gradients in fp32
@@ -136,7 +140,7 @@ def ring_seconds(
     w = activation_itemsize(profile)
     # one rank's K after repeat_kv: b · S/cp tokens × d_model/tp, as many as its block input
     # has elements over tp
-    elements = profile.layers[0].input_bytes.slope * b / (w * parallel.cp * parallel.tp)
+    elements = block_input_bytes(profile, parallel, b) / (w * parallel.tp)
     # within a node at ``intra`` (NCCL's bus bandwidth of the spec's link, as TP's)
     link = intra if cp_within_node(parallel, gpus_per_node) else INTER_NODE_BYTES_PER_SECOND
     fwd_comm, bwd_comm = ring_comm_bytes(parallel.cp, w)
