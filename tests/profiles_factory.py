@@ -414,3 +414,19 @@ def with_loss_part(profile: Profile, logits_per_sample: float) -> Profile:
         fwd_flops=Affine.zero(),
     )
     return dataclasses.replace(profile, fixed=(*profile.fixed, loss))
+
+
+def with_tp_measurement(profile: Profile, fraction: float, *, hf_blocks: bool = False) -> Profile:
+    """``profile`` as if probed with a TP measurement: every block keeps ``fraction`` of its
+    saved bytes under TP and splits all its trainable parameters; ``hf_blocks``: its blocks
+    named as a transformers decoder's, which memplan can split into pipeline stages."""
+    import dataclasses
+
+    layers = tuple(
+        dataclasses.replace(
+            layer, tp_saved_fraction=fraction, tp_sharded_bytes=layer.params_trainable_bytes
+        )
+        for layer in profile.layers
+    )
+    hf = profile.layer_names if hf_blocks else profile.hf_blocks
+    return dataclasses.replace(profile, layers=layers, hf_blocks=hf)

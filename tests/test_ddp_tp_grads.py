@@ -5,10 +5,8 @@ every one split by TP."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
-from profiles_factory import uniform_chain
+from profiles_factory import uniform_chain, with_tp_measurement
 from tiny_llama import llama_reference
 
 from memplan.memory.ddp_tp import ddp_splits_grads
@@ -17,14 +15,7 @@ from memplan.parallel import Parallel
 
 
 def _profile():
-    profile = uniform_chain(4).profile()
-    layers = tuple(
-        dataclasses.replace(
-            layer, tp_saved_fraction=0.6, tp_sharded_bytes=layer.params_trainable_bytes
-        )
-        for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
+    return with_tp_measurement(uniform_chain(4).profile(), 0.6)
 
 
 def test_only_ddp_over_tp_holds_split_gradients_apart():

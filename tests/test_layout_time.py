@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from profiles_factory import uniform_chain
+from profiles_factory import uniform_chain, with_tp_measurement
 
 from memplan.devices import load_device
 from memplan.parallel import Parallel
@@ -26,14 +26,7 @@ from memplan.solver.parallel import LayoutRequest, solve_layout
 
 def _tp_profile(n: int = 4):
     profile = uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
-    profile = dataclasses.replace(profile, hf_blocks=profile.layer_names)
-    layers = tuple(
-        dataclasses.replace(
-            layer, tp_saved_fraction=0.75, tp_sharded_bytes=layer.params_trainable_bytes
-        )
-        for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
+    return with_tp_measurement(profile, 0.75, hf_blocks=True)
 
 
 def test_tp_runs_at_the_devices_nccl_bus_bandwidth():

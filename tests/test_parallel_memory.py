@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from profiles_factory import uniform_chain, with_loss_part
+from profiles_factory import uniform_chain, with_loss_part, with_tp_measurement
 
 from memplan.errors import BadInputError
 from memplan.memory import plan_peak
@@ -34,16 +34,6 @@ def _plan(**kwargs) -> Plan:
     }
     base.update(kwargs)
     return Plan(**base)
-
-
-def _with_tp(profile, fraction: float):
-    layers = tuple(
-        dataclasses.replace(
-            layer, tp_saved_fraction=fraction, tp_sharded_bytes=layer.params_trainable_bytes
-        )
-        for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
@@ -103,7 +93,7 @@ def test_pipeline_stage_holds_its_own_layers_and_k_micro_batches():
 def test_tensor_parallel_halves_sharded_state_and_the_inside_activations():
     # Every layer's params TP-sharded; 60% of its saved bytes inside the TP region. At tp 2
     # a rank holds half of each layer's 1000 B, and 100·(0.4 + 0.6/2) = 70 B per sample.
-    profile = _with_tp(uniform_chain(4).profile(), 0.6)
+    profile = with_tp_measurement(uniform_chain(4).profile(), 0.6)
     rank = rank_profile(profile, Parallel(tp=2), 0, 1)
     assert [layer.params_trainable_bytes for layer in rank.layers] == [500] * 4
     assert rank.layers[0].saved_bytes.at(1) == pytest.approx(70.0)
@@ -168,7 +158,7 @@ def test_a_stage_rank_is_timed_for_its_own_fixed_parts_and_optimizer_share():
     # sample, head 300, the head split by vocabulary under TP) and its optimizer step 0.5 s.
     # Before, every stage's rank was charged both whole (the 405B pipeline rows: the full
     # head and the whole model's optimizer step on each of 8 stages, 1.40× the published).
-    whole = _with_tp(uniform_chain(4).profile(), 0.6)
+    whole = with_tp_measurement(uniform_chain(4).profile(), 0.6)
     embed, head = whole.fixed
     profile = dataclasses.replace(
         whole,

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import tomllib
-from profiles_factory import uniform_chain
+from profiles_factory import uniform_chain, with_tp_measurement
 from typer.testing import CliRunner
 
 from memplan.cli import app
@@ -24,14 +24,7 @@ def _tp_profile(n: int = 8, fraction: float = 0.75):
     """A chain of ``n`` blocks with a TP measurement, as of a transformers decoder (its
     ``hf_blocks`` named), which memplan can split into pipeline stages."""
     profile = uniform_chain(n, saved=[4000] * n, output=[400] * n).profile()
-    profile = dataclasses.replace(profile, hf_blocks=profile.layer_names)
-    layers = tuple(
-        dataclasses.replace(
-            layer, tp_saved_fraction=fraction, tp_sharded_bytes=layer.params_trainable_bytes
-        )
-        for layer in profile.layers
-    )
-    return dataclasses.replace(profile, layers=layers)
+    return with_tp_measurement(profile, fraction, hf_blocks=True)
 
 
 def _request(budget: int, world: int = 8, target: int = 32, strategy: str = "fsdp"):
