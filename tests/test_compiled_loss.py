@@ -64,6 +64,15 @@ def test_bf16_logits_give_a_bf16_gradient_close_to_eager():
     torch.testing.assert_close(grad.float(), want.float(), rtol=1e-2, atol=1e-6)
 
 
+def test_nan_logits_give_nan_as_eager_does_and_a_target_past_the_vocabulary_raises():
+    pred = torch.full((1, 4, 5), float("nan"), requires_grad=True)
+    labels = torch.tensor([[0, 1, 2, 3]])
+    assert torch.isnan(compiled_cross_entropy(pred, labels))
+    assert torch.isnan(eager_loss(pred, labels))
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        compiled_cross_entropy(torch.zeros(1, 4, 5), torch.tensor([[0, 1, 2, 7]]))
+
+
 def test_bad_shapes_are_refused_with_both_shapes_named():
     with pytest.raises(ValueError, match=r"\(4, 5\) and \(3,\)"):
         compiled_cross_entropy(torch.zeros(4, 5), torch.zeros(3, dtype=torch.long))
