@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from memplan.emit import emit
-from memplan.emit.torchtitan import LLAMA3_CONFIGS, RELEASE
+from memplan.emit.torchtitan import LLAMA3_CONFIGS, LOSS_NOTE, RELEASE
 from memplan.parallel import Parallel
 from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction
 from memplan.profile import Float8
@@ -218,6 +218,27 @@ def test_memplans_llama3_table_is_what_torchtitan_builds(titan):
             model = spec.model.build()
         parameters = sum(p.numel() for p in model.parameters())
         assert (len(spec.model.layers), parameters) == (named.blocks, named.parameters)
+
+
+def test_the_loss_note_is_true_of_every_named_config(titan, monkeypatch):
+    """What every ``--format torchtitan`` output says of the loss (``LOSS_NOTE``) holds for
+    each config it can name: torchtitan's ConfigManager gives a ``ChunkedLossWrapper`` of 8
+    chunks over a plain cross-entropy, and --compile.enable compiles the loss too; and a
+    plan's snippet carries the note."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.quantization import float8 as titan_float8
+
+    # llama3_405b() builds its float8 converter, which refuses a machine without sm89+
+    monkeypatch.setattr(titan_float8, "has_cuda_capability", lambda *a: True)
+    config_manager, _ = titan
+    for named in LLAMA3_CONFIGS:
+        config = config_manager().parse_args(["--module", "llama3", "--config", named.name])
+        assert isinstance(config.loss, ChunkedLossWrapper.Config), named.name
+        assert config.loss.num_chunks == 8
+        assert type(config.loss.loss_fn) is CrossEntropyLoss.Config
+        assert "loss" in config.compile.components
+    _, text = emit(_plan(Parallel(dp_shard=2, tp=2)), "torchtitan", "m.py")
+    assert f"# {LOSS_NOTE}\n" in text
 
 
 def test_torchtitan_snippet_without_torchtitan(tmp_path):

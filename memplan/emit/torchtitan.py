@@ -302,6 +302,19 @@ def _precision_module(plan: Plan, config: NamedConfig) -> tuple[str, str] | None
     return name, text
 
 
+LOSS_NOTE = (
+    f"loss: torchtitan {RELEASE}'s llama3 configs run the head and the loss in 8 chunks of "
+    "the sequence (ChunkedLossWrapper, --loss.num_chunks), and compile the loss with "
+    "--compile.enable; the plan holds the loss your model file computes, so unless it calls "
+    "memplan.run.losses.chunked_cross_entropy(hidden, head, targets, chunks=8) (or, compiled, "
+    "compiled_cross_entropy) torchtitan holds less at the loss than planned"
+)
+"""What every ``--format torchtitan`` output says of the loss (torchtitan 0.3.0's
+models/llama3/config_registry.py: every Llama config's ``loss`` is ``ChunkedLossWrapper``
+with the default ``num_chunks = 8``; config/configs.py ``CompileConfig.components``
+defaults to ``["model", "loss"]``). A plan cannot tell which loss its profile measured."""
+
+
 def _float8_notes(plan: Plan) -> list[str]:
     float8 = plan.float8
     if float8 is None:
@@ -393,6 +406,7 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
         )
     notes += _ac_subcommand(plan, n_blocks)[1]
     notes += _float8_notes(plan)
+    notes.append(LOSS_NOTE)
     if p.tp > 1 and not p.loss_parallel:
         notes.append(
             f"torchtitan {RELEASE} always shards the logits and loss by vocabulary under TP "

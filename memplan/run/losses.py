@@ -1,4 +1,6 @@
-"""Losses whose bytes are those of a compiled loss, for model files to call.
+"""Losses with the bytes of the ones training engines run, for model files to call: a
+compiled cross-entropy (:func:`compiled_cross_entropy`) and torchtitan 0.3's chunked head and
+loss (:func:`chunked_cross_entropy`, after the compiled one below).
 
 ``torch.compile`` changes what a cross-entropy over a large vocabulary holds. Eager
 ``F.cross_entropy(logits.float(), targets)`` makes an fp32 copy of the logits, saves its
@@ -102,3 +104,100 @@ def compiled_cross_entropy(
             f"{tuple(targets.shape)}"
         )
     return _CompiledCrossEntropy.apply(logits, targets, ignore_index)
+
+
+# torchtitan 0.3's chunked head and loss (``ChunkedLossWrapper``), read in the 0.3.0 wheel's
+# torchtitan/components/loss.py: every Llama config of its registry computes the head and the
+# loss this way, in ``num_chunks = 8`` pieces of the sequence (models/llama3/
+# config_registry.py), so what ``--format torchtitan`` runs holds an eighth of the logits.
+# Its bytes, as that code makes them: the final norm's output is split along the sequence
+# (``torch.split`` then ``.contiguous()``: a copy when the batch holds more than one
+# sample, views otherwise), each piece detached as a leaf, and the targets split the same
+# way; an fp32 gradient buffer of the
+# hidden states' shape is zeroed (``GradAccumulator``); each chunk then runs the head, the
+# loss over the chunk's targets divided by the step's count, and its own backward at once
+# (the head's weight gradient accumulates, the chunk's input gradient is copied into the
+# buffer and dropped); the buffer is cast to the hidden states' dtype and saved by an
+# autograd Function (``_DecoderOutputGradientBackProp``) whose backward hands it to the
+# decoder. So no chunk's logits outlive the chunk, and from the loss to the decoder's
+# backward the step holds one gradient of the hidden states.
+
+
+class _DecoderGradient(torch.autograd.Function):
+    """The loss's value, whose backward hands the decoder the gradient the chunks made
+    (``_DecoderOutputGradientBackProp``: the upstream gradient, 1 for a loss, scales it)."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor):
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    chunks: int = 8,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``F.cross_entropy(head(hidden).float(), targets)`` (mean over the targets that are not
+    ``ignore_index``) computed as torchtitan 0.3's ``ChunkedLossWrapper`` computes it, with
+    its bytes (the comment above): ``hidden`` is ``(batch, sequence, width)`` (the final
+    norm's output), ``targets`` ``(batch, sequence)``, the sequence a multiple of
+    ``chunks``. The head and the loss run, and their backward with them, chunk by chunk
+    inside this call, so the head's parameters have their gradients once it returns; the
+    returned fp32 loss's backward runs the decoder's. Call it where a model file computes
+    its loss, in place of the head and ``F.cross_entropy``, to plan a torchtitan 0.3 run."""
+    if hidden.dim() != 3 or targets.shape != hidden.shape[:2]:
+        raise ValueError(
+            "chunked_cross_entropy takes hidden states of (batch, sequence, width) and "
+            f"targets of (batch, sequence); got {tuple(hidden.shape)} and "
+            f"{tuple(targets.shape)}"
+        )
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(
+            f"chunked_cross_entropy: chunks must be a whole number >= 1, got {chunks!r}"
+        )
+    seq = hidden.shape[1]
+    if seq % chunks:
+        raise ValueError(
+            f"chunked_cross_entropy: the sequence ({seq}) must be a multiple of chunks "
+            f"({chunks}), as torchtitan's ChunkedLossWrapper requires"
+        )
+    width = seq // chunks
+    pieces = [c.contiguous() for c in torch.split(hidden, [width] * chunks, dim=1)]
+    labels = [c.contiguous() for c in torch.split(targets, [width] * chunks, dim=1)]
+    count = (targets != ignore_index).sum()
+    training = hidden.requires_grad and torch.is_grad_enabled()
+    grad = torch.zeros_like(hidden, dtype=torch.float32) if training else None
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i, piece in enumerate(pieces):
+        leaf = piece.detach().requires_grad_(training)
+        pieces[i] = leaf  # the list holds every piece to the end, as torchtitan's does
+        with torch.enable_grad() if training else torch.no_grad():
+            logits = head(leaf)
+            part = (
+                torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1).float(),
+                    labels[i].flatten(0, 1),
+                    reduction="sum",
+                    ignore_index=ignore_index,
+                )
+                / count
+            )
+        total = total + part.detach()
+        if training:
+            part.backward()
+            grad[:, i * width : (i + 1) * width] = leaf.grad
+            leaf.grad = None
+        del logits, part
+    if not training:
+        return total
+    decoder_grad = grad.to(hidden.dtype)
+    del grad
+    return _DecoderGradient.apply(hidden, decoder_grad, total)
