@@ -41,4 +41,5 @@ def training_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tenso
     from memplan.run.losses import chunked_cross_entropy
 
     tokens, labels = batch
-    return chunked_cross_entropy(model(tokens), model.lm_head, labels, chunks=CHUNKS)
+    head = getattr(model, "module", model).lm_head  # a DDP wrapper holds the model
+    return chunked_cross_entropy(model(tokens), head, labels, chunks=CHUNKS)

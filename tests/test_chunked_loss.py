@@ -155,21 +155,28 @@ def test_the_largest_tensor_is_one_chunks_fp32_logits():
     assert sizes[8] == 2 * 8 * 500 * 4 and sizes[1] == 2 * 64 * 500 * 4, sizes
 
 
-def test_verify_measures_the_planned_peak_of_a_chunked_llama(tmp_path: Path):
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_verify_measures_the_planned_peak_of_a_chunked_llama(tmp_path: Path, world: int):
     """torchtitan 0.3.0's own Llama (bench/engines_llama_chunked.py: the loss in 8 chunks,
-    vocabulary 32768) probed, solved and verified on CPU: the measured peak is the planned
-    one within 1%."""
+    vocabulary 32768) probed, solved and verified on CPU, in one process and on 2 gloo
+    ranks under memplan's FSDP2 runtime (the head's backward runs inside the loss there
+    too): every measured peak is the planned one within 2%, and the gradients pass verify's
+    check."""
     pytest.importorskip("torchtitan.models.llama3")
     model = ROOT / "bench" / "engines_llama_chunked.py"
     run = [sys.executable, "-m", "memplan.cli"]
-    env_ok = dict(check=True, capture_output=True, text=True, cwd=ROOT)
+    ok = dict(check=True, capture_output=True, text=True, cwd=ROOT)
+    layout = ["--world-size", "2", "--strategy", "fsdp"] if world == 2 else []
     subprocess.run([*run, "probe", str(model), "--device", "cpu", "--layers", "layers.*",
-                    "-o", str(tmp_path / "p.yaml")], **env_ok)  # fmt: skip
-    subprocess.run([*run, "solve", str(tmp_path / "p.yaml"), "--target-batch", "2",
-                    "--min-micro", "2", "--max-micro", "2", "--budget", "1GiB",
-                    "--model", str(model), "-o", str(tmp_path / "plan.yaml")], **env_ok)  # fmt: skip
-    out = subprocess.run([*run, "verify", str(model), str(tmp_path / "plan.yaml"), "--json"],
-                         **env_ok)  # fmt: skip
+                    "-o", str(tmp_path / "p.yaml")], **ok)  # fmt: skip
+    subprocess.run([*run, "solve", str(tmp_path / "p.yaml"), "--target-batch", str(2 * world),
+                    "--min-micro", "2", "--max-micro", "2", "--budget", "1GiB", *layout,
+                    "--model", str(model), "-o", str(tmp_path / "plan.yaml")], **ok)  # fmt: skip
+    ranks = ["--world-size", "2"] if world == 2 else []
+    out = subprocess.run([*run, "verify", str(model), str(tmp_path / "plan.yaml"), *ranks,
+                          "--json"], **ok)  # fmt: skip
     result = json.loads(out.stdout)
     predicted, measured = result["predicted_peak_bytes"], result["measured_peak_bytes"]
-    assert abs(predicted - measured) <= 0.01 * measured, (predicted, measured)
+    assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
+    assert result["passed"] is True and not result["failures"], result

@@ -152,7 +152,11 @@ def chunked_cross_entropy(
     ``chunks``. The head and the loss run, and their backward with them, chunk by chunk
     inside this call, so the head's parameters have their gradients once it returns; the
     returned fp32 loss's backward runs the decoder's. Call it where a model file computes
-    its loss, in place of the head and ``F.cross_entropy``, to plan a torchtitan 0.3 run."""
+    its loss, in place of the head and ``F.cross_entropy``, to plan a torchtitan 0.3 run.
+    Under FSDP2 (memplan's ``fsdp``, torchtitan's sharding and replication) it runs as on one
+    process; torch's DDP refuses a backward per chunk inside the forward ("Expected to mark a
+    variable ready only once": its reducer marks the head's parameters ready at the first),
+    as it would torchtitan's wrapper."""
     if hidden.dim() != 3 or targets.shape != hidden.shape[:2]:
         raise ValueError(
             "chunked_cross_entropy takes hidden states of (batch, sequence, width) and "
