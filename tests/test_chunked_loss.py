@@ -180,3 +180,73 @@ def test_verify_measures_the_planned_peak_of_a_chunked_llama(tmp_path: Path, wor
     predicted, measured = result["predicted_peak_bytes"], result["measured_peak_bytes"]
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
     assert result["passed"] is True and not result["failures"], result
+
+
+def _solve(profile: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "memplan.cli", "solve", str(profile), "--target-batch", "4",
+         "--budget", "1GiB", *args],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_the_probe_records_that_ddp_cannot_train_it_and_solve_plans_fsdp(tmp_path: Path):
+    """A loss that makes the head's gradient in the forward: the probe names the parameter
+    (``ddp_refused``), a plain model gets none, solve refuses DDP (its default) and ZeRO-1
+    on 2 ranks with exit 2 naming it and writes nothing (one rank has no DDP: planned as
+    before), and ``--strategy auto`` plans FSDP."""
+    from memplan.probe.runner import probe_model
+
+    profile = probe_model(str(ROOT / "tests/models/chunked_lm.py"), device="cpu",
+                          layers="layers.*", micro_batches=(1, 2))  # fmt: skip
+    assert profile.ddp_refused is not None and "lm_head.weight" in profile.ddp_refused
+    assert "embed.weight" not in profile.ddp_refused  # made by the outer backward
+    plain = probe_model(str(ROOT / "tests/models/linear_chain.py"), device="cpu",
+                        micro_batches=(1, 2))  # fmt: skip
+    assert plain.ddp_refused is None
+    from memplan.profile import profile_to_yaml
+
+    path = tmp_path / "p.yaml"
+    path.write_text(profile_to_yaml(profile), encoding="utf-8")
+    for strategy in ("ddp", "zero1", None):  # None: solve's default, ddp
+        chosen = ["--strategy", strategy] if strategy else []
+        run = _solve(path, "--world-size", "2", *chosen, "-o",
+                     str(tmp_path / f"{strategy}.yaml"))  # fmt: skip
+        assert run.returncode == 2, run.stderr
+        said = " ".join(run.stderr.split())
+        assert "lm_head.weight" in said and "--strategy fsdp" in said, said
+        assert not (tmp_path / f"{strategy}.yaml").exists()
+    one = _solve(path, "--strategy", "ddp", "-o", str(tmp_path / "one.yaml"))
+    assert one.returncode == 0, one.stderr
+    auto = _solve(
+        path, "--world-size", "2", "--strategy", "auto", "-o", str(tmp_path / "auto.yaml")
+    )
+    assert auto.returncode == 0, auto.stderr
+    assert "strategy: fsdp" in (tmp_path / "auto.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_ddp_itself_refuses_the_chunked_loss_as_the_profile_says(tmp_path: Path):
+    """What ``ddp_refused`` stands for, run: the same profile with the refusal lifted, a DDP
+    plan on 2 gloo ranks, and memplan verify fails with DDP's own error, blamed on the
+    model file's loss."""
+    import dataclasses
+
+    from memplan.probe.runner import probe_model
+    from memplan.profile import profile_to_yaml
+
+    model = ROOT / "tests/models/chunked_lm.py"
+    profile = probe_model(str(model), device="cpu", layers="layers.*", micro_batches=(1, 2))
+    lifted = dataclasses.replace(profile, ddp_refused=None)
+    (tmp_path / "p.yaml").write_text(profile_to_yaml(lifted), encoding="utf-8")
+    plan = tmp_path / "plan.yaml"
+    run = _solve(tmp_path / "p.yaml", "--world-size", "2", "--strategy", "ddp", "-o", str(plan))
+    assert run.returncode == 0, run.stderr
+    out = subprocess.run(
+        [sys.executable, "-m", "memplan.cli", "verify", str(model), str(plan),
+         "--world-size", "2"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
+    said = " ".join(out.stderr.split())
+    assert out.returncode != 0 and "mark a variable ready only once" in said, said
+    assert "training_loss()" in said

@@ -292,6 +292,19 @@ def probe_sizes(
     return _with_tp(session, profile, sizes[0], tick)
 
 
+def ddp_refusal(forward_grads: tuple[str, ...]) -> str | None:
+    """``Profile.ddp_refused`` from the parameters whose gradients a forward made."""
+    if not forward_grads:
+        return None
+    shown = ", ".join(forward_grads[:3]) + (
+        f" and {len(forward_grads) - 3} more" if len(forward_grads) > 3 else ""
+    )
+    return (
+        f"its forward made the gradients of {shown} (the loss runs a backward of its own, "
+        "as a chunked loss does), which DDP's reducer refuses"
+    )
+
+
 def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str], None]) -> Profile:
     """The profile with what tensor parallelism divides (memplan.probe.tp_measure) and
     whether pipeline stages can split the model (``Profile.pipeline_refused``); a model
@@ -301,7 +314,11 @@ def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str]
     from memplan.run.pipeline import pipeline_refusal
     from memplan.run.tp_plan import tp_plan_for
 
-    profile = dataclasses.replace(profile, pipeline_refused=pipeline_refusal(session.model))
+    profile = dataclasses.replace(
+        profile,
+        pipeline_refused=pipeline_refusal(session.model),
+        ddp_refused=ddp_refusal(session.forward_grads),
+    )
     try:
         declared = declared_plan(session.model_file.module, session.model)
         tp_plan_for(session.model, declared)

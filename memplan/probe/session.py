@@ -101,6 +101,9 @@ class Session:
     selective_runs: bool = True
     """Whether the all-selective runs happen: not on a model whose recompute under the
     selective policy fails (:func:`memplan.probe.sizes.try_selective`)."""
+    forward_grads: tuple[str, ...] = ()
+    """Parameters (by name) whose gradient a micro-step's forward made: the loss ran a
+    backward of its own (``memplan.run.losses.chunked_cross_entropy``); empty: none seen."""
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """Tensors on the probe's device that the model's modules hold in plain attributes
@@ -122,12 +125,16 @@ class Session:
         """Forward and backward of one micro-batch; the loss is dropped before returning."""
         recorder = self.recorder
         recorder.clock = lambda: self.backend.clock(tracker)
+        no_grad = [(n, p) for n, p in self.model.named_parameters() if p.grad is None]
         recorder.begin(tracker)
         with self.backend.forward_context():
             loss = self.model_file.loss(self.model, batch)
             if scale != 1.0:
                 loss = loss * scale
         recorder.forward_done()
+        made = tuple(n for n, p in no_grad if p.grad is not None)
+        if made and not self.forward_grads:
+            self.forward_grads = made
         bad = None
         if loss.device.type != "meta":
             with _disable_current_modes():  # memplan's own check: no part of the step

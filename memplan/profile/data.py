@@ -369,6 +369,13 @@ class Profile:
     tp_refused: str | None = None
     """Why memplan cannot run this model under tensor parallelism (no TP plan, or its blocks
     fail under one); None: it can, or not known. ``solve`` plans no ``tp > 1`` for it."""
+    ddp_refused: str | None = None
+    """Why DDP (and ZeRO-1, which runs over it) cannot train this model on several ranks:
+    its forward made parameters' gradients (a loss that runs a backward of its own, as
+    ``memplan.run.losses.chunked_cross_entropy`` and torchtitan's ``ChunkedLossWrapper``
+    do), which DDP's reducer refuses ("Expected to mark a variable ready only once");
+    None: it can, or not known (an older profile). ``solve`` refuses ``--strategy ddp`` and
+    ``zero1`` for it and tries only FSDP under ``auto``."""
 
     def __post_init__(self) -> None:
         if self.schema_version != PROFILE_SCHEMA_VERSION:

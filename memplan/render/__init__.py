@@ -383,6 +383,8 @@ def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> No
         for what, why in (("--tp", profile.tp_refused), ("--pp", profile.pipeline_refused)):
             if why:
                 console.print(Text(f"note: solve refuses {what} > 1: {why}"))
+    if profile.ddp_refused:
+        console.print(Text(f"note: solve refuses DDP on several ranks: {profile.ddp_refused}"))
 
 
 def _selective_note(profile: Profile) -> str:

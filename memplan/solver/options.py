@@ -429,6 +429,13 @@ def strategies_to_try(profile: Profile, request: SolveRequest) -> tuple[str, ...
     parameters is what single devices and DDP run."""
     env = profile.environment
     world = request.world_size
+    if world > 1 and profile.ddp_refused and request.strategy in ("ddp", "zero1"):
+        raise BadInputError(
+            f"Strategy {request.strategy} runs DDP on {world} ranks, and DDP cannot train "
+            f"this model: {profile.ddp_refused}.",
+            hint="Solve with --strategy fsdp (FSDP2 runs it: torchtitan's sharding and "
+            "replication are FSDP2's).",
+        )
     if env.mixed_precision == "params":
         single = world == 1 and request.strategy == "auto"
         if request.strategy not in ("fsdp", "auto") or single:
@@ -461,6 +468,17 @@ def strategies_to_try(profile: Profile, request: SolveRequest) -> tuple[str, ...
         return (request.strategy,)
     if world == 1:
         return ("ddp",)
+    if profile.ddp_refused:  # DDP (and ZeRO-1 over it) cannot run it; ZeRO-2 not verified
+        if env.precision != "fp32":
+            raise BadInputError(
+                f"DDP cannot train this model on {world} ranks ({profile.ddp_refused}), "
+                f"and FSDP trains {env.precision} with its mixed-precision policy, which "
+                f"this profile ({env.precision} autocast over fp32 parameters) does not "
+                "measure.",
+                hint=f"Probe again with --precision {env.precision} --mixed-precision params "
+                "and solve that profile with --strategy fsdp.",
+            )
+        return ("fsdp",)
     if env.precision != "fp32":  # FSDP needs a profile probed with --mixed-precision params
         return tuple(st for st in STRATEGIES if st != "fsdp")
     return STRATEGIES
