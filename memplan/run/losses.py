@@ -125,7 +125,9 @@ def compiled_cross_entropy(
 
 class _DecoderGradient(torch.autograd.Function):
     """The loss's value, whose backward hands the decoder the gradient the chunks made
-    (``_DecoderOutputGradientBackProp``: the upstream gradient, 1 for a loss, scales it)."""
+    (``_DecoderOutputGradientBackProp``). The upstream gradient (1 for a loss, the scale
+    under accumulation) multiplies it in place, so no second tensor of that size is made:
+    torchtitan's returns the saved one as it is."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, grad: torch.Tensor, loss: torch.Tensor):
@@ -135,7 +137,7 @@ class _DecoderGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None
+        return grad.mul_(grad_loss), None, None
 
 
 def chunked_cross_entropy(
