@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from memplan.emit import emit
-from memplan.emit.torchtitan import LLAMA3_CONFIGS, LOSS_NOTE, RELEASE
+from memplan.emit.torchtitan import CUDA_GRAPHS_NOTE, LLAMA3_CONFIGS, LOSS_NOTE, RELEASE
 from memplan.parallel import Parallel
 from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction
 from memplan.profile import Float8
@@ -155,12 +155,13 @@ def test_torchtitans_config_manager_loads_the_plans_numbers(
         par.context_parallel_degree,
     ) == (layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp, layout.cp)
     assert training.global_batch_size == plan.target_batch
+    # gradients freed at zero_grad, as planned (CUDA graphs keep them: CUDA_GRAPHS_NOTE)
+    assert training.disable_cuda_graphs is True
     if layout.pp > 1:  # one local batch a step, cut into the pipeline's micro-batches
         assert training.local_batch_size == plan.micro_batch_size * plan.accumulation_steps
         assert par.pipeline_parallel_microbatch_size == plan.micro_batch_size
         schedule = {"gpipe": "GPipe", "interleaved_1f1b": "Interleaved1F1B"}[layout.schedule]
         assert par.pipeline_parallel_schedule == schedule
-        assert training.disable_cuda_graphs is True
     else:  # the rest of the batch is torchtitan's gradient accumulation
         assert training.local_batch_size == plan.micro_batch_size
         accumulation = training.global_batch_size // (training.local_batch_size * layout.dp)
@@ -239,6 +240,23 @@ def test_the_loss_note_is_true_of_every_named_config(titan, monkeypatch):
         assert "loss" in config.compile.components
     _, text = emit(_plan(Parallel(dp_shard=2, tp=2)), "torchtitan", "m.py")
     assert f"# {LOSS_NOTE}\n" in text
+
+
+def test_torchtitan_keeps_gradients_between_steps_unless_cuda_graphs_are_off(titan):
+    """What ``CUDA_GRAPHS_NOTE`` says, read from the installed release: CUDA graphs are on
+    by default, and the trainer frees gradients at zero_grad only with them off; every
+    output turns them off (the 0.3.0 trainer's own line, not memplan's reading of it)."""
+    import inspect
+
+    from torchtitan.trainer import Trainer
+
+    config_manager, _ = titan
+    default = config_manager().parse_args(["--module", "llama3", "--config", "llama3_8b"])
+    assert default.training.disable_cuda_graphs is False
+    source = inspect.getsource(Trainer.train_step)
+    assert "zero_grad(set_to_none=self.config.training.disable_cuda_graphs)" in source
+    _, text = emit(_plan(Parallel(dp_shard=2, tp=2)), "torchtitan", "m.py")
+    assert "--training.disable_cuda_graphs" in text and f"# {CUDA_GRAPHS_NOTE}\n" in text
 
 
 def test_torchtitan_snippet_without_torchtitan(tmp_path):

@@ -3,8 +3,10 @@ torchtitan 0.3.0's Llama 3 (bench/engines_llama.py) probed and solved by memplan
 emitted ``--format torchtitan`` arguments parsed by torchtitan's ``ConfigManager`` and run
 by its ``parallelize_llama`` (FSDP2, FullAC) and ``pipeline_llm`` (1F1B) on 2 gloo CPU
 ranks (TP 2 with torchtitan's loss parallel on 4); every rank's measured peak within 3% of
-memplan's prediction. The other cases (SelectiveAC, FSDP × PP) are in the bench section
-``engines``."""
+memplan's prediction under pipeline stages, and without them never above it and below it
+by at most the embedding's and the head's unsharded bytes (torchtitan reshards them, memplan
+counts them gathered: bench/engines.py). The other cases (SelectiveAC, FSDP × PP) are in the
+bench section ``engines``."""
 
 from __future__ import annotations
 
@@ -65,7 +67,19 @@ def test_every_rank_within_tolerance_of_memplan(case, profiles, tmp_path):
         assert result.measured[0] != result.measured[1]
         assert result.predicted[0] != result.predicted[1]
     errors = result.errors()
-    assert all(abs(e) <= engines.TOLERANCE for e in errors), (
+    said = (
         f"{case.name}: measured {result.measured}, memplan {result.predicted}, "
         f"errors {[f'{e:+.2%}' for e in errors]}"
     )
+    if case.pp > 1:  # torchtitan keeps every FSDP unit gathered under PP, as memplan
+        assert all(abs(e) <= engines.TOLERANCE for e in errors), said
+        return
+    # Without stages torchtitan shards tok_embeddings and [norm, lm_head] as units of their
+    # own, resharded after their forward / backward, where memplan counts the parts outside
+    # the blocks gathered all step (bench/engines.py): never under, and over by at most
+    # their unsharded fp32 bytes on a rank (the embedding and the head, split over TP).
+    module = importlib.import_module(f"bench.{case.model.stem}")
+    outside = 2 * module.VOCAB * module.DIM * 4 // case.tp
+    for predicted, measured in zip(result.predicted, result.measured, strict=True):
+        over = predicted - measured
+        assert 0 <= over <= outside + engines.TOLERANCE * measured, said

@@ -15,7 +15,8 @@ torchtitan runs memplan's blocks on every stage whatever its own default split, 
 ``_generate_llm_fqn_per_model_part``), ``context_parallel_degree`` (torchtitan/config/
 configs.py ``ParallelismConfig``); ``--training.`` ``local_batch_size``,
 ``global_batch_size``, ``seq_len`` and ``disable_cuda_graphs`` (``TrainingConfig``; a
-pipelined ``Trainer.Config`` is refused without the last). Activation checkpointing is a
+pipelined ``Trainer.Config`` is refused without the last, and every output sets it:
+``CUDA_GRAPHS_NOTE``). Activation checkpointing is a
 config class chosen by a tyro subcommand (torchtitan/distributed/activation_checkpoint.py
 ``ActivationCheckpointingConfig``): ``activation_checkpoint:full`` (``FullAC``: every
 block), ``activation_checkpoint:selective`` (``SelectiveAC``: per-op, every block),
@@ -315,6 +316,18 @@ with the default ``num_chunks = 8``; config/configs.py ``CompileConfig.component
 defaults to ``["model", "loss"]``). A plan cannot tell which loss its profile measured."""
 
 
+CUDA_GRAPHS_NOTE = (
+    f"--training.disable_cuda_graphs: torchtitan {RELEASE} otherwise captures each step in "
+    "CUDA graphs and keeps every rank's gradients allocated between steps "
+    "(zero_grad(set_to_none=False)), which the plan frees at zero_grad; without this flag "
+    "add one rank's gradients (its shard of them under FSDP, in fp32) to the planned peak"
+)
+"""Why every ``--format torchtitan`` output passes ``--training.disable_cuda_graphs``
+(torchtitan 0.3.0 trainer.py ``Trainer.train_step``: ``self.optimizers.zero_grad(set_to_none=
+self.config.training.disable_cuda_graphs)``; config/configs.py: CUDA graphs are on unless
+the flag is set, and a pipelined config is refused without it)."""
+
+
 def _float8_notes(plan: Plan) -> list[str]:
     float8 = plan.float8
     if float8 is None:
@@ -360,7 +373,11 @@ def torchtitan_args(plan: Plan) -> list[str]:
         ]
         stages = " ".join(",".join(stage) for stage in stage_fqns(p, n_blocks))
         args.append(f"--parallelism.module_fqns_per_model_part {stages}")
-        args.append("--training.disable_cuda_graphs")
+    # Always: 0.3.0 captures the step in CUDA graphs unless told not to, and then keeps
+    # every gradient allocated between steps (Trainer.train_step: ``zero_grad(set_to_none=
+    # disable_cuda_graphs)``), which the plan, freeing them at zero_grad, does not hold
+    # (CUDA_GRAPHS_NOTE); a pipelined config is refused without it.
+    args.append("--training.disable_cuda_graphs")
     local = plan.micro_batch_size * (plan.accumulation_steps if p.pp > 1 else 1)
     args += [
         f"--training.local_batch_size {local}",
@@ -407,6 +424,7 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
     notes += _ac_subcommand(plan, n_blocks)[1]
     notes += _float8_notes(plan)
     notes.append(LOSS_NOTE)
+    notes.append(CUDA_GRAPHS_NOTE)
     if p.tp > 1 and not p.loss_parallel:
         notes.append(
             f"torchtitan {RELEASE} always shards the logits and loss by vocabulary under TP "
