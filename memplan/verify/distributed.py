@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from memplan.errors import BadInputError, CannotMeasureError, MemplanError
+from memplan.errors import BadInputError, CannotMeasureError
 from memplan.files.schema import to_data
 from memplan.parallel import pipeline_refusal_by_kind
 from memplan.plan import Plan, plan_to_data
@@ -60,7 +60,9 @@ from memplan.verify.rank_lifetime import (
     RunFolder,
     die_with_parent,
     join_group,
+    rank_failure,
     rank_warnings,
+    reported_before_teardown,
     startable_cpu_ranks,
     warning_text,
 )
@@ -264,6 +266,7 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
         result["warnings"] = [warning_text(w) for w in caught]
         (folder / f"rank{rank}.json").write_text(json.dumps(result))
         torch.distributed.barrier()  # no rank tears gloo down while a peer still talks to it
+        (folder / f"rank{rank}.done").touch()  # every rank reported: reported_before_teardown
     except BaseException as exc:
         (folder / f"rank{rank}.json").write_text(
             json.dumps(
@@ -412,26 +415,6 @@ def _check_pipeline(plan: Plan) -> None:
         )
 
 
-def _failure(folder: Path, world: int, what: str) -> MemplanError | None:
-    """The clearest account of a failed run: the first rank that wrote an error (None when
-    no rank did)."""
-    for rank in range(world):
-        path = folder / f"rank{rank}.json"
-        if path.is_file():
-            data = json.loads(path.read_text() or "{}")
-            if data.get("bad_input"):  # the model file or plan, not the run: exit 2
-                message = data.get("message", data["error"])
-                return BadInputError(f"Rank {rank} of {world} failed: {message}")
-            if "error" in data:
-                tail = "\n".join(data.get("trace", "").strip().splitlines()[-6:])
-                return CannotMeasureError(
-                    f"Rank {rank} of {world} failed: {data['error']}",
-                    hint=f"The run stopped ({what}) and the other ranks were killed. "
-                    f"Its traceback ends:\n{tail}",
-                )
-    return None
-
-
 def verify_distributed(
     model: str,
     plan: Plan,
@@ -546,6 +529,7 @@ def run_ranks(
                     os.environ[key] = value
         run.watch(process.pid for process in context.processes)
         deadline = time.monotonic() + timeout_s
+        torn = ""
         try:
             while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 if time.monotonic() > deadline:
@@ -558,7 +542,7 @@ def run_ranks(
         except mp.ProcessRaisedException as exc:
             what = f"rank {exc.error_index} raised"
             raise (
-                _failure(folder, world, what)
+                rank_failure(folder, world, what)
                 or CannotMeasureError(f"The distributed run failed: {what}.")
             ) from exc
         except mp.ProcessExitedException as exc:
@@ -567,9 +551,14 @@ def run_ranks(
                 if exc.signal_name
                 else f"rank {exc.error_index} exited with code {exc.exit_code}"
             )
-            raise (
-                _failure(folder, world, how) or CannotMeasureError(f"A rank died: {how}.")
-            ) from exc
+            if not reported_before_teardown(folder, world, exc.error_index):
+                raise (
+                    rank_failure(folder, world, how) or CannotMeasureError(f"A rank died: {how}.")
+                ) from exc
+            torn = (
+                f"{how} while tearing down its process group, after every rank had "
+                "reported and met at the final barrier: the figures stand"
+            )
         finally:
             for process in context.processes:
                 if process.is_alive():
@@ -577,7 +566,11 @@ def run_ranks(
                     process.join(5)
             run.ranks_ended()
         progress(1, 1, "done")
-        return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+        results = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
+        if torn:
+            for result in results:
+                result.setdefault("warnings", []).append(torn)
+        return results
 
 
 def _rank_result(r: dict[str, Any]) -> RankResult:

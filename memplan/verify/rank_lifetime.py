@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -30,6 +31,8 @@ import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 
 PREFIX = "memplan-dist-"
 OWNER_FILE = "owner"
@@ -272,3 +275,44 @@ def join_group(rank: int, config: dict[str, Any], backend: str = "gloo") -> None
         world_size=int(config["world_size"]),
         timeout=timedelta(seconds=float(config["timeout_s"])),
     )
+
+
+# --------------------------------------------------------------------------- how ranks ended
+def reported_before_teardown(folder: Path, world: int, rank: int) -> bool:
+    """Whether a rank that died had passed the final barrier (``rank<r>.done``) and every
+    rank had written a result without an error: then it died tearing gloo down (torch's
+    "terminate called without an active exception" at ``destroy_process_group`` or exit,
+    seen under load), after every figure was in."""
+    if not (folder / f"rank{rank}.done").is_file():
+        return False
+    for r in range(world):
+        path = folder / f"rank{r}.json"
+        if not path.is_file():
+            return False
+        try:
+            data = json.loads(path.read_text() or "{}")
+        except ValueError:
+            return False
+        if "error" in data:
+            return False
+    return True
+
+
+def rank_failure(folder: Path, world: int, what: str) -> MemplanError | None:
+    """The clearest account of a failed run: the first rank that wrote an error (None when
+    no rank did)."""
+    for rank in range(world):
+        path = folder / f"rank{rank}.json"
+        if path.is_file():
+            data = json.loads(path.read_text() or "{}")
+            if data.get("bad_input"):  # the model file or plan, not the run: exit 2
+                message = data.get("message", data["error"])
+                return BadInputError(f"Rank {rank} of {world} failed: {message}")
+            if "error" in data:
+                tail = "\n".join(data.get("trace", "").strip().splitlines()[-6:])
+                return CannotMeasureError(
+                    f"Rank {rank} of {world} failed: {data['error']}",
+                    hint=f"The run stopped ({what}) and the other ranks were killed. "
+                    f"Its traceback ends:\n{tail}",
+                )
+    return None
