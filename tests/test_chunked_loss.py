@@ -1,7 +1,8 @@
 """memplan.run.losses.chunked_cross_entropy: torchtitan 0.3's chunked head and loss
 (``ChunkedLossWrapper``). Checked against torch's own cross-entropy (values and every
 gradient, hypothesis over shapes and chunk counts), against torchtitan's wrapper itself
-(the same live bytes after every op, on CPU), against the bytes by hand (the largest tensor
+(the same peak and final bytes in the forward, the same peak in the backward, the decoder
+handed the saved gradient itself, on CPU), against the bytes by hand (the largest tensor
 is one chunk's fp32 logits), and through memplan's probe and verify (the planned peak is
 the measured one)."""
 
@@ -20,6 +21,14 @@ from memplan.probe.tracker import LiveTracker
 from memplan.run.losses import chunked_cross_entropy
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _memplan(*args: str) -> subprocess.CompletedProcess:
+    """``memplan`` run as a user runs it, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "memplan.cli", *args],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+    )  # fmt: skip
 
 
 def _inputs(batch, seq, width, vocab, ignored, seed, dtype=torch.float32):
@@ -106,7 +115,7 @@ def test_bad_input_is_refused_naming_what_is_wrong(shape, labels, chunks, needle
 
 def _titan_step(head, hidden, labels, chunks):
     """torchtitan 0.3.0's own ``ChunkedLossWrapper`` on ``hidden``, the head set as its
-    Trainer sets it, then the loss's backward."""
+    Trainer sets it: the loss, whose backward runs the decoder's."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 
     wrapper = ChunkedLossWrapper.Config(
@@ -200,17 +209,19 @@ def test_verify_measures_the_planned_peak_of_a_chunked_loss(tmp_path: Path, mode
     verify's checks pass (the gradients against one process's, on 2 ranks)."""
     pytest.importorskip("torchtitan.models.llama3")
     path = ROOT / model
-    run = [sys.executable, "-m", "memplan.cli"]
-    ok = dict(check=True, capture_output=True, text=True, cwd=ROOT)
     layout = ["--world-size", "2", "--strategy", "fsdp"] if world == 2 else []
-    subprocess.run([*run, "probe", str(path), "--device", "cpu", "--layers", "layers.*",
-                    "-o", str(tmp_path / "p.yaml")], **ok)  # fmt: skip
-    subprocess.run([*run, "solve", str(tmp_path / "p.yaml"), "--target-batch", str(2 * world),
-                    "--min-micro", "2", "--max-micro", "2", "--budget", "1GiB", *layout,
-                    "--model", str(path), "-o", str(tmp_path / "plan.yaml")], **ok)  # fmt: skip
     ranks = ["--world-size", "2"] if world == 2 else []
-    out = subprocess.run([*run, "verify", str(path), str(tmp_path / "plan.yaml"), *ranks,
-                          "--json"], **ok)  # fmt: skip
+    runs = (
+        ("probe", str(path), "--device", "cpu", "--layers", "layers.*",
+         "-o", str(tmp_path / "p.yaml")),
+        ("solve", str(tmp_path / "p.yaml"), "--target-batch", str(2 * world),
+         "--min-micro", "2", "--max-micro", "2", "--budget", "1GiB", *layout,
+         "--model", str(path), "-o", str(tmp_path / "plan.yaml")),
+        ("verify", str(path), str(tmp_path / "plan.yaml"), *ranks, "--json"),
+    )  # fmt: skip
+    for args in runs:
+        out = _memplan(*args)
+        assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     predicted, measured = result["predicted_peak_bytes"], result["measured_peak_bytes"]
     assert abs(predicted - measured) <= 0.02 * measured, (predicted, measured)
@@ -218,11 +229,7 @@ def test_verify_measures_the_planned_peak_of_a_chunked_loss(tmp_path: Path, mode
 
 
 def _solve(profile: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "memplan.cli", "solve", str(profile), "--target-batch", "4",
-         "--budget", "1GiB", *args],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+    return _memplan("solve", str(profile), "--target-batch", "4", "--budget", "1GiB", *args)
 
 
 def test_the_probe_records_that_ddp_cannot_train_it_and_solve_plans_fsdp(tmp_path: Path):
@@ -277,11 +284,7 @@ def test_ddp_itself_refuses_the_chunked_loss_as_the_profile_says(tmp_path: Path)
     plan = tmp_path / "plan.yaml"
     run = _solve(tmp_path / "p.yaml", "--world-size", "2", "--strategy", "ddp", "-o", str(plan))
     assert run.returncode == 0, run.stderr
-    out = subprocess.run(
-        [sys.executable, "-m", "memplan.cli", "verify", str(model), str(plan),
-         "--world-size", "2"],
-        capture_output=True, text=True, cwd=ROOT, timeout=600,
-    )  # fmt: skip
+    out = _memplan("verify", str(model), str(plan), "--world-size", "2")
     said = " ".join(out.stderr.split())
     assert out.returncode != 0 and "mark a variable ready only once" in said, said
     assert "training_loss()" in said

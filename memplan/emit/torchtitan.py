@@ -373,11 +373,7 @@ def torchtitan_args(plan: Plan) -> list[str]:
         ]
         stages = " ".join(",".join(stage) for stage in stage_fqns(p, n_blocks))
         args.append(f"--parallelism.module_fqns_per_model_part {stages}")
-    # Always: 0.3.0 captures the step in CUDA graphs unless told not to, and then keeps
-    # every gradient allocated between steps (Trainer.train_step: ``zero_grad(set_to_none=
-    # disable_cuda_graphs)``), which the plan, freeing them at zero_grad, does not hold
-    # (CUDA_GRAPHS_NOTE); a pipelined config is refused without it.
-    args.append("--training.disable_cuda_graphs")
+    args.append("--training.disable_cuda_graphs")  # every layout: CUDA_GRAPHS_NOTE says why
     local = plan.micro_batch_size * (plan.accumulation_steps if p.pp > 1 else 1)
     args += [
         f"--training.local_batch_size {local}",

@@ -113,9 +113,9 @@ def compiled_cross_entropy(
 # Its bytes, as that code makes them: the final norm's output is split along the sequence
 # (``torch.split`` then ``.contiguous()``: a copy when the batch holds more than one
 # sample, views otherwise), each piece detached as a leaf, and the targets split the same
-# way; an fp32 gradient buffer of the
-# hidden states' shape is zeroed (``GradAccumulator``); each chunk then runs the head, the
-# loss over the chunk's targets divided by the step's count, and its own backward at once
+# way; an fp32 gradient buffer of the hidden states' shape is zeroed (``GradAccumulator``);
+# each chunk then runs the head, the loss over the chunk's targets divided by the step's
+# count, and its own backward at once
 # (the head's weight gradient accumulates, the chunk's input gradient is copied into the
 # buffer and dropped); the buffer is cast to the hidden states' dtype and saved by an
 # autograd Function (``_DecoderOutputGradientBackProp``) whose backward hands it to the
@@ -155,8 +155,8 @@ def chunked_cross_entropy(
     inside this call, so the head's parameters have their gradients once it returns; the
     returned fp32 loss's backward runs the decoder's. Call it where a model file computes
     its loss, in place of the head and ``F.cross_entropy``, to plan a torchtitan 0.3 run.
-    Under FSDP2 (memplan's ``fsdp``, torchtitan's sharding and replication) it runs as on one
-    process; torch's DDP refuses a backward per chunk inside the forward ("Expected to mark a
+    FSDP2 runs it (memplan's ``fsdp``, and torchtitan's sharding and replication); torch's
+    DDP refuses a backward per chunk inside the forward ("Expected to mark a
     variable ready only once": its reducer marks the head's parameters ready at the first),
     as it would torchtitan's wrapper."""
     if hidden.dim() != 3 or targets.shape != hidden.shape[:2]:
