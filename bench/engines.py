@@ -165,6 +165,7 @@ def solve(profile: Path, case: Case, out_dir: Path):
     _memplan(
         "solve", str(profile),
         "--world-size", str(case.world), "--tp", str(case.tp), *pipeline, "--strategy", "fsdp",
+        "--fsdp-units", "torchtitan-2507",
         "--target-batch", str(case.micro * case.microbatches * case.dp),
         "--min-micro", str(case.micro), "--max-micro", str(case.micro),
         "--always-checkpoint", "layers.*", "--modes", case.mode,
@@ -500,20 +501,21 @@ def run(device: str) -> str:
             "`memplan.run.losses.chunked_cross_entropy` (byte for byte the wrapper's on one "
             "process: tests/test_chunked_loss.py; one process, `memplan verify`: −0.0%).",
             "",
-            "*FSDP rows without pipeline stages (+10% to +13%, conservative):* torchtitan "
-            "shards `tok_embeddings` and `[norm, lm_head]` as FSDP units of their own "
-            "(distributed/fsdp.py), the embedding resharded after its forward and the head "
-            "after its backward, where memplan's FSDP model (its own runtime's, verified on "
-            "gloo: one root unit outside the blocks) counts them gathered all step; in these "
-            "tiny models that is a tenth of the peak (for Llama 3.1 8B, 2 GB of bf16 weights "
-            "beside a 70 GB peak). Under pipeline stages torchtitan keeps every unit gathered, "
-            "as memplan models. Every emitted config passes `--training.disable_cuda_graphs`: "
+            "*FSDP units:* every case is solved with `--fsdp-units torchtitan-2507`: "
+            "torchtitan 0.3.0 shards `tok_embeddings` and `[norm, lm_head]` as FSDP units of "
+            "their own (distributed/fsdp.py `apply_fsdp_to_decoder`), the embeddings resharded "
+            "after their forward and the norm + head after their backward, where they reduce-"
+            "scatter their gradients; memplan's default (one root unit, gathered all step, "
+            "as its own runtime and torchtitan of December 2024 shard) put these rows 10-13% "
+            "over (+10.2%, +11.7%, +9.8%, +12.6%, +9.9% in the order above). Under pipeline "
+            "stages torchtitan keeps every unit gathered, and the rule changes nothing. In the "
+            "chunked row the norm + head unit reduce-scatters inside the loss, whose chunks "
+            "run their own backward: memplan bounds that moment by the loss region's top "
+            "less the last chunk's fresh head gradient plus the reduce-scatter's input and "
+            "output (memory/sharding.py `_tail_reduced_in_forward`), conservative by the "
+            "chunk's temporaries. Every emitted config passes `--training.disable_cuda_graphs`: "
             "without it torchtitan 0.3.0 keeps every rank's gradients allocated between steps "
-            "(`zero_grad(set_to_none=False)` under CUDA graphs), which the plan does not hold. "
-            "Before it did, those resident gradients cancelled the unit difference in these "
-            "rows (the vocabulary-32768 Llama on FSDP 2 alone: −1.2% with them, +14% freed); in the "
-            "chunked row they made the peak the `[norm, lm_head]` reduce-scatter inside the "
-            "loss (−5.6%), traced op by op.",
+            "(`zero_grad(set_to_none=False)` under CUDA graphs), which the plan does not hold.",
         ]
     )
 

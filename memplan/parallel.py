@@ -24,6 +24,11 @@ KEPT_OUTPUTS: tuple[KeptOutputs, ...] = ("none", "last", "all")
 """Which pipeline stages keep every micro-batch's forward output to the end of the step, an
 engine-version rule (``Parallel.kept_outputs``)."""
 
+FsdpUnits = Literal["memplan", "torchtitan-2507"]
+FSDP_UNITS: tuple[FsdpUnits, ...] = ("memplan", "torchtitan-2507")
+"""How FSDP2 groups the parameters outside the blocks into units (``Parallel.fsdp_units``),
+an engine-version rule."""
+
 StageSplit = Literal["memplan", "torchtitan-2412", "torchtitan-2504"]
 STAGE_SPLITS: tuple[StageSplit, ...] = ("memplan", "torchtitan-2412", "torchtitan-2504")
 """How the blocks are divided into pipeline stages (``Parallel.stage_split``,
@@ -105,6 +110,19 @@ class Parallel:
     weights of one block each. Engines without a default of their own take the plan's stages
     as ``--format torchtitan`` writes them (``module_fqns_per_model_part``)."""
 
+    fsdp_units: FsdpUnits = "memplan"
+    """With ``dp_shard`` > 1 and no pipeline stages: how FSDP2 groups the parameters outside
+    the blocks, an engine-version rule like ``stage_split``. ``memplan``: one root unit
+    (embeddings, final norm, head), gathered from its first forward to the backward's end
+    (FSDP2 keeps the root unit whole after forward), what memplan's runtime ran before and
+    torchtitan 9dec370 (December 2024, the published runs: ``fully_shard(model)`` over them).
+    ``torchtitan-2507``: torchtitan 83e6941 (July 2025, pytorch/torchtitan#1094) to 0.3.0
+    (torchtitan/distributed/fsdp.py ``apply_fsdp_to_decoder``): the embeddings a unit of
+    their own, resharded after their forward; the final norm and the head one unit, not
+    resharded after forward, so whole from their forward to their backward, where they
+    reduce-scatter their gradients; no parameters left to the root (memplan.memory.
+    edge_units). Under pipeline stages every unit stays whole all step either way."""
+
     def __post_init__(self) -> None:
         for name in (*(d.field for d in DIMENSIONS), "virtual_stages"):
             value = getattr(self, name)
@@ -129,6 +147,11 @@ class Parallel:
             raise ValueError(
                 f"parallel.stage_split must be one of {', '.join(STAGE_SPLITS)}, "
                 f"got {self.stage_split!r}"
+            )
+        if self.fsdp_units not in FSDP_UNITS:
+            raise ValueError(
+                f"parallel.fsdp_units must be one of {', '.join(FSDP_UNITS)}, "
+                f"got {self.fsdp_units!r}"
             )
 
     @property
@@ -160,6 +183,8 @@ class Parallel:
         split = f", {self.stage_split} stages" if self.stage_split != "memplan" else ""
         parts.append(f"pp {self.pp}" + (f" ({self.schedule}{split})" if self.pp > 1 else ""))
         parts.append(f"cp {self.cp}")
+        if self.fsdp_units != "memplan" and self.dp_shard > 1 and self.pp == 1:
+            parts[0] += f" ({self.fsdp_units} units)"
         return " × ".join(parts)
 
 

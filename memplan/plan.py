@@ -268,6 +268,8 @@ def _plan_text(plan: Plan) -> str:
         data["parallel"].pop("kept_outputs", None)  # the default: plans read as before
     if data.get("parallel") is not None and data["parallel"].get("stage_split") == "memplan":
         data["parallel"].pop("stage_split", None)  # the default: plans read as before
+    if data.get("parallel") is not None and data["parallel"].get("fsdp_units") == "memplan":
+        data["parallel"].pop("fsdp_units", None)  # the default: plans read as before
     if not data["predicted"].get("stage_peak_bytes"):
         data["predicted"].pop("stage_peak_bytes", None)
     data["checkpoint"] = _BlockMap(data["checkpoint"] or {})

@@ -71,15 +71,8 @@ def test_every_rank_within_tolerance_of_memplan(case, profiles, tmp_path):
         f"{case.name}: measured {result.measured}, memplan {result.predicted}, "
         f"errors {[f'{e:+.2%}' for e in errors]}"
     )
-    if case.pp > 1:  # torchtitan keeps every FSDP unit gathered under PP, as memplan
-        assert all(abs(e) <= engines.TOLERANCE for e in errors), said
-        return
-    # Without stages torchtitan shards tok_embeddings and [norm, lm_head] as units of their
-    # own, resharded after their forward / backward, where memplan counts the parts outside
-    # the blocks gathered all step (bench/engines.py): never under, and over by at most
-    # their unsharded fp32 bytes on a rank (the embedding and the head, split over TP).
-    module = importlib.import_module(f"bench.{case.model.stem}")
-    outside = 2 * module.VOCAB * module.DIM * 4 // case.tp
-    for predicted, measured in zip(result.predicted, result.measured, strict=True):
-        over = predicted - measured
-        assert 0 <= over <= outside + engines.TOLERANCE * measured, said
+    # every case planned with torchtitan 0.3.0's FSDP units (--fsdp-units torchtitan-2507:
+    # the embeddings resharded after their forward, the norm + head after their backward;
+    # under PP every unit gathered all step): each rank within 3%. With one root unit,
+    # gathered all step, the rows without stages were 10-13% over (bench/engines.py).
+    assert all(abs(e) <= engines.TOLERANCE for e in errors), said

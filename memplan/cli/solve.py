@@ -97,6 +97,16 @@ def solve(
             "torchtitan-2504 (torchtitan from April 2025 to 0.3).",
         ),
     ] = "memplan",
+    fsdp_units: Annotated[
+        str,
+        typer.Option(
+            "--fsdp-units",
+            help="How FSDP groups the parameters outside the blocks: memplan (one root unit, "
+            "whole all step: memplan's runtime, torchtitan of December 2024) or "
+            "torchtitan-2507 (torchtitan from July 2025 to 0.3: the embeddings and the "
+            "norm + head units of their own).",
+        ),
+    ] = "memplan",
     sequence_parallel: Annotated[
         bool | None,
         typer.Option(
@@ -190,6 +200,7 @@ def solve(
                 virtual_stages=virtual_stages,
                 sequence_parallel=sequence_parallel,
                 stage_split=stage_split,
+                fsdp_units=fsdp_units,
             ),
             budget_bytes=resolve_budget(
                 budget,  # type: ignore[arg-type]  # required

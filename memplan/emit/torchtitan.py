@@ -426,6 +426,13 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
             f"torchtitan {RELEASE} always shards the logits and loss by vocabulary under TP "
             "(loss parallel); the plan charged them whole, so torchtitan holds less"
         )
+    if p.pp == 1 and p.dp_shard > 1 and p.fsdp_units != "torchtitan-2507":
+        notes.append(
+            f"FSDP units: torchtitan {RELEASE} shards the embeddings and the norm + head as "
+            "units of their own (the embeddings resharded after their forward); the plan keeps "
+            "them in one root unit, whole all step, so torchtitan holds less: solve with "
+            "--fsdp-units torchtitan-2507 to plan its units"
+        )
     if p.pp > 1:
         sizes = [len(r) for r in p.stage_ranges(n_blocks)]
         notes.append(

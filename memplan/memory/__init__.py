@@ -67,6 +67,11 @@ from memplan.memory.peak import (
     step_peak,
     step_points,
 )
+from memplan.memory.rank_adjust import (
+    optimizer_adjust_bytes,
+    rank_state_bytes,
+    segment_adjust_bytes,
+)
 from memplan.memory.sharding import (
     MASTER_ELEMENT_BYTES,
     SINGLE,
@@ -84,13 +89,10 @@ from memplan.memory.sharding import (
     master_bytes,
     master_element_bytes,
     mixed_precision_params,
-    optimizer_adjust_bytes,
     optimizer_transient_bytes,
     rank_optimizer_state_bytes,
     rank_params_bytes,
-    rank_state_bytes,
     root_params_bytes,
-    segment_adjust_bytes,
     shard_bytes,
     sharded_grads_removed_bytes,
     sharding_for,

@@ -12,6 +12,7 @@ from memplan.memory.sharding import (
     Sharding,
     fsdp_sharded_grads_bytes,
     fsdp_shards_resident,
+    gathered_edge_bytes,
     gathered_root_bytes,
     gathered_unit_bytes,
 )
@@ -116,10 +117,9 @@ def fsdp_stream_bytes(
     Zero unless FSDP over two or more ranks."""
     if sharding is None or sharding.strategy != "fsdp" or sharding.world_size < 2:
         return 0
-    gathered = max(
-        [gathered_root_bytes(profile)]
-        + [gathered_unit_bytes(profile, i) for i in range(len(profile.layers))]
-    )
+    edge = gathered_edge_bytes(profile) if sharding.edge_units else None
+    edge = edge or (gathered_root_bytes(profile),)
+    gathered = max([*edge] + [gathered_unit_bytes(profile, i) for i in range(len(profile.layers))])
     if fsdp_shards_resident(sharding, accumulation_steps):
         return gathered
     return gathered + fsdp_sharded_grads_bytes(profile, sharding)

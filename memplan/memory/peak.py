@@ -9,6 +9,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from memplan.memory.budget import NO_RESERVE, Reserve
+from memplan.memory.rank_adjust import (
+    optimizer_adjust_bytes,
+    rank_state_bytes,
+    segment_adjust_bytes,
+)
 from memplan.memory.sharding import (
     SINGLE,
     Sharding,
@@ -16,11 +21,8 @@ from memplan.memory.sharding import (
     ddp_bucket_bytes,
     fsdp_gathered_bytes,
     fsdp_grads_bytes,
-    optimizer_adjust_bytes,
     rank_optimizer_state_bytes,
     rank_params_bytes,
-    rank_state_bytes,
-    segment_adjust_bytes,
     sharded_grads_removed_bytes,
     zero2_bucket_bytes,
 )

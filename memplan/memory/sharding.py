@@ -7,11 +7,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from memplan.memory.edge_units import edge_gathered, edge_split
 from memplan.memory.terms import (
     PHASE_GRADS_RESIDENT,
     PHASE_NO_GRADS,
     backward_started,
-    grads_at_bytes,
     grads_bytes,
     optimizer_state_bytes,
     params_bytes,
@@ -45,6 +45,11 @@ class Sharding:
     all-gather per micro-batch) and memplan's runtime does: every unit stays whole all step."""
     """FSDP with accumulation: reduce-scatter on the last micro-step only (unsharded gradients
     until then) or on every micro-step (sharded gradients); see ``memplan.plan.GradSync``."""
+    edge_units: bool = False
+    """FSDP without pipeline stages: the parts outside the blocks are torchtitan's two units
+    (``Parallel.fsdp_units`` ``torchtitan-2507``: the embeddings resharded after their
+    forward, the norm + head reduce-scattered after their backward; memplan.memory.
+    edge_units) instead of one root unit whole all step."""
     reduce_after_schedule: bool = False
     """FSDP under pipeline stages: no unit reduce-scatters during any micro-batch's backward;
     every unit keeps its gradients unsharded until the schedule ends, then all reduce
@@ -165,6 +170,20 @@ def gathered_root_bytes(profile: Profile) -> int:
     """What FSDP2's all-gather makes of the root unit (see ``gathered_unit_bytes``)."""
     root_float8 = sum(part.float8_param_bytes for part in profile.fixed)
     return root_params_bytes(profile) - float8_gather_saving_bytes(profile, root_float8)
+
+
+def gathered_edge_bytes(profile: Profile) -> tuple[int, int] | None:
+    """What FSDP2's all-gathers make of torchtitan's two edge units (``Sharding.edge_units``),
+    the lead's and the tail's: the root unit's bytes divided between them; None where they
+    are one unit (``edge_split``)."""
+    split = edge_split(profile, root_params_bytes(profile), _root_grads_bytes(profile))
+    if split is None:
+        return None
+    lead, tail = split
+    return (
+        lead.params - float8_gather_saving_bytes(profile, lead.float8),
+        tail.params - float8_gather_saving_bytes(profile, tail.float8),
+    )
 
 
 def gathered_params_bytes(profile: Profile) -> int:
@@ -299,7 +318,14 @@ def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index:
     segments = profile.timeline[phase]
     segment = segments[index]
     h, n = segment.held, len(profile.layers)
-    gathered = gathered_root_bytes(profile)
+    edge = gathered_edge_bytes(profile) if sharding.edge_units else None
+    if edge is not None:
+        lead, tail = edge_gathered(
+            segments, index, n, backward_started(segments, index), sharding.fsdp_backward_prefetch
+        )
+        gathered = (edge[0] if lead else 0) + (edge[1] if tail else 0)
+    else:
+        gathered = gathered_root_bytes(profile)
     if segment.active != "none":
         gathered += gathered_unit_bytes(profile, h)
     in_backward = segment.active == "bwd" or (
@@ -397,6 +423,13 @@ def fsdp_grads_bytes(
     mixed = mixed_precision_params(profile, sharding)
     units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
     root = _unit_grads(profile, sharding, _root_grads_bytes(profile))
+    tail: _UnitGrads | None = None  # torchtitan's norm + head unit, reduced first
+    root_params = root_params_bytes(profile)
+    split = edge_split(profile, root_params, root.probed) if sharding.edge_units else None
+    if split is not None:  # the root's part is the embeddings' unit, reduced last
+        root = _unit_grads(profile, sharding, split[0].grads)
+        tail = _unit_grads(profile, sharding, split[1].grads)
+        root_params = split[0].params - float8_gather_saving_bytes(profile, split[0].float8)
 
     def held(unit: _UnitGrads, posted: bool) -> int:
         """The unit's gradients before (``posted`` False) or after its post_backward."""
@@ -420,11 +453,17 @@ def fsdp_grads_bytes(
         input, kept until the next post_backward."""
         total = sum(held(u, j >= first_posted) for j, u in enumerate(units))
         total += held(root, False) + root_fresh
+        if tail is not None:  # its post_backward ran inside the head's segment
+            total += held(tail, started)
         if syncing and first_posted < n:
             total += units[first_posted].scatter_input
+        elif syncing and tail is not None and started:
+            total += tail.scatter_input  # kept until the last block's post_backward
         return total
 
     if not started:
+        if tail is not None and h == n and syncing and profile.ddp_refused is not None:
+            return steady(n) + _tail_reduced_in_forward(tail)
         return steady(n)
     if segment.active == "bwd":
         return steady(h + 1)
@@ -439,7 +478,7 @@ def fsdp_grads_bytes(
         base = steady(h) - held(root, False) - root_fresh
         if syncing:
             base -= units[0].scatter_input if n else 0  # released before the root's
-            base -= root_params_bytes(profile)  # resharded first
+            base -= root_params  # resharded first
             unsharded = root.whole if resident and not sharded_before else root.probed
             moments.append(base + unsharded + root.scatter_input)
             old_shard = root.shard if sharded_before else 0  # the output is added into it
@@ -449,6 +488,19 @@ def fsdp_grads_bytes(
         if sharding.reduce_after_schedule and resident:
             moments.extend(_reduce_after_schedule(steady(h), [*reversed(units), root]))
     return max(moments)
+
+
+def _tail_reduced_in_forward(tail: _UnitGrads) -> int:
+    """What torchtitan's norm + head unit adds inside a loss that runs its own backward in
+    the forward (``Profile.ddp_refused``: a chunked loss): its ``post_backward`` reduce-
+    scatters there, its reduce-scatter input and output beside its accumulated gradient.
+    The probe's loss region already holds, at its last chunk's accumulation, a fresh chunk
+    gradient of the head beside the accumulated one, which FSDP2's moment does not: so the
+    moment is at most that region's top plus input and output less one gradient. Traced op
+    by op on torchtitan 0.3.0, FSDP 2, vocabulary 32768 (bench engines, chunked row): the
+    unit's ``chunk_cat`` input (33.5 MB) and ``_reduce_scatter_base_`` output (16.8 MB)
+    after the last chunk's ``add_``, the rank's peak."""
+    return max(tail.scatter_input + tail.shard - tail.probed, 0)
 
 
 def _reduce_after_schedule(held: int, units: list[_UnitGrads]) -> list[int]:
@@ -486,100 +538,3 @@ def _post_backward_moments(
     before = steady - new_shard - unit.scatter_input
     unsharded = unit.whole if resident and not sharded_before else unit.probed
     return [before + unsharded + unit.scatter_input, before + _reduce_output_bytes(unit)]
-
-
-_ADJUSTS: dict[tuple, tuple[Profile, int]] = {}
-"""``segment_adjust_bytes`` of recent profiles: it depends on no micro-batch and no
-checkpoint set, but every solve of every micro-batch asks it again (the layout search, of
-hundreds). Keyed by the profile's identity, which the entry holds so the id stays its own."""
-_ADJUSTS_MAX = 200_000
-
-
-def segment_adjust_bytes(
-    profile: Profile,
-    sharding: Sharding,
-    phase: str,
-    index: int,
-    accumulation_steps: int,
-) -> int:
-    """``_segment_adjust_bytes``, remembered (see ``_ADJUSTS``)."""
-    key = (id(profile), sharding, phase, index, accumulation_steps)
-    hit = _ADJUSTS.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    if len(_ADJUSTS) >= _ADJUSTS_MAX:
-        _ADJUSTS.clear()
-    value = _segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
-    _ADJUSTS[key] = (profile, value)
-    return value
-
-
-def _segment_adjust_bytes(
-    profile: Profile,
-    sharding: Sharding,
-    phase: str,
-    index: int,
-    accumulation_steps: int,
-) -> int:
-    """Per-rank live bytes at a segment minus what the single-process probe measured there:
-
-    * − parameters a rank does not hold (FSDP), − optimizer state it does not hold (ZeRO-1+),
-      − gradients it does not hold (ZeRO-2; FSDP without accumulation);
-    * + DDP's buckets less the gradients already counted (see ``ddp_bucket_bytes``: with
-      bucket views a synchronised micro-step copies each new gradient into its bucket and
-      frees it, so with k = 1 the probe's growing gradients are replaced by the bucket);
-    * + ZeRO-2's reduction bucket; + FSDP's gathered units; FSDP's gradients and
-      reduce-scatter buffers in place of the probe's gradients (``fsdp_grads_bytes``).
-
-    Zero for one process (any strategy but FSDP, whose all-gathers still copy)."""
-    if sharding == SINGLE:
-        return 0
-    held_grads = grads_at_bytes(profile, phase, index)
-    delta = 0
-    delta -= params_bytes(profile) - rank_params_bytes(profile, sharding)
-    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
-    delta -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
-    bucket = ddp_bucket_bytes(profile, sharding)
-    if bucket:
-        replaced = bucket_views_replace_grads(sharding, phase, accumulation_steps)
-        delta += bucket - (held_grads if replaced else 0)
-    delta += zero2_bucket_bytes(profile, sharding)
-    if sharding.strategy == "fsdp":
-        delta += fsdp_gathered_bytes(profile, sharding, phase, index)
-        if sharding.world_size > 1:
-            delta += fsdp_grads_bytes(profile, sharding, phase, index, accumulation_steps)
-            delta -= held_grads
-    return delta
-
-
-def optimizer_adjust_bytes(profile: Profile, sharding: Sharding) -> int:
-    """Per-rank optimizer-step peak minus the probe's: the step runs on what a rank holds, and
-    its temporaries scale with the parameters it updates (ZeRO-1 and up: 1/world). DDP's
-    buckets are the gradients (bucket views); without bucket views they are a second copy."""
-    if sharding == SINGLE:
-        return 0
-    w, e = sharding.world_size, master_element_bytes(profile, sharding)
-    delta = -(params_bytes(profile) - rank_params_bytes(profile, sharding))
-    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
-    if sharding.strategy in ("zero2", "fsdp"):
-        grads = grads_bytes(profile)
-        delta -= grads - shard_bytes(master_bytes(profile, sharding, grads), w, e)
-    if sharding.strategy != "ddp":
-        transient = optimizer_transient_bytes(profile)
-        delta -= transient - shard_bytes(master_bytes(profile, sharding, transient), w, e)
-    if ddp_bucket_bytes(profile, sharding) and not sharding.gradient_as_bucket_view:
-        delta += ddp_bucket_bytes(profile, sharding)
-    return delta
-
-
-def rank_state_bytes(profile: Profile, sharding: Sharding) -> tuple[int, int, int]:
-    """(params, grads, optimizer state) one rank holds in the optimizer step."""
-    w, e = sharding.world_size, master_element_bytes(profile, sharding)
-    grads = grads_bytes(profile)
-    if sharding.strategy in ("zero2", "fsdp"):
-        grads = shard_bytes(master_bytes(profile, sharding, grads), w, e)
-    return (
-        rank_params_bytes(profile, sharding),
-        grads,
-        rank_optimizer_state_bytes(profile, sharding),
-    )

@@ -16,8 +16,12 @@ in the profile, so the split is by name."""
 
 
 def first_stage_part(part: FixedPart) -> bool:
-    name = part.name.lower()
-    return any(hint in name for hint in FIRST_STAGE_HINTS)
+    return first_stage_name(part.name)
+
+
+def first_stage_name(name: str) -> bool:
+    """Whether a module outside the blocks, by its qualified name, runs before them."""
+    return any(hint in name.lower() for hint in FIRST_STAGE_HINTS)
 
 
 def tp_measured(profile: Profile) -> bool:

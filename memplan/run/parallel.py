@@ -239,7 +239,7 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
     if parallel.dp_shard > 1:
         from torch.distributed.fsdp import fully_shard
 
-        from memplan.run.wrap import fsdp_mixed_precision, fsdp_no_sync
+        from memplan.run.wrap import fsdp_mixed_precision, fsdp_no_sync, shard_edge_units
 
         dp_mesh = (
             mesh["dp_replicate", "dp_shard"] if parallel.dp_replicate > 1 else mesh["dp_shard"]
@@ -258,6 +258,8 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
             unit = named.get(name)
             if unit is not None and not isinstance(unit, SkippedLayer):
                 fully_shard(unit, **options)
+        if parallel.fsdp_units == "torchtitan-2507" and parallel.pp == 1:
+            shard_edge_units(module, plan.shard_units, options)
         fully_shard(module, **options)
         if parallel.pp == 1 and plan.grad_sync == "last_micro_step":
             fsdp_no_sync(module)

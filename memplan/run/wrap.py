@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from memplan.errors import BadInputError
+from memplan.memory.vocab import FIRST_STAGE_HINTS, first_stage_name
 from memplan.plan import Plan
 
 
@@ -58,6 +59,56 @@ def fsdp_mixed_precision(plan: Plan) -> Any:
     )
 
 
+def edge_modules(
+    module: torch.nn.Module, units: Sequence[str]
+) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """(lead, tail): the largest modules with parameters outside every shard unit, split as
+    memplan.memory.edge_units splits the profile's parts (by name: the embeddings lead)."""
+    ancestors = {".".join(u.split(".")[:i]) for u in units for i in range(1, u.count(".") + 1)}
+    lead: list[torch.nn.Module] = []
+    tail: list[torch.nn.Module] = []
+
+    def visit(prefix: str, parent: torch.nn.Module) -> None:
+        for name, child in parent.named_children():
+            qualified = f"{prefix}{name}"
+            if qualified in units:
+                continue
+            if qualified in ancestors:
+                visit(f"{qualified}.", child)
+            elif any(True for _ in child.parameters()):
+                (lead if first_stage_name(qualified) else tail).append(child)
+
+    visit("", module)
+    return lead, tail
+
+
+def shard_edge_units(module: torch.nn.Module, units: Sequence[str], options: dict) -> None:
+    """torchtitan's units outside the blocks (``Parallel.fsdp_units`` torchtitan-2507,
+    torchtitan/distributed/fsdp.py ``apply_fsdp_to_decoder`` of 0.3.0): the embeddings
+    resharded after their forward, the norm + head not; both in one unit kept whole when
+    they share a parameter (a tied head, as torchtitan groups them)."""
+    from torch.distributed.fsdp import fully_shard
+
+    lead, tail = edge_modules(module, units)
+    if not lead:
+        raise BadInputError(
+            "parallel.fsdp_units torchtitan-2507 shards the embeddings as a unit of their own, "
+            "but no module outside the plan's shard units is named like embeddings "
+            f"({', '.join(FIRST_STAGE_HINTS)}).",
+            hint="Plan with --fsdp-units memplan.",
+        )
+    shared = {id(p) for m in lead for p in m.parameters()} & {
+        id(p) for m in tail for p in m.parameters()
+    }
+    if shared:
+        fully_shard([*lead, *tail], **{**options, "reshard_after_forward": False})
+        return
+    if lead:
+        fully_shard(lead, **options)
+    if tail:
+        fully_shard(tail, **{**options, "reshard_after_forward": False})
+
+
 def shard_fsdp(net: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     """FSDP2 ``fully_shard`` on each of ``plan.shard_units``, then on the root, with the
     plan's mixed-precision policy; accumulation as ``plan.grad_sync`` says."""
@@ -73,6 +124,9 @@ def shard_fsdp(net: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     options = {} if policy is None else {"mp_policy": policy}
     for name in plan.shard_units:  # one all-gather unit per layer, then the root
         fully_shard(modules[name], **options)
+    layout = getattr(plan, "parallel", None)
+    if layout is not None and layout.fsdp_units == "torchtitan-2507":
+        shard_edge_units(net, plan.shard_units, options)
     fully_shard(net, **options)
     if getattr(plan, "grad_sync", "last_micro_step") == "last_micro_step":
         fsdp_no_sync(net)  # without it, the Accumulator reduce-scatters every micro-step

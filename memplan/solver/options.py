@@ -188,6 +188,7 @@ def sharding_for(
         world_size=ctx.request.world_size,
         grad_sync=grad_sync,
         reshard_after_forward=ctx.request.reshard_after_forward,
+        edge_units=ctx.request.edge_units,
         reduce_after_schedule=ctx.request.reduce_after_schedule,
     )
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from memplan import timing
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError, NoPlanFitsError
+from memplan.memory.edge_units import edge_refusal
 from memplan.memory.parallel import (
     check_layout,
     communicators,
@@ -140,6 +141,7 @@ def candidate_layouts(
                         loss_parallel=lp and loss_parallel_possible(profile),
                         kept_outputs=ask.kept_outputs if pp > 1 else "none",
                         stage_split=ask.stage_split if pp > 1 else "memplan",
+                        fsdp_units=ask.fsdp_units if pp == 1 and not replicas else "memplan",
                     )
                 )
     return out
@@ -234,6 +236,7 @@ def _stage_request(
         min_micro=b,
         max_micro=b,
         reshard_after_forward=parallel.pp == 1,
+        edge_units=parallel.fsdp_units == "torchtitan-2507" and parallel.pp == 1,
         reduce_after_schedule=parallel.pp > 1,
         communicators=communicators(parallel),
         data_parallel_bandwidth=bandwidth,
@@ -532,6 +535,13 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         notes.append(
             "strategy fsdp: the profile was probed under FSDP's mixed-precision policy "
             "(--mixed-precision params), which DDP does not run"
+        )
+    refusal = edge_refusal(profile) if ask.fsdp_units != "memplan" else None
+    if refusal is not None:
+        raise BadInputError(
+            refusal,
+            hint="Plan with --fsdp-units memplan (one root unit, whole all step: never less "
+            "than torchtitan holds), or name the embeddings' module with one of those words.",
         )
     options = _options(profile, request, ask)
     if not options:

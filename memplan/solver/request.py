@@ -15,9 +15,11 @@ from memplan.errors import BadInputError
 from memplan.memory import Reserve
 from memplan.modes import parse_modes
 from memplan.parallel import (
+    FSDP_UNITS,
     KEPT_OUTPUTS,
     SCHEDULES,
     STAGE_SPLITS,
+    FsdpUnits,
     KeptOutputs,
     Schedule,
     StageSplit,
@@ -64,6 +66,9 @@ class LayoutRequest:
     stage_split: StageSplit = "memplan"
     """Which rule divides the blocks into pipeline stages (``Parallel.stage_split``):
     memplan's own, or a torchtitan version's default split."""
+    fsdp_units: FsdpUnits = "memplan"
+    """How FSDP groups the parameters outside the blocks (``Parallel.fsdp_units``):
+    memplan's one root unit, or torchtitan's since July 2025."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp"):
@@ -91,6 +96,10 @@ class LayoutRequest:
             raise SolveRequestError(
                 f"--stage-split must be one of {', '.join(STAGE_SPLITS)}, got {self.stage_split!r}."
             )
+        if self.fsdp_units not in FSDP_UNITS:
+            raise SolveRequestError(
+                f"--fsdp-units must be one of {', '.join(FSDP_UNITS)}, got {self.fsdp_units!r}."
+            )
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise SolveRequestError(
                 f"--virtual-stages {self.virtual_stages} needs --schedule interleaved_1f1b "
@@ -111,17 +120,19 @@ def layout_request(
     sequence_parallel: bool | None = None,
     loss_parallel: bool | None = None,
     stage_split: str = "memplan",
+    fsdp_units: str = "memplan",
 ) -> LayoutRequest | None:
     """The layout asked for by ``--layout``, ``--tp``, ``--pp``, ``--cp`` and the pipeline
-    options, validated; None for data parallelism alone (no degree, no ``--layout``)."""
+    options, validated; None for data parallelism alone (no degree, no ``--layout``, memplan's
+    FSDP units)."""
     if layout is not None and layout != "auto":
         raise SolveRequestError(f"--layout takes auto, got {layout!r}.", hint="Use --layout auto.")
     if schedule not in SCHEDULES:
         raise SolveRequestError(
             f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}."
         )
-    if layout is None and tp is None and pp is None and cp is None:
-        return None
+    if layout is None and tp is None and pp is None and cp is None and fsdp_units == "memplan":
+        return None  # (an engine's FSDP units make a layout of data parallelism alone)
     return LayoutRequest(
         tp=tp,
         pp=pp,
@@ -133,6 +144,7 @@ def layout_request(
         virtual_stages=virtual_stages,
         loss_parallel=loss_parallel,
         stage_split=stage_split,  # type: ignore[arg-type]
+        fsdp_units=fsdp_units,  # type: ignore[arg-type]
     )
 
 
@@ -192,6 +204,9 @@ class SolveRequest:
     reshard_after_forward: bool = True
     """FSDP: free a unit's gathered parameters after its forward (False for a pipeline
     stage's rank, as torchtitan and memplan's runtime shard stages: ``Sharding``)."""
+    edge_units: bool = False
+    """FSDP: the parts outside the blocks sharded as torchtitan's two units (``Sharding.
+    edge_units``; a layout with ``fsdp_units`` torchtitan-2507 and no pipeline stages)."""
     reduce_after_schedule: bool = False
     """FSDP: gradients reduce-scatter once, after the whole pipeline schedule (True for a
     pipeline stage's rank: ``Sharding``)."""
