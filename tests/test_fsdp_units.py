@@ -242,3 +242,40 @@ def test_no_embeddings_by_name_is_refused_and_a_tied_head_is_one_unit(probed, tm
         assert fsdp_gathered_bytes(tied, edge, "no_grads", index) == fsdp_gathered_bytes(
             tied, root, "no_grads", index
         )
+
+
+@pytest.mark.slow
+def test_a_tied_gpt2_on_fsdp_counts_its_head_once(tmp_path):
+    # GPT-2 ties its head to the embeddings: the probe counts the weight in both parts. A
+    # layout rank's totals (memory.pipeline.rank_totals) had it twice, and FSDP 2 was
+    # planned 11.7% over (1,563,972 B predicted, 1,400,212 measured).
+    from memplan.memory.parallel import rank_profile
+    from memplan.profile import load_profile
+
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    config = {
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 32,
+        "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 64,
+        "tie_word_embeddings": True,
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    model = f"hf:{folder}?task=causal-lm&seq-len=16"
+    profile_path, plan = tmp_path / "p.yaml", tmp_path / "plan.yaml"
+    assert _memplan("probe", model, "-o", str(profile_path)).returncode == 0
+    profile = load_profile(profile_path)
+    head = 512 * 32 * 4
+    counted = sum(p.params_trainable_bytes for p in (*profile.layers, *profile.fixed))
+    assert counted - profile.totals.params_trainable_bytes == head  # the tied weight twice
+    rank = rank_profile(profile, Parallel(dp_shard=2), 0, 1)
+    assert rank.totals.params_trainable_bytes == profile.totals.params_trainable_bytes
+    assert rank.totals.grad_bytes == profile.totals.grad_bytes
+    solved = _memplan(
+        "solve", str(profile_path), "--budget", "1GiB", "--target-batch", "8",
+        "--world-size", "2", "--strategy", "fsdp", "--tp", "1", "-o", str(plan),
+    )  # fmt: skip
+    assert solved.returncode == 0, solved.stderr
+    verified = _memplan("verify", model, str(plan), "--world-size", "2", "--steps", "1", "--json")
+    assert verified.returncode == 0, verified.stderr
+    data = json.loads(verified.stdout)
+    assert all(abs(e) <= 0.03 for e in data["rank_errors"]), data["rank_errors"]
