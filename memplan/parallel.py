@@ -164,6 +164,13 @@ class Parallel:
         return math.prod(getattr(self, d.field) for d in DIMENSIONS)
 
     @property
+    def edge_units(self) -> bool:
+        """Whether the parts outside the blocks are torchtitan's two FSDP units: its rule
+        (``fsdp_units`` torchtitan-2507) and no pipeline stages, under which every unit
+        stays whole all step whatever the grouping."""
+        return self.fsdp_units == "torchtitan-2507" and self.pp == 1
+
+    @property
     def stages(self) -> int:
         """Pipeline stages in all: ``pp × virtual_stages``."""
         return self.pp * self.virtual_stages

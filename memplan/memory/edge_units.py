@@ -41,13 +41,18 @@ def _params(part: FixedPart) -> int:
     return part.params_trainable_bytes + part.params_frozen_bytes
 
 
+def _has_lead(profile: Profile) -> bool:
+    """Whether a part outside the blocks that holds parameters is named like embeddings."""
+    return any(first_stage_part(part) and _params(part) for part in profile.fixed)
+
+
 def edge_refusal(profile: Profile) -> str | None:
     """Why torchtitan's edge units cannot be planned for this profile: none of the parts
     outside the blocks that hold parameters is named like an embedding, so which unit runs
     before the blocks is unknown (None: they can)."""
-    holding = [part.name for part in profile.fixed if _params(part)]
-    if any(first_stage_part(part) and _params(part) for part in profile.fixed):
+    if _has_lead(profile):
         return None
+    holding = [part.name for part in profile.fixed if _params(part)]
     return (
         f"--fsdp-units torchtitan-2507 shards the embeddings as a unit of their own, but no "
         f"part outside the blocks that holds parameters ({', '.join(holding) or 'none'}) is "
@@ -64,7 +69,7 @@ def edge_split(
     after all: a head tied to the embeddings (a parameter counted in two parts: torchtitan
     and memplan's runtime then shard them together, kept whole, as the root unit is), or no
     part named like embeddings (``edge_refusal``)."""
-    if edge_refusal(profile) is not None:
+    if not _has_lead(profile):
         return None
     if sum(_params(part) for part in profile.fixed) > root_params:
         return None  # tied

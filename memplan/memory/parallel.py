@@ -504,7 +504,7 @@ def layout_sharding(
         world_size=world,
         grad_sync=grad_sync,
         reshard_after_forward=parallel.pp == 1,
-        edge_units=parallel.fsdp_units == "torchtitan-2507" and parallel.pp == 1,
+        edge_units=parallel.edge_units,
         reduce_after_schedule=parallel.pp > 1,
     )
 

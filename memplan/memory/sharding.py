@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from memplan.memory.edge_units import edge_gathered, edge_split
+from memplan.memory.edge_units import EdgeBytes, edge_gathered, edge_split
 from memplan.memory.terms import (
     PHASE_GRADS_RESIDENT,
     PHASE_NO_GRADS,
@@ -179,11 +179,12 @@ def gathered_edge_bytes(profile: Profile) -> tuple[int, int] | None:
     split = edge_split(profile, root_params_bytes(profile), _root_grads_bytes(profile))
     if split is None:
         return None
-    lead, tail = split
-    return (
-        lead.params - float8_gather_saving_bytes(profile, lead.float8),
-        tail.params - float8_gather_saving_bytes(profile, tail.float8),
-    )
+    return _edge_gathered(profile, split[0]), _edge_gathered(profile, split[1])
+
+
+def _edge_gathered(profile: Profile, unit: EdgeBytes) -> int:
+    """One edge unit's parameters as FSDP2's all-gather makes them (float8 at one byte)."""
+    return unit.params - float8_gather_saving_bytes(profile, unit.float8)
 
 
 def gathered_params_bytes(profile: Profile) -> int:
@@ -429,7 +430,7 @@ def fsdp_grads_bytes(
     if split is not None:  # the root's part is the embeddings' unit, reduced last
         root = _unit_grads(profile, sharding, split[0].grads)
         tail = _unit_grads(profile, sharding, split[1].grads)
-        root_params = split[0].params - float8_gather_saving_bytes(profile, split[0].float8)
+        root_params = _edge_gathered(profile, split[0])
 
     def held(unit: _UnitGrads, posted: bool) -> int:
         """The unit's gradients before (``posted`` False) or after its post_backward."""

@@ -258,7 +258,7 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
             unit = named.get(name)
             if unit is not None and not isinstance(unit, SkippedLayer):
                 fully_shard(unit, **options)
-        if parallel.fsdp_units == "torchtitan-2507" and parallel.pp == 1:
+        if parallel.edge_units:
             shard_edge_units(module, plan.shard_units, options)
         fully_shard(module, **options)
         if parallel.pp == 1 and plan.grad_sync == "last_micro_step":

@@ -103,8 +103,7 @@ def shard_edge_units(module: torch.nn.Module, units: Sequence[str], options: dic
     if shared:
         fully_shard([*lead, *tail], **{**options, "reshard_after_forward": False})
         return
-    if lead:
-        fully_shard(lead, **options)
+    fully_shard(lead, **options)
     if tail:
         fully_shard(tail, **{**options, "reshard_after_forward": False})
 
@@ -125,7 +124,7 @@ def shard_fsdp(net: torch.nn.Module, plan: Plan) -> torch.nn.Module:
     for name in plan.shard_units:  # one all-gather unit per layer, then the root
         fully_shard(modules[name], **options)
     layout = getattr(plan, "parallel", None)
-    if layout is not None and layout.fsdp_units == "torchtitan-2507":
+    if layout is not None and layout.edge_units:
         shard_edge_units(net, plan.shard_units, options)
     fully_shard(net, **options)
     if getattr(plan, "grad_sync", "last_micro_step") == "last_micro_step":

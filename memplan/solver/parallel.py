@@ -225,19 +225,19 @@ def _stage_request(
     bandwidth (``data_parallel_bandwidth``), and the reserve's NCCL communicators of the
     whole layout (``communicators``), as the plan's peak (``stage_peak``) counts them."""
     strategy = _strategy(request, parallel)
-    world = layout_sharding(strategy, parallel).world_size
+    sharding = layout_sharding(strategy, parallel)
     intra, _ = timing.interconnect_bandwidth(request.device_spec)
     bandwidth = data_parallel_bandwidth(parallel, intra, gpus_per_node, strategy != "ddp")
     return dataclasses.replace(
         request,
-        target_batch=b * m * world,
-        world_size=world,
+        target_batch=b * m * sharding.world_size,
+        world_size=sharding.world_size,
         strategy=strategy,
         min_micro=b,
         max_micro=b,
-        reshard_after_forward=parallel.pp == 1,
-        edge_units=parallel.fsdp_units == "torchtitan-2507" and parallel.pp == 1,
-        reduce_after_schedule=parallel.pp > 1,
+        reshard_after_forward=sharding.reshard_after_forward,
+        edge_units=sharding.edge_units,
+        reduce_after_schedule=sharding.reduce_after_schedule,
         communicators=communicators(parallel),
         data_parallel_bandwidth=bandwidth,
     )
