@@ -175,6 +175,15 @@ class Plan:
                 "mixed_precision 'params' needs precision bf16 or fp16 and strategy fsdp, got "
                 f"{self.precision} and {self.strategy}"
             )
+        if (
+            self.parallel is not None
+            and self.parallel.fsdp_units != "memplan"
+            and self.strategy != "fsdp"
+        ):
+            raise ValueError(
+                f"parallel.fsdp_units {self.parallel.fsdp_units!r} needs strategy fsdp, got "
+                f"{self.strategy} (only FSDP groups parameters into units)"
+            )
         bad = {name: mode for name, mode in self.checkpoint.items() if mode not in MODES}
         if bad:
             name, mode = next(iter(bad.items()))

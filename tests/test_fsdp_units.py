@@ -192,6 +192,20 @@ def test_fsdp_units_in_the_layout_the_plan_file_and_the_command_line(probed, tmp
     assert result.returncode == 2, result.stderr
     assert "--fsdp-units must be one of memplan, torchtitan-2507" in result.stderr
     assert not out.exists()
+    # units are FSDP's: with DDP or ZeRO-2 the option is refused (it changed no byte, yet
+    # the plan recorded it and its layout read "torchtitan-2507 units"), and so is a plan
+    # file that pairs them
+    for strategy in ("ddp", "zero2"):
+        result = _memplan(
+            "solve", str(probed[1]), "--budget", "1GiB",
+            "--target-batch", "4", "--world-size", "2", "--strategy", strategy,
+            "--fsdp-units", "torchtitan-2507", "-o", str(out),
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert f"strategy is {strategy}, which has no FSDP units" in result.stderr
+        assert not out.exists()
+    with pytest.raises(ValueError, match="fsdp_units 'torchtitan-2507' needs strategy fsdp"):
+        hand_plan("m.py", parallel=layout, strategy="zero2")
 
 
 def test_no_embeddings_by_name_is_refused_and_a_tied_head_is_one_unit(probed, tmp_path):

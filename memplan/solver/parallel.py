@@ -536,6 +536,12 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
             "strategy fsdp: the profile was probed under FSDP's mixed-precision policy "
             "(--mixed-precision params), which DDP does not run"
         )
+    if ask.fsdp_units != "memplan" and request.strategy != "fsdp":
+        raise BadInputError(
+            f"--fsdp-units {ask.fsdp_units} says how FSDP groups the parameters outside the "
+            f"blocks, but this plan's strategy is {request.strategy}, which has no FSDP units.",
+            hint="Add --strategy fsdp, or drop --fsdp-units.",
+        )
     refusal = edge_refusal(profile) if ask.fsdp_units != "memplan" else None
     if refusal is not None:
         raise BadInputError(
