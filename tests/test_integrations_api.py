@@ -212,6 +212,14 @@ def test_careless_inputs_are_clear_errors():
         memplan.plan_model(blocks_model(), (x, y), loss_fn=mse, budget="1GiB")
     with pytest.raises(BadInputError, match="batch must be a batch"):
         memplan.plan_model(blocks_model(), "data.csv", loss_fn=mse, budget="1GiB", target_batch=4)
+    # a misspelled option names the function called and the option it may have meant,
+    # before anything is probed (Python's own error named memplan's internal _ask)
+    with pytest.raises(
+        TypeError, match=r"plan_model\(\) .* 'worldsize' \(did you mean 'world_size'"
+    ):
+        memplan.plan_model(blocks_model(), (x, y), budget="1GiB", target_batch=4, worldsize=2)
+    with pytest.raises(TypeError, match=r"solve_profile\(\) .* 'micro_batches'; it takes"):
+        solve_profile(None, budget="1GiB", target_batch=4, micro_batches=(1, 2))
 
 
 def test_a_batch_function_that_raises_names_the_users_line():

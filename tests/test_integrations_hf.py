@@ -118,6 +118,13 @@ def test_a_budget_no_plan_fits_stops_before_training():
     assert trainer.state.global_step == 0
 
 
+def test_a_misspelled_option_is_refused_before_anything_runs():
+    trainer = transformers.Trainer(model=llama(), args=arguments(), train_dataset=dataset())
+    with pytest.raises(TypeError, match=r"plan_trainer\(\) .* 'precison' \(did you mean"):
+        plan_trainer(trainer, budget="1GiB", precison="bf16")
+    assert trainer.args.per_device_train_batch_size == TARGET
+
+
 def test_deepspeed_and_fsdp_settings_are_kept():
     """The engine already in TrainingArguments picks the strategy and stays as it was."""
     from types import SimpleNamespace

@@ -116,6 +116,16 @@ def test_checkpointed_layers_are_applied_to_the_module(reference):
     assert max_difference(module, reference) < 1e-12
 
 
+def test_a_misspelled_option_fails_when_the_callback_is_made():
+    # not at on_fit_start, after the Trainer has started
+    with pytest.raises(TypeError, match=r"MemplanBatchSize\(\) .* 'stratgy' \(did you mean"):
+        MemplanBatchSize("1GiB", stratgy="fsdp")
+    assert MemplanBatchSize("1GiB", precision="bf16", micro_batches=(1, 2)).request == {
+        "precision": "bf16",
+        "micro_batches": (1, 2),
+    }
+
+
 def test_a_budget_no_plan_fits_stops_before_the_first_step():
     module = Module()
     before = {k: v.clone() for k, v in module.state_dict().items()}

@@ -18,6 +18,8 @@ parameters' versions and gradients are compared before and after.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import itertools
 import math
 import sys
@@ -34,7 +36,14 @@ from memplan.memory import DEFAULT_MARGIN
 from memplan.plan import Plan
 from memplan.profile import Profile
 
-__all__ = ["budget_bytes", "plan_model", "profile_model", "resolve_device", "solve_profile"]
+__all__ = [
+    "budget_bytes",
+    "check_options",
+    "plan_model",
+    "profile_model",
+    "resolve_device",
+    "solve_profile",
+]
 
 Budget = str | int | float
 DEVICES = ("auto", "cpu", "cuda", "meta")
@@ -79,6 +88,7 @@ def plan_model(
     ``output`` and ``formats`` write its files. ``keep`` and ``prepare`` are for the
     integrations (``memplan.integrations.live.live_model_file``). Every option is checked
     before the probe runs; NoPlanFitsError when nothing fits, before any training."""
+    check_options("plan_model", request, solve_only=True)
     probe_device = resolve_device(model, device)
     ask = _ask(probe_device, budget=budget, target_batch=target_batch, **request)
     profile = profile_model(
@@ -105,6 +115,7 @@ def solve_profile(
 ) -> Plan:
     """``memplan solve`` for a Profile held in memory: the same request (see ``_ask``), the
     same solvers, the same files written."""
+    check_options("solve_profile", request, solve_only=True)
     return _ask(profile.device, budget=budget, target_batch=target_batch, **request).finish(profile)
 
 
@@ -278,6 +289,27 @@ def resolve_device(model: Any, device: str | None) -> str:
             "instead of the model.",
         )
     return device
+
+
+def check_options(owner: str, options: dict[str, Any], *, solve_only: bool = False) -> None:
+    """Refuse a keyword ``owner`` passes on that no one takes, before anything runs:
+    Python's own TypeError would name memplan's internal ``_ask``, and from a callback's
+    constructor it would come only when the fit starts. ``solve_only``: ``options`` go to
+    the request of ``memplan solve`` alone (else to ``plan_model``, which also takes the
+    probe's)."""
+    known = {name for name in inspect.signature(_ask).parameters if name != "device"}
+    if not solve_only:
+        # (``keep`` and ``prepare`` are the integrations' own: they pass them themselves)
+        skip = {"model", "batch", "request", "keep", "prepare"}
+        known |= set(inspect.signature(plan_model).parameters) - skip
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            raise TypeError(
+                f"{owner}() got an unexpected keyword argument {name!r}"
+                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + f"; it takes {', '.join(sorted(known))}."
+            )
 
 
 def budget_bytes(budget: Budget, device: str, spec: Any = None) -> int:

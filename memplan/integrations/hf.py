@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memplan.errors import BadInputError
-from memplan.integrations.api import plan_model
+from memplan.integrations.api import check_options, plan_model
 from memplan.integrations.extras import require
 from memplan.integrations.live import hf_checkpointing_off
 from memplan.plan import Plan
@@ -59,6 +59,7 @@ def plan_trainer(
     ``loss_fn(model, batch)`` replaces ``trainer.compute_loss``. Other keyword arguments
     are ``plan_model``'s (``strategy``, ``modes``, ``margin``, ``output``, ``formats``, ...).
     Raises NoPlanFitsError, before any training, when no plan fits ``budget``."""
+    check_options("plan_trainer", request)
     require("transformers", "memplan.integrations.hf.plan_trainer")
     args = getattr(trainer, "args", None)
     if args is None or not hasattr(args, "per_device_train_batch_size"):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from memplan.errors import BadInputError
-from memplan.integrations.api import plan_model
+from memplan.integrations.api import check_options, plan_model
 from memplan.integrations.extras import require
 from memplan.plan import Plan
 from memplan.run.checkpoint import apply
@@ -61,6 +61,7 @@ class MemplanBatchSize(Callback):
         loss_fn: Callable[[Any, Any], Any] | None = None,
         **request: Any,
     ) -> None:
+        check_options("MemplanBatchSize", request)
         self.budget = budget
         self.target_batch = target_batch
         self.batch_arg_name = batch_arg_name
