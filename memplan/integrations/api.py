@@ -18,7 +18,6 @@ parameters' versions and gradients are compared before and after.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import itertools
 import math
@@ -35,6 +34,7 @@ from memplan.integrations.live import live_model_file, rng_preserved, unchanged
 from memplan.memory import DEFAULT_MARGIN
 from memplan.plan import Plan
 from memplan.profile import Profile
+from memplan.suggest import did_you_mean
 
 __all__ = [
     "budget_bytes",
@@ -304,10 +304,10 @@ def check_options(owner: str, options: dict[str, Any], *, solve_only: bool = Fal
         known |= set(inspect.signature(plan_model).parameters) - skip
     for name in options:
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = did_you_mean(name, sorted(known), n=1, quote=True)
             raise TypeError(
                 f"{owner}() got an unexpected keyword argument {name!r}"
-                + (f" (did you mean {close[0]!r}?)" if close else "")
+                + (f" ({hint[0].lower()}{hint[1:-1]}?)" if hint else "")
                 + f"; it takes {', '.join(sorted(known))}."
             )
 
