@@ -17,7 +17,10 @@ context, no NCCL buffers). Rows published with Float8 (``precision="float8"``: t
 405B recipes, and the 8B float8 rows of Tables 1 and 3) are predicted from a ``--precision
 float8`` probe (issue 34), and each is solved again from the bf16 probe for the same layout.
 memplan's bytes are eager torchao's; its meta clock charges the float8 casts as
-torch.compile fuses them (memplan.probe.float8), and the rest of the step as eager.
+torch.compile fuses them (memplan.probe.float8). A run that compiled (``Published.compiled``:
+'compile' among its techniques) is probed with ``--compiled``: the meta clock charges its
+memory-bound ops as inductor's fused kernels move bytes (memplan.probe.tracker
+``FusedRegion``); the eager runs, one kernel an op.
 
 Times are memplan's meta clock against the device spec's peaks times its measured
 efficiencies (profiles/devices/*.yaml ``efficiency``, each cited there; none taken from these
@@ -26,7 +29,8 @@ FlashAttention-2 path on H100 (pytorch/pytorch#142132, measured on the nightly o
 329.5 TFLOP/s, where cuDNN attention, torch's first choice on sm90 only from 2.9, reached
 631.3), so the H100 rows are probed with the H100 spec's attention efficiency set to that
 FlashAttention-2 measurement (``FA2_H100``), its backward's to FlashAttention-2's backward on
-H100 in the FlashAttention-3 paper (``FA2_H100_BACKWARD``). The A100 rows (Llama 3 8B and 70B
+H100 in the FlashAttention-3 paper (``FA2_H100_BACKWARD``); so are the H200 rows of June 2025,
+whose torchtitan kept cuDNN attention for B200 (``run_spec``). The A100 rows (Llama 3 8B and 70B
 on 64 A100 80GB, FSDP only, local batch 1, sequence 8192, bf16 eager, April 2024): torchtitan's
 docs/performance.md (read at commit 4d88a8a, added in 395a526; removed since), which gives
 tokens per second per GPU and MFU but no memory; their AC: "selective layer" is torchtitan's
@@ -130,6 +134,13 @@ class Published:
         return self.techniques == "eager"
 
     @property
+    def compiled(self) -> bool:
+        """The run compiled its blocks (``training.compile``): probed with ``--compiled``,
+        its meta clock inductor's fused memory-bound kernels (memplan.probe.tracker
+        ``FusedRegion``)."""
+        return "compile" in self.techniques
+
+    @property
     def step_seconds(self) -> float:
         # torchtitan 9dec370 train.py: tps = the local batch's labels.numel() (counted before
         # CP splits them) / (time × cp·tp·pp, ``non_data_parallel_size``)
@@ -218,15 +229,34 @@ GRAND_TETON_MEMORY = 96 * 10**9
 # datasheet: BF16 1,671 and FP8 3,341 TFLOP/s with sparsity, half that dense).
 NVL_BF16_FLOPS = 835e12
 NVL_FP8_FLOPS = 1671e12
+# The H200 rows' torchtitan (e7c0cae, June 2025) chose SDPA's backends itself:
+# torchtitan/models/attention.py ``ScaledDotProductAttention._init_backend`` lists FLASH,
+# EFFICIENT, MATH and puts CUDNN_ATTENTION first only on compute capability 10.0 (B200;
+# pytorch/torchtitan#1196, May 2025), and its torch (2.8.0a0) predates cuDNN's first place on
+# sm90 (pytorch/pytorch#162073, for 2.9). So those runs ran FlashAttention-2, whose H100 SXM
+# rates above hold for the H200's same GH100 compute (132 SMs, 989 dense bf16 TFLOP/s by
+# both datasheets): at sequence 8192 the kernel is bound by its compute, not its memory.
 
 
 def run_spec(row: Published, peaks: str = "sxm"):
     """The device spec the run is predicted on: its device profile, with the attention
-    efficiency of the kernel the run's torch ran and, for the December 2024 table, the
-    published parts' memory and bandwidth (module doc); ``peaks="nvl"``: with the NVL part's
+    efficiency of the kernel the run ran (FlashAttention-2's on the H100 and H200 rows,
+    above) and, for the December 2024 table, the published parts' memory and bandwidth
+    (module doc); ``peaks="nvl"``: with the NVL part's
     compute peaks instead of the SXM part's, the other end of the range the source gives
     (every efficiency, attention's too, a fraction of the lower peak)."""
     spec = load_device(row.device)
+    if row.device == "h200":  # June 2025: torchtitan e7c0cae ran SDPA's FlashAttention-2
+        return dataclasses.replace(
+            spec,
+            name="h200-fa2",
+            display_name=f"{spec.display_name}, FlashAttention-2 SDPA",
+            efficiency=dataclasses.replace(
+                spec.efficiency,
+                attention=round(FA2_H100, 3),
+                attention_backward=round(FA2_H100_BACKWARD, 3),
+            ),
+        )
     if row.device == DEVICE:  # the December 2024 H100 table
         nvl = peaks == "nvl"
         spec = dataclasses.replace(
@@ -383,25 +413,31 @@ from memplan.model.loader import load_model_file
 from memplan.probe.runner import probe_model
 from memplan.profile import profile_to_yaml
 start = time.perf_counter()
-spec, out, device, precision, seq = sys.argv[1:6]
-model = load_model_file(spec).at_seq_len(int(seq))
+spec, out, device, precision, seq, compiled = sys.argv[1:7]
+model = load_model_file(spec)
+model = model.at_seq_len(int(seq)) if int(seq) else model
 profile = probe_model(model, device="meta", precision=precision, mixed_precision="params",
-                      device_profile=device)
+                      device_profile=device, compiled=compiled == "compiled")
 open(out, "w").write(profile_to_yaml(profile))
 print(json.dumps({"seconds": time.perf_counter() - start}))
 """
 
 
 def probe(
-    factory: str, out: Path, device: str = DEVICE, precision: str = "bf16", seq: int = SEQ
+    factory: str,
+    out: Path,
+    device: str = DEVICE,
+    precision: str = "bf16",
+    seq: int = SEQ,
+    compiled: bool = False,
 ) -> float:
     """Probe ``factory`` on meta; at ``seq`` tokens a sample (``probe --seq-len``) when the
-    run's sequence is not the example's own."""
-    if seq == SEQ:
+    run's sequence is not the example's own; ``compiled``: ``probe --compiled``."""
+    if seq == SEQ and not compiled:
         return layouts.probe(factory, out, MODEL, device, precision)["seconds"]
     run = subprocess.run(
         [sys.executable, "-c", _PROBE_AT, f"{MODEL}:{factory}", str(out), device, precision,
-         str(seq)],
+         str(seq if seq != SEQ else 0), "compiled" if compiled else "eager"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(run.stdout.strip().splitlines()[-1])["seconds"]
@@ -442,11 +478,11 @@ def kept_probes_folder() -> Path | None:
     return path
 
 
-def probe_key(spec, precision: str, seq: int) -> str:
+def probe_key(spec, precision: str, seq: int, compiled: bool = False) -> str:
     """What a kept probe must have been made with besides the model file and torch, which its
     profile records: memplan's probing code (``PROBE_CODE``, every file's path and bytes),
     the device spec (its efficiencies time the meta clock, and a spec's name does not change
-    with them), the precision and the sequence length. A sha256."""
+    with them), the precision, the sequence length and the compiled clock. A sha256."""
     import hashlib
 
     import memplan
@@ -458,7 +494,7 @@ def probe_key(spec, precision: str, seq: int) -> str:
         for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             digest.update(file.relative_to(root).as_posix().encode() + b"\0")
             digest.update(file.read_bytes())
-    digest.update(f"{spec!r}|{precision}|{seq}".encode())
+    digest.update(f"{spec!r}|{precision}|{seq}".encode() + (b"|compiled" if compiled else b""))
     return digest.hexdigest()
 
 
@@ -493,20 +529,28 @@ def keep_probe(probed_file: Path, kept: Path, key: str) -> None:
 
 
 def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
-    """The meta profile of the row's model for ``spec`` at ``precision``, probed once."""
-    key = (row.factory, spec.name, precision)
+    """The meta profile of the row's model for ``spec`` at ``precision``, probed once (with
+    ``--compiled`` for a compiled run)."""
+    key = (row.factory, spec.name, precision, row.compiled)
     if key not in probes:
-        name = f"{row.factory}-{spec.name}-{precision}.yaml"
+        name = f"{row.factory}-{spec.name}-{precision}{'-compiled' if row.compiled else ''}.yaml"
         out = Path(tmp) / name
         folder = kept_probes_folder()
         kept = folder / name if folder else None
-        code = probe_key(spec, precision, row.seq)
+        code = probe_key(spec, precision, row.seq, row.compiled)
         if kept is not None and kept_probe_matches(kept, code):  # probed before
             out, seconds = kept, 0.0
         else:
             if kept is not None:  # stale or torn: its key goes first, so it is never read
                 kept.with_suffix(".key").unlink(missing_ok=True)
-            seconds = probe(row.factory, out, str(spec_file(spec, Path(tmp))), precision, row.seq)
+            seconds = probe(
+                row.factory,
+                out,
+                str(spec_file(spec, Path(tmp))),
+                precision,
+                row.seq,
+                row.compiled,
+            )
             if kept is not None:
                 keep_probe(out, kept, code)
         # examples/llama31.py is not a transformers decoder, so memplan's runtime cannot
@@ -681,8 +725,11 @@ def run(device: str) -> str:
             "memplan's unoverlapped collectives at NCCL's bus bandwidth and FSDP's copies "
             "around them at memory bandwidth. Float8 rows (', float8' "
             "after the spec) are predicted from a float8 probe (below), its casts timed as "
-            "compiled; otherwise memplan models eager training, so on the other compiled rows "
-            "its time is not the same program; the eager bf16 rows are the test. The example model "
+            "compiled. A run with torch.compile ('compile' among its techniques) is probed with "
+            "`probe --compiled`: its memory-bound ops timed as inductor's fused kernels move "
+            "bytes, each input read once and what outlives them written (docs/design.md, "
+            "'A compiled step'); before, every run's clock was eager's, one kernel an op. "
+            "The example model "
             "is no transformers decoder, so memplan's runtime would refuse its pipeline stages: "
             "the 405B rows are modelled, not run. Their local batch of 32 runs as 8 "
             "micro-batches of 4 (torchtitan splits it into pp unless told otherwise); the "
@@ -701,8 +748,12 @@ def run(device: str) -> str:
             "last rank's fp32 merges at memory bandwidth, bytes measured on gloo, "
             "memplan.solver.ring); the published "
             "TPS/GPU counts the local batch's tokens over cp·tp·pp GPUs. The H200 rows: "
-            f"{H200_SOURCE}, memory and TPS/GPU at the 100th step, on the h200 profile as it "
-            "stands (its datasheet peaks and efficiencies); that torchtitan compiles the loss "
+            f"{H200_SOURCE}, memory and TPS/GPU at the 100th step, on the h200 profile (its "
+            "datasheet peaks and efficiencies) with attention at FlashAttention-2's measured "
+            "rates, which that torchtitan ran (its ScaledDotProductAttention put cuDNN first on "
+            "B200 only; torch put it first on sm90 from 2.9, pytorch/pytorch#162073; before "
+            "this the rows were timed at cuDNN's rates, 0.99/0.97 of the published step); "
+            "that torchtitan compiles the loss "
             "under `training.compile` (the December 2024 one left it eager), so they are "
             "probed from `build_8b_compiled_loss`, whose loss has the compiled loss's bytes "
             "(`memplan.run.losses.compiled_cross_entropy`: no fp32 copy of the logits). The "

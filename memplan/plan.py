@@ -117,6 +117,9 @@ class Plan:
     float8: Float8 | None = None
     """The linears run in float8 as the profile's probe converted them (torchao's
     ``Float8Linear``; the emitters write the engine's float8 settings); None: no float8."""
+    compiled: bool = False
+    """The step time is torch.compile's (a ``probe --compiled`` profile): ``--format
+    torchtitan`` compiles the model (``--compile.enable``)."""
     grad_sync: GradSync = "last_micro_step"
     """For ``fsdp`` with accumulation: reduce-scatter only on the last micro-step (unsharded
     gradients held until then) or on every micro-step (sharded gradients). See ``GradSync``."""
@@ -279,6 +282,8 @@ def _plan_text(plan: Plan) -> str:
         data["parallel"].pop("stage_split", None)  # the default: plans read as before
     if data.get("parallel") is not None and data["parallel"].get("fsdp_units") == "memplan":
         data["parallel"].pop("fsdp_units", None)  # the default: plans read as before
+    if not data.get("compiled"):
+        data.pop("compiled", None)  # the default: plans read as before
     if not data["predicted"].get("stage_peak_bytes"):
         data["predicted"].pop("stage_peak_bytes", None)
     data["checkpoint"] = _BlockMap(data["checkpoint"] or {})

@@ -18,7 +18,7 @@ import pytest
 from memplan.emit import emit
 from memplan.emit.torchtitan import CUDA_GRAPHS_NOTE, LLAMA3_CONFIGS, LOSS_NOTE, RELEASE
 from memplan.parallel import Parallel
-from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction
+from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction, plan_to_yaml
 from memplan.profile import Float8
 
 BLOCKS = tuple(f"layers.{i}" for i in range(8))
@@ -257,6 +257,24 @@ def test_torchtitan_keeps_gradients_between_steps_unless_cuda_graphs_are_off(tit
     assert "zero_grad(set_to_none=self.config.training.disable_cuda_graphs)" in source
     _, text = emit(_plan(Parallel(dp_shard=2, tp=2)), "torchtitan", "m.py")
     assert "--training.disable_cuda_graphs" in text and f"# {CUDA_GRAPHS_NOTE}\n" in text
+
+
+def test_a_compiled_plan_compiles_under_torchtitan_and_an_eager_one_says_so(titan, tmp_path):
+    """A plan timed as compiled (``probe --compiled``) runs compiled: torchtitan's
+    ConfigManager reads ``compile.enable`` (model and loss, 0.3's default components); an
+    eager plan leaves it off and says that torchtitan compiled would run faster."""
+    import dataclasses
+
+    eager = _plan(Parallel(dp_shard=2))
+    compiled = dataclasses.replace(eager, compiled=True)
+    config, text = _titan_config(titan, compiled, tmp_path)
+    assert config.compile.enable is True and config.compile.components == ["model", "loss"]
+    assert "faster than planned" not in text
+    assert "compiled: true" in plan_to_yaml(compiled)
+    assert "compiled" not in plan_to_yaml(eager)  # the default: plans read as before
+    config, text = _titan_config(titan, eager, tmp_path)
+    assert config.compile.enable is False
+    assert "runs faster than planned: probe with --device meta --compiled" in text
 
 
 def test_torchtitan_snippet_without_torchtitan(tmp_path):

@@ -64,12 +64,14 @@ def test_a_kept_probe_stands_only_for_the_same_model_file_torch_code_and_spec(tm
     assert not kept_probe_matches(kept("edited.yaml", edited), key)
     other_torch = dataclasses.replace(env, torch_version="2.6.0")
     assert not kept_probe_matches(kept("torch.yaml", today, other_torch), key)
-    # another spec (its efficiencies time the meta clock), precision or sequence: another key
+    # another spec (its efficiencies time the meta clock), precision, sequence or clock
+    # (compiled): another key
     faster = dataclasses.replace(spec, efficiency=dataclasses.replace(spec.efficiency, matmul=1.0))
     for other in (
         probe_key(faster, "bf16", 8192),
         probe_key(spec, "float8", 8192),
         probe_key(spec, "bf16", 32768),
+        probe_key(spec, "bf16", 8192, compiled=True),
     ):
         assert other != key
         assert not kept_probe_matches(kept("other.yaml", today, with_key=other), key)

@@ -68,6 +68,15 @@ def probe(
             "CPU: gloo has no float8 dtype.",
         ),
     ] = True,
+    compiled: Annotated[
+        bool,
+        typer.Option(
+            "--compiled",
+            help="With --device meta: time the step as torch.compile runs it (the "
+            "memory-bound ops between two matmuls fused, each input read once, only what "
+            "outlives them written); the memory stays eager's, an upper bound.",
+        ),
+    ] = False,
     mixed_precision: Annotated[
         str,
         typer.Option(
@@ -120,6 +129,7 @@ def probe(
             mixed_precision=mixed_precision,
             float8_recipe=float8_recipe,
             float8_all_gather=float8_all_gather,
+            compiled=compiled,
         )
     # The text first: a profile memplan would refuse to read back is exit 3 before anything
     # is shown or written (memplan.profile.profile_to_yaml).

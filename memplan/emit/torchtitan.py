@@ -373,6 +373,8 @@ def torchtitan_args(plan: Plan) -> list[str]:
         ]
         stages = " ".join(",".join(stage) for stage in stage_fqns(p, n_blocks))
         args.append(f"--parallelism.module_fqns_per_model_part {stages}")
+    if plan.compiled:  # the step was timed as compiled: the model and the loss (0.3's default)
+        args.append("--compile.enable")
     args.append("--training.disable_cuda_graphs")  # every layout: CUDA_GRAPHS_NOTE says why
     local = plan.micro_batch_size * (plan.accumulation_steps if p.pp > 1 else 1)
     args += [
@@ -421,6 +423,12 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
     notes += _float8_notes(plan)
     notes.append(LOSS_NOTE)
     notes.append(CUDA_GRAPHS_NOTE)
+    if not plan.compiled:
+        notes.append(
+            "the step time is eager's (one kernel an op); with --compile.enable torchtitan "
+            "fuses the memory-bound ops and runs faster than planned: probe with --device meta "
+            "--compiled to plan the compiled step"
+        )
     if p.tp > 1 and not p.loss_parallel:
         notes.append(
             f"torchtitan {RELEASE} always shards the logits and loss by vocabulary under TP "

@@ -367,6 +367,7 @@ def _environment(session: Session) -> Environment:
         float8=backend.float8.environment(meta_clock=backend.device == "meta")
         if backend.float8
         else None,
+        compiled=backend.compiled,
     )
 
 

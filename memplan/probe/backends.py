@@ -60,6 +60,9 @@ class Backend:
     """With precision ``float8``: torchao's recipe (memplan.probe.float8)."""
     float8_all_gather: bool = True
     """With a tensorwise float8 recipe: plans gather the converted weights in float8."""
+    compiled: bool = False
+    """Meta only: the training step's clock is torch.compile's (memplan.probe.tracker
+    ``FusedRegion``); the optimizer step stays eager."""
 
     def __post_init__(self) -> None:
         self.float8: Float8Conversion | None = None
@@ -151,12 +154,15 @@ class Backend:
             batch = map_batch(batch, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
         return batch
 
-    def tracker(self, *, record: bool = True) -> LiveTracker:
+    def tracker(self, *, record: bool = True, step: bool = False) -> LiveTracker:
+        """``step``: a training micro-step (forward and backward), timed as compiled when
+        the probe says so."""
         return LiveTracker(
             record=record,
             roofline=self.roofline,
             meta=self.device == "meta",
             op_cache=self.op_cache,
+            fused=step and self.compiled,
         )
 
     def guard(self) -> Any:
@@ -240,8 +246,15 @@ def make_backend(
     reuse_identical: bool = True,
     float8_recipe: str = "tensorwise",
     float8_all_gather: bool = True,
+    compiled: bool = False,
 ) -> Backend:
     resolved = resolve_device(device)
+    if compiled and resolved != "meta":
+        raise BadInputError(
+            f"--compiled times the step as torch.compile's fused kernels move bytes, on the "
+            f"meta clock; a {resolved} probe times the eager ops it really runs.",
+            hint="Probe with --device meta (and --device-profile for the GPU), or drop --compiled.",
+        )
     spec = load_device(device_profile) if device_profile else None
     return Backend(
         device=resolved,
@@ -251,6 +264,7 @@ def make_backend(
         reuse_identical=reuse_identical,
         float8_recipe=float8_recipe,
         float8_all_gather=float8_all_gather,
+        compiled=compiled,
     )
 
 
@@ -264,6 +278,7 @@ def backend_for(settings: ProbeSettings) -> Backend:
         reuse_identical=settings.reuse_identical,
         float8_recipe=settings.float8_recipe,
         float8_all_gather=settings.float8_all_gather,
+        compiled=settings.compiled,
     )
 
 

@@ -76,6 +76,7 @@ def probe_model(
     reuse_identical: bool = True,
     float8_recipe: str = "tensorwise",
     float8_all_gather: bool = True,
+    compiled: bool = False,
 ) -> Profile:
     """Measure ``model_file_path`` (or a loaded ModelFile: memplan.integrations.api builds
     one around a live model) per layer and return its Profile (see profile.py). On
@@ -92,6 +93,7 @@ def probe_model(
         reuse_identical=reuse_identical,
         float8_recipe=float8_recipe,
         float8_all_gather=float8_all_gather,
+        compiled=compiled,
     )
     if len(sizes) < 2 or sizes[0] < 1:
         raise BadInputError(

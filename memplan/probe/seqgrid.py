@@ -34,6 +34,7 @@ def probe_seq_grid(
     reuse_identical: bool = True,
     float8_recipe: str = "tensorwise",
     float8_all_gather: bool = True,
+    compiled: bool = False,
 ) -> Profile:
     """The profile of ``model_file_path`` over ``seq_lens`` × ``micro_batches``: one
     length gives an ordinary profile at that length (``Profile.seq_len``), two or more a
@@ -61,6 +62,7 @@ def probe_seq_grid(
         reuse_identical=reuse_identical,
         float8_recipe=float8_recipe,
         float8_all_gather=float8_all_gather,
+        compiled=compiled,
     )
     per_length = 2 + (7 + (device != "meta")) * len(sizes) + 2
     total = per_length * len(lens)

@@ -182,7 +182,7 @@ class Session:
         self.warnings.append(f"{head}: {where}{tail}" if where else head + tail)
 
     def tracked_step(self, batch: Any) -> Run:
-        tracker = self.backend.tracker()
+        tracker = self.backend.tracker(step=True)
         tracker.track(resident_tensors(self.model, self.optimizer, batch))
         with tracker:
             record = self.micro_step(batch, tracker)

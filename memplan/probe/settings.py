@@ -21,6 +21,9 @@ class ProbeSettings:
     """With float8: torchao's recipe, tensorwise or rowwise."""
     float8_all_gather: bool = True
     """With float8 tensorwise: FSDP2 gathers the converted weights in float8."""
+    compiled: bool = False
+    """Meta only: time the training step as torch.compile runs it (memory-bound ops
+    fused, memplan.probe.tracker ``FusedRegion``); the bytes stay eager's."""
     layers: str | None = None
     """Checkpoint candidates: comma-separated globs of module names; None: the repeated
     blocks memplan finds."""

@@ -178,6 +178,65 @@ def _tensor_bytes(value: Any) -> int:
     return value.numel() * value.element_size()
 
 
+def _storage(tensor: torch.Tensor) -> Any:
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse, nested, no storage
+        return None
+
+
+class FusedRegion:
+    """The memory-bound ops between two anchors (a matmul, an attention kernel, a graph
+    boundary) as torch.compile's inductor runs them: fused into kernels that read each
+    input from outside the region once and write only what outlives the region, so a
+    tensor made and freed inside it moves no byte. An output still alive when the region
+    closes (a matmul's input, a tensor saved for backward, a block's output) is written;
+    eager autograd saves some intermediates that inductor's partitioner would recompute,
+    so the writes err high. Checked against inductor's own byte count of a compiled HF
+    Llama block on the CPU (tests/test_compiled_clock.py)."""
+
+    def __init__(self) -> None:
+        self.read_bytes = 0
+        # id(storage) -> weak reference, of the storages read from outside the region, and
+        # -> (weak reference, bytes) of those made in it (a dead entry's id may be reused)
+        self._read: dict[int, weakref.ref] = {}
+        self._made: dict[int, tuple[weakref.ref, int]] = {}
+
+    def pending(self) -> bool:
+        return bool(self.read_bytes or self._made)
+
+    def _seen(self, key: int) -> bool:
+        made = self._made.get(key)
+        if made is not None and made[0]() is not None:
+            return True
+        read = self._read.get(key)
+        return read is not None and read() is not None
+
+    def add(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        for tensor in inputs:
+            storage = _storage(tensor)
+            if storage is None or self._seen(id(storage)):
+                continue
+            self._read[id(storage)] = weakref.ref(storage)
+            self.read_bytes += _tensor_bytes(tensor)
+        for tensor in outputs:
+            storage = _storage(tensor)
+            if storage is None:
+                continue
+            made = self._made.get(id(storage))
+            if made is None or made[0]() is None:
+                self._made[id(storage)] = (weakref.ref(storage), _tensor_bytes(tensor))
+
+    def close(self) -> int:
+        """Bytes the region's kernels move: its reads and the writes of what is alive."""
+        written = sum(n for ref, n in self._made.values() if ref() is not None)
+        moved = self.read_bytes + written
+        self.read_bytes = 0
+        self._read.clear()
+        self._made.clear()
+        return moved
+
+
 class LiveTracker(TorchDispatchMode):
     """Counts live tensor-storage bytes; records the count after every op when ``record``."""
 
@@ -193,8 +252,16 @@ class LiveTracker(TorchDispatchMode):
         roofline: Roofline | None = None,
         meta: bool = False,
         op_cache: Any = None,
+        fused: bool = False,
     ) -> None:
         super().__init__()
+        self.fused = fused and roofline is not None
+        """Time the memory-bound ops as torch.compile's fused kernels move bytes (see
+        ``FusedRegion``), not one kernel each (only with ``roofline``)."""
+        self._region = FusedRegion()
+        self._seconds = 0.0
+        self.fused_bytes = 0
+        """Bytes the closed fused regions moved (with ``fused``)."""
         self.live_bytes = 0
         self.peak_bytes = 0
         self.record = record
@@ -204,8 +271,6 @@ class LiveTracker(TorchDispatchMode):
         """The name of each of those ops (aligns sequences that differ between sizes)."""
         self.flops = 0.0
         """Forward+backward FLOPs seen so far (callers difference it around a region)."""
-        self.virtual_seconds = 0.0
-        """Roofline time of the ops seen so far (only with ``roofline``)."""
         self.roofline = roofline
         self.meta = meta
         self.op_cache = op_cache
@@ -213,6 +278,23 @@ class LiveTracker(TorchDispatchMode):
         # id(storage) -> (weak reference, bytes). The weak reference's callback removes the
         # entry before the id can be reused.
         self._storages: dict[int, tuple[weakref.ref, int]] = {}
+
+    @property
+    def virtual_seconds(self) -> float:
+        """Roofline time of the ops seen so far (only with ``roofline``); reading it closes
+        the fused region (a compiled graph's boundary: torchtitan compiles each block)."""
+        if self._region.pending():
+            moved = self._region.close()
+            self.fused_bytes += moved
+            self._seconds += moved / self.roofline.memory_bandwidth
+        return self._seconds
+
+    @virtual_seconds.setter
+    def virtual_seconds(self, value: float) -> None:
+        """Set the clock: what the open region holds is replaced by ``value`` (a cast timed
+        as a whole, memplan.probe.float8)."""
+        self._region = FusedRegion()
+        self._seconds = value
 
     # ------------------------------------------------------------------ storage accounting
     def _free(self, key: int) -> None:
@@ -324,7 +406,9 @@ class LiveTracker(TorchDispatchMode):
         if self.roofline is not None or cache is not None:
             moved = sum(_tensor_bytes(a) for a in tensors_in((args, kwargs), []))
             moved += sum(_tensor_bytes(t) for t in outputs)
-        if self.roofline is not None and not _no_kernel(func):
+        if self.fused and not op_flops and not _no_kernel(func):
+            self._region.add(tensors_in((args, kwargs), []), outputs)
+        elif self.roofline is not None and not _no_kernel(func):
             dtype = outputs[0].dtype if outputs else None
             if op_flops:  # a matmul on float8 operands runs at the float8 peak
                 dtype = next(
@@ -350,7 +434,9 @@ class LiveTracker(TorchDispatchMode):
             self.values.append(self.live_bytes)
             self.ops.append(func._overloadpacket.__name__)
         self.flops += entry.flops
-        if self.roofline is not None and not _no_kernel(func):
+        if self.fused and not entry.flops and not _no_kernel(func):
+            self._region.add(tensors_in((args, kwargs), []), outputs)
+        elif self.roofline is not None and not _no_kernel(func):
             dtype = outputs[0].dtype if outputs else None
             self.virtual_seconds += self.roofline.seconds(
                 entry.flops, entry.moved_bytes, dtype, func, args, kwargs

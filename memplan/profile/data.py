@@ -282,6 +282,8 @@ class Environment:
     float8: Float8 | None = None
     """The linears ran in float8 (``probe --precision float8``; ``precision`` is then the
     dtype of everything else, bf16); None: no float8."""
+    compiled: bool = False
+    """The meta clock timed the step as torch.compile runs it (``probe --compiled``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -67,11 +67,11 @@ class Comparison:
 
 def precision_label(profile: Profile) -> str:
     """How a profile's step ran: its compute dtype, or ``float8 <recipe>`` (the linears in
-    torchao's float8, the rest in the compute dtype)."""
+    torchao's float8, the rest in the compute dtype); `` compiled`` after it when its clock
+    was torch.compile's (``probe --compiled``)."""
     env = profile.environment
-    if env.float8 is not None:
-        return f"float8 {env.float8.recipe}"
-    return env.precision
+    label = f"float8 {env.float8.recipe}" if env.float8 is not None else env.precision
+    return f"{label} compiled" if env.compiled else label
 
 
 def timing_basis(profile: Profile, request: SolveRequest) -> str:

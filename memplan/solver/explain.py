@@ -170,6 +170,11 @@ def _strategy_reasons(
             f"scaling; {len(float8.skipped)} left in bf16), {gather}; "
             "their casts charged as eager torchao runs them (torch.compile fuses them)"
         )
+    if ctx.profile.environment.compiled:
+        lines.append(
+            "step time as torch.compile runs it (probe --compiled): the memory-bound ops "
+            "between two matmuls fused; the memory as eager holds it (an upper bound)"
+        )
     if best.strategy == "fsdp" and best.accumulation_steps > 1:
         lines.append(_grad_sync_reason(best, options))
     if world > 1:

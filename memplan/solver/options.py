@@ -394,6 +394,7 @@ def build_plan(
         precision=profile.environment.precision,
         mixed_precision=profile.environment.mixed_precision,
         float8=profile.environment.float8,
+        compiled=profile.environment.compiled,
         grad_sync=option.grad_sync,
         device=_device_label(profile, request),
         budget_bytes=request.budget_bytes,
