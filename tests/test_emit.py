@@ -141,6 +141,7 @@ HF_PLANS = [
     replace(PLAN.with_checkpoint_layers(LAYERS), precision="fp16"),
     replace(PLAN, target_batch=6, micro_batch_size=3, accumulation_steps=2, world_size=1),
     replace(PLAN, device="cpu", precision="bf16"),
+    replace(PLAN, device="cpu", precision="fp32", compiled=True),
 ]
 
 
@@ -169,6 +170,7 @@ def test_hf_loads_with_hf_argument_parser(plan: Plan, tmp_path: Path) -> None:
     assert args.bf16 is (plan.precision == "bf16")
     assert args.fp16 is (plan.precision == "fp16")
     assert args.gradient_checkpointing is (set(plan.checkpoint_layers) == set(LAYERS))
+    assert args.torch_compile is plan.compiled  # timed as compiled: trained compiled
 
 
 # --------------------------------------------------------------------------- deepspeed

@@ -95,6 +95,8 @@ def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | No
     }
     if plan.device == "cpu":  # otherwise TrainingArguments refuses bf16 without a GPU
         data["use_cpu"] = True
+    if plan.compiled:  # its step was timed as torch.compile runs it (probe --compiled)
+        data["torch_compile"] = True
     if plan.strategy in ("zero1", "zero2"):
         # TrainingArguments.deepspeed takes the path of a DeepSpeed config ("auto" values
         # are filled from these arguments); memplan's deepspeed format writes that file.
