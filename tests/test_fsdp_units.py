@@ -202,7 +202,8 @@ def test_fsdp_units_in_the_layout_the_plan_file_and_the_command_line(probed, tmp
             "--fsdp-units", "torchtitan-2507", "-o", str(out),
         )  # fmt: skip
         assert result.returncode == 2, result.stderr
-        assert f"strategy is {strategy}, which has no FSDP units" in result.stderr
+        message = " ".join(result.stderr.split())  # rich wraps at the terminal's width
+        assert f"strategy is {strategy}, which has no FSDP units" in message
         assert not out.exists()
     with pytest.raises(ValueError, match="fsdp_units 'torchtitan-2507' needs strategy fsdp"):
         hand_plan("m.py", parallel=layout, strategy="zero2")
