@@ -303,9 +303,8 @@ class LiveTracker(TorchDispatchMode):
             self.live_bytes -= entry[1]
 
     def _add_tensor(self, tensor: torch.Tensor) -> None:
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse, nested, no storage
+        storage = _storage(tensor)
+        if storage is None:
             return
         key = id(storage)
         nbytes = storage.nbytes()
@@ -402,12 +401,12 @@ class LiveTracker(TorchDispatchMode):
             except Exception:  # a formula that does not fit this call: count no FLOPs
                 op_flops = 0.0
             self.flops += op_flops
-        moved = 0
+        moved, inputs = 0, []
         if self.roofline is not None or cache is not None:
-            moved = sum(_tensor_bytes(a) for a in tensors_in((args, kwargs), []))
-            moved += sum(_tensor_bytes(t) for t in outputs)
+            inputs = tensors_in((args, kwargs), [])
+            moved = sum(_tensor_bytes(a) for a in inputs) + sum(_tensor_bytes(t) for t in outputs)
         if self.fused and not op_flops and not _no_kernel(func):
-            self._region.add(tensors_in((args, kwargs), []), outputs)
+            self._region.add(inputs, outputs)
         elif self.roofline is not None and not _no_kernel(func):
             dtype = outputs[0].dtype if outputs else None
             if op_flops:  # a matmul on float8 operands runs at the float8 peak
