@@ -88,7 +88,7 @@ def test_the_callback_trains_like_the_full_batch_within_the_budget(reference, on
     datamodule = Data() if on_datamodule else None
     if on_datamodule:
         del module.batch_size  # found on the datamodule, as BatchSizeFinder finds it
-    planner = MemplanBatchSize("64MiB", max_micro=8, micro_batches=(1, 2))
+    planner = MemplanBatchSize("64MiB", min_micro=8, max_micro=8, micro_batches=(1, 2))
     peak = PeakDuringTraining()
     trainer = fit(module, [planner, peak], datamodule)
     plan = planner.plan
