@@ -64,7 +64,9 @@ def accumulation_plan(profile):
     """The plan for TARGET under the tightest budget where the full batch does not fit."""
     # The whole batch's peak, pinned by min_micro: with room for every plan the fastest is
     # ranked by the CPU's measured clock, which a loaded machine can tip to 16 x 2.
-    whole = solve_profile(profile, budget=10**9, target_batch=TARGET, modes="keep", min_micro=TARGET)
+    whole = solve_profile(
+        profile, budget=10**9, target_batch=TARGET, modes="keep", min_micro=TARGET
+    )
     assert (whole.micro_batch_size, whole.accumulation_steps) == (TARGET, 1)
     budget = math.floor((whole.predicted.peak_bytes - 1) / (1 - whole.margin))
     return solve_profile(profile, budget=budget, target_batch=TARGET, modes="keep"), budget

@@ -93,7 +93,13 @@ def test_plan_trainer_trains_like_the_full_batch(reference, trainer_class, reque
     trainer = trainer_class(model=model, args=arguments(), train_dataset=dataset())
     before = state_digest(model)
     plan_trainer(
-        trainer, budget="1GiB", min_micro=2, max_micro=2, modes="keep,full", micro_batches=(1, 2), **request_
+        trainer,
+        budget="1GiB",
+        min_micro=2,
+        max_micro=2,
+        modes="keep,full",
+        micro_batches=(1, 2),
+        **request_,
     )
     assert state_digest(model) == before  # planning touched nothing
     plan = trainer.memplan_plan

@@ -261,6 +261,8 @@ def _write(plan, targets, *, force: bool) -> None:
     written = write_plan_files(plan, targets, force=force)
     for path in written.paths:
         render.info(f"wrote {path}")
+    for path, note in written.notes:
+        render.info(f"{path}: {note}")
     for _, exc in written.refused[:-1]:
         render.error(exc)
     if written.refused:

@@ -68,6 +68,9 @@ class Format:
     layouts: bool = False
     """Whether it writes tensor, pipeline and context parallel degrees; a plan with any of
     them above 1 is refused by the formats that do not."""
+    notes: Callable[[Plan], list[str]] | None = None
+    """For a format whose file takes no comments (JSON): what its user must still do, which
+    ``memplan solve`` prints beside the file it wrote."""
 
 
 FORMATS: dict[str, Format] = {
@@ -93,6 +96,7 @@ FORMATS: dict[str, Format] = {
             description="DeepSpeed config (JSON)",
             emitter=emit_deepspeed,
             strategies=deepspeed.STRATEGIES,
+            notes=deepspeed.deepspeed_notes,
         ),
         Format(
             name="accelerate",
@@ -194,12 +198,14 @@ class Emitted:
     files: list[tuple[str, str, str]]
     """(format, suggested file name, text)."""
     refused: list[tuple[str, MemplanError]]
+    notes: list[tuple[str, str]]
+    """(format, note) for the formats whose files take no comments (``Format.notes``)."""
 
 
 def emit_all(plan: Plan, formats: list[str], model_path: str | None = None) -> Emitted:
     """Every format of ``formats`` that can write ``plan``; a refusal of one does not stop
     the others (the caller writes them, then reports the refusals)."""
-    files, refused = [], []
+    files, refused, notes = [], [], []
     for fmt in formats:
         try:
             filename, text = emit(plan, fmt, model_path)
@@ -209,4 +215,6 @@ def emit_all(plan: Plan, formats: list[str], model_path: str | None = None) -> E
             refused.append((fmt, exc))
             continue
         files.append((fmt, filename, text))
-    return Emitted(files=files, refused=refused)
+        if FORMATS[fmt].notes is not None:
+            notes += [(fmt, note) for note in FORMATS[fmt].notes(plan)]
+    return Emitted(files=files, refused=refused, notes=notes)

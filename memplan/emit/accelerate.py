@@ -10,6 +10,12 @@ The plan's strategy picks the section: ``fsdp`` → ``distributed_type: FSDP`` w
 assumes); ``zero1``/``zero2`` → ``distributed_type: DEEPSPEED`` with ``deepspeed_config``'s
 ``zero_stage`` (and the accumulation steps, which DeepSpeed must know); ``ddp`` → plain
 multi-process data parallelism.
+
+A plan timed as torch.compile runs it (``probe --compiled``) adds ``dynamo_config``: the
+inductor backend with regional compilation, which compiles the model's repeated blocks one
+by one (``accelerate launch`` reads the section into its ``--dynamo_*`` options and the
+``ACCELERATE_DYNAMO_*`` variables the Accelerator reads), as memplan's compiled clock ends a
+fused region at every layer.
 """
 
 from __future__ import annotations
@@ -73,6 +79,11 @@ def emit_accelerate(plan: Plan, *, model_path: str) -> str:
         "same_network": True,
         "use_cpu": plan.device == "cpu",
     }
+    if plan.compiled:
+        data["dynamo_config"] = {
+            "dynamo_backend": "INDUCTOR",
+            "dynamo_use_regional_compilation": True,
+        }
     if plan.strategy == "fsdp":
         data["fsdp_config"] = {
             "fsdp_version": 2,

@@ -17,7 +17,11 @@ No ``activation_checkpointing`` section: it only configures DeepSpeed's own
 ``deepspeed.checkpointing.checkpoint`` (partitioning checkpoints across model-parallel ranks,
 CPU offload, contiguous buffers), not which layers are checkpointed. The plan's layers are
 applied with ``memplan.apply(model, plan)`` before ``deepspeed.initialize``. JSON has no
-comments, so that note lives here and in the CLI output.
+comments, so that note lives here and in what ``memplan solve`` prints (``deepspeed_notes``),
+with, for a plan timed compiled (``probe --compiled``), how to compile: DeepSpeed's engine
+compiles its module on ``model_engine.compile()``; its config's ``compile`` section has meant
+different things across releases (``disable``/``backend`` when torch.compile support came,
+deepspeedai/DeepSpeed#4878; DeepCompile's switches since #7154), so none is written.
 """
 
 from __future__ import annotations
@@ -58,6 +62,22 @@ def deepspeed_config(plan: Plan) -> dict:
         "fp16": {"enabled": plan.precision == "fp16"},
         "zero_optimization": zero_section(plan),
     }
+
+
+def deepspeed_notes(plan: Plan) -> list[str]:
+    """What the JSON cannot say: the plan's checkpointed layers and its compiled step."""
+    notes = []
+    if plan.checkpoint_layers:
+        notes.append(
+            "checkpoint the plan's layers with memplan.apply(model, memplan.load_plan("
+            '"plan.yaml")) before deepspeed.initialize (the config has no such setting)'
+        )
+    if plan.compiled:
+        notes.append(
+            "the step was timed as torch.compile runs it: call model_engine.compile() after "
+            "deepspeed.initialize, or it trains eager and slower than planned"
+        )
+    return notes
 
 
 def emit_deepspeed(plan: Plan, *, model_path: str | None = None) -> str:

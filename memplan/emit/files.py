@@ -35,6 +35,8 @@ class WrittenFiles:
 
     paths: tuple[Path, ...]
     refused: tuple[tuple[str, MemplanError], ...]
+    notes: tuple[tuple[Path, str], ...] = ()
+    """(file written, note): what a file without comments cannot say (``Format.notes``)."""
 
 
 def plan_targets(
@@ -78,4 +80,6 @@ def write_plan_files(plan: Plan, targets: PlanTargets, *, force: bool) -> Writte
         if fmt is None or fmt in texts
     ]
     paths = write_outputs(outputs, force=force)
-    return WrittenFiles(paths=tuple(paths), refused=tuple(emitted.refused))
+    where = {fmt: path for path, fmt in targets.targets}
+    notes = tuple((where[fmt], note) for fmt, note in emitted.notes)
+    return WrittenFiles(paths=tuple(paths), refused=tuple(emitted.refused), notes=notes)

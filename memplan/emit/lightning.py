@@ -2,7 +2,10 @@
 ``trainer`` section only. Precision strings are Lightning 2.x's (``32-true``, ``bf16-mixed``,
 ``16-mixed``, as in ``lightning.pytorch.plugins.precision.MixedPrecision``). The micro-batch
 size belongs to the user's DataModule, whose argument names memplan cannot know, so it is a
-comment; so is the ``memplan.apply`` line for the LightningModule.
+comment; so is the ``memplan.apply`` line for the LightningModule, and for a plan timed as
+torch.compile runs it (``probe --compiled``) the ``torch.compile`` of the module before
+``trainer.fit`` (the Trainer has no compile setting; Lightning 2.x fits a compiled
+LightningModule).
 """
 
 from __future__ import annotations
@@ -42,6 +45,15 @@ def emit_lightning(plan: Plan, *, model_path: str) -> str:
             "__init__), on the wrapped model:",
             "",
             *apply_snippet("self.model"),
+        ]
+    if plan.compiled:
+        notes += [
+            "",
+            "The step was timed as torch.compile runs it: compile the module before fitting, "
+            "or it trains eager and slower than planned:",
+            "",
+            "    model = torch.compile(model)",
+            "    trainer.fit(model)",
         ]
     trainer: dict = {
         "accelerator": "cpu" if plan.device == "cpu" else "gpu",

@@ -35,11 +35,15 @@ _MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     """``Accelerator(**accelerator_kwargs(plan))``: the plan's accumulation steps and mixed
-    precision. The DataLoader's ``batch_size`` is ``plan.micro_batch_size`` (per process)."""
-    return {
+    precision, and for a plan timed compiled (``probe --compiled``) the inductor backend.
+    The DataLoader's ``batch_size`` is ``plan.micro_batch_size`` (per process)."""
+    kwargs: dict[str, Any] = {
         "gradient_accumulation_steps": plan.accumulation_steps,
         "mixed_precision": _MIXED_PRECISION[plan.precision],
     }
+    if plan.compiled:
+        kwargs["dynamo_backend"] = "inductor"
+    return kwargs
 
 
 def accelerator(plan: Plan, **kwargs: Any) -> Any:

@@ -1,6 +1,7 @@
 """The torch wing that runs a plan: checkpointing by module name (``apply`` / ``remove``,
 memplan.run.checkpoint), gradient accumulation (``Accumulator``), the training state that
-checkpointing must switch off (memplan.run.training_state), the data-parallel wrapping
+checkpointing must switch off (memplan.run.training_state), compiling a compiled plan's
+layers (memplan.run.compile), the data-parallel wrapping
 (memplan.run.wrap) and a parallel layout (memplan.run.parallel). It imports neither the
 probe nor verify: both build on it. Names are loaded on first use."""
 
@@ -12,6 +13,7 @@ _HOMES = {
     "Accumulator": "accumulate",
     "move_to_device": "accumulate",
     "apply": "checkpoint",
+    "compile_layers": "compile",
     "checkpointed_modes": "checkpoint",
     "checkpointed_names": "checkpoint",
     "layer_modes": "checkpoint",
