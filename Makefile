@@ -22,7 +22,7 @@ demo: install
 	$(BIN)/memplan verify examples/gpt.py out/plan.yaml --steps 2
 
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 # The quick loop: the pure core (memory, solver, plan, profile, emit, schema, CLI parsing);
 # no real probes, no training runs, no spawned ranks. Under 2 minutes on 2 cores.
