@@ -133,22 +133,25 @@ CASES = (
 
 
 # --------------------------------------------------------------------------- memplan's side
-def probe(out: Path, model: Path = MODEL) -> Path:
-    """memplan's profile of the model file (CPU, fp32, its blocks named)."""
+def probe(out: Path, model: Path = MODEL, micro_batches: str = "1,2,4") -> Path:
+    """memplan's profile of the model file (CPU, fp32, its blocks named). Every case runs a
+    micro-batch of 1 or 2, measured by the probe at any ``micro_batches`` that hold both;
+    the larger sizes add timing only (tests/test_engines_torchtitan.py probes 1,2)."""
     _memplan(
-        "probe", str(model), "--device", "cpu", "--layers", "layers.*", "-o", str(out), "--force"
-    )
+        "probe", str(model), "--device", "cpu", "--layers", "layers.*",
+        "--micro-batches", micro_batches, "-o", str(out), "--force",
+    )  # fmt: skip
     return out
 
 
-def probes(folder: Path) -> Callable[[Path], Path]:
+def probes(folder: Path, micro_batches: str = "1,2,4") -> Callable[[Path], Path]:
     """``probe`` once per model file, into ``folder``, on a model's first use (the cases
     share a model's profile)."""
     made: dict[Path, Path] = {}
 
     def profile(model: Path) -> Path:
         if model not in made:
-            made[model] = probe(folder / f"{model.stem}.yaml", model)
+            made[model] = probe(folder / f"{model.stem}.yaml", model, micro_batches)
         return made[model]
 
     return profile

@@ -213,7 +213,7 @@ def test_verify_measures_the_planned_peak_of_a_chunked_loss(tmp_path: Path, mode
     ranks = ["--world-size", "2"] if world == 2 else []
     runs = (
         ("probe", str(path), "--device", "cpu", "--layers", "layers.*",
-         "-o", str(tmp_path / "p.yaml")),
+         "--micro-batches", "1,2", "-o", str(tmp_path / "p.yaml")),
         ("solve", str(tmp_path / "p.yaml"), "--target-batch", str(2 * world),
          "--min-micro", "2", "--max-micro", "2", "--budget", "1GiB", *layout,
          "--model", str(path), "-o", str(tmp_path / "plan.yaml")),
