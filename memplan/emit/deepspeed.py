@@ -19,9 +19,10 @@ CPU offload, contiguous buffers), not which layers are checkpointed. The plan's 
 applied with ``memplan.apply(model, plan)`` before ``deepspeed.initialize``. JSON has no
 comments, so that note lives here and in what ``memplan solve`` prints (``deepspeed_notes``),
 with, for a plan timed compiled (``probe --compiled``), how to compile: DeepSpeed's engine
-compiles its module on ``model_engine.compile()``; its config's ``compile`` section has meant
-different things across releases (``disable``/``backend`` when torch.compile support came,
-deepspeedai/DeepSpeed#4878; DeepCompile's switches since #7154), so none is written.
+compiles its module in place on ``model_engine.compile()`` (deepspeedai/DeepSpeed#5581);
+its config's ``compile`` section has meant different things across releases
+(``disable``/``backend`` when torch.compile support came, deepspeedai/DeepSpeed#4878;
+DeepCompile's switches since #7154), so none is written.
 """
 
 from __future__ import annotations
