@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 
+from memplan.emit._common import apply_snippet
 from memplan.plan import Plan
 
 STRATEGIES = frozenset({"ddp", "zero1", "zero2", "fsdp"})
@@ -69,9 +70,10 @@ def deepspeed_notes(plan: Plan) -> list[str]:
     """What the JSON cannot say: the plan's checkpointed layers and its compiled step."""
     notes = []
     if plan.checkpoint_layers:
+        apply_line = apply_snippet(indent="")[-1]
         notes.append(
-            "checkpoint the plan's layers with memplan.apply(model, memplan.load_plan("
-            '"plan.yaml")) before deepspeed.initialize (the config has no such setting)'
+            f"checkpoint the plan's layers with {apply_line} before deepspeed.initialize "
+            "(the config has no such setting)"
         )
     if plan.compiled:
         notes.append(
