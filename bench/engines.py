@@ -133,25 +133,31 @@ CASES = (
 
 
 # --------------------------------------------------------------------------- memplan's side
-def probe(out: Path, model: Path = MODEL, micro_batches: str = "1,2,4") -> Path:
+def probe(
+    out: Path, model: Path = MODEL, micro_batches: str = "1,2,4", timing_rounds: int = 5
+) -> Path:
     """memplan's profile of the model file (CPU, fp32, its blocks named). Every case runs a
     micro-batch of 1 or 2, measured by the probe at any ``micro_batches`` that hold both;
-    the larger sizes add timing only (tests/test_engines_torchtitan.py probes 1,2)."""
+    the larger sizes add timing only. The cases compare memory, so tests probe 1,2 with one
+    timing round (tests/test_engines_torchtitan.py); the bench probes as a user would."""
     _memplan(
         "probe", str(model), "--device", "cpu", "--layers", "layers.*",
-        "--micro-batches", micro_batches, "-o", str(out), "--force",
+        "--micro-batches", micro_batches, "--timing-rounds", str(timing_rounds),
+        "-o", str(out), "--force",
     )  # fmt: skip
     return out
 
 
-def probes(folder: Path, micro_batches: str = "1,2,4") -> Callable[[Path], Path]:
+def probes(
+    folder: Path, micro_batches: str = "1,2,4", timing_rounds: int = 5
+) -> Callable[[Path], Path]:
     """``probe`` once per model file, into ``folder``, on a model's first use (the cases
     share a model's profile)."""
     made: dict[Path, Path] = {}
 
     def profile(model: Path) -> Path:
         if model not in made:
-            made[model] = probe(folder / f"{model.stem}.yaml", model, micro_batches)
+            made[model] = probe(folder / f"{model.stem}.yaml", model, micro_batches, timing_rounds)
         return made[model]
 
     return profile

@@ -79,15 +79,15 @@ def _first_line(text: str, limit: int = 160) -> str:
 
 @contextlib.contextmanager
 def _bytes_only() -> Iterator[None]:
-    """The sweep compares bytes only: one timed round, not five; no timing-only size; no
-    all-selective runs on cpu (meta runs none, and byte_difference leaves them out).
-    Restored after, so a test process that samples the sweep probes as usual after it."""
+    """The sweep compares bytes only: no timing-only size; no all-selective runs on cpu
+    (meta runs none, and byte_difference leaves them out); its cpu probes time one round
+    (``timing_rounds=1``, passed where it probes). Restored after, so a test process that
+    samples the sweep probes as usual after it."""
     from unittest import mock
 
-    from memplan.probe import runner, sizes
+    from memplan.probe import runner
 
     with (
-        mock.patch.object(sizes, "TIMING_REPEATS", 1),
         mock.patch.object(runner, "time_extra_size", lambda session, size: None),
         mock.patch.object(
             runner,
@@ -123,7 +123,12 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
         started = time.perf_counter()
         try:
             with _bytes_only():
-                profiles[device] = probe_model(path, device=device, micro_batches=MICRO_BATCHES)
+                profiles[device] = probe_model(
+                    path,
+                    device=device,
+                    micro_batches=MICRO_BATCHES,
+                    timing_rounds=1,
+                )
         except MemplanError as exc:
             status = "cpu-fails" if device == "cpu" else "meta-fails"
             return {**row, "status": status, "detail": f"exit {exc.exit_code}: {_first_line(exc)}"}

@@ -14,14 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-from memplan.probe.runner import TIMING_EXTRA_FACTOR, TIMING_REPEATS
+from memplan.probe.runner import TIMING_EXTRA_FACTOR, TIMING_ROUNDS
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = ROOT / "examples" / "gpt.py"
 LLAMA = ROOT / "examples" / "llama7b.py"
 SIZES = (1, 2, 4)
-TIMED_PER_SIZE = 3 * TIMING_REPEATS
-"""Untracked timing micro-steps per size: TIMING_REPEATS rounds of plain, all-checkpointed
+TIMED_PER_SIZE = 3 * TIMING_ROUNDS
+"""Untracked timing micro-steps per size: TIMING_ROUNDS rounds of plain, all-checkpointed
 and all-selective (memplan.probe.runner.time_size)."""
 MICRO_STEPS_PER_SIZE = 6 + TIMED_PER_SIZE
 """What the probe runs per size: no_grads and grads_resident, both again checkpointed and
@@ -77,6 +77,9 @@ def probe_overhead(device: str) -> dict[str, float]:
     t0 = time.perf_counter()
     probe_model(str(GPT), device=device, micro_batches=SIZES)
     probe_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    probe_model(str(GPT), device=device, micro_batches=SIZES, timing_rounds=1)
+    one_round_seconds = time.perf_counter() - t0
     plain = {b: _plain_step_seconds(device, b) for b in (*SIZES, EXTRA_SIZE)}
     plain_total = sum(MICRO_STEPS_PER_SIZE * plain[b] for b in SIZES)
     plain_total += TIMED_PER_SIZE * plain[EXTRA_SIZE]
@@ -84,6 +87,7 @@ def probe_overhead(device: str) -> dict[str, float]:
         "probe_seconds": probe_seconds,
         "plain_seconds": plain_total,
         "ratio": probe_seconds / plain_total,
+        "one_round_seconds": one_round_seconds,
         **{f"step_b{b}": s for b, s in plain.items()},
     }
 
@@ -114,7 +118,10 @@ def run(device: str) -> str:
         f"{TIMED_PER_SIZE} at micro-batch {EXTRA_SIZE} timed only "
         f"(best of 3 per size: "
         + ", ".join(f"b={b} {over[f'step_b{b}'] * 1e3:.0f} ms" for b in (*SIZES, EXTRA_SIZE))
-        + f") — overhead ×{over['ratio']:.1f}.",
+        + f") — overhead ×{over['ratio']:.1f}. With `--timing-rounds 1` (one timing "
+        f"round per size, not {TIMING_ROUNDS}; the same bytes): "
+        f"{over['one_round_seconds']:.2f} s, {over['one_round_seconds'] / over['probe_seconds']:.2f}"
+        " of the default probe's time in the same run.",
         "",
         f"Meta probe of {LLAMA.name} (bf16, micro-batches 1, 2; {meta['layers']} layers, "
         f"{meta['params_bytes'] / 4 / 1e9:.2f} B parameters): {meta['seconds']:.1f} s wall, "

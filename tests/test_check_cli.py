@@ -42,6 +42,7 @@ def entry(name: str, model: str, budget, baseline: str | None = "small.profile.y
         "target_batch": 32,
         "budget": budget,
         "device": "cpu",
+        "timing_rounds": 1,  # the verdicts are memory's: one timing round per size
         "baseline": baseline,
     }
     return {key: value for key, value in check.items() if value is not None}
@@ -67,6 +68,11 @@ def test_real_run_json_validates(baseline):
     assert check["plan"]["micro_batch_size"] * check["plan"]["accumulation_steps"] == 32
     assert check["plan"]["n_layers"] == 4
     assert check["seconds"]["total"] > 0
+    # the check's probe (in its child process) ran the rounds the check asked for
+    from memplan.profile import load_profile
+
+    folder, _ = baseline
+    assert load_profile(folder / "small.profile.yaml").environment.timing_rounds == 1
 
 
 def test_growth_flips_pass_to_exit_1_naming_the_layer(app, baseline):
@@ -169,6 +175,7 @@ def test_init_check_writes_a_passing_starter(app, tmp_path):
     data = yaml.safe_load(output.read_text())
     (check,) = data["checks"]
     assert check["target_batch"] == 16 and check["device"] == "cpu"
+    assert check["timing_rounds"] == 1  # a cpu gate checks bytes: one timing round
     assert (tmp_path / check["model"]).resolve() == Path(SMALL).resolve()
     result = invoke(app, "check", "--config", str(output))
     assert result.exit_code == 0, result.output
@@ -192,6 +199,7 @@ def test_init_check_writes_a_passing_starter(app, tmp_path):
     assert result.exit_code == 0, result.output
     (check,) = yaml.safe_load(output.read_text())["checks"]
     assert check["name"] == "renamed" and check["budget"] == "2GiB"
+    assert "timing_rounds" not in check  # meta, the default device, runs no rounds
     assert check["baseline"] == "base/small.profile.yaml"
 
 

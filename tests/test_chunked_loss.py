@@ -213,7 +213,7 @@ def test_verify_measures_the_planned_peak_of_a_chunked_loss(tmp_path: Path, mode
     ranks = ["--world-size", "2"] if world == 2 else []
     runs = (
         ("probe", str(path), "--device", "cpu", "--layers", "layers.*",
-         "--micro-batches", "1,2", "-o", str(tmp_path / "p.yaml")),
+         "--micro-batches", "1,2", "--timing-rounds", "1", "-o", str(tmp_path / "p.yaml")),
         ("solve", str(tmp_path / "p.yaml"), "--target-batch", str(2 * world),
          "--min-micro", "2", "--max-micro", "2", "--budget", "1GiB", *layout,
          "--model", str(path), "-o", str(tmp_path / "plan.yaml")),
@@ -240,11 +240,11 @@ def test_the_probe_records_that_ddp_cannot_train_it_and_solve_plans_fsdp(tmp_pat
     from memplan.probe.runner import probe_model
 
     profile = probe_model(str(ROOT / "tests/models/chunked_lm.py"), device="cpu",
-                          layers="layers.*", micro_batches=(1, 2))  # fmt: skip
+                          layers="layers.*", micro_batches=(1, 2), timing_rounds=1)  # fmt: skip
     assert profile.ddp_refused is not None and "lm_head.weight" in profile.ddp_refused
     assert "embed.weight" not in profile.ddp_refused  # made by the outer backward
     plain = probe_model(str(ROOT / "tests/models/linear_chain.py"), device="cpu",
-                        micro_batches=(1, 2))  # fmt: skip
+                        micro_batches=(1, 2), timing_rounds=1)  # fmt: skip
     assert plain.ddp_refused is None
     from memplan.profile import profile_to_yaml
 
@@ -278,7 +278,9 @@ def test_ddp_itself_refuses_the_chunked_loss_as_the_profile_says(tmp_path: Path)
     from memplan.profile import profile_to_yaml
 
     model = ROOT / "tests/models/chunked_lm.py"
-    profile = probe_model(str(model), device="cpu", layers="layers.*", micro_batches=(1, 2))
+    profile = probe_model(
+        str(model), device="cpu", layers="layers.*", micro_batches=(1, 2), timing_rounds=1
+    )
     lifted = dataclasses.replace(profile, ddp_refused=None)
     (tmp_path / "p.yaml").write_text(profile_to_yaml(lifted), encoding="utf-8")
     plan = tmp_path / "plan.yaml"

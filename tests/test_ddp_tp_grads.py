@@ -65,7 +65,7 @@ def test_tp2_ddp2_every_block_checkpointed_within_three_percent_on_four_ranks(tm
     profile, plan_path = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
     runner = CliRunner()
     steps = [
-        ["probe", model, "-o", str(profile)],
+        ["probe", model, "--timing-rounds", "1", "-o", str(profile)],
         [
             *("solve", str(profile), "--budget", "1GiB", "--target-batch", "8"),
             *("--world-size", "4", "--tp", "2", "--no-sequence-parallel"),

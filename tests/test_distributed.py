@@ -189,7 +189,12 @@ def test_fsdp_mixed_precision_plans_verify_within_1_percent(width, accumulation,
     # maps (4 × 8 B), the fp32 batch (128 B) that the bf16 probe did not hold, 2 B untraced.
     model = model_file(tmp_path, width=width)
     profile = probe_model(
-        model, device="cpu", precision="bf16", mixed_precision="params", micro_batches=(2, 4)
+        model,
+        device="cpu",
+        precision="bf16",
+        mixed_precision="params",
+        micro_batches=(2, 4),
+        timing_rounds=1,
     )
     assert profile.environment.param_dtype == "bfloat16"
     request = SolveRequest(

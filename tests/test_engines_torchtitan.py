@@ -36,8 +36,9 @@ def profiles(tmp_path_factory):
     except ImportError as exc:  # torchtitan is in the dev extras; triton with it
         pytest.skip(f"torchtitan's Llama 3 is not importable here: {exc}")
     # micro-batches 1 and 2, the sizes the cases run: the bench's 4 (and the timing-only 16)
-    # add timing, which these tests do not check, and most of the vocabulary case's time
-    return engines.probes(tmp_path_factory.mktemp("engines"), micro_batches="1,2")
+    # add timing, which these tests do not check, and most of the vocabulary case's time;
+    # one timing round for the same reason (each case fixes the layout, size and mode)
+    return engines.probes(tmp_path_factory.mktemp("engines"), micro_batches="1,2", timing_rounds=1)
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ def probed(tmp_path_factory):
     folder = tmp_path_factory.mktemp("units")
     model = llama_reference(folder / "llama", vocab_size=VOCAB)
     profile = folder / "p.yaml"
-    result = _memplan("probe", model, "-o", str(profile))
+    result = _memplan("probe", model, "--timing-rounds", "1", "-o", str(profile))
     assert result.returncode == 0, result.stderr
     from memplan.profile import load_profile
 
@@ -277,7 +277,7 @@ def test_a_tied_gpt2_on_fsdp_counts_its_head_once(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     model = f"hf:{folder}?task=causal-lm&seq-len=16"
     profile_path, plan = tmp_path / "p.yaml", tmp_path / "plan.yaml"
-    assert _memplan("probe", model, "-o", str(profile_path)).returncode == 0
+    assert _memplan("probe", model, "--timing-rounds", "1", "-o", str(profile_path)).returncode == 0
     profile = load_profile(profile_path)
     head = 512 * 32 * 4
     counted = sum(p.params_trainable_bytes for p in (*profile.layers, *profile.fixed))

@@ -33,7 +33,8 @@ def test_meta_equals_cpu_for_a_sample_of_families(tmp_path: Path, kind: str, fam
     # run selective as usual
     from memplan.probe import runner, sizes
 
-    assert sizes.TIMING_REPEATS == 5 and runner.try_selective is sizes.try_selective
+    assert runner.try_selective is sizes.try_selective
+    assert runner.time_extra_size is sizes.time_extra_size
 
 
 def test_the_sweep_names_the_first_differing_field() -> None:

@@ -46,7 +46,8 @@ def planned():
     mse(model, (x, y)).backward()  # gradients held at planning time
     model.blocks[1].eval()
     before = state_digest(model, optimizer)
-    profile = profile_model(model, (x, y), loss_fn=mse, optimizer=optimizer)
+    # one timing round: these tests check bytes, weights and the state left behind
+    profile = profile_model(model, (x, y), loss_fn=mse, optimizer=optimizer, timing_rounds=1)
     after = state_digest(model, optimizer)
     model.blocks[1].train()
     return profile, before, after
@@ -56,6 +57,7 @@ def test_planning_leaves_model_optimizer_and_rng_as_they_were(planned):
     profile, before, after = planned
     assert before == after
     assert len(profile.layers) == 3 and profile.device == "cpu"
+    assert profile.environment.timing_rounds == 1  # profile_model passed it to the probe
     adam = profile.totals.optimizer_state_bytes - 2 * profile.totals.params_trainable_bytes
     assert 0 <= adam <= 8 * 8  # exp_avg and exp_avg_sq, and one step counter per tensor
 

@@ -111,7 +111,7 @@ def test_return_outputs_measured_on_two_gloo_ranks_within_three_percent(tmp_path
     model = llama_reference(tmp_path / "llama", vocab_size=4096)
     profile_path = tmp_path / "p.yaml"
     runner = CliRunner()
-    result = runner.invoke(app, ["probe", model, "-o", str(profile_path)])
+    result = runner.invoke(app, ["probe", model, "--timing-rounds", "1", "-o", str(profile_path)])
     assert result.exit_code == 0, result.output
     profile = load_profile(profile_path)
     request = SolveRequest(

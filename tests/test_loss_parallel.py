@@ -58,7 +58,7 @@ def test_tp2_loss_parallel_from_probe_to_four_ranks_within_three_percent(tmp_pat
     profile, plan_path = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
     runner = CliRunner()
     steps = [
-        ["probe", model, "-o", str(profile)],
+        ["probe", model, "--timing-rounds", "1", "-o", str(profile)],
         [
             *("solve", str(profile), "--budget", "1GiB", "--target-batch", "8"),
             *("--world-size", "4", "--tp", "2", "-o", str(plan_path)),

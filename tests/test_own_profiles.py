@@ -204,7 +204,9 @@ def test_layers_skipped_at_random_that_the_probe_cannot_switch_off_are_exit_3(tm
     model = tmp_path / "skipper.py"
     model.write_text(SKIPPER)
     out = tmp_path / "p.yaml"
-    result = invoke("probe", model, "--device", "cpu", "--micro-batches", "1,2", "-o", out)
+    result = invoke(
+        "probe", model, "--device", "cpu", "--micro-batches", "1,2", "--timing-rounds", 1, "-o", out
+    )
     assert result.exit_code == 3, result.output
     text = " ".join(result.output.split())
     assert "blocks.2" in text
@@ -219,7 +221,16 @@ def test_wav2vec2_with_layerdrop_and_specaugment_probes_to_a_profile_solve_accep
     of millions of percent: each probed step ran other encoder layers."""
     out = tmp_path / "w2v.yaml"
     result = invoke(
-        "probe", REAL / "hf_wav2vec2.py", "--device", "cpu", "--micro-batches", "1,2", "-o", out
+        "probe",
+        REAL / "hf_wav2vec2.py",
+        "--device",
+        "cpu",
+        "--micro-batches",
+        "1,2",
+        "--timing-rounds",
+        1,
+        "-o",
+        out,
     )
     assert result.exit_code == 0, result.output
     profile = load_profile(out)
@@ -248,7 +259,7 @@ def test_peft_lora_gpt_in_bf16_probes_to_a_profile_solve_accepts(tmp_path):
     out = tmp_path / "lora.yaml"
     result = invoke(
         "probe", REAL / "peft_lora_gpt.py", "--device", "cpu", "--precision", "bf16",
-        "--micro-batches", "1,2", "-o", out,
+        "--micro-batches", "1,2", "--timing-rounds", 1, "-o", out,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     profile = load_profile(out)
@@ -306,7 +317,7 @@ def test_every_bundled_model_probes_to_a_profile_solve_accepts(tmp_path, path, p
     out = tmp_path / "p.yaml"
     result = invoke(
         "probe", path, "--device", "cpu", "--precision", precision,
-        "--micro-batches", "1,2", "-o", out,
+        "--micro-batches", "1,2", "--timing-rounds", 1, "-o", out,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     profile = load_profile(out)

@@ -246,7 +246,7 @@ def test_sequence_parallel_plan_from_probe_to_four_ranks_within_five_percent(tmp
     profile, plan = tmp_path / "p.yaml", tmp_path / "out" / "plan.yaml"
     runner = CliRunner()
     steps = [
-        ["probe", model, "-o", str(profile)],
+        ["probe", model, "--timing-rounds", "1", "-o", str(profile)],
         [
             *("solve", str(profile), "--budget", "1GiB", "--target-batch", "8"),
             *("--world-size", "4", "--tp", "2", "--sequence-parallel", "-o", str(plan)),

@@ -192,7 +192,7 @@ def test_pp2_with_full_and_selective_checkpointing_within_three_percent_on_four_
     model = llama_reference(tmp_path / "llama")
     profile = tmp_path / "p.yaml"
     runner = CliRunner()
-    result = runner.invoke(app, ["probe", model, "-o", str(profile)])
+    result = runner.invoke(app, ["probe", model, "--timing-rounds", "1", "-o", str(profile)])
     assert result.exit_code == 0, result.output
     for mode in ("full", "selective"):
         plan_path = tmp_path / mode / "plan.yaml"

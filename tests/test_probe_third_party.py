@@ -59,14 +59,14 @@ def test_bart_from_an_hf_config_probes_on_meta_as_on_cpu(tmp_path: Path) -> None
     # twin answers it (was exit 3, aten._local_scalar_dense)
     ref = f"hf:{_config(tmp_path, 'bart', BART)}?task=seq2seq-lm&seq-len=16"
     meta = probe_model(ref, device="meta", micro_batches=(1, 2))
-    cpu = probe_model(ref, device="cpu", micro_batches=(1, 2))
+    cpu = probe_model(ref, device="cpu", micro_batches=(1, 2), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
 
 
 def test_mixtral_probes_on_meta_as_on_cpu_and_counts_its_expert_flops(tmp_path: Path) -> None:
     ref = f"hf:{_config(tmp_path, 'mixtral', MIXTRAL)}?task=causal-lm&seq-len=16"
     meta = probe_model(ref, device="meta", micro_batches=(1, 2))
-    cpu = probe_model(ref, device="cpu", micro_batches=(1, 2))
+    cpu = probe_model(ref, device="cpu", micro_batches=(1, 2), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
     # per sample and layer, 16 tokens: experts (top-2 of 4: 32 rows) gate_up 2·32·32·128 +
     # down 2·32·64·32 = 393,216; q, k, v, o 2·16·32·(32+16+16+32) = 98,304; router

@@ -123,9 +123,8 @@ def test_opt_layouts_refused_for_their_real_reason(tmp_path):
     runner = CliRunner()
     out = tmp_path / "opt.yaml"
     model = _ref(tmp_path, OPT)
-    probed = runner.invoke(
-        app, ["probe", model, "--device", "cpu", "--micro-batches", "1,2", "-o", str(out)]
-    )
+    args = ["--device", "cpu", "--micro-batches", "1,2", "--timing-rounds", "1"]
+    probed = runner.invoke(app, ["probe", model, *args, "-o", str(out)])
     assert probed.exit_code == 0, probed.output
     assert "solve refuses --tp > 1: OPTForCausalLM declares no tensor-parallel plan" in (
         " ".join(probed.output.split())

@@ -50,7 +50,7 @@ def test_the_bar_on_third_party_models(name: str) -> None:
     candidate checkpointed and with none; verify passes with its gradient check; an
     independent run of the plan is within 5% of the prediction and within the budget."""
     path = str(REAL / name)
-    profile = probe_model(path, device="cpu", micro_batches=(2, 4))
+    profile = probe_model(path, device="cpu", micro_batches=(2, 4), timing_rounds=1)
     names = [layer.name for layer in profile.layers]
     assert len(names) >= 2
     every = memory.step_peak(profile, 16, names, 1).peak_bytes
@@ -110,7 +110,7 @@ def test_meta_probe_of_hf_models_equals_the_cpu_probe_to_the_byte(name: str) -> 
     of the two profiles is equal."""
     path = str(REAL / name)
     meta = probe_model(path, device="meta", micro_batches=(2, 4))
-    cpu = probe_model(path, device="cpu", micro_batches=(2, 4))
+    cpu = probe_model(path, device="cpu", micro_batches=(2, 4), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
 
 

@@ -26,7 +26,16 @@ def solved_plan(tmp_path: Path, model: str) -> Path:
     """A plan of micro-batch 2 × 2 accumulation steps with every layer checkpointed."""
     profile = tmp_path / "profile.yaml"
     out = invoke(
-        "probe", MODELS / model, "--device", "cpu", "--micro-batches", "1,2", "-o", profile
+        "probe",
+        MODELS / model,
+        "--device",
+        "cpu",
+        "--micro-batches",
+        "1,2",
+        "--timing-rounds",
+        1,
+        "-o",
+        profile,
     )
     assert out.exit_code == 0, out.output
     layers = ",".join(layer.name for layer in load_profile(profile).layers)
@@ -131,7 +140,18 @@ def test_python_warnings_print_through_memplans_renderer_once(tmp_path) -> None:
 def test_a_no_fit_paragraph_prints_once(tmp_path) -> None:
     profile = tmp_path / "p.yaml"
     model = MODELS / "dropout_stack.py"
-    out = invoke("probe", model, "--device", "cpu", "--micro-batches", "1,2", "-o", profile)
+    out = invoke(
+        "probe",
+        model,
+        "--device",
+        "cpu",
+        "--micro-batches",
+        "1,2",
+        "--timing-rounds",
+        1,
+        "-o",
+        profile,
+    )
     assert out.exit_code == 0, out.output
     out = invoke("solve", profile, "--target-batch", 8, "--budget", "1KiB")
     assert out.exit_code == 1

@@ -18,6 +18,7 @@
         baseline: memplan/baseline/gpt.profile.yaml   # optional committed profile
         layers: "transformer.h.*"   # optional checkpoint-candidate glob for the probe
         timeout: 600                # optional: seconds the probe may take (--timeout)
+        timing_rounds: 1            # optional, cpu/cuda: timing rounds per size (default 5)
 
 The whole file goes through ``memplan.files.schema`` (unknown keys at any level are rejected with
 the dotted path and a did-you-mean); what the schema cannot say (a model file that does not
@@ -77,6 +78,10 @@ class CheckSpec:
     timeout: float | None = None
     """Seconds this check's probe may take (then the check is an ``error`` naming the phase
     it was in); omitted: ``memplan check --timeout`` (default ``DEFAULT_TIMEOUT_S``)."""
+    timing_rounds: int | None = None
+    """cpu and cuda: the probe's timing rounds per size (``probe --timing-rounds``); 1
+    takes about a quarter of a CPU probe's time, and the verdict is memory's alone;
+    omitted: the probe's 5."""
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -97,6 +102,14 @@ class CheckSpec:
             raise ValueError(
                 f"timeout must be seconds above 0 and at most {MAX_TIMEOUT_S}, got {self.timeout}"
             )
+        if self.timing_rounds is not None:
+            if self.timing_rounds < 1:
+                raise ValueError(f"timing_rounds must be 1 or more, got {self.timing_rounds}")
+            if self.device == "meta":
+                raise ValueError(
+                    "timing_rounds counts a cpu or cuda probe's timed runs; a meta probe "
+                    "runs none (drop it, or probe with device: cpu)"
+                )
         if self.seq_len is not None and not 1 <= self.seq_len <= 2**24:
             raise ValueError(
                 f"seq_len must be a length from 1 to {2**24} tokens, got {self.seq_len}"

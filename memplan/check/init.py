@@ -56,6 +56,11 @@ def starter_config(
         lines.append(
             "    # device_profile: rtx4090     # GPU spec: capacity (for % budgets) and speed"
         )
+    if device != "meta":
+        lines.append(
+            "    timing_rounds: 1             # timed runs per probed size: the verdict is "
+            "memory's (5: steadier step times)"
+        )
     lines += [
         f"    precision: {precision}           # fp32 | bf16 | fp16",
         "    world_size: 1",
@@ -86,12 +91,17 @@ def probe_least_peak(
     layers: str | None = None,
 ) -> int:
     """Probe ``model`` (in a child process) and return the least peak any plan for
-    ``target_batch`` on one rank needs."""
+    ``target_batch`` on one rank needs: bytes only, so a cpu or cuda probe times one round
+    (``timing_rounds``), not five."""
     profile = probe_isolated(
         ProbeRequest(
             model_arg=model,
             settings=ProbeSettings(
-                device=device, precision=precision, device_profile=device_profile, layers=layers
+                device=device,
+                precision=precision,
+                device_profile=device_profile,
+                layers=layers,
+                timing_rounds=1,
             ),
         )
     )

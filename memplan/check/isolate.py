@@ -102,6 +102,7 @@ def _probe(request: ProbeRequest, on_progress: Callable[[int, int, str], None]) 
         device_profile=s.device_profile,
         mixed_precision=s.mixed_precision,
         reuse_identical=s.reuse_identical,
+        timing_rounds=s.timing_rounds,
         on_progress=on_progress,
     )
 

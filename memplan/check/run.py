@@ -191,6 +191,8 @@ def probe_request(check: ResolvedCheck, timeout_s: float | None = None) -> Probe
     if spec.micro_batches is not None:
         sizes = tuple(sorted(set(spec.micro_batches)))
         settings = dataclasses.replace(settings, micro_batches=sizes)
+    if spec.timing_rounds is not None:
+        settings = dataclasses.replace(settings, timing_rounds=spec.timing_rounds)
     return ProbeRequest(
         model_arg=check.model_arg,
         settings=settings,

@@ -23,6 +23,7 @@ from memplan.cli.options import (
 from memplan.errors import BadInputError
 from memplan.files.schema import to_data
 from memplan.model.reference import model_reference
+from memplan.probe.settings import TIMING_ROUNDS
 from memplan.profile.seqlen import parse_seq_lens
 
 
@@ -77,6 +78,16 @@ def probe(
             "outlives them written); the memory stays eager's, an upper bound.",
         ),
     ] = False,
+    timing_rounds: Annotated[
+        int | None,
+        typer.Option(
+            "--timing-rounds",
+            help="cpu and cuda: timing rounds per probed size (default 5); each time is a "
+            "median over them. 1 takes about a quarter of the probing time (the bytes are "
+            "the same), for a first look or a memory-only gate; its times are one run's. Not with --device "
+            "meta.",
+        ),
+    ] = None,
     mixed_precision: Annotated[
         str,
         typer.Option(
@@ -104,6 +115,19 @@ def probe(
     if precision not in ("fp32", "bf16", "fp16", "float8"):
         raise BadInputError(f"--precision {precision!r} is not one of fp32, bf16, fp16, float8.")
     sizes = parse_micro_batches(micro_batches)
+    if timing_rounds is not None:
+        if device == "meta":
+            raise BadInputError(
+                "--timing-rounds counts the timed runs of a cpu or cuda probe; a meta probe "
+                "computes its times on the device spec's clock and runs none.",
+                hint="Drop --timing-rounds, or probe with --device cpu or cuda.",
+            )
+        if timing_rounds < 1:
+            raise BadInputError(
+                f"--timing-rounds {timing_rounds}: a probe needs at least one timing round "
+                "per size.",
+                hint="Give 1 for a quick probe, or leave it out for 5.",
+            )
     if output is not None:
         check_output(output, force=force)  # refuse before minutes of probing, not after
     lens = parse_seq_lens(seq_lens) if seq_lens is not None else ()
@@ -130,6 +154,7 @@ def probe(
             float8_recipe=float8_recipe,
             float8_all_gather=float8_all_gather,
             compiled=compiled,
+            timing_rounds=TIMING_ROUNDS if timing_rounds is None else timing_rounds,
         )
     # The text first: a profile memplan would refuse to read back is exit 3 before anything
     # is shown or written (memplan.profile.profile_to_yaml).

@@ -33,6 +33,7 @@ from memplan.errors import BadInputError
 from memplan.integrations.live import live_model_file, rng_preserved, unchanged
 from memplan.memory import DEFAULT_MARGIN
 from memplan.plan import Plan
+from memplan.probe.settings import TIMING_ROUNDS
 from memplan.profile import Profile
 from memplan.suggest import did_you_mean
 
@@ -65,6 +66,7 @@ def plan_model(
     layers: str | None = None,
     device_profile: str | None = None,
     seq_lens: Sequence[int] = (),
+    timing_rounds: int = TIMING_ROUNDS,
     keep: Sequence[Any] = (),
     prepare: Callable[[torch.nn.Module], None] | None = None,
     **request: Any,
@@ -78,8 +80,9 @@ def plan_model(
     returning one. ``loss_fn(model, batch)`` returns the scalar loss (default: the model's
     output, or its ``.loss``). ``optimizer``: the optimizer the script trains with (its
     class and parameter groups are rebuilt over the copy) or a function ``f(model)``
-    returning one; default AdamW. ``precision``, ``micro_batches``, ``layers`` and
-    ``seq_lens`` are ``memplan probe``'s options.
+    returning one; default AdamW. ``precision``, ``micro_batches``, ``layers``,
+    ``seq_lens`` and ``timing_rounds`` are ``memplan probe``'s options (a meta probe runs no
+    timing rounds).
 
     The request is ``memplan solve``'s (``solve_profile``): ``target_batch`` (samples) or
     ``tokens_per_batch`` (with ``seq_len``), ``budget`` (``"24GiB"``, bytes, ``"80%"`` of
@@ -103,6 +106,7 @@ def plan_model(
         layers=layers,
         device_profile=device_profile or ask.device_profile,
         seq_lens=tuple(seq_lens) or ((ask.length,) if ask.length is not None else ()),
+        timing_rounds=timing_rounds,
         where=_caller_file(),
         keep=keep,
         prepare=prepare,
@@ -228,6 +232,7 @@ def profile_model(
     layers: str | None = None,
     device_profile: str | None = None,
     seq_lens: Sequence[int] = (),
+    timing_rounds: int = TIMING_ROUNDS,
     where: Path | None = None,
     keep: Sequence[Any] = (),
     prepare: Callable[[torch.nn.Module], None] | None = None,
@@ -260,6 +265,7 @@ def profile_model(
                 layers=layers,
                 device_profile=device_profile,
                 mixed_precision=mixed_precision,
+                timing_rounds=timing_rounds,
             )
         return probe_model(
             model_file,
@@ -269,6 +275,7 @@ def profile_model(
             layers=layers,
             device_profile=device_profile,
             mixed_precision=mixed_precision,
+            timing_rounds=timing_rounds,
         )
 
 

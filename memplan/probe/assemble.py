@@ -368,6 +368,7 @@ def _environment(session: Session) -> Environment:
         if backend.float8
         else None,
         compiled=backend.compiled,
+        timing_rounds=None if backend.device == "meta" else backend.timing_rounds,
     )
 
 

@@ -24,7 +24,7 @@ from memplan.probe.float8 import FLOAT8_DTYPES, Float8Conversion, time_casts_fus
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.meta_kernels import CONV_TARGET
-from memplan.probe.settings import ProbeSettings
+from memplan.probe.settings import TIMING_ROUNDS, ProbeSettings
 from memplan.probe.tracker import LiveTracker, Roofline
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -60,6 +60,8 @@ class Backend:
     """With precision ``float8``: torchao's recipe (memplan.probe.float8)."""
     float8_all_gather: bool = True
     """With a tensorwise float8 recipe: plans gather the converted weights in float8."""
+    timing_rounds: int = TIMING_ROUNDS
+    """cpu and cuda: interleaved timing rounds per probed size (memplan.probe.sizes)."""
     compiled: bool = False
     """Meta only: the training step's clock is torch.compile's (memplan.probe.tracker
     ``FusedRegion``); the optimizer step stays eager."""
@@ -247,8 +249,16 @@ def make_backend(
     float8_recipe: str = "tensorwise",
     float8_all_gather: bool = True,
     compiled: bool = False,
+    timing_rounds: int = TIMING_ROUNDS,
 ) -> Backend:
     resolved = resolve_device(device)
+    if isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int) or timing_rounds < 1:
+        raise BadInputError(
+            f"--timing-rounds {timing_rounds!r}: the timing rounds per probed size must be a "
+            "whole number, 1 or more.",
+            hint=f"Leave it out for {TIMING_ROUNDS} (medians that a slow spell of a shared "
+            "machine does not move), or give 1 for a quick probe whose times are one run's.",
+        )
     if compiled and resolved != "meta":
         raise BadInputError(
             f"--compiled times the step as torch.compile's fused kernels move bytes, on the "
@@ -265,6 +275,7 @@ def make_backend(
         float8_recipe=float8_recipe,
         float8_all_gather=float8_all_gather,
         compiled=compiled,
+        timing_rounds=timing_rounds,
     )
 
 
@@ -279,6 +290,7 @@ def backend_for(settings: ProbeSettings) -> Backend:
         float8_recipe=settings.float8_recipe,
         float8_all_gather=settings.float8_all_gather,
         compiled=settings.compiled,
+        timing_rounds=settings.timing_rounds,
     )
 
 

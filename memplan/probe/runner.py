@@ -41,9 +41,8 @@ from memplan.probe.expand import NotLinear, expand, same_profile
 from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
 from memplan.probe.sameness import Declined, shared_state, traced_reason
 from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
-from memplan.probe.settings import ProbeSettings
+from memplan.probe.settings import TIMING_ROUNDS, ProbeSettings
 from memplan.probe.sizes import (
-    TIMING_REPEATS,
     available_bytes,
     estimated_bytes,
     refuse_unfit_first_size,
@@ -54,7 +53,7 @@ from memplan.probe.sizes import (
 )
 from memplan.profile import Profile
 
-__all__ = ["TIMING_EXTRA_FACTOR", "TIMING_REPEATS", "available_bytes", "probe_model"]
+__all__ = ["TIMING_EXTRA_FACTOR", "TIMING_ROUNDS", "available_bytes", "probe_model"]
 
 TIMING_EXTRA_FACTOR = 4
 """Times (only) are also taken at this multiple of the largest probed size."""
@@ -77,6 +76,7 @@ def probe_model(
     float8_recipe: str = "tensorwise",
     float8_all_gather: bool = True,
     compiled: bool = False,
+    timing_rounds: int = TIMING_ROUNDS,
 ) -> Profile:
     """Measure ``model_file_path`` (or a loaded ModelFile: memplan.integrations.api builds
     one around a live model) per layer and return its Profile (see profile.py). On
@@ -94,6 +94,7 @@ def probe_model(
         float8_recipe=float8_recipe,
         float8_all_gather=float8_all_gather,
         compiled=compiled,
+        timing_rounds=timing_rounds,
     )
     if len(sizes) < 2 or sizes[0] < 1:
         raise BadInputError(

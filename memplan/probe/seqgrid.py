@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from memplan.errors import BadInputError, checkpointing_failure
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.probe.runner import Progress, probe_sizes
-from memplan.probe.settings import ProbeSettings
+from memplan.probe.settings import TIMING_ROUNDS, ProbeSettings
 from memplan.profile import Profile
 from memplan.profile.seqlen import grid_profile
 
@@ -35,6 +35,7 @@ def probe_seq_grid(
     float8_recipe: str = "tensorwise",
     float8_all_gather: bool = True,
     compiled: bool = False,
+    timing_rounds: int = TIMING_ROUNDS,
 ) -> Profile:
     """The profile of ``model_file_path`` over ``seq_lens`` × ``micro_batches``: one
     length gives an ordinary profile at that length (``Profile.seq_len``), two or more a
@@ -63,6 +64,7 @@ def probe_seq_grid(
         float8_recipe=float8_recipe,
         float8_all_gather=float8_all_gather,
         compiled=compiled,
+        timing_rounds=timing_rounds,
     )
     per_length = 2 + (7 + (device != "meta")) * len(sizes) + 2
     total = per_length * len(lens)

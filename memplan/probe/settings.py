@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+TIMING_ROUNDS = 5
+"""Interleaved timing rounds per size on cpu and cuda (memplan.probe.sizes.time_size)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ProbeSettings:
@@ -31,6 +34,9 @@ class ProbeSettings:
     """The GPU spec a meta probe is for (memplan.devices); None: none named."""
     mixed_precision: str = "autocast"
     """How bf16/fp16 runs: autocast over fp32 parameters, or ``params`` (FSDP2's policy)."""
+    timing_rounds: int = TIMING_ROUNDS
+    """cpu and cuda: interleaved timing rounds per size (``probe --timing-rounds``); each
+    time is a median over them. Meta times on its clock and runs none."""
     reuse_identical: bool = True
     """On meta, identical blocks reuse their representative's results (memplan.probe.dedup),
     and a long run of them is probed short and extrapolated (memplan.probe.repeats)."""

@@ -23,9 +23,6 @@ from memplan.probe.session import Run, Session, SizeRuns
 from memplan.run.checkpoint import checkpointed, in_mode
 from memplan.units import format_bytes
 
-TIMING_REPEATS = 5
-"""Interleaved timing rounds per size (see time_size)."""
-
 
 def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError)
@@ -79,7 +76,8 @@ def mode_seconds(plain: Sequence[StepRecord], moded: Sequence[StepRecord]) -> tu
 def time_size(
     session: Session, batch: Any
 ) -> tuple[StepRecord, float, tuple[float, ...], tuple[float, ...] | None]:
-    """Untracked, so the tracker's overhead stays out of the times: TIMING_REPEATS rounds,
+    """Untracked, so the tracker's overhead stays out of the times: the backend's
+    ``timing_rounds`` rounds (``probe --timing-rounds``, 5 unless given),
     each a plain, an all-checkpointed and (not on meta) an all-selective micro-step back to
     back, then the optimizer steps. Interleaved, so a slow spell of the machine hits one
     round of every configuration alike rather than all repeats of one. Returns the plain
@@ -94,15 +92,14 @@ def time_size(
     if session.selective_runs:
         configs.append((SELECTIVE, lambda: selective_mode(session)))
     records: dict[str, list[StepRecord]] = {name: [] for name, _ in configs}
-    for _ in range(TIMING_REPEATS):
+    rounds = session.backend.timing_rounds
+    for _ in range(rounds):
         for name, context in configs:
             with context():
                 session.zero_grad()
                 records[name].append(session.micro_step(batch, None))
     plain = sorted(records["plain"], key=_total_seconds)[len(records["plain"]) // 2]
-    optimizer_seconds = statistics.median(
-        session.timed_optimizer_step() for _ in range(TIMING_REPEATS)
-    )
+    optimizer_seconds = statistics.median(session.timed_optimizer_step() for _ in range(rounds))
     session.zero_grad()
     selective = records.get(SELECTIVE)
     return (

@@ -284,6 +284,10 @@ class Environment:
     dtype of everything else, bf16); None: no float8."""
     compiled: bool = False
     """The meta clock timed the step as torch.compile runs it (``probe --compiled``)."""
+    timing_rounds: int | None = None
+    """cpu and cuda: the interleaved timing rounds per probed size whose medians the times
+    are (``probe --timing-rounds``, 5 unless given). None on meta (its clock is
+    computed, not run) and in profiles written before memplan recorded it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
