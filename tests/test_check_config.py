@@ -83,6 +83,7 @@ def test_percent_budget_uses_device_profile(tmp_path):
         ({"seq_len": "long"}, {}, "checks[0].seq_len"),
         ({"timing_rounds": 2}, {}, "checks[0]"),  # a meta probe runs no timing rounds
         ({"timing_rounds": 0, "device": "cpu"}, {}, "checks[0]"),
+        ({"timing_rounds": 101, "device": "cpu"}, {}, "checks[0]"),
         ({"timing_rounds": True, "device": "cpu"}, {}, "checks[0].timing_rounds"),
         ({"timing_rounds": 1.5, "device": "cpu"}, {}, "checks[0].timing_rounds"),
         ({}, {"chekcs": []}, "(top level)"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -21,6 +20,7 @@ from typer.testing import CliRunner
 
 from memplan.cli import app
 from memplan.emit import emit, emit_all, emit_torch
+from memplan.emit.script import STEP_LINE
 from memplan.errors import BadInputError
 from memplan.plan import Breakdown, ModelFingerprint, Plan, Prediction
 from memplan.run.compile import compile_layers
@@ -122,9 +122,7 @@ def _train(tmp_path: Path, plan: Plan, name: str) -> tuple[list[float], list[Pat
         env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [
-        float(x) for x in re.findall(r"^memplan-step step=\d+ loss=(\S+)", result.stdout, re.M)
-    ]
+    losses = [float(loss) for _, loss, _, _ in STEP_LINE.findall(result.stdout)]
     return losses, sorted(cache.rglob("*.py")) if cache.exists() else []
 
 

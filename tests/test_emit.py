@@ -11,7 +11,6 @@ import ast
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -24,6 +23,7 @@ from hypothesis import strategies as st
 
 from memplan.emit import FORMATS, emit, emit_deepspeed, emit_hf, emit_lightning, emit_torch
 from memplan.emit.lightning import LIGHTNING_PRECISION
+from memplan.emit.script import STEP_LINE
 from memplan.errors import BadInputError
 from memplan.plan import Breakdown, Plan, Prediction, plan_from_data
 
@@ -287,11 +287,6 @@ def _run_script(
         text=True,
         timeout=120,
     )
-
-
-STEP_LINE = re.compile(
-    r"^memplan-step step=(\d+) loss=(\S+) effective_batch=(\d+) seconds=(\S+)$", re.M
-)
 
 
 def _small_plan(**changes) -> Plan:

@@ -326,3 +326,29 @@ def test_lazy_names_load_on_first_use_and_unknown_names_say_which_package():
         "False [True, 'memplan.run.accumulate', 'memplan.probe.runner', "
         "'memplan.integrations.api', \"module 'memplan.run' has no attribute 'nope'\"]"
     )
+
+
+def test_plan_model_plans_a_compiled_step_on_meta_and_refuses_it_elsewhere(monkeypatch):
+    """``compiled=True`` is ``probe --compiled``: on meta the step is timed as inductor's
+    fused kernels move bytes, so the same model's compiled plan is marked compiled and
+    predicted faster than its eager plan (the bytes are eager's); on the live model's cpu
+    it is refused before anything is probed."""
+    x, y = data(TARGET)
+    ask = dict(
+        loss_fn=mse, budget="1GiB", target_batch=TARGET, device="meta", device_profile="h100-80gb"
+    )
+    ask |= dict(min_micro=TARGET, modes="keep")
+    eager = memplan.plan_model(blocks_model, batches(x, y), **ask)
+    compiled = memplan.plan_model(blocks_model, batches(x, y), compiled=True, **ask)
+    assert not eager.compiled and compiled.compiled
+    assert compiled.predicted.peak_bytes == eager.predicted.peak_bytes
+    assert compiled.predicted.step_seconds < eager.predicted.step_seconds
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr("memplan.probe.probe_model", no_probe)
+    with pytest.raises(BadInputError, match="device='meta'"):
+        memplan.plan_model(
+            blocks_model(), (x, y), loss_fn=mse, budget="1GiB", target_batch=TARGET, compiled=True
+        )

@@ -35,6 +35,10 @@ HAVE_HF = importlib.util.find_spec("transformers") is not None
 HAVE_PEFT = importlib.util.find_spec("peft") is not None
 
 
+QUICK_CPU_PROBE = ("--device", "cpu", "--micro-batches", "1,2", "--timing-rounds", 1)
+"""Sizes 1 and 2, one timing round: these tests read profiles back, they check no time."""
+
+
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
 
@@ -204,9 +208,7 @@ def test_layers_skipped_at_random_that_the_probe_cannot_switch_off_are_exit_3(tm
     model = tmp_path / "skipper.py"
     model.write_text(SKIPPER)
     out = tmp_path / "p.yaml"
-    result = invoke(
-        "probe", model, "--device", "cpu", "--micro-batches", "1,2", "--timing-rounds", 1, "-o", out
-    )
+    result = invoke("probe", model, *QUICK_CPU_PROBE, "-o", out)
     assert result.exit_code == 3, result.output
     text = " ".join(result.output.split())
     assert "blocks.2" in text
@@ -220,18 +222,7 @@ def test_wav2vec2_with_layerdrop_and_specaugment_probes_to_a_profile_solve_accep
     """Before: `profile.layers[2].input_bytes.slope is -8064` (default config) or residuals
     of millions of percent: each probed step ran other encoder layers."""
     out = tmp_path / "w2v.yaml"
-    result = invoke(
-        "probe",
-        REAL / "hf_wav2vec2.py",
-        "--device",
-        "cpu",
-        "--micro-batches",
-        "1,2",
-        "--timing-rounds",
-        1,
-        "-o",
-        out,
-    )
+    result = invoke("probe", REAL / "hf_wav2vec2.py", *QUICK_CPU_PROBE, "-o", out)
     assert result.exit_code == 0, result.output
     profile = load_profile(out)
     assert [layer.name for layer in profile.layers] == [
@@ -258,9 +249,8 @@ def test_peft_lora_gpt_in_bf16_probes_to_a_profile_solve_accepts(tmp_path):
     them; the profile still loads and solves."""
     out = tmp_path / "lora.yaml"
     result = invoke(
-        "probe", REAL / "peft_lora_gpt.py", "--device", "cpu", "--precision", "bf16",
-        "--micro-batches", "1,2", "--timing-rounds", 1, "-o", out,
-    )  # fmt: skip
+        "probe", REAL / "peft_lora_gpt.py", *QUICK_CPU_PROBE, "--precision", "bf16", "-o", out
+    )
     assert result.exit_code == 0, result.output
     profile = load_profile(out)
     assert len(profile.layers) == 3
@@ -315,10 +305,7 @@ def test_every_bundled_model_probes_to_a_profile_solve_accepts(tmp_path, path, p
     if path.name in NEEDS_HF and not HAVE_HF:
         pytest.skip("transformers is not installed")
     out = tmp_path / "p.yaml"
-    result = invoke(
-        "probe", path, "--device", "cpu", "--precision", precision,
-        "--micro-batches", "1,2", "--timing-rounds", 1, "-o", out,
-    )  # fmt: skip
+    result = invoke("probe", path, *QUICK_CPU_PROBE, "--precision", precision, "-o", out)
     assert result.exit_code == 0, result.output
     profile = load_profile(out)
     assert profile.layers and profile.environment.precision == precision

@@ -18,6 +18,10 @@ MODELS = Path(__file__).parent / "models" / "gradcheck"
 runner = CliRunner()
 
 
+QUICK_CPU_PROBE = ("--device", "cpu", "--micro-batches", "1,2", "--timing-rounds", 1)
+"""Sizes 1 and 2, one timing round: these tests check plans and verdicts, not times."""
+
+
 def invoke(*args: object):
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
@@ -25,18 +29,7 @@ def invoke(*args: object):
 def solved_plan(tmp_path: Path, model: str) -> Path:
     """A plan of micro-batch 2 × 2 accumulation steps with every layer checkpointed."""
     profile = tmp_path / "profile.yaml"
-    out = invoke(
-        "probe",
-        MODELS / model,
-        "--device",
-        "cpu",
-        "--micro-batches",
-        "1,2",
-        "--timing-rounds",
-        1,
-        "-o",
-        profile,
-    )
+    out = invoke("probe", MODELS / model, *QUICK_CPU_PROBE, "-o", profile)
     assert out.exit_code == 0, out.output
     layers = ",".join(layer.name for layer in load_profile(profile).layers)
     plan = tmp_path / "plan.yaml"
@@ -140,18 +133,7 @@ def test_python_warnings_print_through_memplans_renderer_once(tmp_path) -> None:
 def test_a_no_fit_paragraph_prints_once(tmp_path) -> None:
     profile = tmp_path / "p.yaml"
     model = MODELS / "dropout_stack.py"
-    out = invoke(
-        "probe",
-        model,
-        "--device",
-        "cpu",
-        "--micro-batches",
-        "1,2",
-        "--timing-rounds",
-        1,
-        "-o",
-        profile,
-    )
+    out = invoke("probe", model, *QUICK_CPU_PROBE, "-o", profile)
     assert out.exit_code == 0, out.output
     out = invoke("solve", profile, "--target-batch", 8, "--budget", "1KiB")
     assert out.exit_code == 1

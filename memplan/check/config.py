@@ -36,6 +36,7 @@ from memplan.devices import DeviceSpec, capacity_bytes, load_device
 from memplan.errors import BadInputError, MemplanError
 from memplan.files.schema import TOP_LEVEL, from_data, load_yaml_file
 from memplan.memory import DEFAULT_MARGIN, margin_problem
+from memplan.profile.data import timing_rounds_problem
 from memplan.units import parse_budget
 
 CONFIG_VERSION = 1
@@ -103,8 +104,8 @@ class CheckSpec:
                 f"timeout must be seconds above 0 and at most {MAX_TIMEOUT_S}, got {self.timeout}"
             )
         if self.timing_rounds is not None:
-            if self.timing_rounds < 1:
-                raise ValueError(f"timing_rounds must be 1 or more, got {self.timing_rounds}")
+            if problem := timing_rounds_problem(self.timing_rounds):
+                raise ValueError(f"timing_rounds: {problem}")
             if self.device == "meta":
                 raise ValueError(
                     "timing_rounds counts a cpu or cuda probe's timed runs; a meta probe "

@@ -23,7 +23,7 @@ from memplan.cli.options import (
 from memplan.errors import BadInputError
 from memplan.files.schema import to_data
 from memplan.model.reference import model_reference
-from memplan.probe.settings import TIMING_ROUNDS
+from memplan.profile.data import TIMING_ROUNDS, timing_rounds_problem
 from memplan.profile.seqlen import parse_seq_lens
 
 
@@ -82,7 +82,7 @@ def probe(
         int | None,
         typer.Option(
             "--timing-rounds",
-            help="cpu and cuda: timing rounds per probed size (default 5); each time is a "
+            help="cpu and cuda: timing rounds per probed size (1 to 100, default 5); each time is a "
             "median over them. 1 takes about a quarter of the probing time (the bytes are "
             "the same), for a first look or a memory-only gate; its times are one run's. Not with --device "
             "meta.",
@@ -122,11 +122,10 @@ def probe(
                 "computes its times on the device spec's clock and runs none.",
                 hint="Drop --timing-rounds, or probe with --device cpu or cuda.",
             )
-        if timing_rounds < 1:
+        if problem := timing_rounds_problem(timing_rounds):
             raise BadInputError(
-                f"--timing-rounds {timing_rounds}: a probe needs at least one timing round "
-                "per size.",
-                hint="Give 1 for a quick probe, or leave it out for 5.",
+                f"--timing-rounds: {problem}: the timing rounds per probed size.",
+                hint=f"Give 1 for a quick probe, or leave it out for {TIMING_ROUNDS}.",
             )
     if output is not None:
         check_output(output, force=force)  # refuse before minutes of probing, not after

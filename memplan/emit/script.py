@@ -23,6 +23,12 @@ STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
 """Plan strategies this format writes faithfully: one process, or under torchrun DDP,
 ZeRO-1 and FSDP2 through memplan.wrap (ZeRO-2 needs DeepSpeed)."""
 
+STEP_LINE = re.compile(
+    r"^memplan-step step=(\d+) loss=(\S+) effective_batch=(\d+) seconds=(\S+)$", re.M
+)
+"""The line an emitted script prints per optimizer step (the template below), parsed:
+``STEP_LINE.findall(log)`` gives (step, loss, effective batch, seconds) per step."""
+
 _TEMPLATE = '''\
 #!/usr/bin/env python3
 """__TITLE__

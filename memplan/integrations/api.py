@@ -67,6 +67,7 @@ def plan_model(
     device_profile: str | None = None,
     seq_lens: Sequence[int] = (),
     timing_rounds: int = TIMING_ROUNDS,
+    compiled: bool = False,
     keep: Sequence[Any] = (),
     prepare: Callable[[torch.nn.Module], None] | None = None,
     **request: Any,
@@ -82,7 +83,8 @@ def plan_model(
     class and parameter groups are rebuilt over the copy) or a function ``f(model)``
     returning one; default AdamW. ``precision``, ``micro_batches``, ``layers``,
     ``seq_lens`` and ``timing_rounds`` are ``memplan probe``'s options (a meta probe runs no
-    timing rounds).
+    timing rounds), and ``compiled`` is its ``--compiled``: with ``device="meta"``, the
+    step timed as ``torch.compile`` runs it, and the plan marked compiled.
 
     The request is ``memplan solve``'s (``solve_profile``): ``target_batch`` (samples) or
     ``tokens_per_batch`` (with ``seq_len``), ``budget`` (``"24GiB"``, bytes, ``"80%"`` of
@@ -107,6 +109,7 @@ def plan_model(
         device_profile=device_profile or ask.device_profile,
         seq_lens=tuple(seq_lens) or ((ask.length,) if ask.length is not None else ()),
         timing_rounds=timing_rounds,
+        compiled=compiled,
         where=_caller_file(),
         keep=keep,
         prepare=prepare,
@@ -233,6 +236,7 @@ def profile_model(
     device_profile: str | None = None,
     seq_lens: Sequence[int] = (),
     timing_rounds: int = TIMING_ROUNDS,
+    compiled: bool = False,
     where: Path | None = None,
     keep: Sequence[Any] = (),
     prepare: Callable[[torch.nn.Module], None] | None = None,
@@ -243,6 +247,12 @@ def profile_model(
     from memplan.probe.seqgrid import probe_seq_grid
 
     probe_device = resolve_device(model, device)
+    if compiled and probe_device != "meta":
+        raise BadInputError(
+            f"compiled=True times the step as torch.compile's fused kernels move bytes, on "
+            f"the meta clock; a probe on {probe_device} times the eager ops it runs.",
+            hint="Plan with device='meta' (and device_profile= for the GPU), or drop compiled.",
+        )
     model_file = live_model_file(
         model,
         batch,
@@ -266,6 +276,7 @@ def profile_model(
                 device_profile=device_profile,
                 mixed_precision=mixed_precision,
                 timing_rounds=timing_rounds,
+                compiled=compiled,
             )
         return probe_model(
             model_file,
@@ -276,6 +287,7 @@ def profile_model(
             device_profile=device_profile,
             mixed_precision=mixed_precision,
             timing_rounds=timing_rounds,
+            compiled=compiled,
         )
 
 

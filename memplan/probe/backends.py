@@ -24,8 +24,9 @@ from memplan.probe.float8 import FLOAT8_DTYPES, Float8Conversion, time_casts_fus
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.meta_kernels import CONV_TARGET
-from memplan.probe.settings import TIMING_ROUNDS, ProbeSettings
+from memplan.probe.settings import ProbeSettings
 from memplan.probe.tracker import LiveTracker, Roofline
+from memplan.profile.data import TIMING_ROUNDS, timing_rounds_problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_META_SPEC = "h100-80gb"
@@ -252,10 +253,9 @@ def make_backend(
     timing_rounds: int = TIMING_ROUNDS,
 ) -> Backend:
     resolved = resolve_device(device)
-    if isinstance(timing_rounds, bool) or not isinstance(timing_rounds, int) or timing_rounds < 1:
+    if problem := timing_rounds_problem(timing_rounds):
         raise BadInputError(
-            f"--timing-rounds {timing_rounds!r}: the timing rounds per probed size must be a "
-            "whole number, 1 or more.",
+            f"--timing-rounds: {problem}: the timing rounds per probed size.",
             hint=f"Leave it out for {TIMING_ROUNDS} (medians that a slow spell of a shared "
             "machine does not move), or give 1 for a quick probe whose times are one run's.",
         )

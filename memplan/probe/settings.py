@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TIMING_ROUNDS = 5
-"""Interleaved timing rounds per size on cpu and cuda (memplan.probe.sizes.time_size)."""
+from memplan.profile.data import TIMING_ROUNDS
+
+__all__ = ["TIMING_ROUNDS", "ProbeSettings"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

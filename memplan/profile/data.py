@@ -262,6 +262,23 @@ class Float8:
     empty: everything ran."""
 
 
+TIMING_ROUNDS = 5
+"""Interleaved timing rounds per size of a cpu or cuda probe unless ``--timing-rounds``
+says otherwise (memplan.probe.sizes.time_size)."""
+MAX_TIMING_ROUNDS = 100
+"""The most ``--timing-rounds`` takes: each round runs three micro-steps at every timed
+size, and a median of 100 rounds is already steady; a typo of 10**6 would probe for days."""
+
+
+def timing_rounds_problem(rounds: object) -> str | None:
+    """What is wrong with ``rounds`` as a count of timing rounds, else None."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int):
+        return f"{rounds!r} is not a whole number"
+    if not 1 <= rounds <= MAX_TIMING_ROUNDS:
+        return f"{rounds} is not from 1 to {MAX_TIMING_ROUNDS}"
+    return None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Environment:
     torch_version: str

@@ -9,7 +9,13 @@ from pathlib import Path
 from memplan.errors import ProfileError
 from memplan.files import fast_yaml
 from memplan.files.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
-from memplan.profile.data import PROFILE_SCHEMA_VERSION, Affine, Profile, point_at
+from memplan.profile.data import (
+    PROFILE_SCHEMA_VERSION,
+    Affine,
+    Profile,
+    point_at,
+    timing_rounds_problem,
+)
 
 
 def _check_version(data: dict, source: str) -> None:
@@ -161,6 +167,9 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
     problem = _grid_problem(profile) or _affine_problem(profile)
     if problem is not None:
         return problem
+    rounds = profile.environment.timing_rounds
+    if rounds is not None and (problem := timing_rounds_problem(rounds)):
+        return "profile.environment.timing_rounds", f"{problem}, not a count of timing rounds"
     sizes = profile.micro_batches
     largest = max(sizes)
     parts = [("profile.totals", profile.totals)]
