@@ -136,3 +136,36 @@ def test_the_api_refuses_any_round_count_but_a_positive_whole_number(rounds) -> 
 @given(st.integers(min_value=1, max_value=100))
 def test_the_api_takes_any_positive_whole_number(rounds: int) -> None:
     assert make_backend("cpu", "fp32", None, timing_rounds=rounds).timing_rounds == rounds
+
+
+def test_progress_names_the_phase_under_way_not_the_one_just_done(monkeypatch):
+    """The progress display shows the last label as the phase under way ("now X for N s")
+    and charges the time until the next label to it, so the probe names each phase as it
+    starts: while the timing rounds run, the label says timing and how many rounds."""
+    from memplan.probe import sizes
+
+    labels: list[str] = []
+    seen: dict[str, str] = {}
+    time_size, tracked_optimizer_step = sizes.time_size, Session.tracked_optimizer_step
+
+    def timing(session, batch):
+        seen.setdefault("timing", labels[-1])
+        return time_size(session, batch)
+
+    def optimizer_step(self, batch):
+        seen.setdefault("optimizer", labels[-1])
+        return tracked_optimizer_step(self, batch)
+
+    monkeypatch.setattr(sizes, "time_size", timing)
+    monkeypatch.setattr(Session, "tracked_optimizer_step", optimizer_step)
+    probe_model(
+        MODEL,
+        device="cpu",
+        micro_batches=SIZES,
+        timing_rounds=2,
+        on_progress=lambda done, total, what: labels.append(what),
+    )
+    assert labels[0] == "building the model" and labels[1] == "warm-up step"
+    assert seen == {"timing": "b=1: timing (2 rounds)", "optimizer": "b=1: optimizer step"}
+    assert "b=8: timing only (2 rounds)" in labels  # the timing-only size, 4 × the largest
+    assert labels.index("b=8: timing only (2 rounds)") < labels.index("fitting the timeline")

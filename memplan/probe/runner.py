@@ -47,6 +47,7 @@ from memplan.probe.sizes import (
     estimated_bytes,
     refuse_unfit_first_size,
     refuse_unfit_size,
+    rounds_phrase,
     run_size,
     time_extra_size,
     try_selective,
@@ -199,9 +200,12 @@ def probe_sizes(
     build: Callable[[], torch.nn.Module] | None = None,
 ) -> Profile:
     """One profile of ``model_file`` at each of ``settings.micro_batches`` (sorted, two at
-    least); ``build`` makes the model instead of the file's factory (the shortcut's cuts)."""
+    least); ``build`` makes the model instead of the file's factory (the shortcut's cuts).
+    ``tick(what)`` is called as each phase starts, with what it is about to run: a progress
+    display shows it as the phase under way (memplan.render.progress)."""
     sizes = list(settings.micro_batches)
     backend = backend_for(settings)
+    tick("building the model")
     session = open_session(model_file, backend, settings.layers, build)
     if not session.layer_names:
         session.warnings.append(
@@ -209,13 +213,13 @@ def probe_sizes(
             "same-type modules) found: no checkpoint candidates. Name "
             "some with --layers GLOB."
         )
-    tick("built the model")
     cuda = backend.device == "cuda"
     forward_misses = (
         None
         if backend.op_cache is None
         else ForwardMisses(backend.op_cache, session.layers, session.layer_names)
     )
+    tick("warm-up step")
     refuse_unfit_first_size(session, sizes[0])
     try:
         warm_up(session, sizes[0])
@@ -226,7 +230,6 @@ def probe_sizes(
             "with a larger GPU spec.",
         ) from exc
     try_selective(session, sizes[0])
-    tick("warm-up step")
     runs: list[SizeRuns] = []
     extra: dict[str, Any] = {}
     for size in sizes:
@@ -281,9 +284,11 @@ def probe_sizes(
         and estimated_bytes(session, runs[0], TIMING_EXTRA_FACTOR * sizes[-1])[0]
         <= (available_bytes(session.backend.device) or math.inf)
     ):
+        rounds = rounds_phrase(backend.timing_rounds)
+        tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only ({rounds})")
         extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
-        tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only")
     session.warnings.extend(backend.attention_notes)  # what the spec left undecided
+    tick("fitting the timeline")
     profile = assemble(session, runs, extra, extra_timed, prune=prune)
     if forward_misses is not None:
         forward_misses.remove()
@@ -291,7 +296,6 @@ def probe_sizes(
             profile, deduplicated_layers=forward_misses.reusing(session.layer_names)
         )
     session.recorder.remove()
-    tick("fitted the timeline")
     return _with_tp(session, profile, sizes[0], tick)
 
 
@@ -327,6 +331,7 @@ def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str]
         tp_plan_for(session.model, declared)
     except BadInputError as exc:  # no TP plan: nothing to measure
         return dataclasses.replace(profile, tp_refused=exc.message.strip().splitlines()[0])
+    tick("measuring the blocks under TP 2 (fake process group)")
     try:
         measured = measure_tp(session, profile, size, declared)
     except Exception as exc:
@@ -339,6 +344,4 @@ def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str]
         return dataclasses.replace(
             profile, warnings=(*profile.warnings, note), tp_refused=f"{why}."
         )
-    if measured is not profile:
-        tick("measured the blocks under TP 2 (fake process group)")
     return measured

@@ -73,6 +73,11 @@ def mode_seconds(plain: Sequence[StepRecord], moded: Sequence[StepRecord]) -> tu
     return tuple(c + rest / n for c in per_layer)
 
 
+def rounds_phrase(rounds: int) -> str:
+    """``1 round``, ``5 rounds``: how a progress label names the timing rounds."""
+    return f"{rounds} round{'' if rounds == 1 else 's'}"
+
+
 def time_size(
     session: Session, batch: Any
 ) -> tuple[StepRecord, float, tuple[float, ...], tuple[float, ...] | None]:
@@ -266,35 +271,36 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     backend, mf = session.backend, session.model_file
     batch = backend.batch(mf, size)
     session.zero_grad()
-    no_grads = session.tracked_step(batch)
     tick(f"b={size}: no_grads")
+    no_grads = session.tracked_step(batch)
+    tick(f"b={size}: grads_resident")
     grads_resident = session.tracked_step(batch)
     refuse_random_layers(session, size, no_grads, grads_resident, "plain")
-    tick(f"b={size}: grads_resident")
+    tick(f"b={size}: optimizer step")
     optimizer = session.tracked_optimizer_step(batch)
     grads, state = grad_and_state_bytes(session.model, session.optimizer)
-    tick(f"b={size}: optimizer step")
     session.zero_grad()
     full_seconds = selective_seconds = None
     if backend.device == "meta":
+        tick(f"b={size}: timing (meta clock)")
         timing, optimizer_seconds = no_grads.record, optimizer.virtual_seconds
     else:
+        tick(f"b={size}: timing ({rounds_phrase(backend.timing_rounds)})")
         timing, optimizer_seconds, full_seconds, selective_seconds = time_size(session, batch)
-    tick(f"b={size}: timing")
     with checkpointed(session.layers, context_fn=backend.checkpoint_context_fn()):
-        ckpt_no_grads = session.tracked_step(batch)
         tick(f"b={size}: checkpointed no_grads")
+        ckpt_no_grads = session.tracked_step(batch)
+        tick(f"b={size}: checkpointed grads_resident")
         ckpt_grads_resident = session.tracked_step(batch)
         refuse_random_layers(session, size, ckpt_no_grads, ckpt_grads_resident, "checkpointed")
-        tick(f"b={size}: checkpointed grads_resident")
     session.zero_grad()
     sel_no_grads = sel_grads_resident = None
     if session.selective_runs:
+        tick(f"b={size}: selective")
         with selective_mode(session):
             sel_no_grads = session.tracked_step(batch)
             sel_grads_resident = session.tracked_step(batch)
         refuse_random_layers(session, size, sel_no_grads, sel_grads_resident, "selective")
-        tick(f"b={size}: selective")
         session.zero_grad()
         if backend.device == "meta":  # the roofline of the ops the recompute re-runs
             selective_seconds = mode_seconds([no_grads.record], [sel_no_grads.record])
