@@ -55,7 +55,7 @@ def _peak(profile) -> int:
 def test_lookalike_blocks_probe_on_meta_as_on_cpu(model, reason):
     path = str(MODELS / model)
     meta = probe_model(path, device="meta", micro_batches=SIZES)
-    cpu = probe_model(path, device="cpu", micro_batches=SIZES)
+    cpu = probe_model(path, device="cpu", micro_batches=SIZES, timing_rounds=1)
     assert meta.extrapolated_layers == ()
     assert meta.extrapolation_declined is not None
     assert meta.extrapolation_declined.startswith(reason), meta.extrapolation_declined
@@ -89,7 +89,7 @@ def test_shared_weight_counts_each_weight_once():
 def test_identical_blocks_still_take_the_shortcut_exactly():
     model = f"{MODELS / 'deep_residual.py'}:blocks_10"
     derived = probe_model(model, device="meta", micro_batches=SIZES)
-    cpu = probe_model(model, device="cpu", micro_batches=SIZES)
+    cpu = probe_model(model, device="cpu", micro_batches=SIZES, timing_rounds=1)
     assert derived.extrapolated_layers == tuple(f"blocks.{i}" for i in range(3, 9))
     assert derived.extrapolation_declined is None
     assert_meta_equals_cpu(cpu, derived)
@@ -325,5 +325,5 @@ def test_lookalike_blocks_are_measured_or_proven_alike(tmp_path, case):
     if case["kind"] == "none":
         assert taken, "identical blocks must take the shortcut"
     if taken:  # the answer must be the full one: compare with the cpu probe, byte for byte
-        cpu = probe_model(str(path), device="cpu", micro_batches=SIZES)
+        cpu = probe_model(str(path), device="cpu", micro_batches=SIZES, timing_rounds=1)
         assert_meta_equals_cpu(cpu, meta)

@@ -61,6 +61,7 @@ def _plain(dtype: torch.dtype) -> int:
 def _rank(rank: int, dtype: torch.dtype, port: int, queue) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
+    from gloo_ranks import leave_gloo
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
@@ -83,7 +84,7 @@ def _rank(rank: int, dtype: torch.dtype, port: int, queue) -> None:
             del pred, local
             loss.backward()
     queue.put((rank, tracker.peak_bytes - base))
-    dist.destroy_process_group()
+    leave_gloo(queue)
 
 
 @pytest.mark.slow

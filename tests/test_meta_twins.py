@@ -79,7 +79,7 @@ def test_a_sliced_batch_lm_probes_on_meta_as_on_cpu(tmp_path: Path) -> None:
     # flatten(0, 1) was a view on meta and failed on the twin (exit 2 blaming the user)
     path = _write(tmp_path, "sliced_lm.py", SLICED_LM)
     meta = probe_model(path, device="meta", micro_batches=(2, 4))
-    cpu = probe_model(path, device="cpu", micro_batches=(2, 4))
+    cpu = probe_model(path, device="cpu", micro_batches=(2, 4), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
 
 
@@ -246,7 +246,7 @@ def _meta_equals_cpu(spec: list[tuple[str, str, str]], container: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         text = LAYOUT_MODEL.format(spec=spec, container=container)
         path = _write(Path(tmp), "layouts.py", text)
-        cpu = probe_model(path, device="cpu", micro_batches=(1, 2))
+        cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
         meta = probe_model(path, device="meta", micro_batches=(1, 2))
         assert_meta_equals_cpu(cpu, meta)
 
@@ -308,7 +308,7 @@ def make_batch(n):
 
 def test_tensors_from_python_data_have_twins_and_equal_cpu(tmp_path: Path) -> None:
     path = _write(tmp_path, "python_data.py", PYTHON_DATA)
-    cpu = probe_model(path, device="cpu", micro_batches=(1, 2))
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
     meta = probe_model(path, device="meta", micro_batches=(1, 2))
     assert_meta_equals_cpu(cpu, meta)
 
@@ -378,7 +378,7 @@ def test_layer_norm_backward_on_meta_lays_the_gradient_out_as_the_cpu_kernel() -
 
 def test_a_convolution_of_a_transposed_view_is_laid_out_as_on_cpu(tmp_path: Path) -> None:
     path = _write(tmp_path, "mix_ffn.py", CONV_OF_A_VIEW)
-    cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4))
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
     meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
     assert_meta_equals_cpu(cpu, meta)
 

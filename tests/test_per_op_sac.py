@@ -89,7 +89,7 @@ def test_a_meta_probe_plans_per_op_sac_as_the_cpu_probe_measures_it(tmp_path):
     # its TP re-run of the blocks failed on the same read ("plans with --tp > 1 are
     # refused").
     model = llama_reference(tmp_path / "llama", architectures=None)
-    cpu = probe_model(model, device="cpu", micro_batches=(1, 2))
+    cpu = probe_model(model, device="cpu", micro_batches=(1, 2), timing_rounds=1)
     meta = probe_model(model, device="meta", micro_batches=(1, 2))
     assert all(layer.selective_savings_bytes is not None for layer in meta.layers)
     assert all(seg.selective_points for seg in meta.timeline["no_grads"] if seg.active != "none")
@@ -166,8 +166,10 @@ def test_a_block_that_checkpoints_itself_keeps_its_tp_split():
     # from the measurement's hooks: tp_saved_fraction 0, its TP split lost. Counted from
     # storage lives, it is what the same block under memplan's selective mode keeps.
     model = str(MODELS / "self_sac_llama.py")
-    plain = probe_model(f"{model}:build_model", device="cpu", micro_batches=(1, 2))
-    itself = probe_model(f"{model}:build_self_sac", device="cpu", micro_batches=(1, 2))
+    plain = probe_model(f"{model}:build_model", device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    itself = probe_model(
+        f"{model}:build_self_sac", device="cpu", micro_batches=(1, 2), timing_rounds=1
+    )
     for a, b in zip(plain.layers, itself.layers, strict=True):
         kept = a.saved_bytes.slope - a.selective_savings_bytes.slope
         assert (b.saved_bytes.intercept, b.saved_bytes.slope) == (0.0, kept)

@@ -73,7 +73,7 @@ def _model(tmp_path: Path, blocks: int = 4) -> str:
 @pytest.fixture(scope="module")
 def shared_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, object]:
     path = _model(tmp_path_factory.mktemp("shared"))
-    return path, probe_model(path, device="cpu", micro_batches=(1, 2, 4))
+    return path, probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
 
 
 def test_the_probe_records_each_shared_input_once_with_its_layers(shared_model):
