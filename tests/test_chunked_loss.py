@@ -217,7 +217,7 @@ def test_verify_measures_the_planned_peak_of_a_chunked_loss(tmp_path: Path, mode
         ("solve", str(tmp_path / "p.yaml"), "--target-batch", str(2 * world),
          "--min-micro", "2", "--max-micro", "2", "--budget", "1GiB", *layout,
          "--model", str(path), "-o", str(tmp_path / "plan.yaml")),
-        ("verify", str(path), str(tmp_path / "plan.yaml"), *ranks, "--json"),
+        ("verify", str(path), str(tmp_path / "plan.yaml"), *ranks, "--steps", "1", "--json"),
     )  # fmt: skip
     for args in runs:
         out = _memplan(*args)

@@ -6,8 +6,6 @@ says why it measured every block; truly identical blocks still take the shortcut
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -159,30 +157,16 @@ def test_a_failure_of_memplans_own_machinery_is_not_a_decline(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ten_thousand_identical_blocks_still_probe_fast():
-    """The bar of issue 26: 10,000 identical blocks on meta in under 120 s and 1 GiB, the
-    run's middle blocks derived (a fresh process: start-up, build, trace, short probes)."""
-    code = textwrap.dedent(
-        f"""
-        import re, time
-        from pathlib import Path
-        from memplan.probe.runner import probe_model
-        t = time.perf_counter()
-        p = probe_model({str(MODELS / "deep_residual.py")!r}, device="meta", micro_batches=(1, 2, 4))
-        # VmHWM: this process's own peak (ru_maxrss survives execve on Linux, so it would
-        # report pytest's size at the fork when that is larger)
-        hwm = re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)
-        print(time.perf_counter() - t, len(p.extrapolated_layers), p.extrapolation_declined, hwm)
-        """
+def test_a_thousand_identical_blocks_are_derived_from_the_short_probes():
+    """Issue 26's model at 1,000 blocks: the run's middle blocks derived from the short
+    probes, none measured one by one (nothing declined). Its bar at 10,000 blocks, under
+    120 s and 1 GiB on meta, is a time and memory target: bench/scale.py measures it in a
+    fresh process (BENCHMARKS.md, 'Scale')."""
+    p = probe_model(
+        f"{MODELS / 'deep_residual.py'}:blocks_1000", device="meta", micro_batches=(1, 2, 4)
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-    ).stdout.split()
-    seconds, derived, declined, rss_kib = float(out[0]), int(out[1]), out[2], int(out[3])
-    assert derived == 10_000 - 4 and declined == "None"
-    assert seconds < 120, seconds
-    assert rss_kib < 1024 * 1024, rss_kib
+    assert len(p.layers) == 1_000
+    assert len(p.extrapolated_layers) == 1_000 - 4 and p.extrapolation_declined is None
 
 
 # ------------------------------------------------------------------------- property test

@@ -376,3 +376,33 @@ def test_a_point_that_bounds_only_below_one_sample_is_dropped() -> None:
 
     # mBART's segment: the first point is the larger only for b < 128 / 8320 samples
     assert undominated([(616956.0, 4608.0), (616828.0, 12928.0)]) == ((616828.0, 12928.0),)
+
+
+_SEGMENT = st.sampled_from(["a", "b", "ab", "0", "1", "10"])
+_PATH = st.lists(_SEGMENT, min_size=1, max_size=4).map(".".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    paths=st.lists(_PATH, min_size=1, max_size=10), names=st.lists(_PATH | st.just(""), max_size=6)
+)
+def test_coverage_counts_a_module_inside_a_name_as_a_prefix_walk_would(paths, names):
+    # coverage() looks a module's dotted parents up in a set (10,000 blocks took 10^8
+    # string compares, a third of the probe); the oracle is the definition: a module with
+    # parameters of its own lies in name c when it is c or starts with "c." ("a.10" is not
+    # inside "a.1").
+    from torch import nn
+
+    from memplan.probe.layers import coverage
+
+    root = nn.Module()
+    for path in paths:
+        node = root
+        for part in path.split("."):
+            if not hasattr(node, part) or not isinstance(getattr(node, part), nn.Module):
+                node.add_module(part, nn.Module())
+            node = getattr(node, part)
+        node.register_parameter("w", nn.Parameter(torch.zeros(1)))
+    own = [n for n, m in root.named_modules() if list(m.parameters(recurse=False))]
+    inside = [n for n in own if any(n == c or n.startswith(c + ".") for c in names)]
+    assert coverage(root, names) == len(inside) / len(own)

@@ -158,23 +158,43 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
+def tensors_in(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result (lists, tuples, dicts): a cheaper walk
+    than pytree's for the per-op hot path."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            tensors_in(item, out)
+    elif isinstance(value, dict):
+        for item in value.values():
+            tensors_in(item, out)
+    return out
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+"""Per op overload, the (position, name) of each argument its schema says it writes."""
+
+
 def _written(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensor arguments ``func`` writes to (in-place and ``out=`` ops)."""
-    out = []
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = kwargs.get(arg.name, args[i] if i < len(args) else None)
-        out.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    writes = _WRITES.get(func)
+    if writes is None:
+        writes = _WRITES[func] = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+    out: list[torch.Tensor] = []
+    for i, name in writes:
+        tensors_in(kwargs.get(name, args[i] if i < len(args) else None), out)
     return out
 
 
 def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     """``(True, result)`` when ``func`` ran on shadows (the result is meta tensors with
     shadows, or a Python value); ``(False, None)`` when it must run on meta as usual."""
-    leaves, _ = tree_flatten((args, kwargs))
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    metas = [t for t in tensors if t.is_meta]
+    metas = [t for t in tensors_in((args, kwargs), []) if t.is_meta]
     if not metas:
         return False, None
     written = _written(func, args, kwargs)
@@ -219,13 +239,11 @@ def shadow_factory(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         and out.numel() <= MAX_SHADOW_ELEMENTS
     ):
         return
-    leaves, _ = tree_flatten((args, kwargs))
-    if any(isinstance(t, torch.Tensor) and t.is_meta for t in leaves):
-        return  # made from meta tensors: shadowed by run() when they all had twins
-    cpu_kwargs = {**kwargs, "device": _CPU} if "device" in kwargs else kwargs
     if "device" not in kwargs:
         return  # made on meta only by a default device we cannot redirect
-    _shadows[out] = _matching(out, func(*args, **cpu_kwargs), [])
+    if any(t.is_meta for t in tensors_in((args, kwargs), [])):
+        return  # made from meta tensors: shadowed by run() when they all had twins
+    _shadows[out] = _matching(out, func(*args, **{**kwargs, "device": _CPU}), [])
 
 
 def _python_index(index: Any) -> bool:

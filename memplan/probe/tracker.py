@@ -30,6 +30,7 @@ from memplan.errors import CannotMeasureError, MemplanError, first_line, interna
 from memplan.probe import shadow
 from memplan.probe.float8 import float8_bits, is_float8
 from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
+from memplan.probe.shadow import tensors_in
 
 _EMPTY: dict[str, Any] = {}
 
@@ -140,20 +141,6 @@ class Roofline:
         else:
             compute = flops / (peak * self.matmul_efficiency)
         return max(compute, bytes_moved / self.memory_bandwidth)
-
-
-def tensors_in(value: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors in an op's arguments or result (lists, tuples, dicts): a cheaper walk
-    than pytree's for the per-op hot path."""
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            tensors_in(item, out)
-    elif isinstance(value, dict):
-        for item in value.values():
-            tensors_in(item, out)
-    return out
 
 
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
