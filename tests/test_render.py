@@ -3,6 +3,7 @@ name their unit, and a warning is said once."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 
 import pytest
@@ -163,22 +164,18 @@ def test_print_json_prints_what_json_dumps_would_with_nan_as_null(data):
     # higher through json.dumps' joined list, bench 'Scale'); the text must stay dumps'.
     import json
 
-    out, real = io.StringIO(), render.stdout.file
-    render.stdout.file = out
-    try:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # render.stdout follows sys.stdout (set nothing)
         render.print_json(data)
-    finally:
-        render.stdout.file = real
     expected = json.dumps(render.json_safe(data), indent=2, default=str, allow_nan=False)
     assert out.getvalue() == expected + "\n"
     assert json.loads(out.getvalue()) == render.json_safe(data)
 
 
-def test_print_json_writes_nothing_when_encoding_fails(monkeypatch):
+def test_print_json_writes_nothing_when_encoding_fails():
     # a key JSON cannot hold (a tuple) fails the encoder after part of the object is
     # encoded: no half object reaches stdout
     out = io.StringIO()
-    monkeypatch.setattr(render.stdout, "file", out)
-    with pytest.raises(TypeError):
+    with contextlib.redirect_stdout(out), pytest.raises(TypeError):
         render.print_json({"a": list(range(100_000)), (1, 2): 3})
     assert out.getvalue() == ""

@@ -562,11 +562,10 @@ def print_json(data: Any) -> None:
     import io
     import json
 
-    # Encoded piece by piece into one buffer: json.dumps with an indent joins a list of
-    # every piece (millions for a 10,000-layer profile: +220 MiB of peak RSS where the
-    # text is 37 MiB). Nothing reaches the stream before the whole text is encoded, so an
-    # encoding error leaves no half object on stdout. Then straight to the stream: rich
-    # would split 50 MB into segments first (1.3 GB and a minute).
+    # Piece by piece into one buffer (json.dumps with an indent joins a list of every piece:
+    # +220 MiB of peak for a 10,000-layer profile's 37 MiB), written only once it is whole
+    # (an encoding error prints no half object), and straight to the stream: rich would
+    # split 50 MB into segments first (1.3 GB and a minute).
     encoder = json.JSONEncoder(indent=2, default=str, allow_nan=False)
     buffer, pieces = io.StringIO(), []
     for piece in encoder.iterencode(json_safe(data)):
