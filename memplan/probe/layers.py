@@ -8,6 +8,7 @@ final norm, head.
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -73,6 +74,11 @@ def coverage(model: nn.Module, names: list[str]) -> float:
     return len(inside) / len(own)
 
 
+def _inside_any(name: str, names: set[str]) -> bool:
+    """Whether a parent of module ``name`` (not the module itself) is one of ``names``."""
+    return any(p in names for p in itertools.islice(_prefixes(name), 1, None))
+
+
 def _prefixes(name: str) -> Iterator[str]:
     """``a.b.c``, ``a.b``, ``a``: the module's own name and each parent's (the root's, "",
     only itself, as ``n == c`` had it)."""
@@ -123,10 +129,12 @@ def _declared_blocks(model: nn.Module) -> list[str]:
     for _, m in named:
         counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
     out: list[str] = []
+    kept: set[str] = set()
     for name, module in named:
-        if counts[type(module).__name__] < 2 or any(name.startswith(o + ".") for o in out):
+        if counts[type(module).__name__] < 2 or _inside_any(name, kept):
             continue
         out.append(name)
+        kept.add(name)
     return out
 
 
@@ -197,7 +205,8 @@ def glob_layers(model: nn.Module, pattern: str) -> list[str]:
     patterns = [p.strip() for p in pattern.split(",") if p.strip()]
     names = [n for n, _ in model.named_modules() if n]
     matched = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
-    outer = [n for n in matched if not any(n.startswith(m + ".") for m in matched if m != n)]
+    chosen = set(matched)
+    outer = [n for n in matched if not _inside_any(n, chosen)]
     if not outer:
         examples = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
         raise BadInputError(

@@ -567,13 +567,9 @@ def print_json(data: Any) -> None:
     # (an encoding error prints no half object), and straight to the stream: rich would
     # split 50 MB into segments first (1.3 GB and a minute).
     encoder = json.JSONEncoder(indent=2, default=str, allow_nan=False)
-    buffer, pieces = io.StringIO(), []
-    for piece in encoder.iterencode(json_safe(data)):
-        pieces.append(piece)
-        if len(pieces) == 65536:
-            buffer.write("".join(pieces))
-            pieces.clear()
-    buffer.write("".join(pieces) + "\n")
+    buffer = io.StringIO()
+    buffer.writelines(encoder.iterencode(json_safe(data)))
+    buffer.write("\n")
     stdout.file.write(buffer.getvalue())
     stdout.file.flush()
 
