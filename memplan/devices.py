@@ -7,12 +7,16 @@ functions that ask the hardware."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from memplan.errors import BadInputError
-from memplan.files.schema import from_data, load_yaml_file
+from memplan.errors import BadInputError, CannotMeasureError
+from memplan.files import fast_yaml
+from memplan.files.schema import from_data, load_yaml_file, safe_load, to_data
 from memplan.units import parse_budget
 
 
@@ -242,3 +246,88 @@ def resolve_budget(
         free = gpu.free_bytes if gpu else None
         capacity = capacity or (gpu.total_bytes if gpu else None)
     return parse_budget(budget, capacity_bytes=capacity, free_bytes=free)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Measurement:
+    """What ``memplan calibrate`` measured for one kind of op (memplan.probe.calibrate)."""
+
+    kind: str
+    """An :class:`Efficiency` field: matmul, attention, attention_backward or memory."""
+    rate: float
+    """FLOP/s (FLOPs as memplan's roofline counts them), or bytes/s for memory."""
+    shape: str
+    """What ran at that rate (the best of the sizes tried)."""
+
+
+CALIBRATED_KINDS = ("matmul", "attention", "attention_backward", "memory")
+MIN_EFFICIENCY = 1e-9
+"""A measured rate below this fraction of the base's peak is a wrong base (or peak), not an
+efficiency."""
+
+
+def calibrated_spec(
+    base: DeviceSpec,
+    measurements: Sequence[Measurement],
+    *,
+    precision: str,
+    name: str,
+    display_name: str,
+    base_label: str,
+) -> DeviceSpec:
+    """``base`` with the efficiencies this machine measured: each rate over the base's peak
+    for it (``precision``'s FLOP/s, or ``memory_bandwidth``); the interconnect's is kept. A
+    rate above the peak means the base is not this device's spec (or its peak is wrong),
+    and is refused rather than written as an efficiency over 1."""
+    peak_flops = base.peak_flops(precision)
+    found = {m.kind: m for m in measurements}
+    missing = [k for k in CALIBRATED_KINDS if k not in found]
+    if missing:
+        raise CannotMeasureError(
+            f"memplan calibrate measured no {', '.join(missing)}.",
+            hint="This is memplan's failure: report it with --debug's output.",
+        )
+    values = {}
+    for kind in CALIBRATED_KINDS:
+        m = found[kind]
+        peak, field = (
+            (base.memory_bandwidth, "memory_bandwidth")
+            if kind == "memory"
+            else (peak_flops, f"{precision}_flops")
+        )
+        if not (math.isfinite(m.rate) and m.rate > 0):
+            raise CannotMeasureError(
+                f"memplan calibrate's {kind} rate is {m.rate!r} ({m.shape}).",
+                hint="This is memplan's failure: report it with --debug's output.",
+            )
+        fraction = m.rate / peak
+        if fraction < MIN_EFFICIENCY:
+            raise BadInputError(
+                f"{kind} ran at {m.rate:.4g} here ({m.shape}), {fraction:.3g} of the peak "
+                f"of the base spec {base_label} ({field} {peak:.4g}): too small a fraction "
+                "to be this device's.",
+                hint="Name the spec of this device as the base (`memplan devices` lists them).",
+            )
+        if fraction > 1.0:
+            unit = "B/s" if kind == "memory" else "FLOP/s"
+            raise BadInputError(
+                f"{kind} ran at {m.rate:.4g} {unit} here ({m.shape}), above the peak of the "
+                f"base spec {base_label}: its {field} is {peak:.4g}. An efficiency is a "
+                "fraction of the device's datasheet peak, so that base is not this device's "
+                "spec, or its peak is wrong.",
+                hint="Name the spec of this device as the base (`memplan devices` lists them), "
+                "or copy one, set its peaks from the datasheet, and pass its path.",
+            )
+        values[kind] = min(1.0, float(f"{fraction:.4g}"))
+    efficiency = Efficiency(**values, interconnect=base.efficiency.interconnect)
+    return dataclasses.replace(base, name=name, display_name=display_name, efficiency=efficiency)
+
+
+def calibrated_yaml(spec: DeviceSpec, header: Sequence[str]) -> str:
+    """The spec file: ``header`` as comments (what was measured, where and how), then the
+    spec as ``load_device`` reads it back (checked here, so a spec memplan would refuse is
+    never written)."""
+    text = "".join(f"# {line}\n" if line else "#\n" for line in header)
+    text += fast_yaml.dump(to_data(spec))
+    from_data(DeviceSpec, safe_load(text), source="<the calibrated spec>", path="device")
+    return text

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from memplan.cli import check, probe, report, show, solve, verify
+from memplan.cli import calibrate, check, probe, report, show, solve, verify
 from memplan.cli.base import state as _state
 from memplan.cli.options import FORMATS_HELP
 from memplan.errors import Interrupted
@@ -58,6 +58,7 @@ for _command in (
     verify.verify,
     report.report,
     show.devices,
+    calibrate.calibrate,
 ):
     app.command()(_command)
 check.register(app)

@@ -123,12 +123,16 @@ def _timeline(
                 stretch.append(k5[j][0])
                 j += 1
             ascending = stretch[0][1] == 0
-            pattern = [k for k in stretch if k[1] == 0]
+            # each pattern segment's base (its line through the cut profiles) and its step
+            # from one middle block to the next, the same for every block: found once
+            pattern = [
+                (_seg_lin(k4[k], d5[k], t, a + 2), d5[k], d5[(k[0], 1, *k[2:])])
+                for k in stretch
+                if k[1] == 0
+            ]
             for i in range(n - 3) if ascending else reversed(range(n - 3)):
-                for k in pattern:
-                    one = (k[0], 1, *k[2:])
-                    base = _seg_lin(k4[k], d5[k], t, a + 2)
-                    out.append(_mid_at(base, d5[k], d5[one], i, a + 2 + i))
+                for base, first, second in pattern:
+                    out.append(_mid_at(base, first, second, i, a + 2 + i))
             continue
         j += 1
     if prune:

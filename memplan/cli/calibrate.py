@@ -1,0 +1,152 @@
+"""``memplan calibrate``: measure what this machine's device reaches (memplan.probe.calibrate)
+and write a device spec of one's own: the base spec's capacity, peaks and links, with the
+efficiencies measured here, for ``--device-profile PATH``."""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from memplan.cli.base import run_command
+from memplan.cli.options import ForceOption, JsonOption
+
+if TYPE_CHECKING:
+    import torch
+
+    from memplan.devices import Measurement
+
+
+@run_command
+def calibrate(
+    base: Annotated[
+        str,
+        typer.Argument(
+            help="The device spec to start from (a name from `memplan devices`, or a spec "
+            "file): its capacity, peaks and links are kept; the efficiencies are measured."
+        ),
+    ],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The spec file to write (YAML).")],
+    device: Annotated[
+        str, typer.Option(help="Where to measure: cuda (the default where a GPU is), or cpu.")
+    ] = "auto",
+    precision: Annotated[
+        str, typer.Option(help="The matmul and attention dtype: bf16, fp16 or fp32.")
+    ] = "bf16",
+    name: Annotated[
+        str | None, typer.Option(help="The new spec's name (default: the file's stem).")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="Fewer and smaller sizes: seconds, not a minute.")
+    ] = False,
+    force: ForceOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Measure this device's matmul, attention and memory rates and write a device spec
+    with them as its efficiencies (for a GPU that differs from the shipped spec's)."""
+    from memplan import render
+    from memplan.devices import calibrated_spec, calibrated_yaml, load_device, spec_file_label
+    from memplan.errors import BadInputError, CannotMeasureError
+    from memplan.files.io import check_output, write_text_atomic
+    from memplan.files.schema import to_data
+
+    if precision not in ("bf16", "fp16", "fp32"):
+        raise BadInputError(
+            f"--precision {precision!r} is not one calibrate measures.",
+            hint="Use bf16, fp16 or fp32.",
+        )
+    if device not in ("auto", "cuda", "cpu"):
+        raise BadInputError(
+            f"--device {device!r} is not one calibrate runs on.", hint="Use cuda or cpu."
+        )
+    if output.suffix not in (".yaml", ".yml"):
+        raise BadInputError(
+            f"-o {output}: a device spec file's name ends in .yaml or .yml, which is how "
+            "--device-profile tells a spec file from a shipped spec's name.",
+            hint=f"Write it as -o {output.with_name(output.name + '.yaml')}.",
+        )
+    base_spec = load_device(base)
+    base_spec.peak_flops(precision)  # refuses a precision the base does not have, before measuring
+    check_output(output, force=force)  # refuses an existing file before a minute of measuring
+
+    import torch
+
+    from memplan.probe.calibrate import measure, sizes_for
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CannotMeasureError(
+            "--device cuda: this torch sees no CUDA device.",
+            hint="Calibrate on the machine with the GPU, or measure the CPU with --device cpu.",
+        )
+    where = torch.device(device)
+    label = spec_file_label(base) or base_spec.name
+    with render.progress("calibrate", quiet=as_json) as update:
+        total = 4
+        done: list[str] = []
+
+        def heard(m: Measurement) -> None:
+            done.append(m.kind)
+            update(len(done), total, f"{m.kind} {m.rate:.4g} at {m.shape}")
+
+        measurements = measure(where, precision, sizes_for(where, quick), on_done=heard)
+    stem = name or output.stem
+    gpu = torch.cuda.get_device_name(where) if where.type == "cuda" else "this machine's CPU"
+    spec = calibrated_spec(
+        base_spec,
+        measurements,
+        precision=precision,
+        name=stem,
+        display_name=f"{base_spec.display_name}, calibrated on {gpu}",
+        base_label=label,
+    )
+    header = [
+        f"{spec.display_name}: written by `memplan calibrate {base}` on "
+        f"{datetime.date.today().isoformat()} (torch {torch.__version__}).",
+        f"Capacity, peaks and links: the base spec {label}; interconnect efficiency: the "
+        "base's (calibrate runs on one device).",
+        *_power_line(where),
+        "Efficiency = the rate measured here / the base's peak (FLOPs as memplan's roofline counts them):",
+        *(
+            f"  {m.kind}: {m.rate:.4g} {'B/s' if m.kind == 'memory' else 'FLOP/s'} at {m.shape}"
+            for m in measurements
+        ),
+    ]
+    written = write_text_atomic(output, calibrated_yaml(spec, header), force=force)
+    if as_json:
+        render.print_json(
+            {
+                "spec": to_data(spec),
+                "file": str(written),
+                "measured": [to_data(m) for m in measurements],
+            }
+        )
+        return
+    for m in measurements:
+        unit = "B/s" if m.kind == "memory" else "FLOP/s"
+        render.info(
+            f"{m.kind}: {m.rate:.4g} {unit} at {m.shape}: efficiency "
+            f"{getattr(spec.efficiency, m.kind):.4g}"
+        )
+    render.info(f"wrote {written}: plan with --device-profile {written}")
+
+
+def _power_line(where: torch.device) -> list[str]:
+    """The GPU's enforced power limit as NVML reports it (a capped part computes less)."""
+    if where.type != "cuda":
+        return []
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(where.index or 0)
+            watts = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML: the line is left out
+        return []
+    return [f"Enforced power limit while measuring: {watts:g} W (NVML)."]
