@@ -39,6 +39,7 @@ SECTIONS = [
     "seqlen",
     "scale",
     "layouts",
+    "calibrate",
     "published",
     "engines",
     "hf_sweep",

@@ -161,6 +161,33 @@ def spec_file_label(name: str | None) -> str | None:
     return None if path is None else str(path.resolve())
 
 
+def names_spec(label: str | None, spec: DeviceSpec) -> bool:
+    """Whether a profile's ``device_profile`` (a spec's name, or a spec file's path) is
+    ``spec``: the same name, or a file that loads as the same spec."""
+    if label == spec.name:
+        return True
+    if label is None or _spec_file(label) is None:
+        return False
+    try:
+        return load_device(label) == spec
+    except BadInputError:  # the file changed or is gone: not provably the same spec
+        return False
+
+
+def label_has_capacity(label: str | None) -> bool:
+    """Whether the spec a profile names (``device_profile``) is a GPU's, with a capacity: not
+    none, not the CPU entry, nor a spec file without ``memory_bytes``. A spec file that no
+    longer loads counts as a GPU's (its plan then keeps the CUDA reserve)."""
+    if label in (None, "", "cpu"):
+        return False
+    if _spec_file(label) is None:
+        return True  # a shipped GPU's name (cpu, the one without a capacity, is above)
+    try:
+        return load_device(label).memory_bytes is not None
+    except BadInputError:
+        return True
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class GpuInfo:
     name: str

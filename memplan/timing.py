@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from memplan.collective import Collective
-from memplan.devices import DeviceSpec
+from memplan.devices import DeviceSpec, names_spec
 from memplan.errors import BadInputError
 from memplan.modes import FULL, KEEP, SELECTIVE
 from memplan.profile import Affine, Layer, Profile
@@ -120,7 +120,11 @@ def choose_timing_source(
             f"step times by roofline from FLOPs against {device_spec.display_name} (as requested)",
         )
     env = profile.environment
-    if env.device == "meta" and device_spec is not None and device_spec.name != env.device_profile:
+    if (
+        env.device == "meta"
+        and device_spec is not None
+        and not names_spec(env.device_profile, device_spec)
+    ):
         return "roofline", (
             f"step times by roofline from FLOPs against {device_spec.display_name}: the meta "
             f"profile was timed against {env.device_profile or 'no device'}"

@@ -200,6 +200,44 @@ def test_a_plan_solved_for_a_spec_file_names_the_file(profile_path, tmp_path):
     assert device_spec_for_plan(plan) == load_device(str(spec_path))
 
 
+def test_a_meta_profile_timed_against_a_spec_file_solves_without_naming_it_again(tmp_path):
+    # It recorded the spec's name, which no file or shipped spec has: solve then made a plan
+    # naming "my-t4" and refused it (exit 3, plan.device). Now the profile records the
+    # file's path: the plan names it, the meta clock is the probe's (no re-timing), and a
+    # spec without a capacity (a CPU's) adds no CUDA reserve.
+    import yaml
+
+    from memplan.devices import profiles_dir
+
+    def spec_file(name: str, memory_bytes: int | None):
+        spec = yaml.safe_load((profiles_dir() / "devices" / "t4.yaml").read_text())
+        spec.update(name=name, memory_bytes=memory_bytes)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        return path
+
+    for path, reserved in (
+        (spec_file("my-t4", 8 * 1024**3), True),
+        (spec_file("mine", None), False),
+    ):
+        profile = tmp_path / f"{path.stem}.profile.yaml"
+        result = invoke(
+            "probe", MODEL, "--device", "meta", "--device-profile", path,
+            "--precision", "fp16", "--micro-batches", "2,4", "-o", profile,
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert load_profile(profile).environment.device_profile == str(path.resolve())
+        for again in ((), ("--device-profile", path)):
+            result = invoke(
+                "solve", profile, "--target-batch", "4", "--budget", "4GiB", *again, "--json"
+            )
+            assert result.exit_code == 0, result.output
+            plan = json.loads(result.stdout)["plan"]
+            assert plan["device"] == str(path.resolve())
+            assert not any("by roofline" in r for r in plan["reasons"])  # the probe's clock
+            assert (plan["predicted"]["breakdown"]["reserve"] > 0) is reserved
+
+
 def test_verify_measures_within_tolerance(profile_path, tmp_path):
     # A budget just above micro-batch 8's best peak, so the plan runs close to it.
     plan_path = tmp_path / "plan.yaml"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from memplan.devices import DeviceSpec
+from memplan.devices import DeviceSpec, label_has_capacity
 from memplan.memory.sharding import (
     Sharding,
     fsdp_sharded_grads_bytes,
@@ -88,7 +88,7 @@ def plans_for_cuda(profile: Profile, device_spec: DeviceSpec | None = None) -> b
     env = profile.environment
     if env.device == "cuda":
         return True
-    return env.device == "meta" and env.device_profile not in (None, "", "cpu")
+    return env.device == "meta" and label_has_capacity(env.device_profile)
 
 
 def fsdp_stream_bytes(

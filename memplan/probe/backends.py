@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memplan.devices import DeviceSpec, load_device, local_gpu
+from memplan.devices import DeviceSpec, load_device, local_gpu, spec_file_label
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.model.batch import map_batch, move_batch
 from memplan.model.loader import ModelFile
@@ -52,6 +52,9 @@ class Backend:
     precision: str
     spec: DeviceSpec | None = None
     """Device spec: meta timing, and capacity where the hardware cannot say."""
+    spec_label: str | None = None
+    """The spec file's absolute path when ``--device-profile`` named a file (what the profile
+    records, so a plan solved from it names a spec that loads again); None for a name."""
     reuse_identical: bool = True
     """Meta only: reuse meta-kernel results across identical calls (memplan.probe.dedup)."""
     mixed_precision: str = "autocast"
@@ -238,7 +241,9 @@ class Backend:
 
     def target_profile(self) -> str | None:
         """The device spec the profile is for: the one the user named, else none."""
-        return self.spec.name if self.spec and self.spec_given else None
+        if not (self.spec and self.spec_given):
+            return None
+        return self.spec_label or self.spec.name
 
 
 def make_backend(
@@ -270,6 +275,7 @@ def make_backend(
         device=resolved,
         precision=precision,
         spec=spec,
+        spec_label=spec_file_label(device_profile),
         mixed_precision=mixed_precision,
         reuse_identical=reuse_identical,
         float8_recipe=float8_recipe,
