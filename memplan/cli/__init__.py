@@ -2,7 +2,7 @@
 and renders the result. Domain errors become one paragraph on stderr and an exit code in
 one place (``memplan.cli.base.run_command``).
 
-One module per command (``probe``, ``show`` with ``devices``, ``solve``, ``verify``,
+One module per command (``probe``, ``show`` with ``devices``, ``solve``, ``verify``, ``calibrate``,
 ``report``, ``check`` with ``init-check``); ``options`` holds what several share. This
 module builds the app, registers them in ``--help`` order and handles signals."""
 

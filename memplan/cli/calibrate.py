@@ -14,8 +14,6 @@ from memplan.cli.base import run_command
 from memplan.cli.options import ForceOption, JsonOption
 
 if TYPE_CHECKING:
-    import torch
-
     from memplan.devices import Measurement
 
 
@@ -48,7 +46,7 @@ def calibrate(
     with them as its efficiencies (for a GPU that differs from the shipped spec's)."""
     from memplan import render
     from memplan.devices import calibrated_spec, calibrated_yaml, load_device, spec_file_label
-    from memplan.errors import BadInputError, CannotMeasureError
+    from memplan.errors import BadInputError
     from memplan.files.io import check_output, write_text_atomic
     from memplan.files.schema import to_data
 
@@ -71,18 +69,9 @@ def calibrate(
     base_spec.peak_flops(precision)  # refuses a precision the base does not have, before measuring
     check_output(output, force=force)  # refuses an existing file before a minute of measuring
 
-    import torch
+    from memplan.probe.calibrate import machine, measure, sizes_for
 
-    from memplan.probe.calibrate import measure, sizes_for
-
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise CannotMeasureError(
-            "--device cuda: this torch sees no CUDA device.",
-            hint="Calibrate on the machine with the GPU, or measure the CPU with --device cpu.",
-        )
-    where = torch.device(device)
+    here = machine(device)  # exit 3 for --device cuda where torch sees no GPU
     label = spec_file_label(base) or base_spec.name
     with render.progress("calibrate", quiet=as_json) as update:
         total = 4
@@ -92,23 +81,22 @@ def calibrate(
             done.append(m.kind)
             update(len(done), total, f"{m.kind} {m.rate:.4g} at {m.shape}")
 
-        measurements = measure(where, precision, sizes_for(where, quick), on_done=heard)
+        measurements = measure(here.device, precision, sizes_for(here.device, quick), on_done=heard)
     stem = name or output.stem
-    gpu = torch.cuda.get_device_name(where) if where.type == "cuda" else "this machine's CPU"
     spec = calibrated_spec(
         base_spec,
         measurements,
         precision=precision,
         name=stem,
-        display_name=f"{base_spec.display_name}, calibrated on {gpu}",
+        display_name=f"{base_spec.display_name}, calibrated on {here.name}",
         base_label=label,
     )
     header = [
         f"{spec.display_name}: written by `memplan calibrate {base}` on "
-        f"{datetime.date.today().isoformat()} (torch {torch.__version__}).",
+        f"{datetime.date.today().isoformat()} (torch {here.torch_version}).",
         f"Capacity, peaks and links: the base spec {label}; interconnect efficiency: the "
         "base's (calibrate runs on one device).",
-        *_power_line(where),
+        *([here.power_note] if here.power_note else []),
         "Efficiency = the rate measured here / the base's peak (FLOPs as memplan's roofline counts them):",
         *(
             f"  {m.kind}: {m.rate:.4g} {'B/s' if m.kind == 'memory' else 'FLOP/s'} at {m.shape}"
@@ -132,21 +120,3 @@ def calibrate(
             f"{getattr(spec.efficiency, m.kind):.4g}"
         )
     render.info(f"wrote {written}: plan with --device-profile {written}")
-
-
-def _power_line(where: torch.device) -> list[str]:
-    """The GPU's enforced power limit as NVML reports it (a capped part computes less)."""
-    if where.type != "cuda":
-        return []
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(where.index or 0)
-            watts = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no NVML: the line is left out
-        return []
-    return [f"Enforced power limit while measuring: {watts:g} W (NVML)."]

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memplan.devices import Measurement
 from memplan.errors import BadInputError, CannotMeasureError
-from memplan.probe.tracker import _FLOP_FORMULAS
+from memplan.probe.tracker import ROOFLINE_FLOP_FORMULAS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,6 +53,59 @@ GPU_SIZES = Sizes(
 CPU_SIZES = Sizes(matmul=(256, 512, 1024), attention=((1, 8, 1024, 64),), copy_bytes=64 << 20)
 QUICK_GPU_SIZES = Sizes(matmul=(4096, 8192), attention=((4, 16, 4096, 128),), copy_bytes=256 << 20)
 QUICK_CPU_SIZES = Sizes(matmul=(256,), attention=((1, 4, 256, 64),), copy_bytes=8 << 20)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Machine:
+    """Where calibrate measures, as its spec file names it."""
+
+    device: torch.device
+    name: str
+    """The GPU's name, or "this machine's CPU"."""
+    torch_version: str
+    power_note: str | None
+    """The GPU's enforced power limit as NVML reports it (a capped part computes less)."""
+
+
+def machine(device: str) -> Machine:
+    """``device`` (``auto``: cuda where torch sees a GPU, else cpu); no GPU for ``cuda`` is
+    exit 3, as ``probe --device cuda``'s."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CannotMeasureError(
+            "--device cuda: this torch sees no CUDA device.",
+            hint="Calibrate on the machine with the GPU, or measure the CPU with --device cpu.",
+        )
+    where = torch.device(device)
+    if where.type != "cuda":
+        return Machine(
+            device=where,
+            name="this machine's CPU",
+            torch_version=torch.__version__,
+            power_note=None,
+        )
+    return Machine(
+        device=where,
+        name=torch.cuda.get_device_name(where),
+        torch_version=torch.__version__,
+        power_note=_power_note(torch.cuda.current_device()),
+    )
+
+
+def _power_note(index: int) -> str | None:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            watts = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no NVML: the note is left out
+        return None
+    return f"Enforced power limit while measuring: {watts:g} W (NVML, device {index})."
 
 
 def sizes_for(device: torch.device, quick: bool) -> Sizes:
@@ -108,7 +161,9 @@ def _as_given(formula: Callable[..., int]) -> Callable[..., int]:
     return given
 
 
-_EXTRA_FORMULAS = {op: _as_given(f) for op, f in _FLOP_FORMULAS.items() if op not in flop_registry}
+_EXTRA_FORMULAS = {
+    op: _as_given(f) for op, f in ROOFLINE_FLOP_FORMULAS.items() if op not in flop_registry
+}
 """The formulas memplan's roofline has beyond torch's (the CPU flash attention kernel's)."""
 
 

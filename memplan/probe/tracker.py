@@ -55,7 +55,8 @@ def _flop_formulas() -> dict[Any, Any]:
     return formulas
 
 
-_FLOP_FORMULAS = _flop_formulas()
+ROOFLINE_FLOP_FORMULAS = _flop_formulas()
+"""What the roofline counts each op's FLOPs with (memplan.probe.calibrate counts so too)."""
 
 
 class Roofline:
@@ -381,7 +382,7 @@ class LiveTracker(TorchDispatchMode):
             self.values.append(self.live_bytes)
             self.ops.append(packet.__name__)
         op_flops = 0.0
-        counter = _FLOP_FORMULAS.get(packet)
+        counter = ROOFLINE_FLOP_FORMULAS.get(packet)
         if counter is not None:
             try:
                 op_flops = float(counter(*args, **kwargs, out_val=out))
