@@ -133,6 +133,17 @@ def _measured(matmul: float, attention: float, backward: float, memory: float):
     ]
 
 
+def _calibrate(measured, base=None, label="b"):
+    return calibrated_spec(
+        base or _spec(),
+        measured,
+        precision="bf16",
+        name="x",
+        display_name="x",
+        base_label=label,
+    )
+
+
 def test_the_spec_keeps_the_base_and_takes_the_measured_fractions():
     base = _spec()
     spec = calibrated_spec(
@@ -154,45 +165,17 @@ def test_the_spec_keeps_the_base_and_takes_the_measured_fractions():
 
 def test_a_rate_above_the_bases_peak_is_refused_naming_the_peak():
     with pytest.raises(BadInputError, match=r"bf16_flops is 1e\+15") as info:
-        calibrated_spec(
-            _spec(),
-            _measured(1.2e15, 400e12, 300e12, 2.4e12),
-            precision="bf16",
-            name="x",
-            display_name="x",
-            base_label="profiles/devices/base.yaml",
-        )
+        _calibrate(_measured(1.2e15, 400e12, 300e12, 2.4e12), label="profiles/devices/base.yaml")
     assert "not this device's" in str(info.value)
     with pytest.raises(BadInputError, match="memory_bandwidth"):
-        calibrated_spec(
-            _spec(),
-            _measured(1e14, 1e14, 1e14, 4e12),
-            precision="bf16",
-            name="x",
-            display_name="x",
-            base_label="b",
-        )
+        _calibrate(_measured(1e14, 1e14, 1e14, 4e12), label="b")
 
 
 def test_a_missing_or_non_finite_measurement_is_memplans_failure():
     with pytest.raises(CannotMeasureError, match="no memory"):
-        calibrated_spec(
-            _spec(),
-            _measured(1e14, 1e14, 1e14, 1e12)[:3],
-            precision="bf16",
-            name="x",
-            display_name="x",
-            base_label="b",
-        )
+        _calibrate(_measured(1e14, 1e14, 1e14, 1e12)[:3], label="b")
     with pytest.raises(CannotMeasureError, match="attention rate is nan"):
-        calibrated_spec(
-            _spec(),
-            _measured(1e14, math.nan, 1e14, 1e12),
-            precision="bf16",
-            name="x",
-            display_name="x",
-            base_label="b",
-        )
+        _calibrate(_measured(1e14, math.nan, 1e14, 1e12), label="b")
 
 
 # a base spec memplan reads has its figures below 1e30 (files.schema.LARGEST_FLOAT)
