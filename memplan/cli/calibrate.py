@@ -37,7 +37,11 @@ def calibrate(
         str | None, typer.Option(help="The new spec's name (default: the file's stem).")
     ] = None,
     quick: Annotated[
-        bool, typer.Option("--quick", help="Fewer and smaller sizes (two GEMMs, one attention shape, a smaller copy).")
+        bool,
+        typer.Option(
+            "--quick",
+            help="Fewer and smaller sizes (two GEMMs, one attention shape, a smaller copy).",
+        ),
     ] = False,
     force: ForceOption = False,
     as_json: JsonOption = False,
