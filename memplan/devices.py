@@ -37,6 +37,10 @@ class Efficiency:
     """Fused attention kernels' backward against the same peak; None: ``attention``'s. The
     backward kernels reach a lower fraction than the forward (FlashAttention-2 on A100: 73%
     forward, 63% backward, arXiv 2307.08691 §4.1)."""
+    float8_matmul: float | None = None
+    """GEMMs on float8 operands (``_scaled_mm``) against ``fp8_flops``; None: ``matmul``'s.
+    Float8 GEMMs reach a lower fraction of their peak than bf16's (H100 SXM: 70.9% against
+    80.3%, the same MAMF table)."""
     memory: float = 1.0
     """Memory-bound ops (elementwise, norms, copies, the optimizer) against
     ``memory_bandwidth``."""
@@ -46,9 +50,16 @@ class Efficiency:
     interconnect_bandwidth)."""
 
     def __post_init__(self) -> None:
-        for name in ("matmul", "attention", "attention_backward", "memory", "interconnect"):
+        for name in (
+            "matmul",
+            "attention",
+            "attention_backward",
+            "float8_matmul",
+            "memory",
+            "interconnect",
+        ):
             value = getattr(self, name)
-            if value is None and name == "attention_backward":
+            if value is None and name in ("attention_backward", "float8_matmul"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -63,6 +74,11 @@ class Efficiency:
         """The attention backward kernels' efficiency: ``attention_backward``, else
         ``attention``."""
         return self.attention if self.attention_backward is None else self.attention_backward
+
+    @property
+    def float8_matmul_efficiency(self) -> float:
+        """Float8 GEMMs' efficiency: ``float8_matmul``, else ``matmul``."""
+        return self.matmul if self.float8_matmul is None else self.float8_matmul
 
 
 ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "4090": "rtx4090", "rtx-4090": "rtx4090"}
@@ -288,6 +304,8 @@ class Measurement:
 
 
 CALIBRATED_KINDS = ("matmul", "attention", "attention_backward", "memory")
+OPTIONAL_KINDS = ("float8_matmul",)
+"""Measured where the base has ``fp8_flops`` and the device runs ``_scaled_mm``."""
 MIN_EFFICIENCY = 1e-9
 """A measured rate below this fraction of the base's peak is a wrong base (or peak), not an
 efficiency."""
@@ -315,11 +333,14 @@ def calibrated_spec(
             hint="This is memplan's failure: report it with --debug's output.",
         )
     values = {}
-    for kind in CALIBRATED_KINDS:
+    optional = [k for k in OPTIONAL_KINDS if k in found]
+    for kind in (*CALIBRATED_KINDS, *optional):
         m = found[kind]
         peak, field = (
             (base.memory_bandwidth, "memory_bandwidth")
             if kind == "memory"
+            else (base.peak_flops("float8"), "fp8_flops")
+            if kind == "float8_matmul"
             else (peak_flops, f"{precision}_flops")
         )
         if not (math.isfinite(m.rate) and m.rate > 0):
@@ -346,6 +367,8 @@ def calibrated_spec(
                 "or copy one, set its peaks from the datasheet, and pass its path.",
             )
         values[kind] = min(1.0, float(f"{fraction:.4g}"))
+    if "float8_matmul" not in values:  # not measured: the base's, if it has one
+        values["float8_matmul"] = base.efficiency.float8_matmul
     efficiency = Efficiency(**values, interconnect=base.efficiency.interconnect)
     return dataclasses.replace(base, name=name, display_name=display_name, efficiency=efficiency)
 

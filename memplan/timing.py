@@ -218,7 +218,10 @@ def selective_slower_layers(times: MicroStepTimes) -> tuple[int, ...]:
 
 
 def achievable_flops(spec: DeviceSpec, precision: str) -> float:
-    """FLOP/s that large GEMMs reach: the peak times the spec's matmul efficiency."""
+    """FLOP/s that large GEMMs reach: the peak times the spec's matmul efficiency (its
+    float8 GEMMs' for ``float8``)."""
+    if precision == "float8":
+        return spec.peak_flops(precision) * spec.efficiency.float8_matmul_efficiency
     return spec.peak_flops(precision) * spec.efficiency.matmul
 
 

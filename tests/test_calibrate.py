@@ -4,6 +4,7 @@ only when it is one memplan reads back, and bad input refused before a minute of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -267,3 +268,86 @@ def test_a_base_slower_than_this_cpu_is_refused_and_nothing_written(tmp_path):
     said = " ".join(result.output.split())
     assert "fp32_flops is 1e+06" in said and "not this device's" in said
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ float8 GEMMs
+
+
+def test_float8_gemms_are_timed_as_scaled_mm_and_kept_apart_from_bf16s():
+    sizes = Sizes(matmul=(16, 32), attention=((1, 1, 8, 8),), copy_bytes=64)
+    seconds = {"16x16x16 float8_e4m3fn": 1e-4, "32x32x32 float8_e4m3fn": 4e-4}
+    found = measure(
+        torch.device("cpu"),
+        "fp32",
+        sizes,
+        timer=lambda run, kind, shape: (run(), seconds.get(shape, 1e-3))[1],
+        float8=True,
+    )
+    rate = {m.kind: (m.rate, m.shape) for m in found}
+    assert rate["float8_matmul"] == (2 * 32**3 / 4e-4, "32x32x32 float8_e4m3fn")
+    assert rate["matmul"][0] == 2 * 32**3 / 1e-3
+    base = dataclasses.replace(_spec(), fp8_flops=2000e12)
+    measured = [*_measured(700e12, 400e12, 300e12, 2.4e12)]
+    kept = _calibrate(measured, base=base)
+    assert kept.efficiency.float8_matmul is None  # not measured: the base's (none)
+    assert kept.efficiency.float8_matmul_efficiency == 0.7  # ... so matmul's stands
+    both = [*measured, Measurement(kind="float8_matmul", rate=1400e12, shape="f")]
+    spec = _calibrate(both, base=base)
+    assert (spec.efficiency.matmul, spec.efficiency.float8_matmul) == (0.7, 0.7)
+    over = [*measured, Measurement(kind="float8_matmul", rate=2100e12, shape="f")]
+    with pytest.raises(BadInputError, match=r"fp8_flops is 2e\+15"):
+        _calibrate(over, base=base)
+
+
+def test_the_roofline_times_float8_gemms_at_their_own_efficiency():
+    from memplan.devices import load_device
+    from memplan.probe.tracker import Roofline
+    from memplan.timing import achievable_flops
+
+    mm = torch.ops.aten.mm.default
+    roofline = Roofline(
+        flops_by_dtype={torch.float8_e4m3fn: 2e15, torch.bfloat16: 1e15},
+        default_flops=1e15,
+        memory_bandwidth=1e12,
+        matmul_efficiency=0.8,
+        float8_matmul_efficiency=0.5,
+    )
+    assert roofline.seconds(1e12, 0, torch.float8_e4m3fn, mm) == pytest.approx(1e-3)
+    assert roofline.seconds(1e12, 0, torch.bfloat16, mm) == pytest.approx(1.25e-3)
+    unset = Roofline(
+        flops_by_dtype={}, default_flops=2e15, memory_bandwidth=1e12, matmul_efficiency=0.8
+    )
+    assert unset.seconds(1e12, 0, torch.float8_e4m3fn, mm) == pytest.approx(1 / 1.6e3)
+    with pytest.raises(ValueError, match=r"float8_matmul is 1\.5"):
+        Efficiency(float8_matmul=1.5)
+    h100 = load_device("h100-80gb")
+    spec = dataclasses.replace(
+        h100, efficiency=dataclasses.replace(h100.efficiency, float8_matmul=0.5)
+    )
+    assert achievable_flops(spec, "float8") == 1979e12 * 0.5
+    assert achievable_flops(spec, "bf16") == 989e12 * h100.efficiency.matmul
+
+
+def test_a_spec_files_float8_efficiency_reaches_the_meta_clock(tmp_path):
+    from memplan.devices import profiles_dir
+    from memplan.probe.backends import make_backend
+
+    text = (profiles_dir() / "devices" / "h100-80gb.yaml").read_text()
+    path = tmp_path / "mine.yaml"
+    path.write_text(text.replace("  matmul: 0.803\n", "  matmul: 0.803\n  float8_matmul: 0.5\n"))
+    assert make_backend("meta", "float8", str(path)).roofline.float8_matmul_efficiency == 0.5
+    assert make_backend("meta", "float8", "h100-80gb").roofline.float8_matmul_efficiency == 0.803
+
+
+def test_calibrate_measures_float8_gemms_where_the_base_has_a_float8_peak(tmp_path):
+    base = _base(
+        tmp_path, BIG_PEAKS.replace("memory_bandwidth", "fp8_flops: 2.0e+14\nmemory_bandwidth")
+    )
+    out = tmp_path / "mine.yaml"
+    result = invoke(base, "-o", out, "--device", "cpu", "--precision", "fp32", "--quick", "--json")
+    assert result.exit_code == 0, result.output
+    measured = {m["kind"]: m["rate"] for m in json.loads(result.stdout)["measured"]}
+    spec = load_device(str(out))
+    assert spec.efficiency.float8_matmul * 2e14 == pytest.approx(
+        measured["float8_matmul"], rel=5e-4
+    )

@@ -77,15 +77,18 @@ def calibrate(
 
     here = machine(device)  # exit 3 for --device cuda where torch sees no GPU
     label = spec_file_label(base) or base_spec.name
+    float8 = base_spec.fp8_flops is not None  # float8 GEMMs too, where the base has a peak
     with render.progress("calibrate", quiet=as_json) as update:
-        total = 4
+        total = 5 if float8 else 4
         done: list[str] = []
 
         def heard(m: Measurement) -> None:
             done.append(m.kind)
             update(len(done), total, f"{m.kind} {m.rate:.4g} at {m.shape}")
 
-        measurements = measure(here.device, precision, sizes_for(here.device, quick), on_done=heard)
+        measurements = measure(
+            here.device, precision, sizes_for(here.device, quick), on_done=heard, float8=float8
+        )
     stem = name or output.stem
     spec = calibrated_spec(
         base_spec,
@@ -107,6 +110,10 @@ def calibrate(
             for m in measurements
         ),
     ]
+    if float8 and not any(m.kind == "float8_matmul" for m in measurements):
+        header.append(
+            "float8_matmul: not measured (this device's torch runs no float8 GEMM): the base's."
+        )
     written = write_text_atomic(output, calibrated_yaml(spec, header), force=force)
     if as_json:
         render.print_json(

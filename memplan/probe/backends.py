@@ -133,6 +133,7 @@ class Backend:
                 attention_efficiency=spec.efficiency.attention,
                 memory_efficiency=spec.efficiency.memory,
                 attention_backward_efficiency=spec.efficiency.backward_attention,
+                float8_matmul_efficiency=spec.efficiency.float8_matmul_efficiency,
             )
 
     # --------------------------------------------------------------------------- model

@@ -191,9 +191,12 @@ def measure(
     *,
     timer: Timer | None = None,
     on_done: Callable[[Measurement], None] | None = None,
+    float8: bool = False,
 ) -> list[Measurement]:
     """The best rate of each kind of op on ``device`` (module doc); ``on_done`` hears of
-    each as it is measured."""
+    each as it is measured. ``float8``: also ``float8_matmul``, ``torch._scaled_mm`` on
+    float8_e4m3fn operands at the same sizes (bf16 out, unit scales), as torchao's
+    tensorwise recipe calls it; left out where this device's torch cannot run it."""
     dtype = DTYPES[precision]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     timer = timer or seconds_per_call(sync)
@@ -241,10 +244,36 @@ def measure(
         src = torch.ones(numel, device=device, dtype=torch.float32)
         dst = torch.empty_like(src)
         moved = 2 * numel * 4
-        best("memory", [(f"copy of {numel * 4:,} B", moved, lambda: dst.copy_(src))])
+        best("memory", [(f"copy of {numel * 4:,} B", moved, functools.partial(dst.copy_, src))])
+        del src, dst
+        if float8:
+            trials = _float8_trials(device, sizes)
+            if trials:
+                best("float8_matmul", trials)
     except torch.OutOfMemoryError as exc:
         raise BadInputError(
             f"memplan calibrate ran out of device memory on {device}: {exc}",
             hint="Free the device (another process holds it) or calibrate with --quick.",
         ) from None
     return found
+
+
+def _float8_trials(
+    device: torch.device, sizes: Sizes
+) -> list[tuple[str, float, Callable[[], object]]]:
+    """The float8 GEMMs to time, or none where ``_scaled_mm`` does not run here (a GPU
+    below compute capability 8.9)."""
+    trials = []
+    one = torch.ones((), device=device)
+    for n in sizes.matmul:
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major
+        run = functools.partial(
+            torch._scaled_mm, a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+        )
+        try:
+            flops = counted_flops(run)
+        except RuntimeError:  # no float8 GEMM on this device
+            return []
+        trials.append((f"{n}x{n}x{n} float8_e4m3fn", flops, run))
+    return trials

@@ -28,7 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import CannotMeasureError, MemplanError, first_line, internal_failure
 from memplan.probe import shadow
-from memplan.probe.float8 import float8_bits, is_float8
+from memplan.probe.float8 import FLOAT8_DTYPES, float8_bits, is_float8
 from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
 from memplan.probe.shadow import tensors_in
 
@@ -80,6 +80,7 @@ class Roofline:
         attention_efficiency: float = 1.0,
         memory_efficiency: float = 1.0,
         attention_backward_efficiency: float | None = None,
+        float8_matmul_efficiency: float | None = None,
     ) -> None:
         self.flops_by_dtype = flops_by_dtype
         self.default_flops = default_flops
@@ -90,6 +91,9 @@ class Roofline:
             attention_efficiency
             if attention_backward_efficiency is None
             else attention_backward_efficiency
+        )
+        self.float8_matmul_efficiency = (
+            matmul_efficiency if float8_matmul_efficiency is None else float8_matmul_efficiency
         )
         self._kinds: dict[Any, tuple[bool, int | None, int | None, bool]] = {}
 
@@ -140,7 +144,10 @@ class Roofline:
             )
             compute = flops / (peak * efficiency)
         else:
-            compute = flops / (peak * self.matmul_efficiency)
+            efficiency = (
+                self.float8_matmul_efficiency if dtype in FLOAT8_DTYPES else self.matmul_efficiency
+            )
+            compute = flops / (peak * efficiency)
         return max(compute, bytes_moved / self.memory_bandwidth)
 
 
