@@ -177,31 +177,32 @@ def spec_file_label(name: str | None) -> str | None:
     return None if path is None else str(path.resolve())
 
 
+def _file_spec(label: str) -> DeviceSpec | None:
+    """The spec in the file a profile's ``device_profile`` names; None when it names no
+    file that loads (a shipped spec's name, or a file changed or gone since)."""
+    if _spec_file(label) is None:
+        return None
+    try:
+        return load_device(label)
+    except BadInputError:
+        return None
+
+
 def names_spec(label: str | None, spec: DeviceSpec) -> bool:
     """Whether a profile's ``device_profile`` (a spec's name, or a spec file's path) is
     ``spec``: the same name, or a file that loads as the same spec."""
-    if label == spec.name:
-        return True
-    if label is None or _spec_file(label) is None:
-        return False
-    try:
-        return load_device(label) == spec
-    except BadInputError:  # the file changed or is gone: not provably the same spec
-        return False
+    return label == spec.name or (label is not None and _file_spec(label) == spec)
 
 
 def label_has_capacity(label: str | None) -> bool:
     """Whether the spec a profile names (``device_profile``) is a GPU's, with a capacity: not
-    none, not the CPU entry, nor a spec file without ``memory_bytes``. A spec file that no
-    longer loads counts as a GPU's (its plan then keeps the CUDA reserve)."""
+    none, not the CPU entry, nor a spec file without ``memory_bytes``. A shipped GPU's name,
+    or a spec file that no longer loads, counts as a GPU's (its plan keeps the CUDA
+    reserve)."""
     if label in (None, "", "cpu"):
         return False
-    if _spec_file(label) is None:
-        return True  # a shipped GPU's name (cpu, the one without a capacity, is above)
-    try:
-        return load_device(label).memory_bytes is not None
-    except BadInputError:
-        return True
+    loaded = _file_spec(label)
+    return loaded is None or loaded.memory_bytes is not None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -302,6 +303,10 @@ class Measurement:
     shape: str
     """What ran at that rate (the best of the sizes tried)."""
 
+    @property
+    def unit(self) -> str:
+        return "B/s" if self.kind == "memory" else "FLOP/s"
+
 
 CALIBRATED_KINDS = ("matmul", "attention", "attention_backward", "memory")
 OPTIONAL_KINDS = ("float8_matmul",)
@@ -324,7 +329,6 @@ def calibrated_spec(
     for it (``precision``'s FLOP/s, or ``memory_bandwidth``); the interconnect's is kept. A
     rate above the peak means the base is not this device's spec (or its peak is wrong),
     and is refused rather than written as an efficiency over 1."""
-    peak_flops = base.peak_flops(precision)
     found = {m.kind: m for m in measurements}
     missing = [k for k in CALIBRATED_KINDS if k not in found]
     if missing:
@@ -336,13 +340,7 @@ def calibrated_spec(
     optional = [k for k in OPTIONAL_KINDS if k in found]
     for kind in (*CALIBRATED_KINDS, *optional):
         m = found[kind]
-        peak, field = (
-            (base.memory_bandwidth, "memory_bandwidth")
-            if kind == "memory"
-            else (base.peak_flops("float8"), "fp8_flops")
-            if kind == "float8_matmul"
-            else (peak_flops, f"{precision}_flops")
-        )
+        peak, field = _peak_for(base, kind, precision)
         if not (math.isfinite(m.rate) and m.rate > 0):
             raise CannotMeasureError(
                 f"memplan calibrate's {kind} rate is {m.rate!r} ({m.shape}).",
@@ -357,20 +355,28 @@ def calibrated_spec(
                 hint="Name the spec of this device as the base (`memplan devices` lists them).",
             )
         if fraction > 1.0:
-            unit = "B/s" if kind == "memory" else "FLOP/s"
             raise BadInputError(
-                f"{kind} ran at {m.rate:.4g} {unit} here ({m.shape}), above the peak of the "
+                f"{kind} ran at {m.rate:.4g} {m.unit} here ({m.shape}), above the peak of the "
                 f"base spec {base_label}: its {field} is {peak:.4g}. An efficiency is a "
                 "fraction of the device's datasheet peak, so that base is not this device's "
                 "spec, or its peak is wrong.",
                 hint="Name the spec of this device as the base (`memplan devices` lists them), "
                 "or copy one, set its peaks from the datasheet, and pass its path.",
             )
-        values[kind] = min(1.0, float(f"{fraction:.4g}"))
+        values[kind] = float(f"{fraction:.4g}")  # at most 1: rounding cannot pass it
     if "float8_matmul" not in values:  # not measured: the base's, if it has one
         values["float8_matmul"] = base.efficiency.float8_matmul
     efficiency = Efficiency(**values, interconnect=base.efficiency.interconnect)
     return dataclasses.replace(base, name=name, display_name=display_name, efficiency=efficiency)
+
+
+def _peak_for(base: DeviceSpec, kind: str, precision: str) -> tuple[float, str]:
+    """The base's peak a ``kind`` of measurement is a fraction of, and its field's name."""
+    if kind == "memory":
+        return base.memory_bandwidth, "memory_bandwidth"
+    if kind == "float8_matmul":
+        return base.peak_flops("float8"), "fp8_flops"
+    return base.peak_flops(precision), f"{precision}_flops"
 
 
 def calibrated_yaml(spec: DeviceSpec, header: Sequence[str]) -> str:

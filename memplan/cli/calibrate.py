@@ -105,10 +105,7 @@ def calibrate(
         "base's (calibrate runs on one device).",
         *([here.power_note] if here.power_note else []),
         "Efficiency = the rate measured here / the base's peak (FLOPs as memplan's roofline counts them):",
-        *(
-            f"  {m.kind}: {m.rate:.4g} {'B/s' if m.kind == 'memory' else 'FLOP/s'} at {m.shape}"
-            for m in measurements
-        ),
+        *(f"  {m.kind}: {m.rate:.4g} {m.unit} at {m.shape}" for m in measurements),
     ]
     if float8 and not any(m.kind == "float8_matmul" for m in measurements):
         header.append(
@@ -125,9 +122,8 @@ def calibrate(
         )
         return
     for m in measurements:
-        unit = "B/s" if m.kind == "memory" else "FLOP/s"
         render.info(
-            f"{m.kind}: {m.rate:.4g} {unit} at {m.shape}: efficiency "
+            f"{m.kind}: {m.rate:.4g} {m.unit} at {m.shape}: efficiency "
             f"{getattr(spec.efficiency, m.kind):.4g}"
         )
     render.info(f"wrote {written}: plan with --device-profile {written}")
