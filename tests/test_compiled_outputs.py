@@ -159,8 +159,14 @@ def test_the_in_script_accelerator_of_a_compiled_plan_compiles():
 
     assert accelerator_kwargs(PLAN)["dynamo_backend"] == "inductor"
     assert "dynamo_backend" not in accelerator_kwargs(EAGER)
-    acc = accelerate.Accelerator(**accelerator_kwargs(PLAN), cpu=True)
-    assert acc.state.dynamo_plugin.backend == accelerate.utils.DynamoBackend.INDUCTOR
+    from accelerate.state import AcceleratorState, GradientState
+
+    try:
+        acc = accelerate.Accelerator(**accelerator_kwargs(PLAN), cpu=True)
+        assert acc.state.dynamo_plugin.backend == accelerate.utils.DynamoBackend.INDUCTOR
+    finally:  # Accelerate's state is a process-wide singleton: a later test's must not compile
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 def test_lightning_and_deepspeed_say_how_to_compile():
