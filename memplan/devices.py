@@ -155,6 +155,12 @@ def load_device(name: str) -> DeviceSpec:
     """The spec named ``name`` (file stem, case-insensitive, common aliases accepted) or a
     path to a spec file."""
     path = _spec_file(name)
+    if path is None and Path(name).suffix in (".yaml", ".yml"):
+        raise BadInputError(
+            f"Device spec file {name} does not exist (or is not a file).",
+            hint="Check the path (a relative one is relative to the working directory, or in "
+            "memplan.yaml to that file's folder), or name a shipped spec (`memplan devices`).",
+        )
     if path is None:
         key = ALIASES.get(name.lower(), name.lower())
         path = profiles_dir() / "devices" / f"{key}.yaml"

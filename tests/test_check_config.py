@@ -65,6 +65,35 @@ def test_percent_budget_uses_device_profile(tmp_path):
     assert config.checks[0].budget_bytes == 25757220864
 
 
+def test_a_spec_file_device_profile_is_relative_to_the_config(tmp_path, monkeypatch):
+    """Like every path in memplan.yaml, a spec file is found beside it, whatever the working
+    directory: it was looked up from the working directory, so `check -c sub/memplan.yaml`
+    refused a spec that `cd sub && check` accepted."""
+    from memplan.devices import load_device, profiles_dir
+
+    folder = tmp_path / "project"
+    folder.mkdir()
+    text = (profiles_dir() / "devices" / "rtx4090.yaml").read_text()
+    (folder / "mine.yaml").write_text(text.replace("name: rtx4090", "name: mine"))
+    path = write_config(folder, {"budget": "50%", "device_profile": "mine.yaml"})
+    monkeypatch.chdir(tmp_path)
+    (check,) = load_config(path).checks
+    assert check.device_profile == str((folder / "mine.yaml").resolve())
+    assert check.device_spec == load_device(str(folder / "mine.yaml"))
+    assert check.device_spec.name == "mine" and check.budget_bytes == 25757220864 // 2
+    (check,) = load_config(write_config(folder, {"device_profile": "rtx4090"})).checks
+    assert check.device_profile == "rtx4090"  # a shipped spec's name stays a name
+
+
+def test_a_missing_spec_file_is_named_as_a_missing_file(tmp_path):
+    path = write_config(tmp_path, {"device_profile": "gone.yml"})
+    with pytest.raises(BadInputError) as raised:
+        load_config(path)
+    message = raised.value.message
+    assert "checks[0].device_profile" in message and "gone.yml does not exist" in message
+    assert "Unknown device profile" not in message and ".." not in message
+
+
 @pytest.mark.parametrize(
     ("check", "top", "field"),
     [

@@ -144,6 +144,9 @@ class ResolvedCheck:
     budget_bytes: int
     baseline_path: Path | None
     device_spec: DeviceSpec | None = None
+    device_profile: str | None = None
+    """What probe and solve get for ``device_profile``: a spec's name as written, a spec
+    file's path resolved against the config's folder (``resolve_device_profile``)."""
     root: Path = Path()
     """The config's folder: a baseline is only ever written inside it."""
 
@@ -165,7 +168,7 @@ class CheckConfig:
 def config_error(
     source: str, field_path: str, problem: str, hint: str | None = None
 ) -> BadInputError:
-    return BadInputError(f"{source}: field '{field_path}' {problem}.", hint=hint)
+    return BadInputError(f"{source}: field '{field_path}' {problem.rstrip('.')}.", hint=hint)
 
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
@@ -196,6 +199,15 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
     return CheckConfig(path=config_path, checks=tuple(resolved))
 
 
+def resolve_device_profile(name: str | None, base: Path) -> str | None:
+    """A check's ``device_profile`` as probe and solve take it: a spec file's path (it ends
+    in .yaml or .yml) relative to the config's folder ``base`` like every path in the file,
+    made absolute; a shipped spec's name unchanged."""
+    if name is None or Path(name).suffix not in (".yaml", ".yml") or Path(name).is_absolute():
+        return name
+    return str((base / name).resolve())
+
+
 def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> ResolvedCheck:
     """Resolve ``spec``'s paths against ``base`` and its budget to bytes."""
     where = f"checks[{index}]"
@@ -208,9 +220,10 @@ def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> Resol
     model_path = reference_path(resolved_model)
 
     device_spec = None
-    if spec.device_profile is not None:
+    device_profile = resolve_device_profile(spec.device_profile, base)
+    if device_profile is not None:
         try:
-            device_spec = load_device(spec.device_profile)
+            device_spec = load_device(device_profile)
         except MemplanError as exc:
             raise config_error(
                 source, f"{where}.device_profile", f"is invalid: {exc.message}", hint=exc.hint
@@ -265,5 +278,6 @@ def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> Resol
         budget_bytes=budget_bytes,
         baseline_path=baseline_path,
         device_spec=device_spec,
+        device_profile=device_profile,
         root=base,
     )

@@ -186,7 +186,7 @@ def probe_request(check: ResolvedCheck, timeout_s: float | None = None) -> Probe
         device=spec.device,
         precision=spec.precision,
         layers=spec.layers,
-        device_profile=spec.device_profile,
+        device_profile=check.device_profile,
     )
     if spec.micro_batches is not None:
         sizes = tuple(sorted(set(spec.micro_batches)))
