@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,6 +221,30 @@ class GpuInfo:
     """Memory NVML attributes to this process (context + allocator), when it can tell."""
 
 
+def nvml_handle(pynvml, index: int):
+    """NVML's handle for CUDA device ``index``, or None where which GPU that is cannot be told
+    (the caller then asks torch). NVML numbers every GPU on the machine and ignores
+    ``CUDA_VISIBLE_DEVICES``; CUDA numbers the visible ones only (NVML's docs, "nvmlDevice
+    GetHandleByIndex": the order "may not correlate with ... CUDA"). So: the device's UUID
+    from torch where torch is loaded and sees CUDA (exact); else ``CUDA_VISIBLE_DEVICES``'s
+    entry for ``index``, an NVML index or a ``GPU-`` UUID (a ``MIG-`` or partial one: None);
+    else ``index`` itself."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    entries = [entry.strip() for entry in visible.split(",")]
+    entry = entries[index] if 0 <= index < len(entries) else ""
+    if entry.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
+    if entry.startswith("GPU-") and len(entry) == 40:  # "GPU-" and a full 36-character UUID
+        return pynvml.nvmlDeviceGetHandleByUUID(entry)
+    return None
+
+
 def local_gpu(index: int = 0) -> GpuInfo | None:
     """The local GPU's name and memory, or None when there is no usable GPU. NVML first
     (it sees memory other processes hold); ``torch.cuda.mem_get_info`` as a fallback."""
@@ -228,7 +253,9 @@ def local_gpu(index: int = 0) -> GpuInfo | None:
 
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            handle = nvml_handle(pynvml, index)
+            if handle is None:
+                raise LookupError(f"CUDA device {index} has no NVML index")
             name = pynvml.nvmlDeviceGetName(handle)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
             used = None

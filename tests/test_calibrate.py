@@ -244,7 +244,7 @@ def test_calibrate_refuses_bad_input_before_measuring(tmp_path):
         (("nope-gpu", "-o", tmp_path / "a.yaml"), "Unknown device profile"),
         ((base, "-o", tmp_path / "a"), "ends in .yaml or .yml"),
         ((base, "-o", tmp_path), "ends in .yaml or .yml"),
-        ((tmp_path / "nothing.yaml", "-o", tmp_path / "a.yaml"), "Unknown device profile"),
+        ((tmp_path / "nothing.yaml", "-o", tmp_path / "a.yaml"), "nothing.yaml does not exist"),
         ((base, "-o", tmp_path / "a.yaml", "--precision", "int8"), "--precision 'int8'"),
         ((base, "-o", tmp_path / "a.yaml", "--device", "tpu"), "--device 'tpu'"),
         (("t4", "-o", tmp_path / "a.yaml", "--precision", "bf16"), "does not support bf16"),

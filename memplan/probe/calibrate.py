@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from memplan.devices import Measurement
+from memplan.devices import Measurement, nvml_handle
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.probe.tracker import ROOFLINE_FLOP_FORMULAS
 
@@ -99,7 +99,9 @@ def _power_note(index: int) -> str | None:
 
         pynvml.nvmlInit()
         try:
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            handle = nvml_handle(pynvml, index)
+            if handle is None:
+                return None
             watts = pynvml.nvmlDeviceGetEnforcedPowerLimit(handle) / 1000
         finally:
             pynvml.nvmlShutdown()
