@@ -403,13 +403,8 @@ class LiveTracker(TorchDispatchMode):
         if self.fused and not op_flops and not _no_kernel(func):
             self._region.add(inputs, outputs)
         elif self.roofline is not None and not _no_kernel(func):
-            dtype = outputs[0].dtype if outputs else None
-            if op_flops:  # a matmul on float8 operands runs at the float8 peak
-                dtype = next(
-                    (float8_bits(t).dtype for t in tensors_in(args, []) if is_float8(t)), dtype
-                )
             self.virtual_seconds += self.roofline.seconds(
-                op_flops, moved, dtype, func, args, kwargs
+                op_flops, moved, _timed_dtype(op_flops, args, outputs), func, args, kwargs
             )
         if cache is not None:
             cache.store(key, args, kwargs, out, op_flops, moved)
@@ -431,11 +426,21 @@ class LiveTracker(TorchDispatchMode):
         if self.fused and not entry.flops and not _no_kernel(func):
             self._region.add(tensors_in((args, kwargs), []), outputs)
         elif self.roofline is not None and not _no_kernel(func):
-            dtype = outputs[0].dtype if outputs else None
+            dtype = _timed_dtype(entry.flops, args, outputs)
             self.virtual_seconds += self.roofline.seconds(
                 entry.flops, entry.moved_bytes, dtype, func, args, kwargs
             )
         return out
+
+
+def _timed_dtype(flops: float, args: tuple, outputs: list) -> torch.dtype | None:
+    """The dtype whose peak times an op: its output's, but a matmul (an op with FLOPs) on
+    float8 operands runs at the float8 peak, whether it ran or was rebuilt from the cache
+    (``_cached``; a replayed ``_scaled_mm`` was timed at its bf16 output's peak)."""
+    dtype = outputs[0].dtype if outputs else None
+    if flops:
+        dtype = next((float8_bits(t).dtype for t in tensors_in(args, []) if is_float8(t)), dtype)
+    return dtype
 
 
 def storages_bytes(tensors: Iterable[Any]) -> int:
