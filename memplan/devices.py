@@ -238,7 +238,7 @@ def nvml_handle(pynvml, index: int):
         return pynvml.nvmlDeviceGetHandleByIndex(index)
     entries = [entry.strip() for entry in visible.split(",")]
     entry = entries[index] if 0 <= index < len(entries) else ""
-    if entry.isdigit():
+    if entry.isascii() and entry.isdigit():  # not str.isdigit alone: '²' is a digit to it
         return pynvml.nvmlDeviceGetHandleByIndex(int(entry))
     if entry.startswith("GPU-") and len(entry) == 40:  # "GPU-" and a full 36-character UUID
         return pynvml.nvmlDeviceGetHandleByUUID(entry)

@@ -7,6 +7,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from memplan.devices import local_gpu, nvml_handle
 
@@ -75,10 +77,11 @@ def test_the_visible_devices_entry_names_nvmls_gpu(nvml, monkeypatch, visible, i
 
 
 @pytest.mark.parametrize(
-    "visible", ["MIG-0a1b2c3d-0000-0000-0000-000000000000", "GPU-0000", "", "2"]
+    "visible", ["MIG-0a1b2c3d-0000-0000-0000-000000000000", "GPU-0000", "", "2", "²"]
 )
 def test_a_device_nvml_cannot_place_is_not_guessed(nvml, monkeypatch, visible):
-    """A MIG slice, a UUID prefix, no GPU visible, or an index past the list: no NVML figures
+    """A MIG slice, a UUID prefix, no GPU visible, an index past the list, or a digit that is
+    not an ASCII one (str.isdigit says yes to "²", int() refuses it): no NVML figures
     (torch's are asked, and on this CPU machine there are none)."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     assert local_gpu(1 if visible == "2" else 0) is None
@@ -106,3 +109,34 @@ def test_calibrates_power_note_names_the_gpu_it_measured(nvml, monkeypatch):
     )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-0a1b2c3d-0000-0000-0000-000000000000")
     assert calibrate._power_note(0) is None
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    visible=st.text(
+        st.characters(blacklist_characters="\x00", blacklist_categories=("Cs",)), max_size=30
+    ),
+    index=st.integers(min_value=0, max_value=9),
+)
+def test_any_visible_devices_string_gives_a_listed_gpu_or_none(nvml, visible, index):
+    """Whatever CUDA_VISIBLE_DEVICES holds, memplan names one of NVML's GPUs, the one that
+    entry names, or none; it never raises and never falls back to NVML's GPU ``index``."""
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    try:
+        handle = nvml_handle(nvml, index)
+    except NVMLError:  # an index or UUID NVML does not have: local_gpu gives none
+        handle = "refused"
+    finally:
+        del os.environ["CUDA_VISIBLE_DEVICES"]
+    entries = [entry.strip() for entry in visible.split(",")]
+    entry = entries[index] if index < len(entries) else ""
+    if entry.isascii() and entry.isdigit():
+        assert handle == (int(entry) if int(entry) < 8 else "refused")
+    elif entry.startswith("GPU-") and len(entry) == 40:
+        assert handle == (UUIDS.index(entry) if entry in UUIDS else "refused")
+    else:
+        assert handle is None
