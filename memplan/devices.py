@@ -146,17 +146,23 @@ def list_devices() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
+def names_spec_file(name: str | Path) -> bool:
+    """Whether a device profile argument names a spec file rather than a shipped spec: its
+    name ends in .yaml or .yml (whether or not the file exists)."""
+    return Path(name).suffix in (".yaml", ".yml")
+
+
 def _spec_file(name: str) -> Path | None:
     """``name`` as a device spec file (a YAML file that exists), else None (a profile name)."""
     path = Path(name)
-    return path if path.suffix in (".yaml", ".yml") and path.is_file() else None
+    return path if names_spec_file(path) and path.is_file() else None
 
 
 def load_device(name: str) -> DeviceSpec:
     """The spec named ``name`` (file stem, case-insensitive, common aliases accepted) or a
     path to a spec file."""
     path = _spec_file(name)
-    if path is None and Path(name).suffix in (".yaml", ".yml"):
+    if path is None and names_spec_file(name):
         raise BadInputError(
             f"Device spec file {name} does not exist (or is not a file).",
             hint="Check the path (a relative one is relative to the working directory, or in "

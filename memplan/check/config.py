@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from memplan.devices import DeviceSpec, capacity_bytes, load_device
+from memplan.devices import DeviceSpec, capacity_bytes, load_device, names_spec_file
 from memplan.errors import BadInputError, MemplanError
 from memplan.files.schema import TOP_LEVEL, from_data, load_yaml_file
 from memplan.memory import DEFAULT_MARGIN, margin_problem
@@ -203,7 +203,7 @@ def resolve_device_profile(name: str | None, base: Path) -> str | None:
     """A check's ``device_profile`` as probe and solve take it: a spec file's path (it ends
     in .yaml or .yml) relative to the config's folder ``base`` like every path in the file,
     made absolute; a shipped spec's name unchanged."""
-    if name is None or Path(name).suffix not in (".yaml", ".yml") or Path(name).is_absolute():
+    if name is None or not names_spec_file(name) or Path(name).is_absolute():
         return name
     return str((base / name).resolve())
 

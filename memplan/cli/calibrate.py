@@ -49,7 +49,13 @@ def calibrate(
     """Measure this device's matmul, attention and memory rates and write a device spec
     with them as its efficiencies (for a GPU that differs from the shipped spec's)."""
     from memplan import render
-    from memplan.devices import calibrated_spec, calibrated_yaml, load_device, spec_file_label
+    from memplan.devices import (
+        calibrated_spec,
+        calibrated_yaml,
+        load_device,
+        names_spec_file,
+        spec_file_label,
+    )
     from memplan.errors import BadInputError
     from memplan.files.io import check_output, write_text_atomic
     from memplan.files.schema import to_data
@@ -63,7 +69,7 @@ def calibrate(
         raise BadInputError(
             f"--device {device!r} is not one calibrate runs on.", hint="Use cuda or cpu."
         )
-    if output.suffix not in (".yaml", ".yml"):
+    if not names_spec_file(output):
         raise BadInputError(
             f"-o {output}: a device spec file's name ends in .yaml or .yml, which is how "
             "--device-profile tells a spec file from a shipped spec's name.",
