@@ -8,6 +8,8 @@ functions that ask the hardware."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import sys
@@ -201,10 +203,23 @@ def _file_spec(label: str) -> DeviceSpec | None:
         return None
 
 
-def names_spec(label: str | None, spec: DeviceSpec) -> bool:
+def spec_digest(spec: DeviceSpec) -> str:
+    """A fingerprint of the numbers a clock takes from ``spec`` (every field but its name
+    and display name): a profile records it, so the spec file it was timed against is known
+    again after the file is moved, renamed or checked out under another path."""
+    fields = dataclasses.asdict(spec)
+    del fields["name"], fields["display_name"]
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def names_spec(label: str | None, spec: DeviceSpec, digest: str | None = None) -> bool:
     """Whether a profile's ``device_profile`` (a spec's name, or a spec file's path) is
-    ``spec``: the same name, or a file that loads as the same spec."""
-    return label == spec.name or (label is not None and _file_spec(label) == spec)
+    ``spec``: the same name, a file that loads as the same spec, or, wherever the file now
+    is, the same numbers (``digest``, the profile's ``device_spec_digest``)."""
+    if label == spec.name or (digest is not None and digest == spec_digest(spec)):
+        return True
+    return label is not None and _file_spec(label) == spec
 
 
 def label_has_capacity(label: str | None) -> bool:

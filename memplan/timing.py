@@ -123,7 +123,7 @@ def choose_timing_source(
     if (
         env.device == "meta"
         and device_spec is not None
-        and not names_spec(env.device_profile, device_spec)
+        and not names_spec(env.device_profile, device_spec, env.device_spec_digest)
     ):
         return "roofline", (
             f"step times by roofline from FLOPs against {device_spec.display_name}: the meta "

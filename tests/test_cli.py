@@ -238,6 +238,52 @@ def test_a_meta_profile_timed_against_a_spec_file_solves_without_naming_it_again
             assert (plan["predicted"]["breakdown"]["reserve"] > 0) is reserved
 
 
+def test_a_spec_file_moved_after_the_probe_is_still_the_probes_clock(tmp_path):
+    # The profile recorded the spec file's absolute path only: once the file was moved (or
+    # the project checked out elsewhere), solve --device-profile NEW/PATH found no file at
+    # the recorded path and re-timed the meta profile by roofline, a different step time.
+    # The profile now also records the spec's numbers (device_spec_digest).
+    import shutil
+
+    import yaml
+
+    from memplan.devices import profiles_dir
+
+    spec = yaml.safe_load((profiles_dir() / "devices" / "t4.yaml").read_text())
+    spec.update(name="lab-t4")
+    first = tmp_path / "a" / "lab-t4.yaml"
+    first.parent.mkdir()
+    first.write_text(yaml.safe_dump(spec))
+    profile = tmp_path / "p.yaml"
+    result = invoke(
+        "probe", MODEL, "--device", "meta", "--device-profile", first,
+        "--precision", "fp16", "--micro-batches", "2,4", "-o", profile,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+
+    def solved(spec_path):
+        result = invoke(
+            "solve", profile, "--target-batch", "4", "--budget", "4GiB",
+            "--device-profile", spec_path, "--json",
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        plan = json.loads(result.stdout)["plan"]
+        return plan["predicted"]["step_seconds"], any("by roofline" in r for r in plan["reasons"])
+
+    before, retimed = solved(first)
+    assert not retimed
+    moved = tmp_path / "b" / "renamed.yaml"
+    moved.parent.mkdir()
+    shutil.move(first, moved)
+    assert solved(moved) == (before, False)
+    # A spec with other numbers is another device: re-timed by roofline, as before.
+    spec["efficiency"] = dict(spec.get("efficiency") or {}, matmul=0.5)
+    other = tmp_path / "b" / "slower.yaml"
+    other.write_text(yaml.safe_dump(spec))
+    after, retimed = solved(other)
+    assert retimed and after != before
+
+
 def test_verify_measures_within_tolerance(profile_path, tmp_path):
     # A budget just above micro-batch 8's best peak, so the plan runs close to it.
     plan_path = tmp_path / "plan.yaml"

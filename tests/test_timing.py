@@ -3,6 +3,8 @@
 import dataclasses
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from profiles_factory import ChainSpec
 
 from memplan import timing
@@ -80,6 +82,41 @@ def test_meta_profile_for_another_device_is_timed_by_roofline():
     # Same spec as the probe used: its times stand.
     assert timing.choose_timing_source(meta_profile("testgpu"), GPU)[0] == "measured"
     assert timing.choose_timing_source(meta_profile(), None)[0] == "measured"
+
+
+def test_a_meta_profile_knows_its_spec_by_its_numbers_wherever_the_file_is():
+    # A spec file's path recorded by the probe no longer exists (moved, another checkout):
+    # the recorded fingerprint of the spec's numbers still names it; its name does not count.
+    from memplan.devices import spec_digest
+
+    gone = "/nowhere/lab-gpu.yaml"
+    renamed = dataclasses.replace(GPU, name="other", display_name="Other")
+    profile = meta_profile(gone)
+    with_digest = dataclasses.replace(
+        profile,
+        environment=dataclasses.replace(profile.environment, device_spec_digest=spec_digest(GPU)),
+    )
+    assert timing.choose_timing_source(profile, GPU)[0] == "roofline"
+    assert timing.choose_timing_source(with_digest, GPU)[0] == "measured"
+    assert timing.choose_timing_source(with_digest, renamed)[0] == "measured"
+    slower = dataclasses.replace(GPU, efficiency=Efficiency(matmul=0.5))
+    assert timing.choose_timing_source(with_digest, slower)[0] == "roofline"
+
+
+@given(
+    field=st.sampled_from(
+        ["memory_bytes", "bf16_flops", "fp16_flops", "fp32_flops", "memory_bandwidth"]
+    ),
+    factor=st.floats(min_value=1.0001, max_value=1e6),
+    name=st.text(max_size=20),
+)
+def test_spec_digest_follows_the_numbers_not_the_name(field, factor, name):
+    from memplan.devices import spec_digest
+
+    value = getattr(GPU, field)
+    changed = value * factor if isinstance(value, float) else int(value * factor) + 1
+    assert spec_digest(dataclasses.replace(GPU, name=name, display_name=name)) == spec_digest(GPU)
+    assert spec_digest(dataclasses.replace(GPU, **{field: changed})) != spec_digest(GPU)
 
 
 def test_roofline_times_by_hand():

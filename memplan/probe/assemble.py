@@ -360,6 +360,7 @@ def _environment(session: Session) -> Environment:
         device_name=backend.device_name(),
         device_capacity_bytes=backend.capacity_bytes(),
         device_profile=backend.target_profile(),
+        device_spec_digest=backend.target_digest(),
         precision=backend.precision,  # type: ignore[arg-type]
         optimizer_class=type(session.optimizer).__name__,
         param_dtype=str(first_param.dtype).removeprefix("torch."),

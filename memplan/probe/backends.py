@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from memplan.devices import DeviceSpec, load_device, local_gpu, spec_file_label
+from memplan.devices import DeviceSpec, load_device, local_gpu, spec_digest, spec_file_label
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.model.batch import map_batch, move_batch
 from memplan.model.loader import ModelFile
@@ -245,6 +245,10 @@ class Backend:
         if not (self.spec and self.spec_given):
             return None
         return self.spec_label or self.spec.name
+
+    def target_digest(self) -> str | None:
+        """``target_profile``'s spec fingerprinted (devices.spec_digest); None without one."""
+        return spec_digest(self.spec) if self.spec and self.spec_given else None
 
 
 def make_backend(

@@ -288,7 +288,12 @@ class Environment:
     """GPU name from NVML, ``cpu``, or ``meta (timed as <device profile>)``."""
     device_capacity_bytes: int | None = None
     device_profile: str | None = None
-    """Name of the profiles/devices/ spec used for meta timing or capacity, if any."""
+    """Name of the profiles/devices/ spec used for meta timing or capacity, if any (a spec
+    file's absolute path)."""
+    device_spec_digest: str | None = None
+    """That spec's numbers, fingerprinted (memplan.devices.spec_digest): a spec file the
+    profile was timed against is recognised wherever it is later (moved, renamed, another
+    checkout), so its meta clock is kept. None: no spec, or written before memplan kept it."""
     precision: Precision = "fp32"
     optimizer_class: str = "AdamW"
     param_dtype: str = "float32"
