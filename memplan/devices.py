@@ -332,18 +332,22 @@ def capacity_bytes(device_spec: DeviceSpec | None, probed_capacity_bytes: int | 
 
 
 def resolve_budget(
-    budget: str, *, device_spec: DeviceSpec | None, probed_capacity_bytes: int | None
+    budget: str,
+    *,
+    device_spec: DeviceSpec | None,
+    probed_capacity_bytes: int | None,
+    what: str = "--budget",
 ) -> int:
     """``--budget`` in bytes: a size, a percentage of the device's memory (the spec's, else the
     probed device's, else the local GPU's when ``auto``) or ``auto`` (the local GPU's free
-    memory, which only a visible GPU can answer)."""
+    memory, which only a visible GPU can answer). ``what`` names it in errors."""
     capacity = capacity_bytes(device_spec, probed_capacity_bytes)
     free = None
     if budget.strip().lower() == "auto":
         gpu = local_gpu()
         free = gpu.free_bytes if gpu else None
         capacity = capacity or (gpu.total_bytes if gpu else None)
-    return parse_budget(budget, capacity_bytes=capacity, free_bytes=free)
+    return parse_budget(budget, capacity_bytes=capacity, free_bytes=free, what=what)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -186,7 +186,9 @@ def test_a_budget_below_every_plan_is_a_clear_error(planned):
         (-5, "positive"),
         (float("nan"), "positive"),
         (True, "budget must be"),
-        ("lots", "lots"),
+        # the parameter's name in Python, not the CLI flag the user never typed
+        ("lots", r"^budget 'lots' is not a size"),
+        ("150%", r"^budget '150%': a percentage"),
         ("auto", None),
     ],
 )
@@ -234,8 +236,29 @@ def test_a_batch_function_that_raises_names_the_users_line():
         raise ValueError("no such shard")  # the line the error names
 
     line = broken.__code__.co_firstlineno + 1
-    with pytest.raises(ModelFileError, match=rf"test_integrations_api.py:{line}: .*no such shard"):
+    # named as the script named it: the messages named make_batch(), which it never defined
+    with pytest.raises(
+        ModelFileError, match=rf"test_integrations_api.py:{line}: broken\(\) raised .*no such shard"
+    ) as raised:
         memplan.plan_model(blocks_model(), broken, loss_fn=mse, budget="1GiB", target_batch=4)
+    assert "make_batch" not in str(raised.value) + (raised.value.hint or "")
+
+
+def test_the_scripts_functions_are_named_by_their_own_names():
+    x, y = data(4)
+
+    def no_batch(n):
+        return None
+
+    def count(model, batch):
+        return 3
+
+    with pytest.raises(ModelFileError, match=r"no_batch\(1\) returned NoneType") as raised:
+        memplan.plan_model(blocks_model(), no_batch, loss_fn=mse, budget="1GiB", target_batch=4)
+    assert "make_batch" not in str(raised.value) + (raised.value.hint or "")
+    with pytest.raises(ModelFileError, match=r"count\(model, batch\) is int") as raised:
+        memplan.plan_model(blocks_model(), (x, y), loss_fn=count, budget="1GiB", target_batch=4)
+    assert raised.value.hint == "Make count(model, batch) return a scalar loss tensor."
 
 
 def test_a_loss_that_trains_the_live_model_is_caught():

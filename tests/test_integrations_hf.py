@@ -169,3 +169,24 @@ def _prediction():
 
     zero = Breakdown(params=0, grads=0, optimizer=0, activations=0, transient=0, reserve=0)
     return Prediction(peak_bytes=0, step_seconds=0.0, breakdown=zero)
+
+
+def test_a_broken_collator_or_loss_is_named_as_the_trainer_names_it():
+    # The errors named make_batch() and training_loss(model, batch), which no Trainer has.
+    from memplan.errors import ModelFileError
+
+    trainer = transformers.Trainer(
+        model=llama(), args=arguments(), train_dataset=dataset(), data_collator=lambda rows: None
+    )
+    with pytest.raises(ModelFileError, match=r"data_collator\(1\) returned NoneType") as raised:
+        plan_trainer(trainer, budget="1GiB", micro_batches=(1, 2))
+    assert "make_batch" not in str(raised.value)
+
+    class NoLoss(transformers.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 0
+
+    trainer = NoLoss(model=llama(), args=arguments(), train_dataset=dataset())
+    with pytest.raises(ModelFileError, match=r"compute_loss\(model, batch\) is int") as raised:
+        plan_trainer(trainer, budget="1GiB", micro_batches=(1, 2))
+    assert raised.value.hint == "Make compute_loss(model, batch) return a scalar loss tensor."

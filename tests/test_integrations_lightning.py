@@ -140,3 +140,15 @@ def test_no_batch_size_attribute_is_a_clear_error():
     del module.batch_size
     with pytest.raises(BadInputError, match="Field batch_size not found"):
         fit(module, [MemplanBatchSize("64MiB")])
+
+
+def test_a_training_step_without_a_loss_is_named_as_lightning_names_it():
+    # The error named training_loss(model, batch), which a LightningModule does not define.
+    from memplan.errors import ModelFileError
+
+    class NoLoss(Module):
+        def training_step(self, batch, batch_idx):
+            return None
+
+    with pytest.raises(ModelFileError, match=r"training_step\(model, batch\) is NoneType"):
+        fit(NoLoss(), [MemplanBatchSize("64MiB", micro_batches=(1, 2))])

@@ -356,7 +356,7 @@ def budget_bytes(budget: Budget, device: str, spec: Any = None) -> int:
     if device == "cuda" and torch.cuda.is_available():
         gpu = local_gpu(torch.cuda.current_device())
         capacity = gpu.total_bytes if gpu else None
-    return resolve_budget(budget, device_spec=spec, probed_capacity_bytes=capacity)
+    return resolve_budget(budget, device_spec=spec, probed_capacity_bytes=capacity, what="budget")
 
 
 def _device_spec(name: str | None) -> Any:

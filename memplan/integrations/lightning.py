@@ -102,7 +102,7 @@ class MemplanBatchSize(Callback):
             self.batch if self.batch is not None else _loader_batches(trainer, pl_module),
             budget=self.budget,
             target_batch=target,
-            loss_fn=self.loss_fn or _step_loss,
+            loss_fn=self.loss_fn or training_step,
             keep=[trainer],
             prepare=_quiet,
             **request,
@@ -156,14 +156,16 @@ def _loader_batches(trainer: Any, pl_module: Any) -> Callable[[int], Any]:
         raise BadInputError("The training dataset is empty: nothing to plan with.")
     collate = loader.collate_fn
 
-    def make_batch(size: int) -> Any:
+    # named as the user knows it: an error names "collate_fn(4)" (memplan.model.loader)
+    def collate_fn(size: int) -> Any:
         return collate([dataset[i % count] for i in range(size)])
 
-    return make_batch
+    return collate_fn
 
 
-def _step_loss(module: Any, batch: Any) -> Any:
-    """The loss ``training_step`` returns (a tensor, or a dict's ``loss``)."""
+def training_step(module: Any, batch: Any) -> Any:
+    """The loss the module's ``training_step`` returns (a tensor, or a dict's ``loss``);
+    named so that an error names the user's ``training_step``."""
     out = module.training_step(batch, 0)
     return out["loss"] if isinstance(out, dict) else out
 

@@ -96,6 +96,18 @@ def live_model_file(
         has_training_loss=loss_fn is not None,
         has_make_optimizer=True,
         takes_seq_len=callable(batch) and takes_seq_len(batch),
+        labels=_labels(make_batch=batch if callable(batch) else None, training_loss=loss_fn),
+    )
+
+
+def _labels(**functions: Any) -> tuple[tuple[str, str], ...]:
+    """Messages name the script's own functions by their names (``raises``, ``<lambda>``),
+    not by the model-file contract's (``make_batch``, ``training_loss``) that the script
+    never defined."""
+    return tuple(
+        (slot, name)
+        for slot, fn in functions.items()
+        if fn is not None and isinstance(name := getattr(fn, "__name__", None), str) and name
     )
 
 

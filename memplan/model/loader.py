@@ -191,6 +191,14 @@ class ModelFile:
     """The length ``make_batch`` is called with (``at_seq_len``); None: the file's own."""
     max_seq_len: int | None = None
     """The longest sequence the model takes, where known (``hf:`` configs); else None."""
+    labels: tuple[tuple[str, str], ...] = ()
+    """(function, name) pairs: what messages call a function that is not a file's own, by
+    the name the user gave it (``plan_model``'s batch and loss functions); others keep the
+    model file's names."""
+
+    def named(self, name: str) -> str:
+        """What messages call the file's function ``name``."""
+        return dict(self.labels).get(name, name)
 
     def at_seq_len(self, seq_len: int | None) -> ModelFile:
         """This model file with batches of ``seq_len`` tokens per sample; None: unchanged.
@@ -215,7 +223,8 @@ class ModelFile:
 
     def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self.module, name)
-        _entering(f"{name}{_args_text(args)}")
+        shown = self.named(name)
+        _entering(f"{shown}{_args_text(args)}")
         try:
             return fn(*args)
         except BaseException as exc:
@@ -223,13 +232,13 @@ class ModelFile:
                 raise
             if _out_of_host_memory(exc):
                 raise CannotMeasureError(
-                    f"Out of host memory in {name}{_args_text(args)} ({_describe(exc)}).",
+                    f"Out of host memory in {shown}{_args_text(args)} ({_describe(exc)}).",
                     hint="The size asked for does not fit this machine: use a smaller "
                     "micro-batch, or plan for this machine's memory.",
                 ) from exc
             raise ModelFileError(
-                f"{_user_location(exc, self.path)}: {name}() raised {_describe(exc)}",
-                hint=f"Fix {name}() in {self.path}; memplan runs it as a training script would.",
+                f"{_user_location(exc, self.path)}: {shown}() raised {_describe(exc)}",
+                hint=f"Fix {shown}() in {self.path}; memplan runs it as a training script would.",
             ) from exc
 
     def build_model(self) -> Any:
@@ -259,14 +268,15 @@ class ModelFile:
                 else f"a batch whose {refused} is not a tensor"
             )
             raise ModelFileError(
-                f"{self.path}: make_batch{_args_text(args)} returned {returned}; it must return a tensor, a tuple/list of tensors or a dict of tensors (a "
+                f"{self.path}: {self.named('make_batch')}{_args_text(args)} returned {returned}; it must return a tensor, a tuple/list of tensors or a dict of tensors (a "
                 "dict may also hold plain values such as return_loss=True, passed to the model "
                 "as keyword arguments).",
                 hint="Return tensors on CPU; memplan moves them to the device.",
             )
         if any(getattr(t, "is_meta", False) for t in batch_tensors(batch)):
             raise ModelFileError(
-                f"{self.path}: make_batch{_args_text(args)} returned meta tensors, which hold "
+                f"{self.path}: {self.named('make_batch')}{_args_text(args)} returned meta tensors, "
+                "which hold "
                 "no data to train on.",
                 hint="Return real tensors on CPU; memplan moves them to the device itself "
                 "(also to meta for --device meta).",
@@ -280,7 +290,7 @@ class ModelFile:
 
         if self.has_training_loss:
             out = self._call("training_loss", model, batch)
-            where = "training_loss(model, batch)"
+            where = f"{self.named('training_loss')}(model, batch)"
         else:
             _entering("the model's forward")
             try:
@@ -295,7 +305,8 @@ class ModelFile:
                     raise
                 raise ModelFileError(
                     f"{_user_location(exc, self.path)}: the model's forward raised {_describe(exc)}",
-                    hint=f"Check that make_batch() in {self.path} produces what the model takes.",
+                    hint=f"Check that {self.named('make_batch')}() in {self.path} produces what "
+                    "the model takes.",
                 ) from exc
             where = "the model's output"
             if not isinstance(out, torch.Tensor):
@@ -309,7 +320,9 @@ class ModelFile:
             )
             raise ModelFileError(
                 f"{self.path}: {where} is {kind}, not a scalar loss.",
-                hint="Define training_loss(model, batch) returning a scalar loss tensor, or make "
+                hint=f"Make {where} return a scalar loss tensor."
+                if self.has_training_loss
+                else "Define training_loss(model, batch) returning a scalar loss tensor, or make "
                 "the model return one (or an object with .loss).",
             )
         return out
