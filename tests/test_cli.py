@@ -393,3 +393,23 @@ def test_help_at_80_columns_names_every_option_whole(command):
     missing = [name for name in names if name not in result.output]
     assert missing == [], missing
     assert max(len(line) for line in result.output.splitlines()) <= 80
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (("show", "{d}"), "profile or plan file {d} is a folder"),
+        (
+            ("solve", "{d}", "--target-batch", "2", "--budget", "1GiB"),
+            "profile file {d} is a folder",
+        ),
+        (("verify", MODEL, "{d}"), "plan file {d} is a folder"),
+        (("check", "--config", "{d}"), "config file {d} is a folder"),
+    ],
+)
+def test_a_folder_where_a_file_belongs_is_called_a_folder(tmp_path, args, said):
+    # It was "does not exist. Check the path.", about a path that exists.
+    d = str(tmp_path)
+    result = runner.invoke(app, [a.format(d=d) for a in args])
+    assert result.exit_code == 2, result.output
+    assert said.format(d=d) in " ".join(result.output.split())

@@ -176,6 +176,11 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
     the file and the field path (``checks[0].budget``); nothing is probed yet."""
     config_path = Path(path)
     source = str(config_path)
+    if config_path.is_dir():
+        raise BadInputError(
+            f"config file {config_path} is a folder.",
+            hint=f"Pass its memplan.yaml: --config {config_path / 'memplan.yaml'}.",
+        )
     if not config_path.is_file():
         raise BadInputError(
             f"config file {config_path} does not exist.",

@@ -517,6 +517,8 @@ def read_back(text: str, what: str, read: Callable[[Any], Any]) -> None:
 def load_yaml_file(path: str | Path, *, what: str) -> dict[str, Any]:
     """Read a YAML mapping with ``yaml.safe_load``; any problem is a ProfileError naming the file."""
     file = Path(path)
+    if file.is_dir():
+        raise ProfileError(f"{what} file {file} is a folder.", hint=f"Name the {what} file in it.")
     if not file.is_file():
         raise ProfileError(f"{what} file {file} does not exist.", hint="Check the path.")
     try:
