@@ -150,8 +150,9 @@ def list_devices() -> list[str]:
 
 def names_spec_file(name: str | Path) -> bool:
     """Whether a device profile argument names a spec file rather than a shipped spec: its
-    name ends in .yaml or .yml (whether or not the file exists)."""
-    return Path(name).suffix in (".yaml", ".yml")
+    name ends in .yaml or .yml, in any case (whether or not the file exists; no shipped
+    spec's name has a suffix)."""
+    return Path(name).suffix.lower() in (".yaml", ".yml")
 
 
 def _spec_file(name: str) -> Path | None:

@@ -353,7 +353,7 @@ PLAN_DEVICES = ("cpu", "cuda", "meta")
 def plan_problem(plan: Plan) -> tuple[str, str] | None:
     """``(field path, what is wrong)`` for the first value ``solve`` never writes, else None.
     The schema has already refused NaN, infinity and absurd magnitudes."""
-    from memplan.devices import ALIASES, list_devices
+    from memplan.devices import ALIASES, list_devices, names_spec_file
 
     predicted = plan.predicted
     if predicted.peak_bytes < 0:
@@ -363,7 +363,7 @@ def plan_problem(plan: Plan) -> tuple[str, str] | None:
     if not 0 <= plan.margin < 1:
         return "plan.margin", f"is {plan.margin}, not a fraction in [0, 1)"
     known = {*PLAN_DEVICES, *list_devices(), *ALIASES}
-    spec_file = plan.device.lower().endswith((".yaml", ".yml"))  # solve --device-profile FILE
+    spec_file = names_spec_file(plan.device)  # solve --device-profile FILE
     if plan.device.lower() not in known and not spec_file:
         return "plan.device", (
             f"is {plan.device!r}, not one of {', '.join(PLAN_DEVICES)}, a device profile "

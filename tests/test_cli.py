@@ -413,3 +413,23 @@ def test_a_folder_where_a_file_belongs_is_called_a_folder(tmp_path, args, said):
     result = runner.invoke(app, [a.format(d=d) for a in args])
     assert result.exit_code == 2, result.output
     assert said.format(d=d) in " ".join(result.output.split())
+
+
+def test_a_spec_file_suffix_in_capitals_is_a_spec_file(profile_path, tmp_path):
+    # "MINE.YAML" was looked up as a shipped spec's name ("Unknown device profile"), while a
+    # plan naming it passed plan.py's case-insensitive check: one rule now, any case.
+    import shutil
+
+    from memplan.devices import load_device, profiles_dir
+
+    spec_path = tmp_path / "MINE.YAML"
+    shutil.copy(profiles_dir() / "devices" / "t4.yaml", spec_path)
+    plan_path = tmp_path / "plan.yaml"
+    result = invoke(
+        "solve", profile_path, "--target-batch", "8", "--budget", "50%",
+        "--device-profile", spec_path, "-o", plan_path,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    plan = load_plan(plan_path)
+    assert plan.device == str(spec_path.resolve())
+    assert plan.budget_bytes == load_device(str(spec_path)).memory_bytes // 2
