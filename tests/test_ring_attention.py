@@ -35,16 +35,41 @@ ELEMENTS = B * H * S_LOCAL * D
 LSE = B * H * S_LOCAL  # the log-sum-exp's elements: 1/D of the rest
 
 
+def _held(fn, keep):
+    """Bytes the live tensors reached during ``fn()`` above those of ``keep``, and its
+    result. Log-sum-exp tensors count too (their 1/D is what the formulas leave out)."""
+    from memplan.probe.tracker import LiveTracker
+
+    class Held(LiveTracker):
+        settle_s = 0.01  # a collective's worker drops its buffers: let that land first
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # torch 2.13 wraps a functional collective's output in an AsyncCollectiveTensor
+            # (a view of the same storage, and not in the December 2024 torch): no bytes
+            if "_wrap_tensor_autograd" in str(func):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    tracker = Held(record=False)
+    tracker.track(keep)
+    base = tracker.live_bytes
+    with tracker:
+        result = fn()
+    return tracker.peak_bytes - base, result
+
+
 def _count_ring(rank: int, config: dict[str, Any]) -> dict[str, Any]:
-    """One gloo rank: torch's ring forward and backward over bf16 q, k, v; the bytes every
-    op reads and writes of K-sized tensors (the log-sum-exp's are left out; a fill only
-    writes), and what each collective is given."""
+    """One gloo rank: torch's ring forward and backward over q, k, v (bf16 unless
+    ``config["dtype"]``); the bytes every op reads and writes of K-sized tensors (the
+    log-sum-exp's are left out; a fill only writes), what each collective is given, and the
+    most the live tensors held in each, beside a plain SDPA call's over the same q, k, v."""
     import torch.distributed as dist
     from torch.distributed.tensor.experimental._context_parallel import _attention as ring
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
     aten = torch.ops.aten
+    dtype = getattr(torch, config.get("dtype", "bfloat16"))
     kernels = {
         aten._scaled_dot_product_flash_attention_for_cpu.default,
         aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
@@ -77,9 +102,7 @@ def _count_ring(rank: int, config: dict[str, Any]) -> dict[str, Any]:
 
     join_group(rank, config)
     torch.manual_seed(rank)
-    q, k, v = (
-        torch.randn(B, S_LOCAL, H, D, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)
-    )
+    q, k, v = (torch.randn(B, S_LOCAL, H, D, dtype=dtype).transpose(1, 2) for _ in range(3))
 
     def forward_op(q, k, v, is_causal, **_):
         return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
@@ -99,11 +122,25 @@ def _count_ring(rank: int, config: dict[str, Any]) -> dict[str, Any]:
         ring._templated_ring_attention_backward(
             group, 2, backward_op, grad, "grad_out", q, k, v, out, lse, is_causal=True
         )
+    held_forward, (out, lse, *_) = _held(
+        lambda: ring._templated_ring_attention(group, 2, forward_op, q, k, v, True), [q, k, v]
+    )
+    held_backward, _ = _held(
+        lambda: ring._templated_ring_attention_backward(
+            group, 2, backward_op, grad, "grad_out", q, k, v, out, lse, is_causal=True
+        ),
+        [q, k, v, out, lse, grad],
+    )
+    plain_forward, (out, lse, *_) = _held(lambda: forward_op(q, k, v, True), [q, k, v])
+    plain_backward, _ = _held(
+        lambda: backward_op(q, k, v, out, lse, True, grad), [q, k, v, out, lse, grad]
+    )
     return {
         "forward": forward.memory,
         "backward": backward.memory,
         "forward_sent": dict(forward.sent),
         "backward_sent": dict(backward.sent),
+        "held": (held_forward - plain_forward, held_backward - plain_backward),
     }
 
 
@@ -230,3 +267,86 @@ def test_a_cp_layout_step_carries_the_rings_exchanges_and_merges():
     plain = solve_layout(profile, request, LayoutRequest(cp=1))
     (no_cp,) = [o for o in plain.options if o.micro_batch == 2]
     assert no_cp.comm_seconds.get("cp", 0.0) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cp", "dtype"), [(2, "bfloat16"), (4, "bfloat16"), (4, "float32")])
+def test_torch_ring_attention_holds_what_memplan_charges(cp, dtype):
+    # What torch's ring holds beyond a plain SDPA call's own, the most of any rank, against
+    # memplan.memory.ring: before, memplan charged two K/V chunks of the block input's size
+    # (2·tp·w an element of K) whatever cp was, where the ring gathers every rank's K and V
+    # and keeps fp32 buffers besides: at cp 8 in bf16, 36 w an element (backward), not 2.
+    from memplan.memory.ring import ring_held_bytes
+    from memplan.verify.distributed import free_port, run_ranks
+
+    config = {
+        "parent_pid": os.getpid(),
+        "world_size": cp,
+        "device": "cpu",
+        "port": free_port(),
+        "timeout_s": 120.0,
+        "rank_fn": _count_ring,
+        "dtype": dtype,
+    }
+    ranks = run_ranks(config, lambda *_: None)
+    w = 2 if dtype == "bfloat16" else 4
+    forward, backward = ring_held_bytes(cp, w)
+    most_forward = max(r["held"][0] for r in ranks)
+    most_backward = max(r["held"][1] for r in ranks)
+    # the log-sum-exp tensors (fp32, 1/D of K's elements) are what the formula leaves out
+    lse = 4 * LSE
+    assert forward * ELEMENTS <= most_forward <= forward * ELEMENTS + 2 * lse
+    if cp > 2:
+        assert backward * ELEMENTS <= most_backward <= backward * ELEMENTS + 2 * lse
+    else:  # no later step concatenates K/V for an exchange: up to one w·E less
+        assert (backward - w) * ELEMENTS <= most_backward <= backward * ELEMENTS
+    # the old charge at tp 1, 2w an element, is below what the ring holds at any cp
+    assert most_backward > 2 * w * ELEMENTS
+    # by hand, bf16 (a = 4): forward 2cp·w gathered + 8w, backward 2cp·w + 6w + 7a: at cp 4,
+    # 32 and 56 bytes an element of K
+    assert ring_held_bytes(4, 2) == (32, 56)
+
+
+def test_a_cp_rank_holds_the_rings_buffers_while_a_block_runs(monkeypatch):
+    # The memory model: each block's forward and backward segment of a cp rank holds the
+    # ring's buffers beyond the plain run's, at the rank's share of K (block input per
+    # sample / (w · cp · tp) elements); the loss and optimizer segments hold none. Before,
+    # two K/V chunks of the block input's size over cp (2·tp·w an element) were charged at
+    # every point of the step, the loss's included.
+    from profiles_factory import uniform_chain
+
+    from memplan.memory import parallel as layout
+    from memplan.memory.ring import ring_held_bytes, ring_held_slopes
+
+    base = uniform_chain(4).profile()
+    block_input = 4096 * 64 * 2.0  # bytes a sample: 4,096 tokens × width 64, bf16
+    layers = tuple(
+        dataclasses.replace(x, input_bytes=Affine(intercept=0.0, slope=block_input))
+        for x in base.layers
+    )
+    environment = dataclasses.replace(base.environment, precision="bf16")
+    profile = dataclasses.replace(base, layers=layers, environment=environment)
+    cp = 4
+    with_ring = layout.rank_profile(profile, Parallel(cp=cp), 0, 1)
+    monkeypatch.setattr(layout, "ring_held_slopes", lambda *_: (0.0, 0.0))
+    without = layout.rank_profile(profile, Parallel(cp=cp), 0, 1)
+    elements = block_input / (2 * cp)  # one sample's K on a rank: 1,024 tokens × 64
+    forward, backward = ring_held_bytes(cp, 2)
+    expected = {"none": 0.0, "fwd": forward * elements, "bwd": backward * elements}
+    assert expected["bwd"] == 56 * 65_536  # 3.5 MiB a sample
+    seen = set()
+    for phase, segments in with_ring.timeline.items():
+        for new, old in zip(segments, without.timeline[phase], strict=True):
+            seen.add(new.active)
+            for p, q in zip(
+                new.points + new.ckpt_points, old.points + old.ckpt_points, strict=True
+            ):
+                assert p[0] == q[0]
+                assert p[1] - q[1] == pytest.approx(expected[new.active])
+    assert seen == {"none", "fwd", "bwd"}
+    # without context parallel the ring holds nothing
+    assert ring_held_slopes(profile, profile.layers[0], Parallel(tp=2)) == (0.0, 0.0)
+    assert ring_held_slopes(profile, profile.layers[0], Parallel(cp=cp)) == (
+        forward * elements,
+        backward * elements,
+    )

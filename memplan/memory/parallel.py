@@ -37,9 +37,9 @@ then the existing per-rank model (memplan.memory.sharding) over ``dp`` ranks, so
 Under DDP over TP-split parameters a backward also holds the split gradients of the parts
 whose backward has run, apart from DDP's buckets (memory.ddp_tp), added to those segments.
 
-Not measured: context parallel's K/V exchange, modelled as two extra K/V chunks of the active
-block's input size (``cp_exchange_bytes``: ring attention holds the chunk it computes with and
-the one it receives), marked "not verified" (CP's attention does not run on CPU ranks).
+Context parallel's ring attention holds, while a block runs (its forward, and its backward
+with any recompute), what torch's ring keeps beside a plain attention call: the gathered K
+and V of every cp rank and its fp32 buffers (memplan.memory.ring, measured on gloo ranks).
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ from memplan.memory.pipeline import (
     stage_output_bytes,
     with_merged_outputs,
 )
+from memplan.memory.ring import ring_held_slopes
 from memplan.memory.sharding import Sharding, rank_float8_bytes
 from memplan.memory.terms import grads_at_bytes
 from memplan.memory.vocab import (
@@ -206,18 +207,8 @@ class _Frame:
         )
 
 
-def cp_exchange_bytes(layer: Layer, parallel: Parallel) -> Affine:
-    """Context parallel's K/V exchange, per sample: ring attention holds the K/V chunk it
-    computes with and the one it receives, each at most the block input's size over ``cp``
-    (K and V together are at most the hidden size under grouped-query attention; formula,
-    not measured: CP's attention does not run on CPU ranks)."""
-    if parallel.cp == 1:
-        return Affine.zero()
-    return Affine(intercept=0.0, slope=2.0 * layer.input_bytes.slope / parallel.cp)
-
-
-def _shift(point: Point, extra: float) -> Point:
-    return (point[0] + extra, point[1])
+def _shift(point: Point, extra: float, per_sample: float = 0.0) -> Point:
+    return (point[0] + extra, point[1] + per_sample)
 
 
 def _state_bytes(profile: Profile) -> int:
@@ -382,7 +373,9 @@ def rank_profile(
         for j, layer in zip(stage_range, layers, strict=True):
             if names[j] in modes:
                 stage_saved = affine_sub(stage_saved, _mode_savings(layer, modes[names[j]]))
-    exchange = cp_exchange_bytes(profile.layers[stage_range.start], parallel)
+    # the ring's buffers while a block runs: forward, and backward (recompute included)
+    ring_fwd, ring_bwd = ring_held_slopes(profile, profile.layers[stage_range.start], parallel)
+    ring = {"none": 0.0, "fwd": ring_fwd, "bwd": ring_bwd}
     kept = stage_output_bytes(profile, parallel) if last and parallel.pp > 1 else Affine.zero()
     buffers, input_grads = pipeline_buffers(profile, parallel, stage, micro_batches)
     buffers = affine_scale(buffers, input_factor)
@@ -401,7 +394,7 @@ def rank_profile(
         )
         offsets[phase] = (
             (held - 1) * stage_saved.intercept + held * kept.intercept + extra.intercept,
-            (held - 1) * stage_saved.slope + held * kept.slope + extra.slope + exchange.slope,
+            (held - 1) * stage_saved.slope + held * kept.slope + extra.slope,
         )
     # Prefix sums of the plain saved bytes (whole model) and of the rank's (this stage).
     full_prefix = [(0.0, 0.0)]
@@ -454,7 +447,7 @@ def rank_profile(
                 cur,
                 full_prefix[h],
                 rank_prefix[h],
-                _shift(offsets.get(phase, offsets["no_grads"]), split[i]),
+                _shift(offsets.get(phase, offsets["no_grads"]), split[i], ring[seg.active]),
                 whole if after_blocks and parallel.loss_parallel else None,
                 1.0 / parallel.tp,
                 most,

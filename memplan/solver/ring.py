@@ -43,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
+from memplan.memory.ring import ACCUM_BYTES, activation_itemsize
 from memplan.parallel import Parallel
 from memplan.profile import Profile
 from memplan.solver.layout_time import (
@@ -50,10 +51,6 @@ from memplan.solver.layout_time import (
     INTRA_NODE_BYTES_PER_SECOND,
     block_input_bytes,
 )
-
-ACCUM_BYTES = 4
-"""torch's ring attention accumulates outputs and gradients in fp32
-(``_ContextParallelOptions.convert_to_f32 = True``)."""
 
 
 def ring_memory_bytes(cp: int, w: int, a: int = ACCUM_BYTES) -> tuple[int, int]:
@@ -100,11 +97,6 @@ def cp_within_node(parallel: Parallel, gpus_per_node: int) -> bool:
     group spans ``tp · cp`` consecutive ranks."""
     span = parallel.tp * parallel.cp
     return span <= gpus_per_node and gpus_per_node % span == 0
-
-
-def activation_itemsize(profile: Profile) -> int:
-    """Bytes of one activation element: 2 under bf16/fp16, else 4."""
-    return 2 if profile.environment.precision in ("bf16", "fp16") else 4
 
 
 @dataclass(frozen=True, slots=True)
