@@ -70,7 +70,10 @@ def test_tp2_ddp2_every_block_checkpointed_within_three_percent_on_four_ranks(tm
             *("solve", str(profile), "--budget", "1GiB", "--target-batch", "8"),
             *("--world-size", "4", "--tp", "2", "--no-sequence-parallel"),
             *("--min-micro", "4", "--max-micro", "4"),
-            *("--always-checkpoint", "model.layers.*", "-o", str(plan_path)),
+            # full only: with selective among the modes, which of the two is faster comes
+            # from one timing round, and a busy machine flipped it (CI rehearsal)
+            *("--always-checkpoint", "model.layers.*", "--modes", "keep,full"),
+            *("-o", str(plan_path)),
         ],
         [
             *("verify", model, str(plan_path), "--world-size", "4", "--steps", "1"),
