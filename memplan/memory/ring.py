@@ -48,21 +48,39 @@ def ring_held_bytes(cp: int, w: int, a: int = ACCUM_BYTES) -> tuple[int, int]:
     call's own: ``(forward, backward)`` (module docstring); none without context parallel."""
     if cp <= 1:
         return 0, 0
-    gathered = 2 * cp * w
+    gathered = 2 * cp * w  # every rank's K and V, all the call
     cast = a if w < a else 0  # each step's output to fp32 (the same tensor when w == a)
-    forward = gathered + max(5 * w, w + 3 * a) + cast - w
-    backward = gathered + 3 * a + 4 * a + 3 * w + 4 * w + 2 * w - 3 * w
+    forward = (
+        gathered
+        + max(5 * w, w + 3 * a)  # step 0's copies and gather input, or a later step's merge
+        + cast
+        - w  # the plain call's output, in the probed block
+    )
+    backward = (
+        gathered
+        + 3 * a  # dQ/dK/dV accumulators
+        + 4 * a  # dK/dV concatenation sent, the permute's buffer received
+        + 3 * w  # the previous step's dQ/dK/dV
+        + 4 * w  # K/V concatenations of this step and the last
+        + 2 * w  # K/V contiguous copies
+        - 3 * w  # the plain call's dQ/dK/dV, in the probed block
+    )
     return forward, backward
+
+
+def rank_k_elements(profile: Profile, layer: Layer, parallel: Parallel) -> float:
+    """Elements of one rank's K after repeat_kv, per sample: ``S/cp`` tokens × ``d_model/tp``
+    for Llama, as many as the block's input per sample (``S × d_model × w``) has over
+    ``cp · tp``. The ring's memory (here) and its time (memplan.solver.ring) scale by it."""
+    w = activation_itemsize(profile)
+    return layer.input_bytes.slope / (w * parallel.cp * parallel.tp)
 
 
 def ring_held_slopes(profile: Profile, layer: Layer, parallel: Parallel) -> tuple[float, float]:
     """``ring_held_bytes`` for a block of the profile on one rank of ``parallel``, per sample
-    (the block's input per sample is ``S × d_model × w``: a rank's K after repeat_kv is
-    ``1/(cp·tp)`` of its elements): ``(forward, backward)``; zeros without context
-    parallel."""
+    (``rank_k_elements``): ``(forward, backward)``; zeros without context parallel."""
     if parallel.cp <= 1:
         return 0.0, 0.0
-    w = activation_itemsize(profile)
-    elements = layer.input_bytes.slope / (w * parallel.cp * parallel.tp)
-    forward, backward = ring_held_bytes(parallel.cp, w)
+    elements = rank_k_elements(profile, layer, parallel)
+    forward, backward = ring_held_bytes(parallel.cp, activation_itemsize(profile))
     return forward * elements, backward * elements

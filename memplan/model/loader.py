@@ -276,8 +276,7 @@ class ModelFile:
         if any(getattr(t, "is_meta", False) for t in batch_tensors(batch)):
             raise ModelFileError(
                 f"{self.path}: {self.named('make_batch')}{_args_text(args)} returned meta tensors, "
-                "which hold "
-                "no data to train on.",
+                "which hold no data to train on.",
                 hint="Return real tensors on CPU; memplan moves them to the device itself "
                 "(also to meta for --device meta).",
             )

@@ -43,13 +43,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memplan.devices import DeviceSpec
-from memplan.memory.ring import ACCUM_BYTES, activation_itemsize
+from memplan.memory.ring import ACCUM_BYTES, activation_itemsize, rank_k_elements
 from memplan.parallel import Parallel
 from memplan.profile import Profile
 from memplan.solver.layout_time import (
     INTER_NODE_BYTES_PER_SECOND,
     INTRA_NODE_BYTES_PER_SECOND,
-    block_input_bytes,
 )
 
 
@@ -130,9 +129,7 @@ def ring_seconds(
     if parallel.cp <= 1 or not profile.layers:
         return RingSeconds()
     w = activation_itemsize(profile)
-    # one rank's K after repeat_kv: b · S/cp tokens × d_model/tp, as many as its block input
-    # has elements over tp
-    elements = block_input_bytes(profile, parallel, b) / (w * parallel.tp)
+    elements = rank_k_elements(profile, profile.layers[0], parallel) * b
     # within a node at ``intra`` (NCCL's bus bandwidth of the spec's link, as TP's)
     link = intra if cp_within_node(parallel, gpus_per_node) else INTER_NODE_BYTES_PER_SECOND
     fwd_comm, bwd_comm = ring_comm_bytes(parallel.cp, w)
