@@ -93,11 +93,16 @@ _SIZES = {
     "embedding_size": 16,
 }
 WIDE_IMAGE = dict.fromkeys(
-    ("mobilenet_v1", "mobilenet_v2", "mobilevit", "mobilevitv2", "swiftformer"), 64
+    ("mobilenet_v1", "mobilenet_v2", "mobilevit", "mobilevitv2", "swiftformer", "regnet", "resnet"),
+    64,
 )
 """Families whose stride-32 stem leaves 1 × 1 at 32 px: BatchNorm refuses one value per
 channel in training at micro-batch 1 (on cpu as anywhere), so they get 64 px."""
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
+_UNSET = {"head_dim": 8, "num_key_value_heads": 4, "num_experts_per_tok": 2}
+"""Fields a config class leaves None for its model to derive, where some models read the None
+itself: what the derivation gives (head_dim hidden / heads, as many KV heads as heads), and
+two experts a token, as where the default is an int."""
 
 
 def families(kind: str) -> list[str]:
@@ -116,7 +121,7 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
             kwargs[name] = {**value.to_dict(), **_tiny_kwargs(value)}
         elif name in _SIZES and isinstance(value, int) and not isinstance(value, bool):
             kwargs[name] = _SIZES[name]
-        elif name in ("depths", "num_layers_per_stage") and isinstance(value, list):
+        elif name in ("depths", "num_layers_per_stage") and isinstance(value, (list, tuple)):
             kwargs[name] = [1 for _ in value]
         elif name == "layer_types" and isinstance(value, list):
             kwargs[name] = value[:2]
@@ -131,6 +136,16 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
             kwargs[name] = 0.0
         elif name in _TOKEN_IDS and isinstance(value, int) and value >= VOCAB:
             kwargs[name] = {"pad_token_id": 0, "bos_token_id": 1}.get(name, 2)
+        elif name in _UNSET and value is None:
+            # left for the model to derive, where some models then read None
+            kwargs[name] = _UNSET[name]
+        elif name == "num_heads" and isinstance(value, (list, tuple)):
+            kwargs[name] = [2**i for i in range(len(value))]  # per stage, as widths double
+        elif name == "window_size" and isinstance(value, int) and value > 4:
+            kwargs[name] = 4  # a window that tiles the 8 × 8 patch grid of a 32 px image
+        elif name == "attention_types" and isinstance(value, list):
+            # GPT-Neo: [[pattern, repeats]]; one repeat of its two-layer pattern
+            kwargs[name] = [[value[0][0], 1]]
     return kwargs
 
 
@@ -142,7 +157,23 @@ def tiny_config(kind: str, family: str) -> Any:
     kwargs = _tiny_kwargs(cls())
     if family in WIDE_IMAGE and "image_size" in kwargs:
         kwargs["image_size"] = WIDE_IMAGE[family]
-    return cls(**kwargs)
+    config = cls(**kwargs)
+    if kind == "encoder-decoder" and getattr(config, "decoder_start_token_id", None) is None:
+        # transformers 5 keeps it in the generation config, which a config class alone lacks;
+        # T5's convention (the decoder starts from the pad token) shifts the labels right
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
+    model_class = _model_classes(kind, family)
+    if len(model_class) > 1 and not getattr(config, "architectures", None):
+        config.architectures = [model_class[0]]  # a mapping to several: the first, by name
+    return config
+
+
+def _model_classes(kind: str, family: str) -> tuple[str, ...]:
+    """The class name(s) transformers' auto mapping of ``kind`` gives ``family``."""
+    from transformers.models.auto import modeling_auto
+
+    names = getattr(modeling_auto, KINDS[kind][0])[family]
+    return tuple(names) if isinstance(names, (list, tuple)) else (names,)
 
 
 def build(kind: str, family: str) -> Any:
@@ -174,6 +205,7 @@ def make_batch(kind: str, family: str, batch_size: int) -> dict[str, Any]:
         channels = int(getattr(config, "num_channels", 3) or 3)
         size = getattr(config, "image_size", IMAGE)
         size = size if isinstance(size, int) else IMAGE
+        size = WIDE_IMAGE.get(family, size)  # also where the config has no image_size
         return {
             "pixel_values": torch.randn(batch_size, channels, size, size, generator=g),
             "labels": torch.randint(0, 2, (batch_size,), generator=g),

@@ -207,6 +207,117 @@ def test_deepspeed_batch_rule(micro: int, k: int, world: int, precision: str) ->
     assert config["zero_optimization"] == {"stage": 0}
 
 
+# DeepSpeed's own config class (deepspeed.runtime.config.DeepSpeedConfig) reads each file in
+# a subprocess: it needs deepspeed.comm initialised (one gloo rank here), and it takes the
+# data-parallel size from an ``mpu`` object, as Megatron hands it over.
+_DEEPSPEED_READER = """
+import json, os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+import deepspeed.comm as dist
+from deepspeed.runtime.config import DeepSpeedConfig
+dist.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+
+class DataParallel:
+    def __init__(self, size):
+        self.size = size
+
+    def get_data_parallel_world_size(self):
+        return self.size
+
+
+read = []
+for path, world in json.loads(sys.argv[2]):
+    try:
+        c = DeepSpeedConfig(path, mpu=DataParallel(world))
+    except Exception as exc:
+        read.append({"refused": f"{type(exc).__name__}: {exc}"})
+        continue
+    z = c.zero_config
+    read.append({
+        "train_batch_size": c.train_batch_size, "micro": c.train_micro_batch_size_per_gpu,
+        "accumulation": c.gradient_accumulation_steps, "stage": c.zero_optimization_stage,
+        "bf16": c.bfloat16_config.enabled, "fp16": c.float16_config.enabled,
+        "clipping": c.gradient_clipping, "reduce_bucket_size": z.reduce_bucket_size,
+        "overlap_comm": z.overlap_comm, "contiguous_gradients": z.contiguous_gradients,
+    })
+print("READ " + json.dumps(read))
+"""
+
+
+def _deepspeed_reads(files: list[tuple[Path, int]], tmp_path: Path) -> list[dict]:
+    import importlib.util
+
+    from memplan.verify.distributed import free_port
+
+    if importlib.util.find_spec("deepspeed") is None:  # not imported here: one rank's setup
+        pytest.skip("deepspeed is not installed (pip install -e '.[dev]' installs it)")
+    reader = tmp_path / "read_ds.py"
+    reader.write_text(_DEEPSPEED_READER, encoding="utf-8")
+    pairs = json.dumps([[str(path), world] for path, world in files])
+    done = subprocess.run(
+        [sys.executable, str(reader), str(free_port()), pairs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("READ ")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads(lines[-1][len("READ ") :])
+
+
+def test_deepspeeds_own_config_reads_the_plans_numbers(tmp_path: Path) -> None:
+    """Every strategy and precision, on 1, 2 and 24 data-parallel ranks: DeepSpeed's config
+    class accepts the file (its batch rule against the ranks it is launched on, its ZeRO
+    section's fields, bf16 and fp16 never both) and reads back the plan's numbers. A file
+    whose batch leaves the ranks out is refused, so the check can fail."""
+    cases = []
+    for i, (strategy, precision, world) in enumerate(
+        [
+            ("ddp", "fp32", 1),
+            ("zero1", "bf16", 2),
+            ("zero2", "bf16", 24),
+            ("zero2", "fp16", 2),
+            ("fsdp", "bf16", 24),
+            ("fsdp", "fp32", 2),
+        ]
+    ):
+        micro, k = 3, 5
+        plan = replace(
+            PLAN,
+            target_batch=micro * k * world,
+            micro_batch_size=micro,
+            accumulation_steps=k,
+            world_size=world,
+            strategy=strategy,
+            precision=precision,
+        )
+        path = tmp_path / f"ds_{i}.json"
+        path.write_text(emit_deepspeed(plan), encoding="utf-8")
+        cases.append((plan, path))
+    wrong = json.loads(cases[2][1].read_text(encoding="utf-8"))
+    wrong["train_batch_size"] = wrong["train_micro_batch_size_per_gpu"] * 5  # ranks left out
+    (tmp_path / "wrong.json").write_text(json.dumps(wrong), encoding="utf-8")
+
+    read = _deepspeed_reads(
+        [(path, plan.world_size) for plan, path in cases] + [(tmp_path / "wrong.json", 24)],
+        tmp_path,
+    )
+    for (plan, _), got in zip(cases, read, strict=False):
+        assert "refused" not in got, (plan.strategy, plan.precision, got)
+        assert got["train_batch_size"] == plan.target_batch
+        assert (got["micro"], got["accumulation"]) == (3, 5)
+        assert got["stage"] == {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}[plan.strategy]
+        assert (got["bf16"], got["fp16"]) == (plan.precision == "bf16", plan.precision == "fp16")
+        assert got["clipping"] == 1.0
+        if plan.strategy == "zero2":  # the bucket memplan's ZeRO-2 model assumes
+            assert got["reduce_bucket_size"] == 500_000_000
+            assert (got["overlap_comm"], got["contiguous_gradients"]) == (False, True)
+    assert "train_batch_size is not equal" in read[-1]["refused"]
+
+
 # --------------------------------------------------------------------------- accelerate
 
 

@@ -21,6 +21,7 @@ SAMPLE = [
     ("causal-lm", "qwen2_moe"),
     ("encoder", "bert"),
     ("encoder", "deberta"),  # transformers' padding check reads a list index (PythonData)
+    ("encoder-decoder", "t5"),  # its labels shifted right from decoder_start_token_id
 ]
 
 
@@ -57,3 +58,24 @@ def test_families_are_the_pinned_transformers_mappings() -> None:
     assert {"llama", "gpt2", "mixtral", "gemma2"} <= set(causal)
     config = hf_families.tiny_config("causal-lm", "llama")
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (32, 2, 128)
+
+
+def test_tiny_configs_set_what_a_config_class_alone_leaves_unset() -> None:
+    """Families the sweep skipped before because their config class's defaults do not build
+    a tiny model (t5, longt5 and switch_transformers; gpt_neo; ministral, nemotron and
+    hunyuan; deit), each for one field."""
+    # transformers 5 keeps decoder_start_token_id in the generation config: T5's rule
+    t5 = hf_families.tiny_config("encoder-decoder", "t5")
+    assert t5.decoder_start_token_id == t5.pad_token_id == 0
+    # GPT-Neo's [[pattern, repeats]]: one repeat of its two layers, for two layers
+    neo = hf_families.tiny_config("causal-lm", "gpt_neo")
+    assert neo.attention_layers == ["global", "local"] and neo.num_layers == 2
+    # head_dim left None (the model reads it): hidden 32 over 4 heads
+    ministral = hf_families.tiny_config("causal-lm", "ministral")
+    assert (ministral.head_dim, ministral.num_attention_heads) == (8, 4)
+    # a mapping to two classes reads config.architectures, None from a config class
+    deit = hf_families.tiny_config("vision", "deit")
+    assert deit.architectures == ["DeiTForImageClassification"]
+    # per-stage head counts double with the widths (Swin-V2: 32, 64, 128, 256 wide)
+    swin = hf_families.tiny_config("vision", "swinv2")
+    assert list(swin.num_heads) == [1, 2, 4, 8] and list(swin.depths) == [1, 1, 1, 1]
