@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from memplan.errors import BadInputError
+from memplan.files.schema import LARGEST_INT
 
 KiB = 1024
 MiB = 1024**2
@@ -34,11 +36,24 @@ _PERCENT_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
 
 
 def parse_size(text: str | int, *, what: str = "size") -> int:
-    """Parse an absolute size (``24GiB``, ``512MiB``, ``1.5GB``, ``1073741824``) to bytes."""
+    """Parse an absolute size (``24GiB``, ``512MiB``, ``1.5GB``, ``1073741824``) to bytes:
+    exactly (decimal arithmetic, whole bytes, fractions dropped), at most 2**62, the largest
+    integer a plan or profile holds."""
     if isinstance(text, int):
         if text < 0:
             raise BadInputError(f"{what} must not be negative, got {text}.")
-        return text
+        size = text
+    else:
+        size = _size_of_text(text, what)
+    if size > LARGEST_INT:
+        raise BadInputError(
+            f"{what} {text!r} is absurdly large (over 2**62 bytes).",
+            hint="Check the number and its unit, e.g. 80GiB.",
+        )
+    return size
+
+
+def _size_of_text(text: str, what: str) -> int:
     match = _SIZE_RE.match(str(text))
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
@@ -46,7 +61,7 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
             f"{what} {text!r} is not a size.",
             hint="Write it as bytes or with a unit, e.g. 24GiB, 512MiB, 80GB, 1073741824.",
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(Decimal(match.group(1)) * _UNITS[unit])
 
 
 def parse_budget(

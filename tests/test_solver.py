@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from profiles_factory import ChainSpec, raw_profile, uniform_chain
 
 from memplan import memory
@@ -150,6 +152,61 @@ def test_bad_target_names_the_nearest_valid_targets():
     with pytest.raises(BadInputError, match="no micro-batch") as err:
         solve(profile, request(target_batch=7, min_micro=3, max_micro=4))
     assert "6 or 8" in str(err.value)
+
+
+def test_nearest_valid_targets_end_on_any_input():
+    """A --min-micro of 10**17 with a target of 8 stepped through every target below 10**17
+    to find the nearest one above (no end in practice); a range of one micro-batch far below
+    the target stepped once a world size per candidate. Both now answer at once, with targets
+    that split."""
+    from memplan.solver.batches import _nearest_valid_targets, micro_batch_sizes
+
+    profile = uniform_chain(2).profile()
+    with pytest.raises(BadInputError, match="no micro-batch") as err:
+        solve(profile, request(target_batch=8, min_micro=10**17))
+    assert str(err.value).endswith("Nearest valid target batches: 100000000000000000.")
+    target = 10**15 + 7
+    found = _nearest_valid_targets(target, 1, 10**6, 10**6)
+    assert found == [10**15, 10**15 + 10**6]
+    assert all(micro_batch_sizes(t, 1, 10**6, 10**6) == [10**6] for t in found)
+
+
+@given(
+    target=st.integers(1, 10**15),
+    world=st.integers(1, 64),
+    lo=st.integers(1, 10**9),
+    span=st.one_of(st.none(), st.integers(0, 10**9)),
+)
+@settings(max_examples=200, deadline=None)
+def test_nearest_valid_targets_are_valid_and_straddle_the_target(target, world, lo, span):
+    from memplan.solver.batches import _nearest_valid_targets, micro_batch_sizes
+
+    hi = None if span is None else lo + span
+    found = _nearest_valid_targets(target, world, lo, hi)
+    assert found and found[-1] > target and all(t < target for t in found[:-1])
+    assert all(micro_batch_sizes(t, world, lo, hi) for t in found)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("target_batch", 10**20),
+        ("budget_bytes", 10**30),
+        ("min_micro", 2**62 + 1),
+        ("max_micro", 10**19),
+        ("world_size", 10**20),
+        ("host_memory_bytes", 10**25),
+    ],
+)
+def test_absurd_integers_are_the_users_input_not_memplans_failure(field, value):
+    """A target batch of 10**20 (or a 10**30-byte budget) was solved, and the plan it made
+    refused by memplan's own read-back: exit 3, "memplan's failure". Now exit 2 naming the
+    field, before any solving."""
+    fields = {"target_batch": 8, "budget_bytes": 2**30, field: value}
+    with pytest.raises(SolveRequestError, match=rf"{field} {value} is absurdly large") as err:
+        SolveRequest(**fields)
+    assert err.value.exit_code == 2
+    SolveRequest(**{**fields, field: 2**62})  # the largest a plan holds is still taken
 
 
 def test_world_size_divides_the_target():
@@ -368,3 +425,14 @@ def test_no_fit_says_whether_layers_would_help():
     with pytest.raises(NoPlanFitsError) as err:
         solve(profile, request(target_batch=16, budget_bytes=int(least // 4), margin=0.0))
     assert "not --layers" in err.value.hint
+
+
+@pytest.mark.parametrize("option", [{"virtual_stages": -3}, {"gpus_per_node": 0}])
+def test_layout_options_are_checked_without_a_layout(option):
+    """Without --tp/--pp/--cp/--layout the layout options were dropped unread: `solve
+    --virtual-stages -3` planned as if it were not there (exit 0)."""
+    from memplan.solver.request import layout_request
+
+    with pytest.raises(SolveRequestError, match="must be a positive integer"):
+        layout_request(None, **option)
+    assert layout_request(None) is None

@@ -1,6 +1,8 @@
 """Size strings as users type them, and the bytes they mean."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from memplan.errors import BadInputError
 from memplan.units import GiB, MiB, format_bytes, format_seconds, parse_budget, parse_size
@@ -26,6 +28,28 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects_with_example(text):
     with pytest.raises(BadInputError, match=r"e\.g\. 24GiB"):
         parse_size(text)
+
+
+@given(n=st.integers(0, 2**62), unit=st.sampled_from(["", "B", "KiB", "MB", "GiB", "TB"]))
+def test_parse_size_is_exact_up_to_two_to_the_62(n, unit):
+    """Sizes were read through a float: 2**53 + 1 bytes came back as 2**53, and any size
+    over 2**62 passed, to be refused by memplan's own read-back of its plan (exit 3)."""
+    scale = {"": 1, "B": 1, "KiB": 1024, "MB": 10**6, "GiB": 1024**3, "TB": 10**12}[unit]
+    if n * scale <= 2**62:
+        assert parse_size(f"{n}{unit}") == n * scale
+    else:
+        with pytest.raises(BadInputError, match=r"absurdly large \(over 2\*\*62 bytes\)"):
+            parse_size(f"{n}{unit}")
+
+
+def test_parse_size_exact_cases():
+    assert parse_size("9007199254740993") == 2**53 + 1  # float: 2**53
+    assert parse_size("1.1GB") == 1_100_000_000
+    assert parse_size("0.5B") == 0  # whole bytes, the fraction dropped (as before)
+    with pytest.raises(BadInputError, match="absurdly large"):
+        parse_budget(str(10**30))
+    with pytest.raises(BadInputError, match="absurdly large"):
+        parse_size(2**62 + 1)
 
 
 def test_budget_percent_of_capacity():

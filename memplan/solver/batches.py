@@ -81,21 +81,35 @@ def micro_batch_sizes(target: int, world: int, lo: int, hi: int | None) -> list[
     return [b for b in divisors(per_rank) if lo <= b <= top]
 
 
+_NEAREST_STEPS = 1000
+"""Targets ``_nearest_valid_targets`` tries each way, one world size apart, before it falls
+back to the multiples of world × the smallest micro-batch."""
+
+
 def _nearest_valid_targets(target: int, world: int, lo: int, hi: int | None) -> list[int]:
-    """The nearest target batches below and above ``target`` that can be split."""
+    """The nearest target batches below and above ``target`` that can be split (``lo <= hi``).
+    Tried one world size apart, up to ``_NEAREST_STEPS`` each way; past that, the nearest
+    multiples of ``world × lo``, which always split (micro-batch ``lo``), so the search ends
+    on any input (a ``--min-micro`` of 10**18 once stepped through every target below it)."""
+    unit = world * lo
     found = []
     t = (target - 1) // world * world
-    while t >= world * lo:  # a multiple of world × lo is always valid, so this ends soon
-        if micro_batch_sizes(t, world, lo, hi):
-            found.append(t)
+    for _ in range(_NEAREST_STEPS):
+        if t < unit or micro_batch_sizes(t, world, lo, hi):
             break
         t -= world
-    t = (target // world + 1) * world
-    while True:
+    else:
+        t = (target - 1) // unit * unit
+    if t >= unit:
+        found.append(t)
+    t = max((target // world + 1) * world, unit)  # below unit, no micro-batch is >= lo
+    for _ in range(_NEAREST_STEPS):
         if micro_batch_sizes(t, world, lo, hi):
-            found.append(t)
             break
         t += world
+    else:
+        t = (target // unit + 1) * unit
+    found.append(t)
     return found
 
 

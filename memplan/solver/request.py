@@ -12,6 +12,7 @@ from typing import Any, Literal
 from memplan import memory
 from memplan.devices import DeviceSpec
 from memplan.errors import BadInputError
+from memplan.files.schema import LARGEST_INT
 from memplan.memory import Reserve
 from memplan.modes import parse_modes
 from memplan.parallel import (
@@ -38,6 +39,19 @@ class SolveRequestError(BadInputError, ValueError):
 
 def _positive_int(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def _refuse_absurd(request: object, names: tuple[str, ...]) -> None:
+    """Integers over 2**62, which no plan file may hold (memplan.files.schema): named here as
+    the user's input, not found later as memplan's own unreadable plan (exit 3)."""
+    for name in names:
+        value = getattr(request, name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > LARGEST_INT:
+            raise SolveRequestError(
+                f"{name} {value} is absurdly large (over 2**62, the largest integer a plan holds).",
+                hint="Check the number: budgets are bytes per rank (e.g. 80GiB), batches are "
+                "samples or tokens, degrees and micro-batches are counts.",
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,6 +85,7 @@ class LayoutRequest:
     memplan's one root unit, or torchtitan's since July 2025."""
 
     def __post_init__(self) -> None:
+        _refuse_absurd(self, ("tp", "pp", "cp", "gpus_per_node", "virtual_stages"))
         for name in ("tp", "pp", "cp"):
             value = getattr(self, name)
             if value is not None and not _positive_int(value):
@@ -132,7 +147,10 @@ def layout_request(
             f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}."
         )
     if layout is None and tp is None and pp is None and cp is None and fsdp_units == "memplan":
-        return None  # (an engine's FSDP units make a layout of data parallelism alone)
+        # (an engine's FSDP units make a layout of data parallelism alone); the options are
+        # still checked, so that a careless --virtual-stages -3 is not silently dropped
+        LayoutRequest(gpus_per_node=gpus_per_node, virtual_stages=virtual_stages)
+        return None
     return LayoutRequest(
         tp=tp,
         pp=pp,
@@ -221,6 +239,21 @@ class SolveRequest:
     each stage's from its layout (``memory.parallel.communicators``), as the plan's peak does."""
 
     def __post_init__(self) -> None:
+        _refuse_absurd(
+            self,
+            (
+                "target_batch",
+                "tokens_per_batch",
+                "seq_len",
+                "seq_multiple",
+                "budget_bytes",
+                "world_size",
+                "min_micro",
+                "max_micro",
+                "bn_min_micro",
+                "host_memory_bytes",
+            ),
+        )
         if self.modes is not None:
             object.__setattr__(self, "modes", parse_modes(self.modes))
         if self.host_memory_bytes is not None and (
