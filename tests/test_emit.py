@@ -176,6 +176,21 @@ def test_hf_loads_with_hf_argument_parser(plan: Plan, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- deepspeed
 
 
+def _data_parallel_plan(
+    micro: int, k: int, world: int, precision: str, strategy: str = "ddp"
+) -> Plan:
+    """PLAN at micro-batch ``micro`` × ``k`` steps on ``world`` data-parallel ranks."""
+    return replace(
+        PLAN,
+        target_batch=micro * k * world,
+        micro_batch_size=micro,
+        accumulation_steps=k,
+        world_size=world,
+        strategy=strategy,
+        precision=precision,
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     micro=st.integers(1, 512),
@@ -184,14 +199,7 @@ def test_hf_loads_with_hf_argument_parser(plan: Plan, tmp_path: Path) -> None:
     precision=st.sampled_from(["fp32", "bf16", "fp16"]),
 )
 def test_deepspeed_batch_rule(micro: int, k: int, world: int, precision: str) -> None:
-    plan = replace(
-        PLAN,
-        target_batch=micro * k * world,
-        micro_batch_size=micro,
-        accumulation_steps=k,
-        world_size=world,
-        precision=precision,
-    )
+    plan = _data_parallel_plan(micro, k, world, precision)
     config = json.loads(emit_deepspeed(plan))
     assert config["train_micro_batch_size_per_gpu"] == micro
     assert config["gradient_accumulation_steps"] == k
@@ -284,16 +292,7 @@ def test_deepspeeds_own_config_reads_the_plans_numbers(tmp_path: Path) -> None:
             ("fsdp", "fp32", 2),
         ]
     ):
-        micro, k = 3, 5
-        plan = replace(
-            PLAN,
-            target_batch=micro * k * world,
-            micro_batch_size=micro,
-            accumulation_steps=k,
-            world_size=world,
-            strategy=strategy,
-            precision=precision,
-        )
+        plan = _data_parallel_plan(3, 5, world, precision, strategy)
         path = tmp_path / f"ds_{i}.json"
         path.write_text(emit_deepspeed(plan), encoding="utf-8")
         cases.append((plan, path))
