@@ -372,6 +372,87 @@ def test_lightning_trainer_section(precision: str, spelled: str) -> None:
     assert LIGHTNING_PRECISION[precision] == spelled
 
 
+# LightningCLI's own parser (jsonargparse over the Trainer's signature) reads each file in a
+# subprocess, parse only: a GPU plan's Trainer cannot be built on this CPU, and the parse is
+# what `python main.py fit --config lightning_config.yaml` does first.
+_LIGHTNING_READER = """
+import json, sys
+from memplan.model.loader import settle_torchvision
+settle_torchvision()
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+from lightning.pytorch.strategies import StrategyRegistry
+
+
+class ParseOnly(LightningCLI):
+    def instantiate_classes(self):
+        pass
+
+
+read = []
+for path in sys.argv[1:]:
+    try:
+        cli = ParseOnly(BoringModel, BoringDataModule, run=False, args=["--config", path])
+    except SystemExit:  # jsonargparse reports on stderr and exits 2
+        read.append({"refused": True})
+        continue
+    t = cli.config.trainer
+    read.append({
+        "accelerator": t.accelerator, "devices": t.devices, "strategy": t.strategy,
+        "registered": t.strategy in StrategyRegistry.available_strategies(),
+        "precision": t.precision, "accumulate_grad_batches": t.accumulate_grad_batches,
+    })
+print("READ " + json.dumps(read))
+"""
+
+
+def test_lightning_clis_own_parser_reads_the_plans_trainer(tmp_path: Path) -> None:
+    """Every strategy and precision, GPU and CPU plans: LightningCLI's parser takes the
+    trainer section (its keys are the Trainer's arguments, its precision one of the
+    Trainer's literals) and reads back the plan's numbers; the strategy is a name in
+    Lightning's StrategyRegistry. A misspelt precision and an unknown key are refused, so
+    the check can fail."""
+    pytest.importorskip("jsonargparse", reason="pip install -e '.[dev]' installs it")
+    cases = []
+    for i, (strategy, precision, world, device) in enumerate(
+        [
+            ("ddp", "fp32", 1, "cpu"),
+            ("ddp", "bf16", 2, "cuda"),
+            ("zero1", "fp16", 2, "cuda"),
+            ("zero2", "bf16", 8, "cuda"),
+            ("fsdp", "bf16", 4, "cuda"),
+        ]
+    ):
+        plan = replace(_data_parallel_plan(3, 5, world, precision, strategy), device=device)
+        path = tmp_path / f"lightning_{i}.yaml"
+        path.write_text(emit_lightning(plan, model_path="m.py"), encoding="utf-8")
+        cases.append((plan, path))
+    text = cases[1][1].read_text(encoding="utf-8")
+    bad = [tmp_path / "misspelt.yaml", tmp_path / "unknown.yaml"]
+    bad[0].write_text(text.replace("bf16-mixed", "bf16-mixd"), encoding="utf-8")
+    bad[1].write_text(text.replace("accumulate_grad_batches", "accumulate_batches"), "utf-8")
+
+    done = subprocess.run(
+        [sys.executable, "-c", _LIGHTNING_READER, *(str(p) for _, p in cases), *map(str, bad)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("READ ")]
+    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
+    read = json.loads(lines[-1][len("READ ") :])
+    for (plan, _), got in zip(cases, read, strict=False):
+        assert "refused" not in got, (plan.strategy, plan.precision, got)
+        assert got["accelerator"] == ("cpu" if plan.device == "cpu" else "gpu")
+        assert got["devices"] == plan.world_size
+        assert got["precision"] == LIGHTNING_PRECISION[plan.precision]
+        assert got["accumulate_grad_batches"] == 5
+        if plan.strategy != "ddp" or plan.world_size > 1:
+            assert got["registered"], got["strategy"]
+    assert read[-2:] == [{"refused": True}, {"refused": True}]
+
+
 def test_yaml_comments_are_comments() -> None:
     for fmt in ("hf", "accelerate", "lightning"):
         _, text = emit(PLAN, fmt)
