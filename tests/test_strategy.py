@@ -407,6 +407,37 @@ def test_torchrun_script_launch_lines_and_strategy():
         emit(make_plan(strategy="zero2"), "torchrun", "m.py")
 
 
+def test_torchruns_own_parser_reads_the_launch_lines():
+    """The docstring's commands, as a user pastes them into a shell (node R = 1, HOST =
+    node0), through torch.distributed.run's own argument parser: every rank of the plan is
+    launched. The multi-node command ended its first line in two backslashes in the file,
+    which a shell reads as a literal backslash, not a continuation."""
+    import shlex
+
+    from torch.distributed.run import get_args_parser, parse_min_max_nnodes
+
+    plan = make_plan(target_batch=4 * 4 * 16, world_size=16, strategy="fsdp", shard_units=("h.0",))
+    _, text = emit(plan, "torchrun", "m.py")
+    pasted = text.replace("--node_rank R", "--node_rank 1").replace("HOST", "node0")
+    launched = []
+    lines = pasted[pasted.index("Launch it:") : pasted.index("Each optimizer")]
+    for command in lines.replace("\\\n", " ").splitlines():
+        words = shlex.split(command, comments=True)
+        if words[:1] != ["torchrun"]:
+            continue
+        args = get_args_parser().parse_args(words[1:])
+        assert (args.training_script, args.training_script_args) == (
+            "train_torchrun.py",
+            ["--steps", "100"],
+        )
+        nodes, most = parse_min_max_nnodes(args.nnodes)
+        assert nodes == most  # a fixed number of nodes, not elastic
+        launched.append(nodes * int(args.nproc_per_node))
+        if nodes > 1:
+            assert (args.node_rank, args.rdzv_endpoint) == (1, "node0:29500")
+    assert launched == [16, 16]
+
+
 # --------------------------------------------------------------------------- CLI
 def test_cli_solve_with_a_strategy_and_verify_refuses_another_world(tmp_path):
     from typer.testing import CliRunner

@@ -40,7 +40,7 @@ def launch_commands(
         lines += [
             "",
             f"    # {nodes} nodes × {gpus_per_node} GPUs; on node R (0 .. {nodes - 1}), HOST = node 0:",
-            f"    torchrun --nnodes {nodes} --nproc_per_node {gpus_per_node} --node_rank R \\\\",
+            f"    torchrun --nnodes {nodes} --nproc_per_node {gpus_per_node} --node_rank R \\",
             f"        --rdzv_backend c10d --rdzv_endpoint HOST:29500 {script} --steps 100",
         ]
     return lines
