@@ -41,7 +41,10 @@ def _held(fn, keep):
     from memplan.probe.tracker import LiveTracker
 
     class Held(LiveTracker):
-        settle_s = 0.01  # a collective's worker drops its buffers: let that land first
+        # a collective's worker drops its buffers: let that land first. 0.01 s once was
+        # too short in a CI rehearsal under load: a cp-8 backward peaked at 78 bytes an
+        # element of K, where every run alone and under `yes` load reads 72 (bf16)
+        settle_s = 0.03
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             # torch 2.13 wraps a functional collective's output in an AsyncCollectiveTensor

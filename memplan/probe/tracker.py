@@ -239,6 +239,9 @@ class LiveTracker(TorchDispatchMode):
     """Seconds to give up the GIL before taking a new peak, so that frees other threads
     owe (a collective backend's worker dropping a finished call's buffers) land first.
     0: never (one process, no collectives: the probe)."""
+    settle_rounds = 10
+    """At most this many ``settle_s`` waits before one new peak: another while the count
+    still falls, as frees land one by one on a loaded machine."""
 
     def __init__(
         self,
@@ -372,6 +375,18 @@ class LiveTracker(TorchDispatchMode):
             raise internal_failure(part, func, exc) from exc
         return out
 
+    def _take_peak(self) -> None:
+        """The peak, past the count now; with ``settle_s``, once the frees other threads
+        owe have landed: waited for while the count falls (``settle_rounds`` at most)."""
+        if self.live_bytes <= self.peak_bytes:
+            return
+        for _ in range(self.settle_rounds if self.settle_s else 0):
+            before = self.live_bytes
+            time.sleep(self.settle_s)
+            if self.live_bytes >= before or self.live_bytes <= self.peak_bytes:
+                break
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
     def _account(
         self, func: Any, args: tuple, kwargs: dict, out: Any, cache: Any, key: Any
     ) -> None:
@@ -380,10 +395,7 @@ class LiveTracker(TorchDispatchMode):
         outputs = tensors_in(out, [])
         for tensor in outputs:
             self._add_tensor(tensor)
-        if self.live_bytes > self.peak_bytes:
-            if self.settle_s:  # frees due on other threads land before a new peak is taken
-                time.sleep(self.settle_s)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._take_peak()
         packet = func._overloadpacket
         if self.record:
             self.values.append(self.live_bytes)
@@ -415,10 +427,7 @@ class LiveTracker(TorchDispatchMode):
         outputs = tensors_in(out, [])
         for tensor in outputs:
             self._add_tensor(tensor)
-        if self.live_bytes > self.peak_bytes:
-            if self.settle_s:  # frees due on other threads land before a new peak is taken
-                time.sleep(self.settle_s)
-            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._take_peak()
         if self.record:
             self.values.append(self.live_bytes)
             self.ops.append(func._overloadpacket.__name__)
