@@ -254,18 +254,22 @@ print("READ " + json.dumps(read))
 """
 
 
-def _deepspeed_reads(files: list[tuple[Path, int]], tmp_path: Path) -> list[dict]:
+def _deepspeed_reads(files: list[tuple[Path, int]]) -> list[dict]:
     import importlib.util
 
     from memplan.verify.distributed import free_port
 
     if importlib.util.find_spec("deepspeed") is None:  # not imported here: one rank's setup
         pytest.skip("deepspeed is not installed (pip install -e '.[dev]' installs it)")
-    reader = tmp_path / "read_ds.py"
-    reader.write_text(_DEEPSPEED_READER, encoding="utf-8")
     pairs = json.dumps([[str(path), world] for path, world in files])
+    return _read_back(_DEEPSPEED_READER, str(free_port()), pairs)
+
+
+def _read_back(reader: str, *args: str) -> list[dict]:
+    """What an engine's parser, run by ``reader`` in a fresh interpreter, read from the
+    files its arguments name: the JSON list after ``READ`` on its stdout."""
     done = subprocess.run(
-        [sys.executable, str(reader), str(free_port()), pairs],
+        [sys.executable, "-c", reader, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -301,8 +305,7 @@ def test_deepspeeds_own_config_reads_the_plans_numbers(tmp_path: Path) -> None:
     (tmp_path / "wrong.json").write_text(json.dumps(wrong), encoding="utf-8")
 
     read = _deepspeed_reads(
-        [(path, plan.world_size) for plan, path in cases] + [(tmp_path / "wrong.json", 24)],
-        tmp_path,
+        [(path, plan.world_size) for plan, path in cases] + [(tmp_path / "wrong.json", 24)]
     )
     for (plan, _), got in zip(cases, read, strict=False):
         assert "refused" not in got, (plan.strategy, plan.precision, got)
@@ -432,16 +435,7 @@ def test_lightning_clis_own_parser_reads_the_plans_trainer(tmp_path: Path) -> No
     bad[0].write_text(text.replace("bf16-mixed", "bf16-mixd"), encoding="utf-8")
     bad[1].write_text(text.replace("accumulate_grad_batches", "accumulate_batches"), "utf-8")
 
-    done = subprocess.run(
-        [sys.executable, "-c", _LIGHTNING_READER, *(str(p) for _, p in cases), *map(str, bad)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    lines = [line for line in done.stdout.splitlines() if line.startswith("READ ")]
-    assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
-    read = json.loads(lines[-1][len("READ ") :])
+    read = _read_back(_LIGHTNING_READER, *(str(p) for _, p in cases), *map(str, bad))
     for (plan, _), got in zip(cases, read, strict=False):
         assert "refused" not in got, (plan.strategy, plan.precision, got)
         assert got["accelerator"] == ("cpu" if plan.device == "cpu" else "gpu")
