@@ -189,6 +189,9 @@ def test_a_budget_below_every_plan_is_a_clear_error(planned):
         # the parameter's name in Python, not the CLI flag the user never typed
         ("lots", r"^budget 'lots' is not a size"),
         ("150%", r"^budget '150%': a percentage"),
+        # over 2**62: the user's number (exit 2), not memplan's unreadable plan (exit 3)
+        (10**30, r"^budget 10+ is absurdly large"),
+        ("100000000000000000000GiB", r"^budget '100000000000000000000GiB' is absurdly large"),
         ("auto", None),
     ],
 )

@@ -36,6 +36,7 @@ from memplan.plan import Plan
 from memplan.probe.settings import TIMING_ROUNDS
 from memplan.profile import Profile
 from memplan.suggest import did_you_mean
+from memplan.units import parse_size
 
 __all__ = [
     "budget_bytes",
@@ -344,7 +345,7 @@ def budget_bytes(budget: Budget, device: str, spec: Any = None) -> int:
     if isinstance(budget, int | float) and not isinstance(budget, str):
         if not math.isfinite(budget) or budget < 1 or budget != int(budget):
             raise BadInputError(f"budget must be a positive whole number of bytes, got {budget!r}.")
-        return int(budget)
+        return parse_size(int(budget), what="budget")  # at most 2**62, as a plan holds
     if budget.strip().lower() == "auto" and device == "cpu":
         free = host_available_bytes()
         if free is None:
@@ -366,8 +367,6 @@ def _device_spec(name: str | None) -> Any:
 
 
 def _host_memory(value: str | int | None) -> int | None:
-    from memplan.units import parse_size
-
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     return parse_size(str(value), what="host_memory")
