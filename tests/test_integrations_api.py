@@ -209,6 +209,33 @@ def test_bad_budgets_fail_before_probing(budget, match, monkeypatch):
         memplan.plan_model(blocks_model(), (x, y), loss_fn=mse, budget=budget, target_batch=4)
 
 
+@pytest.mark.parametrize(
+    ("host_memory", "match"),
+    [
+        # the argument's name, as budget's: not the SolveRequest field host_memory_bytes
+        (10**25, r"^host_memory 10+ is absurdly large"),
+        (-5, r"^host_memory must not be negative, got -5"),
+        ("lots", r"^host_memory 'lots' is not a size"),
+    ],
+)
+def test_bad_host_memory_fails_before_probing(host_memory, match, monkeypatch):
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr(memplan.integrations.api, "profile_model", no_probe)
+    x, y = data(4)
+    with pytest.raises(BadInputError, match=match) as err:
+        memplan.plan_model(
+            blocks_model(),
+            (x, y),
+            loss_fn=mse,
+            budget="1GiB",
+            target_batch=4,
+            host_memory=host_memory,
+        )
+    assert err.value.exit_code == 2
+
+
 def test_careless_inputs_are_clear_errors():
     x, y = data(4)
     frozen = blocks_model().requires_grad_(False)

@@ -367,8 +367,12 @@ def _device_spec(name: str | None) -> Any:
 
 
 def _host_memory(value: str | int | None) -> int | None:
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
+    """``host_memory`` in bytes, named as the argument: ints too go through ``parse_size``
+    (not negative, at most 2**62), as ``budget`` does."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return parse_size(value, what="host_memory")
     return parse_size(str(value), what="host_memory")
 
 
