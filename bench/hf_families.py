@@ -85,24 +85,65 @@ _SIZES = {
     "max_position_embeddings": 64,
     "n_positions": 64,
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
-    "num_experts_per_tok": 2,
+    **dict.fromkeys(("num_experts_per_tok", "num_experts_per_token"), 2),
+    **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
     "n_shared_experts": 1,
+    **dict.fromkeys(("index_n_heads", "index_head_dim", "index_topk"), 4),
     "image_size": IMAGE,
     "patch_size": 4,
     "num_channels": 3,
     "embedding_size": 16,
 }
 WIDE_IMAGE = dict.fromkeys(
-    ("mobilenet_v1", "mobilenet_v2", "mobilevit", "mobilevitv2", "swiftformer", "regnet", "resnet"),
+    (
+        "mobilenet_v1",
+        "mobilenet_v2",
+        "mobilevit",
+        "mobilevitv2",
+        "swiftformer",
+        "regnet",
+        "resnet",
+        "swin",
+        "donut-swin",
+        "hiera",
+    ),
     64,
 )
 """Families whose stride-32 stem leaves 1 × 1 at 32 px: BatchNorm refuses one value per
-channel in training at micro-batch 1 (on cpu as anywhere), so they get 64 px."""
+channel in training at micro-batch 1 (on cpu as anywhere), so they get 64 px; and those whose
+last stage must still hold a window or a query pool there (Swin, Hiera)."""
+FAMILY = {
+    # four stages halve a 16 × 16 patch grid to 2 × 2: a window of 2 tiles each (a stage
+    # smaller than its window shrinks the window but not its bias table)
+    "swin": {"window_size": 2},
+    "donut-swin": {"window_size": 2},
+    "mobilevitv2": {"image_size": 128},  # its last stage unfolds 4 × 4 patches of a /32 map
+    "squeezebert": {"embedding_size": 32},  # its encoder asserts embeddings as wide as hidden
+    "esm": {"pad_token_id": 1, "mask_token_id": 2},  # None by default; its embeddings mask pads
+    # two layers of its pattern; axial position embeddings whose factors multiply to the
+    # 16 tokens and whose widths sum to hidden; chunks that tile 16 tokens
+    "reformer": {
+        "attn_layers": ["local", "lsh"],
+        "axial_pos_shape": [4, 4],
+        "axial_pos_embds_dim": [16, 16],
+        "local_attn_chunk_length": 4,
+        "lsh_attn_chunk_length": 4,
+    },
+    "causal-lm:reformer": {"is_decoder": True},  # its LM head asserts it
+}
+"""Per-family fields (``kind:family`` for one kind) the generic shrinking gets wrong, and why."""
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
-_UNSET = {"head_dim": 8, "num_key_value_heads": 4, "num_experts_per_tok": 2}
+_UNSET = {
+    "head_dim": 8,
+    "num_key_value_heads": 4,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "vocab_size": VOCAB,
+}
 """Fields a config class leaves None for its model to derive, where some models read the None
 itself: what the derivation gives (head_dim hidden / heads, as many KV heads as heads), and
-two experts a token, as where the default is an int."""
+where the default is an int elsewhere, its tiny value (experts, the vocabulary)."""
 
 
 def families(kind: str) -> list[str]:
@@ -139,6 +180,10 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
         elif name in _UNSET and value is None:
             # left for the model to derive, where some models then read None
             kwargs[name] = _UNSET[name]
+        elif name == "num_groups" and isinstance(value, int) and value > 4:
+            kwargs[name] = 4  # GroupNorm's groups: they must divide the tiny widths (BiT)
+        elif name == "image_size" and isinstance(value, (list, tuple)) and len(value) == 2:
+            kwargs[name] = [IMAGE, IMAGE]
         elif name == "num_heads" and isinstance(value, (list, tuple)):
             kwargs[name] = [2**i for i in range(len(value))]  # per stage, as widths double
         elif name == "window_size" and isinstance(value, int) and value > 4:
@@ -146,6 +191,18 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
         elif name == "attention_types" and isinstance(value, list):
             # GPT-Neo: [[pattern, repeats]]; one repeat of its two-layer pattern
             kwargs[name] = [[value[0][0], 1]]
+    fields = vars(config)
+    if fields.get("head_dim") is not None and fields.get("head_dim") == fields.get(
+        "qk_rope_head_dim"
+    ):
+        # multi-head latent attention (DeepSeek-V3 and its kin) points head_dim at the rope
+        # slice for the rotary embedding: it shrinks with that slice
+        kwargs["head_dim"] = _SIZES["qk_rope_head_dim"]
+    for kv, heads in (("num_key_value_heads", "num_attention_heads"), ("n_kv_heads", "n_heads")):
+        if isinstance(fields.get(kv), int) and fields.get(kv) == fields.get(heads):
+            # as many KV heads as heads by default (no grouping; latent attention expands
+            # its K and V to every head): the tiny model keeps that
+            kwargs[kv] = kwargs.get(heads, fields[heads])
     return kwargs
 
 
@@ -155,8 +212,12 @@ def tiny_config(kind: str, family: str) -> Any:
 
     cls = CONFIG_MAPPING[family]
     kwargs = _tiny_kwargs(cls())
-    if family in WIDE_IMAGE and "image_size" in kwargs:
+    if family in WIDE_IMAGE and isinstance(kwargs.get("image_size"), int):
         kwargs["image_size"] = WIDE_IMAGE[family]
+    elif family in WIDE_IMAGE and "image_size" in kwargs:
+        kwargs["image_size"] = [WIDE_IMAGE[family]] * 2
+    kwargs.update(FAMILY.get(family, {}))
+    kwargs.update(FAMILY.get(f"{kind}:{family}", {}))
     config = cls(**kwargs)
     if kind == "encoder-decoder" and getattr(config, "decoder_start_token_id", None) is None:
         # transformers 5 keeps it in the generation config, which a config class alone lacks;
@@ -203,9 +264,10 @@ def make_batch(kind: str, family: str, batch_size: int) -> dict[str, Any]:
     if kind == "vision":
         config = tiny_config(kind, family)
         channels = int(getattr(config, "num_channels", 3) or 3)
-        size = getattr(config, "image_size", IMAGE)
-        size = size if isinstance(size, int) else IMAGE
-        size = WIDE_IMAGE.get(family, size)  # also where the config has no image_size
+        size = getattr(config, "image_size", None)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        if not isinstance(size, int):  # a config without image_size
+            size = WIDE_IMAGE.get(family, IMAGE)
         return {
             "pixel_values": torch.randn(batch_size, channels, size, size, generator=g),
             "labels": torch.randint(0, 2, (batch_size,), generator=g),

@@ -19,6 +19,7 @@ SAMPLE = [
     ("causal-lm", "llama"),
     ("causal-lm", "gpt2"),
     ("causal-lm", "qwen2_moe"),
+    ("causal-lm", "deepseek_v3"),  # latent attention: K and V expanded from a low rank
     ("encoder", "bert"),
     ("encoder", "deberta"),  # transformers' padding check reads a list index (PythonData)
     ("encoder-decoder", "t5"),  # its labels shifted right from decoder_start_token_id
@@ -79,3 +80,34 @@ def test_tiny_configs_set_what_a_config_class_alone_leaves_unset() -> None:
     # per-stage head counts double with the widths (Swin-V2: 32, 64, 128, 256 wide)
     swin = hf_families.tiny_config("vision", "swinv2")
     assert list(swin.num_heads) == [1, 2, 4, 8] and list(swin.depths) == [1, 1, 1, 1]
+
+
+def test_tiny_configs_keep_what_latent_attention_and_windows_need() -> None:
+    """Families skipped before this rule, each for one field: DeepSeek-V3 and its kin
+    (head_dim is the rope slice; as many KV heads as heads; expert groups), Swin (a window
+    per stage), Hiera (its image size a pair), Reformer (its layer pattern and axial shapes)."""
+    ds = hf_families.tiny_config("causal-lm", "deepseek_v3")
+    assert ds.head_dim == ds.qk_rope_head_dim == 4
+    assert ds.num_key_value_heads == ds.num_attention_heads == 4
+    assert (ds.n_group, ds.topk_group, ds.n_routed_experts) == (1, 1, 4)
+    # grouped-query defaults still shrink to grouped: llama's None becomes 4 of 4; mistral's
+    # 8 of 32 becomes 2 of 4
+    mistral = hf_families.tiny_config("causal-lm", "mistral")
+    assert (mistral.num_key_value_heads, mistral.num_attention_heads) == (2, 4)
+    swin = hf_families.tiny_config("vision", "swin")
+    assert (swin.window_size, swin.image_size) == (2, 64)
+    # 64 px / patch 4 = 16, halved three times: 2 × 2 in the last stage, one window
+    assert swin.image_size // swin.patch_size // 2 ** (len(swin.depths) - 1) == swin.window_size
+    hiera = hf_families.tiny_config("vision", "hiera")
+    assert list(hiera.image_size) == [64, 64]
+    batch = hf_families.make_batch("vision", "hiera", 2)
+    assert tuple(batch["pixel_values"].shape) == (2, 3, 64, 64)
+    assert tuple(hf_families.make_batch("vision", "mobilevitv2", 1)["pixel_values"].shape) == (
+        1,
+        3,
+        128,
+        128,
+    )
+    causal = hf_families.tiny_config("causal-lm", "reformer")
+    assert causal.is_decoder and not hf_families.tiny_config("encoder", "reformer").is_decoder
+    assert causal.num_hidden_layers == 2 and sum(causal.axial_pos_embds_dim) == 32
