@@ -132,6 +132,7 @@ FAMILY = {
     "causal-lm:reformer": {"is_decoder": True},  # its LM head asserts it
 }
 """Per-family fields (``kind:family`` for one kind) the generic shrinking gets wrong, and why."""
+_DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 _UNSET = {
     "head_dim": 8,
@@ -180,6 +181,16 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
         elif name in _UNSET and value is None:
             # left for the model to derive, where some models then read None
             kwargs[name] = _UNSET[name]
+        elif name in _DENSE_FIRST and isinstance(value, int) and value > 1:
+            # dense layers before the first expert layer: one, so the second of two layers
+            # is a mixture of experts (DeepSeek-V3's 3 would leave the tiny model dense)
+            kwargs[name] = 1
+        elif (
+            name in ("decoder_sparse_step", "encoder_sparse_step")
+            and isinstance(value, int)
+            and value > 1
+        ):
+            kwargs[name] = 1  # every layer's MLP sparse, not every 4th of two
         elif name == "num_groups" and isinstance(value, int) and value > 4:
             kwargs[name] = 4  # GroupNorm's groups: they must divide the tiny widths (BiT)
         elif name == "image_size" and isinstance(value, (list, tuple)) and len(value) == 2:

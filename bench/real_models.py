@@ -29,6 +29,7 @@ CASES = (
     ("hf_mistral.py", "HF Mistral (decoder, attention dropout, sliding window, cache on)"),
     ("hf_t5.py", "HF T5 (encoder-decoder, default config: cache on)"),
     ("hf_lora_llama.py", "PEFT LoRA on HF Llama"),
+    ("hf_deepseek_v3.py", "HF DeepSeek-V3 (latent attention, mixture of experts)"),
     ("tv_resnet18.py", "torchvision resnet18 (BatchNorm)"),
     ("timm_convnext.py", "timm convnext_atto"),
 )

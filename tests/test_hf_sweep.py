@@ -90,6 +90,17 @@ def test_tiny_configs_keep_what_latent_attention_and_windows_need() -> None:
     assert ds.head_dim == ds.qk_rope_head_dim == 4
     assert ds.num_key_value_heads == ds.num_attention_heads == 4
     assert (ds.n_group, ds.topk_group, ds.n_routed_experts) == (1, 1, 4)
+    # one dense layer first, so the second of two is a mixture of experts (its default 3
+    # left the tiny model dense); Switch's every-4th sparse layer becomes every layer
+    assert ds.first_k_dense_replace == 1
+    model = hf_families.build("causal-lm", "deepseek_v3")
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == [
+        "DeepseekV3MLP",
+        "DeepseekV3MoE",
+    ]
+    assert (
+        hf_families.tiny_config("encoder-decoder", "switch_transformers").decoder_sparse_step == 1
+    )
     # grouped-query defaults still shrink to grouped: llama's None becomes 4 of 4; mistral's
     # 8 of 32 becomes 2 of 4
     mistral = hf_families.tiny_config("causal-lm", "mistral")

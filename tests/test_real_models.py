@@ -35,6 +35,7 @@ BAR = [
     "hf_mistral.py",  # decoder-only, attention dropout, sliding window, use_cache on
     "hf_t5.py",  # encoder-decoder, default config (use_cache on)
     "hf_lora_llama.py",  # PEFT LoRA
+    "hf_deepseek_v3.py",  # latent attention, a mixture of experts (grouped matmuls)
     "tv_resnet18.py",  # torchvision CNN, BatchNorm, 96x96: activations are the peak
     "timm_convnext.py",  # timm CNN, LayerNorm, 64x64
 ]
@@ -100,6 +101,7 @@ META_VS_CPU = [
     "hf_lora_llama.py",  # no dropout, no mask (is_causal): the CPU's flash kernel
     "hf_bert_sdpa.py",  # the CPU's flash kernel with a padding mask
     "hf_mistral_sdpa.py",  # the CPU's flash kernel with a sliding-window mask
+    "hf_deepseek_v3.py",  # experts as one grouped matmul: shapes fixed whatever the routing
 ]
 
 
