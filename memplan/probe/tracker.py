@@ -16,6 +16,8 @@ peak, bytes against its bandwidth), so a meta probe has times without running an
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import weakref
 from collections.abc import Iterable
@@ -232,6 +234,38 @@ class FusedRegion:
         return moved
 
 
+_NOT_THE_CALLER = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # memplan's own
+)
+
+
+def call_site() -> str:
+    """Where the op being dispatched was called from the model's code: the innermost Python
+    frame outside torch and memplan, named with the module whose method it is, e.g.
+    ``" in SwitchTransformersSparseMLP.forward (…/modeling_switch_transformers.py:174)"``;
+    ``""`` where no such frame is on the stack (backward runs in autograd's C++ engine).
+    Read only when an op fails, so a refusal says where in the user's model it is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(_NOT_THE_CALLER) and not path.startswith("<"):
+            where = f"{_short(path)}:{frame.f_lineno}"
+            owner = frame.f_locals.get("self")
+            name = frame.f_code.co_name
+            if isinstance(owner, torch.nn.Module):
+                name = f"{type(owner).__name__}.{name}"
+            return f" in {name} ({where})"
+        frame = frame.f_back
+    return ""
+
+
+def _short(path: str) -> str:
+    """A library's file from its package folder on (``transformers/models/…``), else as is."""
+    marker = os.sep + "site-packages" + os.sep
+    return path.split(marker, 1)[1] if marker in path else path
+
+
 class LiveTracker(TorchDispatchMode):
     """Counts live tensor-storage bytes; records the count after every op when ``record``."""
 
@@ -358,8 +392,8 @@ class LiveTracker(TorchDispatchMode):
                 if self.meta:
                     first = first_line(exc)
                     raise CannotMeasureError(
-                        f"The meta probe cannot run op {func} ({first[:200]}); it has no meta "
-                        "kernel or its output shape depends on tensor values.",
+                        f"The meta probe cannot run op {func}{call_site()} ({first[:200]}); "
+                        "it has no meta kernel or its output shape depends on tensor values.",
                         hint="Probe with --device cpu (or cuda) instead.",
                     ) from exc
                 raise
