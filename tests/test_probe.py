@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from profile_bytes import assert_meta_equals_cpu
 
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.files.schema import to_data
@@ -222,6 +223,45 @@ def test_meta_op_without_meta_kernel_is_cannot_measure(tmp_path: Path) -> None:
     with pytest.raises(CannotMeasureError) as info:
         probe_model(str(path), device="meta", micro_batches=(1, 2))
     assert "aten." in info.value.message and "--device cpu" in str(info.value)
+
+
+def _reads_tolist(tmp_path: Path, source: str) -> Path:
+    path = tmp_path / "reads.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(4, 4)\n"
+        "    def forward(self, x, lengths):\n"
+        "        h = self.fc(x)\n"
+        f"        keep = ({source}).tolist()\n"
+        "        return sum(h[i, :n].sum() for i, n in enumerate(keep))\n"
+        "def build_model():\n    return M()\n"
+        "def make_batch(n):\n"
+        "    return torch.randn(n, 4), torch.arange(n) % 4 + 1\n"
+        "def training_loss(model, batch):\n    return model(*batch)\n"
+    )
+    return path
+
+
+def test_meta_answers_tolist_of_batch_values_from_the_twins(tmp_path: Path) -> None:
+    """``tolist`` is no dispatched op (it reads storage in C++): on meta it used to fail
+    inside the model's forward and be blamed on the model (exit 2). Values from the batch
+    are read from their CPU twins, as ``.item()`` is; the meta profile equals cpu's."""
+    path = _reads_tolist(tmp_path, "lengths")
+    meta = probe_model(str(path), device="meta", micro_batches=(1, 2))
+    cpu = probe_model(str(path), device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    assert_meta_equals_cpu(cpu, meta)
+
+
+def test_meta_tolist_of_values_from_weights_is_cannot_measure(tmp_path: Path) -> None:
+    path = _reads_tolist(tmp_path, "(self.fc.weight.sum(0)[: x.shape[0]] > 0).long() + 1")
+    with pytest.raises(CannotMeasureError) as info:
+        probe_model(str(path), device="meta", micro_batches=(1, 2))
+    assert info.value.exit_code == 3
+    assert f"(Tensor.tolist in M.forward ({path}:9))" in info.value.message
+    assert "--device cpu" in str(info.value)
 
 
 def test_cuda_without_gpu_is_cannot_measure() -> None:

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
-from memplan.errors import MemplanError, internal_failure
+from memplan.errors import CannotMeasureError, MemplanError, internal_failure
 
 MAX_SHADOW_ELEMENTS = 1 << 22
 """Largest result (elements) computed for real: masks and ids of a batch are far smaller;
@@ -301,6 +301,8 @@ class PythonData(TorchFunctionMode):
                 made = _from_data(func, args, kwargs)
                 if made is not None:
                     return made
+            elif func in _READS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+                return _read(func, args, kwargs)
             elif (
                 func in _INDEXING
                 and len(args) >= 2
@@ -316,3 +318,24 @@ class PythonData(TorchFunctionMode):
 
 
 _INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+_READS = (torch.Tensor.tolist, torch.Tensor.numpy)
+"""Value reads that are no dispatched op: they read a tensor's storage in C++, where a meta
+tensor has none (``.item()`` and ``bool()`` dispatch ``_local_scalar_dense``; run answers
+those)."""
+
+
+def _read(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``t.tolist()`` (or ``t.numpy()``) of a meta tensor: its twin's values, or the probe's
+    "cannot measure" (exit 3) where it has none, naming the read and where the model made
+    it. Not the model's error: cpu would have read it."""
+    meta = args[0]
+    if meta in _shadows:
+        return func(_shadows[meta], *args[1:], **kwargs)
+    from memplan.probe.tracker import call_site  # the tracker imports this module
+
+    raise CannotMeasureError(
+        f"The meta probe cannot read the values of a tensor (Tensor.{func.__name__}"
+        f"{call_site()}): they are computed from weights or activations, which meta does "
+        "not have.",
+        hint="Probe with --device cpu (or cuda) instead.",
+    )
