@@ -84,6 +84,29 @@ def test_probe_cuda_without_gpu_exits_3():
     assert "--device cpu" in result.output
 
 
+def test_an_op_sequence_that_differed_is_warned_once(profile_path, monkeypatch):
+    """The probe records the warning in the profile (memplan.probe.assemble); showing the
+    profile printed it from there and again from ``op_sequence_stable``. Once now, and a
+    profile of an older memplan, without the recorded warning, still gets it."""
+    import dataclasses
+
+    from memplan import render
+
+    said: list[str] = []
+    monkeypatch.setattr(render, "warn", said.append)
+    profile = load_profile(profile_path)
+    recorded = (
+        "The op sequence differed between probed sizes (data-dependent routing?): segment "
+        "maxima were fitted, not points; verify plans at their micro-batch."
+    )
+    unstable = dataclasses.replace(profile, op_sequence_stable=False, warnings=(recorded,))
+    render.show_profile(unstable)
+    assert sum("op sequence differed" in m for m in said) == 1, said
+    said.clear()
+    render.show_profile(dataclasses.replace(unstable, warnings=()))
+    assert sum("op sequence differed" in m for m in said) == 1, said
+
+
 def test_show_renders_profile_and_rejects_corruption(profile_path, tmp_path):
     assert invoke("show", profile_path).exit_code == 0
     broken = tmp_path / "broken.yaml"

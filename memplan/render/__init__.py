@@ -359,7 +359,8 @@ def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> No
     if peaks:
         cells = ", ".join(f"b={b}: {format_bytes(v)}" for b, v in sorted(peaks.items()))
         console.print(f"Measured whole-step peak (no checkpointing, accumulation 1): {cells}")
-    if not profile.op_sequence_stable:
+    said = any("op sequence differed" in message for message in profile.warnings)
+    if not profile.op_sequence_stable and not said:  # a profile of an older memplan
         warn(
             "the op sequence differed between probed sizes (data-dependent routing); "
             "verify plans at their micro-batch with `memplan verify`."
