@@ -89,6 +89,10 @@ _SIZES = {
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
     "n_shared_experts": 1,
     **dict.fromkeys(("index_n_heads", "index_head_dim", "index_topk"), 4),
+    # state-space mixers (Mamba-2 and the hybrids): heads, state, groups
+    **dict.fromkeys(("mamba_n_heads", "n_mamba_heads"), 4),
+    **dict.fromkeys(("state_size", "mamba_d_state", "ssm_state_size"), 16),
+    "n_groups": 1,
     "image_size": IMAGE,
     "patch_size": 4,
     "num_channels": 3,
@@ -130,8 +134,12 @@ FAMILY = {
         "lsh_attn_chunk_length": 4,
     },
     "causal-lm:reformer": {"is_decoder": True},  # its LM head asserts it
+    "zaya": {"num_experts_per_tok": 1},  # its validator: one expert a token only
+    # its validators: NVFP4 keys need head_dim a multiple of 16; an indexer head per KV group
+    "kolibri1_1": {"head_dim": 16, "index_num_heads": 1},
 }
 """Per-family fields (``kind:family`` for one kind) the generic shrinking gets wrong, and why."""
+_BLOCK_PATTERNS = ("layers_block_type", "layers_block_types")
 _DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 _UNSET = {
@@ -145,6 +153,14 @@ _UNSET = {
 """Fields a config class leaves None for its model to derive, where some models read the None
 itself: what the derivation gives (head_dim hidden / heads, as many KV heads as heads), and
 where the default is an int elsewhere, its tiny value (experts, the vocabulary)."""
+
+
+def _two_layers(pattern: list[Any]) -> list[Any]:
+    """Two layers of a hybrid's per-layer block pattern: the first, and the first of another
+    type where the pattern has one (its attention block beside its mamba blocks), so the
+    tiny model runs both."""
+    other = next((kind for kind in pattern if kind != pattern[0]), pattern[0])
+    return [pattern[0], other] if pattern else pattern
 
 
 def families(kind: str) -> list[str]:
@@ -166,7 +182,11 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
         elif name in ("depths", "num_layers_per_stage") and isinstance(value, (list, tuple)):
             kwargs[name] = [1 for _ in value]
         elif name == "layer_types" and isinstance(value, list):
+            # the first two: a second kind here (an indexer, a sliding window) often has
+            # sizes of its own that this builder does not shrink (Qwen4-Exp, dots3)
             kwargs[name] = value[:2]
+        elif name in _BLOCK_PATTERNS and isinstance(value, list):
+            kwargs[name] = _two_layers(value)
         elif name == "intermediate_size" and isinstance(value, list):
             kwargs[name] = [64, 64]
         elif name == "use_cache":
@@ -209,6 +229,11 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
         # multi-head latent attention (DeepSeek-V3 and its kin) points head_dim at the rope
         # slice for the rotary embedding: it shrinks with that slice
         kwargs["head_dim"] = _SIZES["qk_rope_head_dim"]
+    if isinstance(fields.get("expand"), int) and isinstance(fields.get("head_dim"), int):
+        # Mamba-2 ties its heads to the width: heads × head_dim = expand × hidden
+        heads = kwargs.get("num_heads", fields.get("num_heads"))
+        if isinstance(heads, int):
+            kwargs["head_dim"] = fields["expand"] * _SIZES["hidden_size"] // heads
     for kv, heads in (("num_key_value_heads", "num_attention_heads"), ("n_kv_heads", "n_heads")):
         if isinstance(fields.get(kv), int) and fields.get(kv) == fields.get(heads):
             # as many KV heads as heads by default (no grouping; latent attention expands

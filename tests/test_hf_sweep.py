@@ -122,3 +122,16 @@ def test_tiny_configs_keep_what_latent_attention_and_windows_need() -> None:
     causal = hf_families.tiny_config("causal-lm", "reformer")
     assert causal.is_decoder and not hf_families.tiny_config("encoder", "reformer").is_decoder
     assert causal.num_hidden_layers == 2 and sum(causal.axial_pos_embds_dim) == 32
+
+
+def test_tiny_configs_of_state_space_and_hybrid_families() -> None:
+    """Mamba-2's validator ties heads × head_dim to expand × hidden; a hybrid's per-layer
+    block pattern keeps one block of each type in its two (the attention block beside the
+    mamba one)."""
+    mamba = hf_families.tiny_config("causal-lm", "mamba2")
+    assert mamba.num_heads * mamba.head_dim == mamba.expand * mamba.hidden_size == 64
+    zamba = hf_families.tiny_config("causal-lm", "zamba2")
+    assert zamba.layers_block_type == ["linear_attention", "hybrid"]
+    assert hf_families._two_layers(["a", "a", "a"]) == ["a", "a"]
+    assert hf_families._two_layers(["a", "a", "b", "c"]) == ["a", "b"]
+    assert hf_families.tiny_config("causal-lm", "bamba").mamba_n_heads == 4
