@@ -197,6 +197,9 @@ def feature(leaf, op):
     elif op == "nonzero":
         nz = torch.nonzero(flat != 0)
         h = h + torch.ones(nz.shape[0] + 1, 16, device=d).sum()
+    elif op == "tolist":  # reads storage without dispatching an op
+        n = sum(v != 0 for v in flat[0].tolist()) + 1
+        h = h + torch.ones(n, 8, device=d).sum()
     elif op == "arange":
         h = h + torch.arange(leaf.shape[-1], device=d).float().mean()
     elif op == "view":
@@ -238,7 +241,7 @@ def training_loss(model, batch):
 
 KINDS = ("contiguous", "slices", "transpose", "expand", "as_strided", "channels_last")
 DTYPES = ("int64", "int32", "bool", "float32")
-OPS = ("mask", "item", "nonzero", "arange", "view", "none")
+OPS = ("mask", "item", "nonzero", "arange", "view", "none", "tolist")
 CONTAINERS = ("tuple", "list", "dict", "nested")
 
 
@@ -254,6 +257,7 @@ def _meta_equals_cpu(spec: list[tuple[str, str, str]], container: str) -> None:
 def test_every_layout_and_value_read_at_once_equals_cpu() -> None:
     spec = [(kind, DTYPES[i % 4], OPS[i % 6]) for i, kind in enumerate(KINDS)]
     spec += [("slices", "int64", "nonzero"), ("contiguous", "bool", "mask")]
+    spec += [("transpose", "int32", "tolist"), ("expand", "float32", "tolist")]
     _meta_equals_cpu(spec, "nested")
 
 
