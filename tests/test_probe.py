@@ -478,3 +478,37 @@ def test_layers_glob_keeps_the_outermost_matches_by_definition(paths, patterns):
             glob_layers(root, ",".join(patterns))
     else:
         assert glob_layers(root, ",".join(patterns)) == outer
+
+
+def test_call_site_names_the_models_frame_or_the_backward_pass() -> None:
+    """What a meta refusal says about where the op was: the model's frame (past memplan's
+    handlers and torch's dispatch), or 'the backward pass' for an op autograd's engine
+    issued when memplan's step called backward (t5gemma2's index backward in the sweep
+    named the bench's own caller before). memplan's dispatch handler and step are stood in
+    for by code compiled under memplan's folder."""
+    from memplan.probe import tracker
+
+    source = (
+        "from torch.utils._python_dispatch import TorchDispatchMode\n"
+        "from memplan.probe.tracker import call_site\n"
+        "class Sites(TorchDispatchMode):\n"
+        "    seen = {}\n"
+        "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
+        "        self.seen.setdefault(func.__name__, set()).add(call_site())\n"
+        "        return func(*args, **(kwargs or {}))\n"
+        "def step(model, w):\n"
+        "    with Sites():\n"
+        "        model(w).backward()\n"
+    )
+    memplan = {}
+    exec(compile(source, str(Path(tracker.__file__).with_name("session.py")), "exec"), memplan)
+
+    class Model(torch.nn.Module):
+        def forward(self, w):
+            return (w.tanh() * 3).sum()
+
+    memplan["step"](Model(), torch.randn(4, requires_grad=True))
+    seen = memplan["Sites"].seen
+    line = Model.forward.__code__.co_firstlineno + 1
+    assert seen["tanh.default"] == {f" in Model.forward ({__file__}:{line})"}
+    assert seen["tanh_backward.default"] == {" in the backward pass"}

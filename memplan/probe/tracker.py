@@ -234,30 +234,31 @@ class FusedRegion:
         return moved
 
 
-_NOT_THE_CALLER = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # memplan's own
-)
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_MEMPLAN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_NOT_THE_MODEL = (_TORCH_DIR, _MEMPLAN_DIR, "<")
 
 
 def call_site() -> str:
-    """Where the op being dispatched was called from the model's code: the innermost Python
-    frame outside torch and memplan, named with the module whose method it is, e.g.
-    ``" in SwitchTransformersSparseMLP.forward (…/modeling_switch_transformers.py:174)"``;
-    ``""`` where no such frame is on the stack (backward runs in autograd's C++ engine).
-    Read only when an op fails, so a refusal says where in the user's model it is."""
+    """Where the op being dispatched was issued: past memplan's own handlers and torch's
+    dispatch, the model's innermost frame, named with the module whose method it is, e.g.
+    ``" in SwitchTransformersExperts.forward (…/modeling_switch_transformers.py:174)"``;
+    ``" in the backward pass"`` where autograd's engine issued it (its C++ runs backward,
+    so no model frame lies between; a Python autograd Function's backward or a checkpoint's
+    recompute has its own frames, found first); else ``""``. Read only when an op fails,
+    so a refusal says where it is."""
     frame = sys._getframe(1)
-    while frame is not None:
-        path = frame.f_code.co_filename
-        if not path.startswith(_NOT_THE_CALLER) and not path.startswith("<"):
-            where = f"{_short(path)}:{frame.f_lineno}"
-            owner = frame.f_locals.get("self")
-            name = frame.f_code.co_name
-            if isinstance(owner, torch.nn.Module):
-                name = f"{type(owner).__name__}.{name}"
-            return f" in {name} ({where})"
-        frame = frame.f_back
-    return ""
+    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_MODEL):
+        if frame.f_code.co_name == "_engine_run_backward":
+            return " in the backward pass"  # issued by autograd's engine, no model frame
+        frame = frame.f_back  # memplan's handlers and modes, torch's dispatch
+    if frame is None:
+        return ""
+    owner = frame.f_locals.get("self")
+    name = frame.f_code.co_name
+    if isinstance(owner, torch.nn.Module):
+        name = f"{type(owner).__name__}.{name}"
+    return f" in {name} ({_short(frame.f_code.co_filename)}:{frame.f_lineno})"
 
 
 def _short(path: str) -> str:
