@@ -206,34 +206,41 @@ def test_layers_glob_overrides_and_fixed_parts(tmp_path: Path) -> None:
         probe_model(str(MODELS / "stack.py"), device="cpu", layers="nothing.*")
 
 
+_LINEAR_M = (
+    "import torch\nfrom torch import nn\n"
+    "class M(nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc = nn.Linear(4, 4)\n"
+)
+"""A model file's head: one linear layer in ``M``; each test writes its forward."""
+
+
 def test_meta_op_without_meta_kernel_is_cannot_measure(tmp_path: Path) -> None:
+    """Routed by values computed from weights (no twin): exit 3 naming the op and where
+    the model called it, its module's class and the file and line, so the user finds it
+    (Switch and NLLB-MoE route by ``nonzero`` on the router's choice); cpu measures it."""
     path = tmp_path / "routing.py"
     path.write_text(
-        "import torch\nfrom torch import nn\n"
-        "class M(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.fc = nn.Linear(4, 4)\n"
-        "    def forward(self, x):\n"
-        "        h = self.fc(x)  # routed by values computed from weights: no twin\n"
+        _LINEAR_M + "    def forward(self, x):\n"
+        "        h = self.fc(x)\n"
         "        return h[h.sum(-1) > 0].sum()\n"
         "def build_model():\n    return M()\n"
         "def make_batch(n):\n    return torch.randn(n, 4)\n"
     )
     with pytest.raises(CannotMeasureError) as info:
         probe_model(str(path), device="meta", micro_batches=(1, 2))
-    assert "aten." in info.value.message and "--device cpu" in str(info.value)
+    assert info.value.exit_code == 3
+    assert f"op aten.index.Tensor in M.forward ({path}:9) (" in info.value.message
+    assert "--device cpu" in str(info.value)
+    cpu = probe_model(str(path), device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    assert cpu.totals.params_trainable_bytes == (4 * 4 + 4) * 4  # the linear layer, fp32
 
 
 def _reads_tolist(tmp_path: Path, source: str) -> Path:
     path = tmp_path / "reads.py"
     path.write_text(
-        "import torch\nfrom torch import nn\n"
-        "class M(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.fc = nn.Linear(4, 4)\n"
-        "    def forward(self, x, lengths):\n"
+        _LINEAR_M + "    def forward(self, x, lengths):\n"
         "        h = self.fc(x)\n"
         f"        keep = ({source}).tolist()\n"
         "        return sum(h[i, :n].sum() for i, n in enumerate(keep))\n"
