@@ -493,11 +493,11 @@ def test_call_site_names_the_models_frame_or_the_backward_pass() -> None:
     issued when memplan's step called backward (t5gemma2's index backward in the sweep
     named the bench's own caller before). memplan's dispatch handler and step are stood in
     for by code compiled under memplan's folder."""
-    from memplan.probe import tracker
+    from memplan.probe import call_site
 
     source = (
         "from torch.utils._python_dispatch import TorchDispatchMode\n"
-        "from memplan.probe.tracker import call_site\n"
+        "from memplan.probe.call_site import call_site\n"
         "class Sites(TorchDispatchMode):\n"
         "    seen = {}\n"
         "    def __torch_dispatch__(self, func, types, args=(), kwargs=None):\n"
@@ -508,7 +508,7 @@ def test_call_site_names_the_models_frame_or_the_backward_pass() -> None:
         "        model(w).backward()\n"
     )
     memplan = {}
-    exec(compile(source, str(Path(tracker.__file__).with_name("session.py")), "exec"), memplan)
+    exec(compile(source, str(Path(call_site.__file__).with_name("session.py")), "exec"), memplan)
 
     class Model(torch.nn.Module):
         def forward(self, w):

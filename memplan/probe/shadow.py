@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memplan.errors import CannotMeasureError, MemplanError, internal_failure
+from memplan.probe.call_site import call_site
 
 MAX_SHADOW_ELEMENTS = 1 << 22
 """Largest result (elements) computed for real: masks and ids of a batch are far smaller;
@@ -331,8 +332,6 @@ def _read(func: Any, args: tuple, kwargs: dict) -> Any:
     meta = args[0]
     if meta in _shadows:
         return func(_shadows[meta], *args[1:], **kwargs)
-    from memplan.probe.tracker import call_site  # the tracker imports this module
-
     raise CannotMeasureError(
         f"The meta probe cannot read the values of a tensor (Tensor.{func.__name__}"
         f"{call_site()}): they are computed from weights or activations, which meta does "

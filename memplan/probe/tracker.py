@@ -16,8 +16,6 @@ peak, bytes against its bandwidth), so a meta probe has times without running an
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 import weakref
 from collections.abc import Iterable
@@ -30,6 +28,7 @@ from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import CannotMeasureError, MemplanError, first_line, internal_failure
 from memplan.probe import shadow
+from memplan.probe.call_site import call_site
 from memplan.probe.float8 import FLOAT8_DTYPES, float8_bits, is_float8
 from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
 from memplan.probe.shadow import tensors_in
@@ -232,39 +231,6 @@ class FusedRegion:
         self._read.clear()
         self._made.clear()
         return moved
-
-
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_MEMPLAN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_NOT_THE_MODEL = (_TORCH_DIR, _MEMPLAN_DIR, "<")
-
-
-def call_site() -> str:
-    """Where the op being dispatched was issued: past memplan's own handlers and torch's
-    dispatch, the model's innermost frame, named with the module whose method it is, e.g.
-    ``" in SwitchTransformersExperts.forward (…/modeling_switch_transformers.py:174)"``;
-    ``" in the backward pass"`` where autograd's engine issued it (its C++ runs backward,
-    so no model frame lies between; a Python autograd Function's backward or a checkpoint's
-    recompute has its own frames, found first); else ``""``. Read only when an op fails,
-    so a refusal says where it is."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_MODEL):
-        if frame.f_code.co_name == "_engine_run_backward":
-            return " in the backward pass"  # issued by autograd's engine, no model frame
-        frame = frame.f_back  # memplan's handlers and modes, torch's dispatch
-    if frame is None:
-        return ""
-    owner = frame.f_locals.get("self")
-    name = frame.f_code.co_name
-    if isinstance(owner, torch.nn.Module):
-        name = f"{type(owner).__name__}.{name}"
-    return f" in {name} ({_short(frame.f_code.co_filename)}:{frame.f_lineno})"
-
-
-def _short(path: str) -> str:
-    """A library's file from its package folder on (``transformers/models/…``), else as is."""
-    marker = os.sep + "site-packages" + os.sep
-    return path.split(marker, 1)[1] if marker in path else path
 
 
 class LiveTracker(TorchDispatchMode):
