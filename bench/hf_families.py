@@ -82,6 +82,28 @@ _SIZES = {
     "q_lora_rank": 16,
     "d_kv": 8,
     "vocab_size": VOCAB,
+    # vocabularies and widths of other names (XLM/FlauBERT, LUKE's entities, RoCBERT's
+    # pronunciation and shape embeddings, Gemma-4's per-layer inputs, BLT's global model)
+    **dict.fromkeys(
+        (
+            "entity_vocab_size",
+            "pronunciation_vocab_size",
+            "shape_vocab_size",
+            "vocab_size_per_layer_input",
+        ),
+        VOCAB,
+    ),
+    **dict.fromkeys(
+        (
+            "emb_dim",
+            "entity_emb_size",
+            "pronunciation_embed_dim",
+            "shape_embed_dim",
+            "hidden_size_per_layer_input",
+            "hidden_size_global",
+        ),
+        32,
+    ),
     "max_position_embeddings": 64,
     "n_positions": 64,
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
@@ -105,6 +127,7 @@ WIDE_IMAGE = dict.fromkeys(
         "mobilevit",
         "mobilevitv2",
         "swiftformer",
+        "efficientnet",
         "regnet",
         "resnet",
         "swin",
@@ -134,6 +157,11 @@ FAMILY = {
         "lsh_attn_chunk_length": 4,
     },
     "causal-lm:reformer": {"is_decoder": True},  # its LM head asserts it
+    # a quarter of B0's widths, one block a stage; its head is as wide as its top conv
+    # (1280 × width_coefficient)
+    "efficientnet": {"width_coefficient": 0.25, "depth_coefficient": 0.3, "hidden_dim": 320},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # None by default; LFM2's kinds
+    "neomme": {"head_dim": 16},  # its M-RoPE rotates a quarter of a head in pairs of two
     "zaya": {"num_experts_per_tok": 1},  # its validator: one expert a token only
     # its validators: NVFP4 keys need head_dim a multiple of 16; an indexer head per KV group
     "kolibri1_1": {"head_dim": 16, "index_num_heads": 1},
@@ -182,9 +210,11 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
         elif name in ("depths", "num_layers_per_stage") and isinstance(value, (list, tuple)):
             kwargs[name] = [1 for _ in value]
         elif name == "layer_types" and isinstance(value, list):
-            # the first two: a second kind here (an indexer, a sliding window) often has
-            # sizes of its own that this builder does not shrink (Qwen4-Exp, dots3)
-            kwargs[name] = value[:2]
+            # the first two, with a full-attention layer where the pattern has one (Gemma-3's
+            # five sliding to one full; validators and rope tables that ask for one); not
+            # every kind: an indexer's layers have sizes this builder does not shrink
+            full = "full_attention" in value and "full_attention" not in value[:2]
+            kwargs[name] = [value[0], "full_attention"] if full else value[:2]
         elif name in _BLOCK_PATTERNS and isinstance(value, list):
             kwargs[name] = _two_layers(value)
         elif name == "intermediate_size" and isinstance(value, list):

@@ -135,3 +135,20 @@ def test_tiny_configs_of_state_space_and_hybrid_families() -> None:
     assert hf_families._two_layers(["a", "a", "a"]) == ["a", "a"]
     assert hf_families._two_layers(["a", "a", "b", "c"]) == ["a", "b"]
     assert hf_families.tiny_config("causal-lm", "bamba").mamba_n_heads == 4
+    # a full-attention layer kept where the pattern has one beyond its first two (Gemma-3's
+    # five sliding to one full); a pattern without one keeps its first two
+    gemma = hf_families.tiny_config("causal-lm", "gemma3_text")
+    assert gemma.layer_types == ["sliding_attention", "full_attention"]
+    qwen = hf_families.tiny_config("causal-lm", "qwen4_exp_text")
+    assert qwen.layer_types == ["linear_attention", "linear_attention"]
+
+
+def test_tiny_configs_shrink_widths_and_vocabularies_of_other_names() -> None:
+    """XLM's emb_dim, LUKE's entity vocabulary, RoCBERT's pronunciation and shape tables:
+    left at their defaults, each family stayed over MAX_PARAMS (101 M, 129 M, 13 M)."""
+    assert hf_families.tiny_config("encoder", "xlm").emb_dim == 32
+    luke = hf_families.tiny_config("encoder", "luke")
+    assert (luke.entity_vocab_size, luke.entity_emb_size) == (128, 32)
+    roc = hf_families.tiny_config("encoder", "roc_bert")
+    assert (roc.pronunciation_vocab_size, roc.shape_vocab_size) == (128, 128)
+    assert hf_families.build("encoder", "luke").num_parameters() < hf_families.MAX_PARAMS
