@@ -519,3 +519,14 @@ def test_call_site_names_the_models_frame_or_the_backward_pass() -> None:
     line = Model.forward.__code__.co_firstlineno + 1
     assert seen["tanh.default"] == {f" in Model.forward ({__file__}:{line})"}
     assert seen["tanh_backward.default"] == {" in the backward pass"}
+
+
+def test_call_site_never_fails_the_refusal_it_serves(monkeypatch) -> None:
+    """A frame it cannot read leaves the place out; the refusal itself still goes out."""
+    from memplan.probe import call_site
+
+    def unreadable(frame):
+        raise RuntimeError("frame gone")
+
+    monkeypatch.setattr(call_site, "_walk", unreadable)
+    assert call_site.call_site() == ""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -21,8 +22,15 @@ def call_site() -> str:
     ``" in the backward pass"`` where autograd's engine issued it (its C++ runs backward,
     so no model frame lies between; a Python autograd Function's backward or a checkpoint's
     recompute has its own frames, found first); else ``""``. Read only when an op fails,
-    so a refusal says where it is."""
-    frame = sys._getframe(1)
+    so a refusal says where it is; it never fails itself, which would hide that refusal."""
+    try:
+        return _walk(sys._getframe(1))
+    except Exception:  # a frame it cannot read: the refusal goes out without the place
+        return ""
+
+
+def _walk(frame: Any) -> str:
+    """The walk of ``call_site`` from ``frame`` (the caller of the dispatch handler) out."""
     while frame is not None and frame.f_code.co_filename.startswith(_NOT_THE_MODEL):
         if frame.f_code.co_name == "_engine_run_backward":
             return " in the backward pass"  # issued by autograd's engine, no model frame
