@@ -236,6 +236,28 @@ def test_batchnorm_floor_is_never_crossed_and_said_so():
     assert rows[8].fits and not rows[8].feasible and "BatchNorm floor" in rows[8].note
 
 
+def test_an_op_sequence_that_differed_is_warned_once_in_the_plan():
+    """The probe records the warning in the profile; the plan said it in its own words (with
+    the micro-batch to verify at) and then repeated the profile's: once now, as BatchNorm's
+    and the extrapolation's are. A profile without the recorded warning still gets it."""
+    import dataclasses
+
+    recorded = (
+        "The op sequence differed between probed sizes (data-dependent routing?): segment "
+        "maxima were fitted, not points; verify plans at their micro-batch."
+    )
+    base = uniform_chain(4).profile()
+    for warnings in ((recorded,), ()):
+        profile = dataclasses.replace(base, op_sequence_stable=False, warnings=warnings)
+        budget = peak_of(profile, 8, [], 1)
+        plan = solve(profile, request(target_batch=16, budget_bytes=budget)).plan
+        said = [w for w in plan.warnings if "op sequence differed" in w]
+        assert said == [
+            "the op sequence differed between probed sizes (data-dependent routing): verify "
+            f"the plan at micro-batch {plan.micro_batch_size}"
+        ], plan.warnings
+
+
 def test_batchnorm_floor_can_be_waived():
     profile = bn_profile()
     budget = peak_of(profile, 16, [0, 1, 2, 3], 4)

@@ -26,6 +26,7 @@ from memplan.probe.session import Run, Session, SizeRuns
 from memplan.probe.sizes import TimedSize
 from memplan.probe.tracker import state_tensors, storages_bytes
 from memplan.profile import (
+    OP_SEQUENCE_DIFFERED,
     Affine,
     Environment,
     FixedPart,
@@ -336,7 +337,7 @@ def _timelines(
         stable &= ok
     if not stable:
         warnings.append(
-            "The op sequence differed between probed sizes (data-dependent "
+            f"The {OP_SEQUENCE_DIFFERED} between probed sizes (data-dependent "
             "routing?): segment maxima were fitted, not points; verify plans at "
             "their micro-batch."
         )

@@ -324,6 +324,11 @@ class Totals:
     (a rotary table cached in a Python dict): resident all step, as buffers are."""
 
 
+OP_SEQUENCE_DIFFERED = "op sequence differed"
+"""Words of the warning a profile records when ``op_sequence_stable`` is False, which the
+solver and the renderer look for, to say it once in their own words."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Profile:
     schema_version: int = PROFILE_SCHEMA_VERSION
@@ -349,7 +354,8 @@ class Profile:
     has_batchnorm: bool = False
     op_sequence_stable: bool = True
     """False when the op sequence differed between probed sizes (data-dependent routing):
-    segment maxima, not points, were fitted; plans should be verified at their size."""
+    segment maxima, not points, were fitted; plans should be verified at their size. The
+    probe records a warning saying so (``OP_SEQUENCE_DIFFERED`` in its text)."""
     warnings: tuple[str, ...] = ()
     deduplicated_layers: tuple[str, ...] = ()
     """Candidate layers not traced themselves: each is identical to an earlier one (same

@@ -28,7 +28,7 @@ from memplan.devices import DeviceSpec
 from memplan.errors import MemplanError
 from memplan.modes import MODES
 from memplan.plan import Plan
-from memplan.profile import Affine, Profile, affine_sum
+from memplan.profile import OP_SEQUENCE_DIFFERED, Affine, Profile, affine_sum
 from memplan.report.runs import run_label, runs
 from memplan.units import format_bytes, format_seconds
 
@@ -359,10 +359,10 @@ def show_profile(profile: Profile, *, peaks: dict[int, int] | None = None) -> No
     if peaks:
         cells = ", ".join(f"b={b}: {format_bytes(v)}" for b, v in sorted(peaks.items()))
         console.print(f"Measured whole-step peak (no checkpointing, accumulation 1): {cells}")
-    said = any("op sequence differed" in message for message in profile.warnings)
+    said = any(OP_SEQUENCE_DIFFERED in message for message in profile.warnings)
     if not profile.op_sequence_stable and not said:  # a profile of an older memplan
         warn(
-            "the op sequence differed between probed sizes (data-dependent routing); "
+            f"the {OP_SEQUENCE_DIFFERED} between probed sizes (data-dependent routing); "
             "verify plans at their micro-batch with `memplan verify`."
         )
     for message in profile.warnings:

@@ -12,7 +12,7 @@ from memplan.devices import DeviceSpec
 from memplan.memory import Peak
 from memplan.modes import FULL, KEEP, MODES
 from memplan.plan import STRATEGIES
-from memplan.profile import Profile
+from memplan.profile import OP_SEQUENCE_DIFFERED, Profile
 from memplan.solver.options import (
     PlanOption,
     SolveContext,
@@ -445,7 +445,7 @@ def plan_warnings(ctx: SolveContext, best: PlanOption) -> list[str]:
             )
     if not profile.op_sequence_stable:
         warnings.append(
-            f"the op sequence differed between probed sizes (data-dependent routing): verify "
+            f"the {OP_SEQUENCE_DIFFERED} between probed sizes (data-dependent routing): verify "
             f"the plan at micro-batch {b}"
         )
     capacity = (
@@ -470,15 +470,18 @@ def plan_warnings(ctx: SolveContext, best: PlanOption) -> list[str]:
 
 def _profile_warnings(profile: Profile, said: Sequence[str]) -> list[str]:
     """The probe's warnings a plan repeats: not those the solver has already said in its
-    own words for this plan (BatchNorm; bytes extrapolated from a non-affine layer), so
-    each warning appears once."""
+    own words for this plan (BatchNorm; bytes extrapolated from a non-affine layer; an op
+    sequence that differed between probed sizes), so each warning appears once."""
     bn_said = any("BatchNorm" in w for w in said)
     extrapolated = any("extrapolated" in w for w in said)
+    routing = any(OP_SEQUENCE_DIFFERED in w for w in said)
     kept = []
     for message in profile.warnings:
         if bn_said and "BatchNorm" in message:
             continue
         if extrapolated and "not affine" in message:
+            continue
+        if routing and OP_SEQUENCE_DIFFERED in message:
             continue
         kept.append(message)
     return kept
