@@ -168,7 +168,16 @@ FAMILY = {
 }
 """Per-family fields (``kind:family`` for one kind) the generic shrinking gets wrong, and why."""
 _BLOCK_PATTERNS = ("layers_block_type", "layers_block_types")
-_DENSE_FIRST = ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
+_AT_MOST = {
+    # dense layers before the first expert layer: one, so the second of two layers is a
+    # mixture of experts (DeepSeek-V3's 3 would leave the tiny model dense)
+    **dict.fromkeys(("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"), 1),
+    # every layer's MLP sparse, not every 4th of two (Switch, NLLB-MoE)
+    **dict.fromkeys(("decoder_sparse_step", "encoder_sparse_step"), 1),
+    "num_groups": 4,  # GroupNorm's groups: they must divide the tiny widths (BiT)
+    "window_size": 4,  # a window that tiles the 8 × 8 patch grid of a 32 px image
+}
+"""Counts capped where the default is larger (left alone where it is not)."""
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 _UNSET = {
     "head_dim": 8,
@@ -187,8 +196,10 @@ def _two_layers(pattern: list[Any]) -> list[Any]:
     """Two layers of a hybrid's per-layer block pattern: the first, and the first of another
     type where the pattern has one (its attention block beside its mamba blocks), so the
     tiny model runs both."""
+    if not pattern:
+        return pattern
     other = next((kind for kind in pattern if kind != pattern[0]), pattern[0])
-    return [pattern[0], other] if pattern else pattern
+    return [pattern[0], other]
 
 
 def families(kind: str) -> list[str]:
@@ -231,24 +242,12 @@ def _tiny_kwargs(config: Any) -> dict[str, Any]:
         elif name in _UNSET and value is None:
             # left for the model to derive, where some models then read None
             kwargs[name] = _UNSET[name]
-        elif name in _DENSE_FIRST and isinstance(value, int) and value > 1:
-            # dense layers before the first expert layer: one, so the second of two layers
-            # is a mixture of experts (DeepSeek-V3's 3 would leave the tiny model dense)
-            kwargs[name] = 1
-        elif (
-            name in ("decoder_sparse_step", "encoder_sparse_step")
-            and isinstance(value, int)
-            and value > 1
-        ):
-            kwargs[name] = 1  # every layer's MLP sparse, not every 4th of two
-        elif name == "num_groups" and isinstance(value, int) and value > 4:
-            kwargs[name] = 4  # GroupNorm's groups: they must divide the tiny widths (BiT)
+        elif name in _AT_MOST and isinstance(value, int) and value > _AT_MOST[name]:
+            kwargs[name] = _AT_MOST[name]
         elif name == "image_size" and isinstance(value, (list, tuple)) and len(value) == 2:
             kwargs[name] = [IMAGE, IMAGE]
         elif name == "num_heads" and isinstance(value, (list, tuple)):
             kwargs[name] = [2**i for i in range(len(value))]  # per stage, as widths double
-        elif name == "window_size" and isinstance(value, int) and value > 4:
-            kwargs[name] = 4  # a window that tiles the 8 × 8 patch grid of a 32 px image
         elif name == "attention_types" and isinstance(value, list):
             # GPT-Neo: [[pattern, repeats]]; one repeat of its two-layer pattern
             kwargs[name] = [[value[0][0], 1]]

@@ -134,6 +134,7 @@ def test_tiny_configs_of_state_space_and_hybrid_families() -> None:
     assert zamba.layers_block_type == ["linear_attention", "hybrid"]
     assert hf_families._two_layers(["a", "a", "a"]) == ["a", "a"]
     assert hf_families._two_layers(["a", "a", "b", "c"]) == ["a", "b"]
+    assert hf_families._two_layers([]) == []
     assert hf_families.tiny_config("causal-lm", "bamba").mamba_n_heads == 4
     # a full-attention layer kept where the pattern has one beyond its first two (Gemma-3's
     # five sliding to one full); a pattern without one keeps its first two
