@@ -42,17 +42,9 @@ _ROUTED = (
     "(`.nonzero()`, `torch.where` on the router's choice, computed from weights): shapes meta "
     "cannot know; a cpu probe measures them"
 )
-_XLM_CACHE = (
-    "transformers' XLMModel.forward makes a key/value cache whenever none is passed "
-    "(modeling_xlm.py, `if cache is None: cache = EncoderDecoderCache(...)`, use_cache or "
-    "not), so a checkpointed attention layer's recompute attends to its forward's keys "
-    "twice; the cpu probe refuses to checkpoint it and says so (FlauBERT is XLM's code)"
-)
 KNOWN: dict[str, str] = {
     "nllb-moe": _ROUTED,
     "switch_transformers": _ROUTED,
-    "xlm": _XLM_CACHE,
-    "flaubert": _XLM_CACHE,
 }
 """Why a family that differs does, where it was traced."""
 TARGET = 0.90

@@ -162,17 +162,23 @@ class CheckpointingError(CannotMeasureError):
     randomness outside the preserved RNG state, data-dependent control flow)."""
 
 
+def raised_by_checkpointing(exc: BaseException) -> bool:
+    """Whether activation checkpointing raised ``exc``: torch's ``CheckpointError`` (the
+    recompute saved other tensors than the forward), or any error raised while a layer was
+    recomputed in the backward (``torch/utils/checkpoint.py`` on its way up)."""
+    import traceback
+
+    return type(exc).__name__ == "CheckpointError" or any(
+        frame.filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
+        for frame in traceback.extract_tb(exc.__traceback__)
+    )
+
+
 def checkpointing_failure(exc: BaseException, where: str) -> CheckpointingError | None:
     """``exc`` as a ``CheckpointingError`` when it was raised by activation checkpointing
     (``torch.utils.checkpoint.CheckpointError``, or any error raised while it recomputed a
     layer during the backward), else None. ``where`` names the model file or reference."""
-    import traceback
-
-    from_checkpoint = type(exc).__name__ == "CheckpointError" or any(
-        frame.filename.replace("\\", "/").endswith("torch/utils/checkpoint.py")
-        for frame in traceback.extract_tb(exc.__traceback__)
-    )
-    if not from_checkpoint or isinstance(exc, MemplanError):
+    if isinstance(exc, MemplanError) or not raised_by_checkpointing(exc):
         return None
     first = first_line(exc, type(exc).__name__)
     known = CheckpointingError(

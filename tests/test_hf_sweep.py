@@ -22,6 +22,7 @@ SAMPLE = [
     ("causal-lm", "deepseek_v3"),  # latent attention: K and V expanded from a low rank
     ("encoder", "bert"),
     ("encoder", "deberta"),  # transformers' padding check reads a list index (PythonData)
+    ("encoder", "xlm"),  # its forward fills a key/value cache: attentions not checkpointable
     ("encoder-decoder", "t5"),  # its labels shifted right from decoder_start_token_id
 ]
 
@@ -37,6 +38,27 @@ def test_meta_equals_cpu_for_a_sample_of_families(tmp_path: Path, kind: str, fam
 
     assert runner.try_selective is sizes.try_selective
     assert runner.time_extra_size is sizes.time_extra_size
+
+
+def test_xlm_plans_its_feed_forward_blocks_and_keeps_its_attentions(tmp_path: Path) -> None:
+    """transformers' XLMModel.forward makes a key/value cache whenever none is passed
+    (modeling_xlm.py: ``if cache is None: cache = EncoderDecoderCache(...)``), so a
+    checkpointed attention's recompute attends to its forward's keys twice. The probe
+    leaves the attentions out of the candidates and says so; the feed-forward blocks
+    stay."""
+    from memplan.model.loader import settle_torchvision
+    from memplan.probe import probe_model
+
+    settle_torchvision()
+    path = hf_families.model_file(tmp_path, "encoder", "xlm")
+    profile = probe_model(str(path), device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    assert profile.layer_names == ("transformer.ffns.0", "transformer.ffns.1")
+    assert {"transformer.attentions.0", "transformer.attentions.1"} <= {
+        part.name for part in profile.fixed
+    }
+    (warning,) = [w for w in profile.warnings if "cannot be checkpointed" in w]
+    assert "2 of 4 candidate layer(s)" in warning
+    assert "(transformer.attentions.0, transformer.attentions.1: RuntimeError: " in warning
 
 
 def test_the_sweep_names_the_first_differing_field() -> None:

@@ -217,18 +217,25 @@ def glob_layers(model: nn.Module, pattern: str) -> list[str]:
 
 
 def fixed_parts(model: nn.Module, layer_names: list[str]) -> list[str]:
-    """The largest subtrees that contain no candidate and are not inside one."""
+    """The largest subtrees that contain no candidate and are not inside one. A plain
+    container (``nn.ModuleList``, ``nn.ModuleDict``) has no forward of its own, so its
+    children are the parts: each runs, and is recorded (blocks left out of the candidates,
+    such as layers whose recompute does not match their forward)."""
     layer_set = set(layer_names)
     ancestors = {""}
     for name in layer_names:
         parts = name.split(".")
         ancestors.update(".".join(parts[:i]) for i in range(1, len(parts)))
     out = []
-    for name, _ in model.named_modules():
+    for name, module in model.named_modules():  # parents before children
         if not name or name in layer_set or name in ancestors:
             continue
         parent = name.rpartition(".")[0]
-        if parent in ancestors:
+        if parent not in ancestors:
+            continue
+        if type(module) in (nn.ModuleList, nn.ModuleDict) and len(module):
+            ancestors.add(name)
+        else:
             out.append(name)
     return out
 

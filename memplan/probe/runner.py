@@ -44,6 +44,7 @@ from memplan.probe.session import Session, SizeRuns, open_session, resolve_layer
 from memplan.probe.settings import TIMING_ROUNDS, ProbeSettings
 from memplan.probe.sizes import (
     available_bytes,
+    drop_uncheckpointable,
     estimated_bytes,
     refuse_unfit_first_size,
     refuse_unfit_size,
@@ -103,8 +104,8 @@ def probe_model(
             hint="For example 1,2,4: affine fits need two sizes; three give a residual.",
         )
     total = (
-        2 + (6 + (device != "meta")) * len(sizes) + 1 + (device != "meta")
-    )  # + the timing-only size
+        3 + (6 + (device != "meta")) * len(sizes) + 1 + (device != "meta")
+    )  # building, warm-up, checkpointing trial; + the timing-only size
     done = 0
 
     def tick(what: str) -> None:
@@ -229,6 +230,7 @@ def probe_sizes(
             hint="The model does not train on this GPU even at that size; try --device meta "
             "with a larger GPU spec.",
         ) from exc
+    drop_uncheckpointable(session, sizes[0], tick)
     try_selective(session, sizes[0])
     runs: list[SizeRuns] = []
     extra: dict[str, Any] = {}

@@ -118,6 +118,22 @@ class Session:
         device = self.backend.torch_device.type
         return [t for t in kept_tensors(roots) if t.device.type == device]
 
+    def rehook(self, names: list[str]) -> None:
+        """Make ``names`` the candidates (in that order): the recorder hooks them anew and
+        every module left out becomes part of a fixed part."""
+        modules = dict(self.model.named_modules())
+        self.recorder.remove()
+        self.layer_names = names
+        self.layers = [modules[n] for n in names]
+        self.part_names = fixed_parts(self.model, names)  # a dropped block is fixed
+        self.recorder = Recorder(
+            self.model,
+            self.layers,
+            {n: modules[n] for n in self.part_names},
+            clock=self.backend.clock,
+        )
+        self.recorder.install()
+
     # ------------------------------------------------------------------------ stepping
     def micro_step(
         self, batch: Any, tracker: LiveTracker | None, *, scale: float = 1.0
@@ -273,19 +289,7 @@ def warm_up(session: Session, size: int) -> None:
                 f"{len(missing)} candidate layer(s) never ran and are left out: "
                 + ", ".join(missing[:5])
             )
-        names = [session.layer_names[i] for i in order]
-        modules = dict(session.model.named_modules())
-        session.recorder.remove()
-        session.layer_names = names
-        session.layers = [modules[n] for n in names]
-        session.part_names = fixed_parts(session.model, names)  # a dropped block is fixed
-        session.recorder = Recorder(
-            session.model,
-            session.layers,
-            {n: modules[n] for n in session.part_names},
-            clock=session.backend.clock,
-        )
-        session.recorder.install()
+        session.rehook([session.layer_names[i] for i in order])
     problems = [p for p in record.problems if "more than once" not in p]
     if problems:
         raise CannotMeasureError(

@@ -14,7 +14,15 @@ from typing import Any
 import torch
 
 from memplan.devices import local_gpu
-from memplan.errors import BadInputError, CannotMeasureError, checkpointing_failure, first_line
+from memplan.errors import (
+    BadInputError,
+    CannotMeasureError,
+    InternalError,
+    MemplanError,
+    checkpointing_failure,
+    first_line,
+    raised_by_checkpointing,
+)
 from memplan.model.batch import batch_tensors
 from memplan.modes import SELECTIVE
 from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
@@ -206,6 +214,67 @@ def refuse_unfit_first_size(session: Session, size: int) -> None:
         session.warnings[:] = warnings
     need, what = _scaled_bytes(session, CALIBRATION_SIZE, run, batch_bytes, size)
     _refuse(session, size, need, what, f"scaled from a step at micro-batch {CALIBRATION_SIZE}")
+
+
+def _recompute_failure(
+    session: Session, layers: list[torch.nn.Module], batch: Any
+) -> Exception | None:
+    """One micro-step with ``layers`` fully checkpointed: None when it runs, else what the
+    recompute raised. Only errors checkpointing raised count (memplan's own InternalError
+    never does); any other error is the probe's to report."""
+    session.zero_grad()
+    try:
+        context_fn = session.backend.checkpoint_context_fn()
+        with checkpointed(layers, context_fn=context_fn), session.backend.guard():
+            session.micro_step(batch, None)
+    except Exception as exc:
+        if isinstance(exc, InternalError) or not raised_by_checkpointing(exc):
+            raise
+        return exc
+    finally:
+        session.zero_grad()
+    return None
+
+
+def drop_uncheckpointable(session: Session, size: int, tick: Callable[[str], None]) -> None:
+    """Leave out of the candidates every layer whose recompute does not match its forward,
+    before any measured run. The warm-up step ran the model plain at ``size``; one more
+    with every candidate fully checkpointed shows whether checkpointing changes what runs.
+    When it fails, each candidate is tried alone: a layer whose recompute fails by itself
+    (a key/value cache its forward fills and its recompute fills again: transformers'
+    XLM; a counter) is left out with a warning and counted as a fixed part, so no plan
+    checkpoints it; the other candidates keep their figures. A failure that no single
+    layer shows is the probe's to report (CheckpointingError, exit 3)."""
+    tick("checkpointing trial")
+    if not session.layers:
+        return
+    batch = session.backend.batch(session.model_file, size)
+    together = _recompute_failure(session, session.layers, batch)
+    if together is None:
+        return
+    failures = {
+        name: exc
+        for name, layer in zip(session.layer_names, session.layers, strict=True)
+        if (exc := _recompute_failure(session, [layer], batch)) is not None
+    }
+    if not failures:  # only together: the whole step's error, as a probe reports it
+        known = checkpointing_failure(together, session.model_file.spec)
+        if known is None:
+            raise together
+        raise known from together
+    first = next(iter(failures.values()))
+    if isinstance(first, MemplanError) and isinstance(first.__cause__, Exception):
+        first = first.__cause__  # the meta probe's refusal of the op: what the op raised
+    shown = ", ".join(list(failures)[:4]) + (", …" if len(failures) > 4 else "")
+    session.warnings.append(
+        f"{len(failures)} of {len(session.layer_names)} candidate layer(s) cannot be "
+        f"checkpointed, their recompute in the backward not matching their forward ({shown}: "
+        f"{type(first).__name__}: {first_line(first, type(first).__name__)[:200]}): state the "
+        "forward changes, such as a key/value cache, or randomness torch does not replay. "
+        "They are left out of the candidates and counted as fixed parts, so no plan "
+        "checkpoints them"
+    )
+    session.rehook([name for name in session.layer_names if name not in failures])
 
 
 def selective_mode(session: Session) -> Any:

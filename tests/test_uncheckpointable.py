@@ -1,0 +1,161 @@
+"""Layers whose recompute does not match their forward: the probe leaves them out of the
+candidates (counted as fixed parts, named in a warning) and plans the rest, as it must for
+transformers' XLM, whose forward fills a key/value cache whatever ``use_cache`` says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from profile_bytes import assert_meta_equals_cpu
+
+from memplan import memory
+from memplan.errors import CheckpointingError, checkpointing_failure
+from memplan.probe import measure_training_peak, probe_model
+from memplan.probe.layers import fixed_parts
+from memplan.solver import SolveRequest, solve
+from memplan.verify import verify_plan
+
+_CACHED = """\
+import torch
+from torch import nn
+
+CACHED = {cached}
+
+
+class Block(nn.Module):
+    def __init__(self, cached):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+        self.cached = cached
+
+    def forward(self, x, cache):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        if self.cached:  # the keys of every call so far, as a key/value cache keeps them
+            cache.setdefault(id(self), []).append(k)
+            k = torch.cat(cache[id(self)], 1)
+            v = torch.cat([v] * len(cache[id(self)]), 1)
+        return x + self.out(torch.softmax(q @ k.transpose(1, 2), -1) @ v)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(i in CACHED) for i in range(4))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        cache = {{}}  # a new cache each call; a recompute finds it filled by its forward
+        for block in self.blocks:
+            x = block(x, cache)
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(b):
+    return torch.randn(b, 6, 8)
+
+
+def training_loss(model, x):
+    return model(x).pow(2).mean()
+"""
+
+
+def _model(tmp_path: Path, cached: tuple[int, ...]) -> str:
+    path = tmp_path / f"cached_{'_'.join(map(str, cached)) or 'none'}.py"
+    path.write_text(_CACHED.format(cached=set(cached) or "set()"))
+    return str(path)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_layers_whose_recompute_differs_are_left_out_and_named(
+    tmp_path: Path, device: str
+) -> None:
+    path = _model(tmp_path, (1, 3))
+    profile = probe_model(path, device=device, micro_batches=(1, 2), timing_rounds=1)
+    assert profile.layer_names == ("blocks.0", "blocks.2")
+    assert {"blocks.1", "blocks.3", "head"} <= {part.name for part in profile.fixed}
+    (warning,) = [w for w in profile.warnings if "cannot be checkpointed" in w]
+    assert warning.startswith("2 of 4 candidate layer(s) cannot be checkpointed")
+    assert "(blocks.1, blocks.3: " in warning
+
+
+def test_meta_equals_cpu_and_the_plan_verifies(tmp_path: Path) -> None:
+    """The profile without the cached blocks is exact: meta equals cpu to the byte, and a
+    plan that checkpoints a remaining block verifies, its gradient checked, an independent
+    run within 1% of the prediction."""
+    path = _model(tmp_path, (1, 3))
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    meta = probe_model(path, device="meta", micro_batches=(1, 2), timing_rounds=1)
+    assert_meta_equals_cpu(cpu, meta)
+    every = memory.step_peak(cpu, 8, list(cpu.layer_names), 1).peak_bytes
+    none = memory.step_peak(cpu, 8, [], 1).peak_bytes
+    assert every < none
+    plan = solve(
+        cpu, SolveRequest(target_batch=8, budget_bytes=(every + none) // 2, model_path=path)
+    ).plan
+    assert plan.checkpoint and set(plan.checkpoint) <= {"blocks.0", "blocks.2"}
+    result = verify_plan(path, plan, steps=1)
+    assert result.passed, result.failures
+    if plan.accumulation_steps > 1:
+        assert result.gradient_check.status == "pass"
+    run = measure_training_peak(
+        path,
+        device="cpu",
+        micro_batch=plan.micro_batch_size,
+        accumulation_steps=plan.accumulation_steps,
+        checkpoint_modes=plan.checkpoint,
+    )
+    assert abs(plan.predicted.peak_bytes - run.peak_bytes) <= 0.01 * run.peak_bytes
+
+
+def test_every_block_cached_leaves_an_accumulation_only_profile(tmp_path: Path) -> None:
+    path = _model(tmp_path, (0, 1, 2, 3))
+    profile = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    assert profile.layer_names == ()
+    assert [part.name for part in profile.fixed][:4] == [f"blocks.{i}" for i in range(4)]
+    plan = solve(profile, SolveRequest(target_batch=4, budget_bytes=2**30, model_path=path)).plan
+    assert plan.checkpoint == {}
+    assert verify_plan(path, plan, steps=1).passed
+
+
+def test_checkpointing_a_cached_block_anyway_is_exit_3(tmp_path: Path) -> None:
+    """What the probe saw is real: a run that checkpoints a cached block fails in its
+    backward, and memplan's commands say why (exit 3), not with torch's traceback."""
+    path = _model(tmp_path, (1,))
+    with pytest.raises(Exception) as raw:
+        measure_training_peak(
+            path, device="cpu", micro_batch=2, checkpoint_modes={"blocks.1": "full"}
+        )
+    known = checkpointing_failure(raw.value, path)
+    assert isinstance(known, CheckpointingError) and known.exit_code == 3
+    assert "recompute does not match its forward" in str(known)
+    measure_training_peak(  # the other blocks checkpoint
+        path, device="cpu", micro_batch=2, checkpoint_modes={"blocks.0": "full"}
+    )
+
+
+def test_fixed_parts_are_the_children_of_a_plain_container() -> None:
+    """A ModuleList or ModuleDict has no forward, so its children are the parts; a
+    container inside a part stays inside it."""
+    from torch import nn
+
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(3))
+    model.norms = nn.ModuleList(nn.LayerNorm(2) for _ in range(2))
+    model.heads = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Sequential(nn.ModuleList())})
+    model.head = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    model.empty = nn.ModuleList()
+    assert fixed_parts(model, ["blocks.0", "blocks.2"]) == [
+        "blocks.1",
+        "norms.0",
+        "norms.1",
+        "heads.a",
+        "heads.b",
+        "head",
+        "empty",
+    ]
