@@ -224,13 +224,14 @@ def probe_sizes(
     refuse_unfit_first_size(session, sizes[0])
     try:
         warm_up(session, sizes[0])
+        drop_uncheckpointable(session, sizes[0], tick)
     except torch.OutOfMemoryError as exc:
         raise CannotMeasureError(
-            f"Out of GPU memory at the smallest micro-batch ({sizes[0]}) during the warm-up step.",
+            f"Out of GPU memory at the smallest micro-batch ({sizes[0]}) during the warm-up "
+            "steps (plain, then every candidate checkpointed).",
             hint="The model does not train on this GPU even at that size; try --device meta "
             "with a larger GPU spec.",
         ) from exc
-    drop_uncheckpointable(session, sizes[0], tick)
     try_selective(session, sizes[0])
     runs: list[SizeRuns] = []
     extra: dict[str, Any] = {}

@@ -221,15 +221,15 @@ def _recompute_failure(
 ) -> Exception | None:
     """One micro-step with ``layers`` fully checkpointed: None when it runs, else what the
     recompute raised. Only errors checkpointing raised count (memplan's own InternalError
-    never does); any other error is the probe's to report."""
+    and running out of memory never do); any other error is the probe's to report."""
     session.zero_grad()
     try:
         context_fn = session.backend.checkpoint_context_fn()
         with checkpointed(layers, context_fn=context_fn), session.backend.guard():
             session.micro_step(batch, None)
     except Exception as exc:
-        if isinstance(exc, InternalError) or not raised_by_checkpointing(exc):
-            raise
+        if _is_oom(exc) or isinstance(exc, InternalError) or not raised_by_checkpointing(exc):
+            raise  # out of memory in a recompute is the device's limit, not the layer's
         return exc
     finally:
         session.zero_grad()
