@@ -10,7 +10,7 @@ import pytest
 from profile_bytes import assert_meta_equals_cpu
 
 from memplan import memory
-from memplan.errors import CheckpointingError, checkpointing_failure
+from memplan.errors import CannotMeasureError, CheckpointingError, checkpointing_failure
 from memplan.probe import measure_training_peak, probe_model
 from memplan.probe.layers import fixed_parts
 from memplan.solver import SolveRequest, solve
@@ -159,3 +159,112 @@ def test_fixed_parts_are_the_children_of_a_plain_container() -> None:
         "head",
         "empty",
     ]
+
+
+_LATE_SELECTIVE = """\
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if x.shape[0] >= 4:  # from micro-batch 4 on, in place on what the policy saved
+            h.mul_(1.0)
+        return torch.relu(h)
+
+
+def build_model():
+    return nn.Sequential(*(Block() for _ in range(3)))
+
+
+def make_batch(b):
+    return torch.randn(b, 16)
+
+
+def training_loss(model, x):
+    return model(x).pow(2).mean()
+"""
+
+
+@pytest.mark.parametrize(
+    ("sizes", "failing"),
+    [((1, 2, 4), 4), ((1, 2), 8)],  # a measured size; the timing-only size (4 × the last)
+)
+def test_selective_that_fails_only_at_a_later_size_is_dropped_not_fatal(
+    tmp_path: Path, sizes: tuple[int, ...], failing: int
+) -> None:
+    """torch refuses a selective recompute whose saved tensor was changed in place; a model
+    that does so from micro-batch 4 on passes the trial at the smallest size. The probe
+    drops selective from the whole profile (the earlier sizes' figures too), says at which
+    size, and keeps keep and full (before: exit 3, no profile)."""
+    path = tmp_path / "late.py"
+    path.write_text(_LATE_SELECTIVE)
+    profile = probe_model(str(path), device="cpu", micro_batches=sizes, timing_rounds=1)
+    assert [layer.name for layer in profile.layers] == ["0", "1", "2"]
+    assert all(layer.selective_savings_bytes is None for layer in profile.layers)
+    assert all(layer.selective_recompute_seconds is None for layer in profile.layers)
+    assert all(not seg.selective_points for seg in profile.timeline["no_grads"])
+    (said,) = [w for w in profile.warnings if "selective checkpointing does not run" in w]
+    assert f"at micro-batch {failing} (RuntimeError: Tensor cached during selective" in said
+    assert all(layer.saved_bytes.slope == 64 for layer in profile.layers)  # 16 fp32 a sample
+
+
+_PACKED_LSTM = """\
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.rnns = nn.ModuleList(nn.LSTM(16, 16, batch_first=True) for _ in range(2))
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, tokens, lengths):
+        x = self.emb(tokens)
+        for rnn in self.rnns:
+            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            out, _ = rnn(packed)
+            x, _ = pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
+        return self.head(x)
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(b):
+    tokens = torch.randint(0, 50, (b, 12), generator=torch.Generator().manual_seed(b))
+    return tokens, torch.tensor([12 - (i % 3) for i in range(b)])
+
+
+def training_loss(model, batch):
+    return model(*batch).logsumexp(-1).mean()
+"""
+
+
+def test_two_sizes_on_two_paths_are_the_sizes_fault_not_memplans(tmp_path: Path) -> None:
+    """An LSTM over sequences packed with enforce_sorted=False sorts a batch of 2 and not
+    one of 1: micro-batches 1 and 2 run different op sequences, and the line through them
+    gives the first LSTM negative saved bytes per sample. Exit 3 naming the sizes, the
+    layer and what to probe instead, not "memplan's failure" from the read-back; sizes
+    that take one path probe (the size that differs left out)."""
+    path = tmp_path / "lstm.py"
+    path.write_text(_PACKED_LSTM)
+    with pytest.raises(CannotMeasureError) as info:
+        probe_model(str(path), device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    message = str(info.value)
+    assert info.value.exit_code == 3 and "memplan's failure" not in message
+    assert "micro-batches 1, 2 ran different op sequences" in message
+    assert "profile.layers[0].saved_bytes.slope (rnns.0) is -" in message
+    assert "--micro-batches 2,4,8" in message
+    profile = probe_model(str(path), device="cpu", micro_batches=(2, 4, 8), timing_rounds=1)
+    assert profile.layer_names == ("rnns.0", "rnns.1")
+    assert all(layer.saved_bytes.slope > 0 for layer in profile.layers)

@@ -43,6 +43,7 @@ from memplan.probe.sameness import Declined, shared_state, traced_reason
 from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
 from memplan.probe.settings import TIMING_ROUNDS, ProbeSettings
 from memplan.probe.sizes import (
+    SelectiveFailed,
     available_bytes,
     drop_uncheckpointable,
     estimated_bytes,
@@ -50,8 +51,10 @@ from memplan.probe.sizes import (
     refuse_unfit_size,
     rounds_phrase,
     run_size,
+    selective_off,
     time_extra_size,
     try_selective,
+    without_selective,
 )
 from memplan.profile import Profile
 
@@ -109,8 +112,9 @@ def probe_model(
     done = 0
 
     def tick(what: str) -> None:
-        nonlocal done
+        nonlocal done, total
         done += 1
+        total = max(total, done)  # a size run again without selective checkpointing
         if on_progress is not None:
             on_progress(done, total, what)
 
@@ -136,6 +140,19 @@ def probe_model(
         if known is None:
             raise
         raise known from exc
+
+
+def _run_size(
+    session: Session, size: int, tick: Callable[[str], None], runs: list[SizeRuns]
+) -> list[SizeRuns]:
+    """``runs`` and the runs of ``size``. Selective checkpointing that fails in a measured
+    run at this size (``SelectiveFailed``) is dropped from the whole profile, the earlier
+    sizes' selective figures with it, and the size is run again without it."""
+    try:
+        return [*runs, run_size(session, size, tick)]
+    except SelectiveFailed as failed:
+        selective_off(session, failed.cause, size)
+        return [*[without_selective(r) for r in runs], run_size(session, size, tick)]
 
 
 def _probe_repeats(
@@ -241,7 +258,7 @@ def probe_sizes(
         try:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            runs.append(run_size(session, size, tick))
+            runs[:] = _run_size(session, size, tick, runs)
         except torch.OutOfMemoryError as exc:
             session.zero_grad()
             gc.collect()
@@ -289,7 +306,12 @@ def probe_sizes(
     ):
         rounds = rounds_phrase(backend.timing_rounds)
         tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only ({rounds})")
-        extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
+        try:
+            extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
+        except SelectiveFailed as failed:
+            selective_off(session, failed.cause, TIMING_EXTRA_FACTOR * sizes[-1])
+            runs = [without_selective(r) for r in runs]
+            extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
     session.warnings.extend(backend.attention_notes)  # what the spec left undecided
     tick("fitting the timeline")
     profile = assemble(session, runs, extra, extra_timed, prune=prune)

@@ -5,9 +5,10 @@ selective), the untracked timed runs, and the refusal of a size the device canno
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +104,7 @@ def time_size(
         ("full", lambda: checkpointed(layers, context_fn=session.backend.checkpoint_context_fn())),
     ]
     if session.selective_runs:
-        configs.append((SELECTIVE, lambda: selective_mode(session)))
+        configs.append((SELECTIVE, lambda: selective_step(session)))
     records: dict[str, list[StepRecord]] = {name: [] for name, _ in configs}
     rounds = session.backend.timing_rounds
     for _ in range(rounds):
@@ -283,26 +284,64 @@ def selective_mode(session: Session) -> Any:
     return in_mode(session.layers, SELECTIVE, context_fn=session.backend.checkpoint_context_fn())
 
 
+class SelectiveFailed(Exception):
+    """A micro-step under selective checkpointing failed in its recompute after
+    ``try_selective``'s step ran: a path the batch chooses (an LSTM over sequences packed
+    with ``enforce_sorted=False`` reorders a batch of 2, not one of 1, in place of what the
+    policy saved). Raised out of a size's runs, so the probe drops selective for the whole
+    profile (``selective_off``) and runs the size again."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+@contextlib.contextmanager
+def selective_step(session: Session) -> Iterator[None]:
+    """``selective_mode`` for a measured run: a checkpointing failure in it becomes
+    ``SelectiveFailed``; any other error is the probe's to report."""
+    try:
+        with selective_mode(session):
+            yield
+    except Exception as exc:
+        if checkpointing_failure(exc, session.model_file.spec) is None:
+            raise
+        raise SelectiveFailed(exc) from exc
+
+
+def selective_off(session: Session, exc: Exception, size: int) -> None:
+    """No selective figures for this profile, and a warning that says why."""
+    first = first_line(exc, type(exc).__name__)[:200]
+    session.selective_runs = False
+    session.zero_grad()
+    session.warnings.append(
+        f"selective checkpointing does not run on this model at micro-batch {size} "
+        f"({type(exc).__name__}: {first}): the profile has no selective figures, so plans "
+        "use keep and full only"
+    )
+
+
+def without_selective(runs: SizeRuns) -> SizeRuns:
+    """``runs`` with its selective figures dropped (``selective_off`` came after it ran)."""
+    return dataclasses.replace(
+        runs, sel_no_grads=None, sel_grads_resident=None, selective_seconds=None
+    )
+
+
 def try_selective(session: Session, size: int) -> None:
     """One micro-step with every layer under selective checkpointing, before any measured
     run. A model whose recompute under the selective policy fails (torch's check that a
     tensor the policy saved was not changed in place afterwards, ConvBERT's in-place ops
     on a matmul's output) gets no selective figures, with a warning, rather than no
-    profile: keep and full still run. Any other error is the probe's to report."""
+    profile: keep and full still run. Any other error is the probe's to report. A failure
+    only a later size shows is ``SelectiveFailed`` there."""
     batch = session.backend.batch(session.model_file, size)
     session.zero_grad()
     try:
-        with selective_mode(session), session.backend.guard():
+        with selective_step(session), session.backend.guard():
             session.micro_step(batch, None)
-    except Exception as exc:
-        if checkpointing_failure(exc, session.model_file.spec) is None:
-            raise
-        first = first_line(exc, type(exc).__name__)[:200]
-        session.selective_runs = False
-        session.warnings.append(
-            f"selective checkpointing does not run on this model ({type(exc).__name__}: "
-            f"{first}): the profile has no selective figures, so plans use keep and full only"
-        )
+    except SelectiveFailed as failed:
+        selective_off(session, failed.cause, size)
     finally:
         session.zero_grad()
 
@@ -366,7 +405,7 @@ def run_size(session: Session, size: int, tick: Callable[[str], None]) -> SizeRu
     sel_no_grads = sel_grads_resident = None
     if session.selective_runs:
         tick(f"b={size}: selective")
-        with selective_mode(session):
+        with selective_step(session):
             sel_no_grads = session.tracked_step(batch)
             sel_grads_resident = session.tracked_step(batch)
         refuse_random_layers(session, size, sel_no_grads, sel_grads_resident, "selective")
