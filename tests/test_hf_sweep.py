@@ -24,6 +24,7 @@ SAMPLE = [
     ("encoder", "deberta"),  # transformers' padding check reads a list index (PythonData)
     ("encoder", "xlm"),  # its forward fills a key/value cache: attentions not checkpointable
     ("encoder-decoder", "t5"),  # its labels shifted right from decoder_start_token_id
+    ("encoder-decoder", "t5gemma2"),  # embeds[ids == eoi] = ...: a batch mask indexes
 ]
 
 

@@ -426,3 +426,62 @@ def test_a_failure_inside_memplan_is_exit_3_naming_memplans_part(
     )
     assert result.exit_code == 3, result.output
     assert part in result.output
+
+
+# ------------------------------------------------------- indexing by masks from the batch
+MASKED = """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SPECIAL, PAD, VOCAB = 3, 0, 40
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.special = nn.Parameter(torch.randn(16))
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h[ids == SPECIAL] = self.special  # T5Gemma2's end-of-image token, written in place
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def build_model():
+    return LM()
+
+
+def make_batch(b):
+    ids = torch.randint(4, VOCAB, (b, 9), generator=torch.Generator().manual_seed(b))
+    ids[:, 2] = SPECIAL
+    ids[:, -(1 + b % 3):] = PAD  # a different number of padded tokens at each size
+    return ids
+
+
+def training_loss(model, ids):
+    logits = model(ids[:, :-1])
+    labels = ids[:, 1:]
+    keep = labels != PAD
+    return F.cross_entropy(logits[keep], labels[keep])  # only the tokens that are not padding
+"""
+
+
+def test_indexing_by_a_mask_of_the_batch_probes_on_meta_as_on_cpu(tmp_path: Path) -> None:
+    """``logits[labels != PAD]`` and ``h[ids == SPECIAL] = ...``: the data has no twin
+    (computed from weights; in the backward, a gradient), the mask has one (the batch), and
+    the result's size is the mask's count. Meta's kernel asks ``nonzero`` of the mask,
+    which meta cannot know: before, exit 3 naming ``aten.index.Tensor``. The twin knows
+    the positions, so meta indexes by them, equal to the byte to cpu."""
+    path = _write(tmp_path, "masked.py", MASKED)
+    meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
+    assert_meta_equals_cpu(cpu, meta)
+    assert [layer.name for layer in meta.layers] == ["blocks.0", "blocks.1"]
+    # a mask without a twin (computed from weights) is still refused, naming the op:
+    # test_probe.test_meta_op_without_meta_kernel_is_cannot_measure

@@ -202,6 +202,10 @@ def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     if not all(t in _shadows for t in metas):
         for t in written:  # written from something without values: its shadow is stale
             _shadows.pop(t)
+        if func is _INDEX and not kwargs:
+            indexed = _index_by_twinned_masks(func, args)
+            if indexed is not None:
+                return True, indexed
         return False, None
     try:
         real = func(*tree_map(_to_cpu, args), **tree_map(_to_cpu, kwargs))
@@ -226,6 +230,32 @@ def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
                 cpu = _matching(meta, cpu, twins_in)
             _shadows[meta] = cpu
     return True, out
+
+
+_INDEX = torch.ops.aten.index.Tensor
+_MASK_DTYPES = (torch.bool, torch.uint8)
+
+
+def _index_by_twinned_masks(func: Any, args: tuple) -> torch.Tensor | None:
+    """``aten.index.Tensor`` of a tensor without a twin (computed from weights: a gradient
+    in the backward) by boolean masks that have one (from the batch: T5Gemma2's
+    ``embeds[input_ids == eoi_token_index] = ...``, whose backward reads the gradient at the
+    mask). Meta's kernel turns each mask into its ``nonzero()`` positions, which meta
+    cannot know; the twin does, so each mask is replaced by those positions (one long
+    index per mask dimension, as torch's own meta kernel expands a mask) and the meta
+    kernel runs on them. None when a mask has no twin or is too large to read."""
+    data, indices = args[0], list(args[1])
+    if not any(i is not None and i.dtype in _MASK_DTYPES for i in indices):
+        return None
+    expanded: list[torch.Tensor | None] = []
+    for index in indices:
+        if index is None or index.dtype not in _MASK_DTYPES:
+            expanded.append(index)
+            continue
+        if not (index.is_meta and index in _shadows and _small(_shadows[index])):
+            return None
+        expanded.extend(_to_meta(column) for column in _shadows[index].nonzero().unbind(1))
+    return func(data, expanded)
 
 
 def shadow_factory(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
