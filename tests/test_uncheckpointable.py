@@ -10,7 +10,12 @@ import pytest
 from profile_bytes import assert_meta_equals_cpu
 
 from memplan import memory
-from memplan.errors import CannotMeasureError, CheckpointingError, checkpointing_failure
+from memplan.errors import (
+    BadInputError,
+    CannotMeasureError,
+    CheckpointingError,
+    checkpointing_failure,
+)
 from memplan.probe import measure_training_peak, probe_model
 from memplan.probe.layers import fixed_parts
 from memplan.solver import SolveRequest, solve
@@ -95,10 +100,11 @@ def test_meta_equals_cpu_and_the_plan_verifies(tmp_path: Path) -> None:
     every = memory.step_peak(cpu, 8, list(cpu.layer_names), 1).peak_bytes
     none = memory.step_peak(cpu, 8, [], 1).peak_bytes
     assert every < none
-    plan = solve(
-        cpu, SolveRequest(target_batch=8, budget_bytes=(every + none) // 2, model_path=path)
-    ).plan
-    assert plan.checkpoint and set(plan.checkpoint) <= {"blocks.0", "blocks.2"}
+    request = SolveRequest(  # a remaining block checkpointed, whatever the clock says
+        target_batch=8, budget_bytes=none, model_path=path, always_checkpoint=("blocks.0",)
+    )
+    plan = solve(cpu, request).plan
+    assert "blocks.0" in plan.checkpoint and set(plan.checkpoint) <= {"blocks.0", "blocks.2"}
     result = verify_plan(path, plan, steps=1)
     assert result.passed, result.failures
     if plan.accumulation_steps > 1:
@@ -111,6 +117,28 @@ def test_meta_equals_cpu_and_the_plan_verifies(tmp_path: Path) -> None:
         checkpoint_modes=plan.checkpoint,
     )
     assert abs(plan.predicted.peak_bytes - run.peak_bytes) <= 0.01 * run.peak_bytes
+
+
+def test_asking_to_checkpoint_a_left_out_layer_says_why_it_cannot_be(tmp_path: Path) -> None:
+    path = _model(tmp_path, (1, 3))
+    profile = probe_model(path, device="meta", micro_batches=(1, 2))
+    request = SolveRequest(
+        target_batch=8, budget_bytes=2**30, model_path=path, always_checkpoint=("blocks.1",)
+    )
+    with pytest.raises(BadInputError) as info:
+        solve(profile, request)
+    assert info.value.exit_code == 2
+    assert "blocks.1: the probe left it out of the candidates" in str(info.value)
+    assert "recompute in the backward not matching their forward" in str(info.value)
+    with pytest.raises(BadInputError) as other:  # a name that is no module: no such words
+        solve(profile, SolveRequest(**{**vars_of(request), "always_checkpoint": ("nope",)}))
+    assert "left it out" not in str(other.value)
+
+
+def vars_of(request: SolveRequest) -> dict:
+    import dataclasses
+
+    return {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
 
 
 def test_every_block_cached_leaves_an_accumulation_only_profile(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from memplan.modes import SELECTIVE
 from memplan.probe.alignment import grad_and_state_bytes, layer_seconds
 from memplan.probe.recorder import StepRecord
 from memplan.probe.session import Run, Session, SizeRuns
+from memplan.profile import NOT_CHECKPOINTABLE
 from memplan.run.checkpoint import checkpointed, in_mode
 from memplan.units import format_bytes
 
@@ -268,8 +269,9 @@ def drop_uncheckpointable(session: Session, size: int, tick: Callable[[str], Non
         first = first.__cause__  # the meta probe's refusal of the op: what the op raised
     shown = ", ".join(list(failures)[:4]) + (", …" if len(failures) > 4 else "")
     session.warnings.append(
-        f"{len(failures)} of {len(session.layer_names)} candidate layer(s) cannot be "
-        f"checkpointed, their recompute in the backward not matching their forward ({shown}: "
+        f"{len(failures)} of {len(session.layer_names)} candidate layer(s) "
+        f"{NOT_CHECKPOINTABLE}, their recompute in the backward not matching their forward "
+        f"({shown}: "
         f"{type(first).__name__}: {first_line(first, type(first).__name__)[:200]}): state the "
         "forward changes, such as a key/value cache, or randomness torch does not replay. "
         "They are left out of the candidates and counted as fixed parts, so no plan "

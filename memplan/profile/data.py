@@ -324,6 +324,11 @@ class Totals:
     (a rotary table cached in a Python dict): resident all step, as buffers are."""
 
 
+NOT_CHECKPOINTABLE = "cannot be checkpointed"
+"""Words of the warning a profile records when the probe left candidate layers out because
+their recompute does not match their forward; the solver quotes it when a request names
+one of them."""
+
 OP_SEQUENCE_DIFFERED = "op sequence differed"
 """Words of the warning a profile records when ``op_sequence_stable`` is False, which the
 solver and the renderer look for, to say it once in their own words."""

@@ -21,7 +21,7 @@ from memplan.modes import (
     SELECTIVE,
 )
 from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, ModelFingerprint, Plan, Prediction
-from memplan.profile import Profile
+from memplan.profile import NOT_CHECKPOINTABLE, Profile
 from memplan.solver.layer_modes import least_cost_modes
 from memplan.solver.request import SolveRequest
 from memplan.suggest import did_you_mean
@@ -100,12 +100,30 @@ def resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozen
         shown = ", ".join(valid[:20]) + (f", … ({len(valid)} in all)" if len(valid) > 20 else "")
         maybe = did_you_mean(sorted(unknown), valid)
         maybe = f" {maybe}" if maybe else ""
+        left_out = _left_out(profile, unknown)
+        if left_out:
+            maybe = f" {left_out}"
         raise BadInputError(
             f"{field} names unknown layer(s): {', '.join(map(repr, unknown))}.",
             hint=f"Valid layer names: {shown or '(the profile has no checkpoint candidates)'}."
             f"{maybe}",
         )
     return frozenset(chosen)
+
+
+def _left_out(profile: Profile, unknown: list[str]) -> str:
+    """Why the probe left named modules out of the candidates, when it did: its warning
+    that their recompute does not match their forward (they are fixed parts now)."""
+    fixed = {part.name for part in profile.fixed}
+    named = [name for name in unknown if name in fixed]
+    said = [w for w in profile.warnings if NOT_CHECKPOINTABLE in w]
+    if not (named and said):
+        return ""
+    return (
+        f"{', '.join(named)}: the probe left {'it' if len(named) == 1 else 'them'} out of "
+        f"the candidates, and no plan can checkpoint {'it' if len(named) == 1 else 'them'} "
+        f"(the profile's warning: {said[0]})."
+    )
 
 
 def layer_names_of(profile: Profile, indices: Iterable[int]) -> tuple[str, ...]:
