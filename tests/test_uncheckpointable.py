@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 from profile_bytes import assert_meta_equals_cpu
+from typer.testing import CliRunner
 
 from memplan import memory
+from memplan.cli import app
 from memplan.errors import (
     BadInputError,
     CannotMeasureError,
@@ -18,6 +20,7 @@ from memplan.errors import (
 )
 from memplan.probe import measure_training_peak, probe_model
 from memplan.probe.layers import fixed_parts
+from memplan.profile.read import profile_to_yaml
 from memplan.solver import SolveRequest, solve
 from memplan.verify import verify_plan
 
@@ -286,9 +289,16 @@ def test_two_sizes_on_two_paths_are_the_sizes_fault_not_memplans(tmp_path: Path)
     that take one path probe (the size that differs left out)."""
     path = tmp_path / "lstm.py"
     path.write_text(_PACKED_LSTM)
-    with pytest.raises(CannotMeasureError) as info:
-        probe_model(str(path), device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    profile = probe_model(str(path), device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    assert not profile.op_sequence_stable
+    with pytest.raises(CannotMeasureError) as info:  # every writer takes its text from here
+        profile_to_yaml(profile)
     message = str(info.value)
+    out = tmp_path / "lstm.yaml"
+    args = ["probe", str(path), "--device", "cpu", "--micro-batches", "1,2", "-o", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 3 and not out.exists()
+    assert "ran different op sequences" in " ".join(result.output.split())
     assert info.value.exit_code == 3 and "memplan's failure" not in message
     assert "micro-batches 1, 2 ran different op sequences" in message
     assert "profile.layers[0].saved_bytes.slope (rnns.0) is -" in message

@@ -4,14 +4,12 @@ the totals, each fitted across sizes.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from memplan.errors import CannotMeasureError
 from memplan.probe.alignment import (
     backward_seconds,
     consistent_runs,
@@ -38,7 +36,6 @@ from memplan.profile import (
     SharedInput,
     Totals,
 )
-from memplan.profile.read import profile_problem
 from memplan.version import __version__
 
 AFFINE_TOLERANCE = 0.01
@@ -100,7 +97,7 @@ def assemble(
             "The model has BatchNorm: its statistics come from the micro-batch, "
             "not the effective batch, and update twice under checkpoint recompute."
         )
-    profile = Profile(
+    return Profile(
         model=ModelRef(
             path=session.model_file.reference or str(session.model_file.path),
             factory=session.model_file.factory,
@@ -123,34 +120,6 @@ def assemble(
         max_seq_len=session.model_file.max_seq_len,
         hf_blocks=hf_blocks(session.model),
         shared_inputs=shared,
-    )
-    if not stable:
-        _refuse_lines_through_other_paths(session, profile, fits.sizes)
-    return profile
-
-
-def _refuse_lines_through_other_paths(session: Session, profile: Profile, sizes: list[int]) -> None:
-    """CannotMeasureError when the probed sizes ran different op sequences and the lines
-    through them give a value no measurement can (a negative slope of saved bytes: an LSTM
-    over a packed batch of 1 takes another path than one of 2). With three sizes or more
-    the size that differs is left out of the fits (``alignment.consistent_runs``); with two
-    nothing is left to fit, and the fault is the sizes probed, not memplan's read-back."""
-    problem = profile_problem(profile)
-    if problem is None:
-        return
-    field, what = problem
-    index = re.match(r"profile\.(layers|fixed)\[(\d+)\]", field)
-    if index:  # name the module
-        owner = getattr(profile, index[1])[int(index[2])].name
-        field = f"{field} ({owner})"
-    raise CannotMeasureError(
-        f"{session.model_file.spec}: micro-batches {', '.join(map(str, sizes))} ran "
-        f"different op sequences (a path the batch takes at one size only), and the lines "
-        f"fitted through them are no measurement: {field} {what}.",
-        hint=f"Probe {'three or more' if len(sizes) < 3 else 'other'} sizes (e.g. "
-        f"--micro-batches {'2,4,8' if sizes[0] < 2 else '4,8,16'}): sizes that take one "
-        "path are fitted and a size that takes another is left out. Or have make_batch "
-        "return batches that take one path at every size.",
     )
 
 

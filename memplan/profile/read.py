@@ -4,9 +4,10 @@ refused) and the rules a probe's output always keeps, checked on every read
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from memplan.errors import ProfileError
+from memplan.errors import CannotMeasureError, ProfileError
 from memplan.files import fast_yaml
 from memplan.files.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
 from memplan.profile.data import (
@@ -237,6 +238,31 @@ def profile_to_yaml(profile: Profile) -> str:
     ``profile_problem``) is ``UnreadableOutputError`` (exit 3, naming the field) and is
     never written."""
     text = fast_yaml.dump(to_data(profile))
+    problem = None if profile.op_sequence_stable else profile_problem(profile)
+    if problem is not None:
+        raise _other_paths(profile, *problem)
     with gc_paused():
         read_back(text, "profile", lambda data: profile_from_data(data, source=WRITTEN))
     return text
+
+
+def _other_paths(profile: Profile, field: str, what: str) -> CannotMeasureError:
+    """The refusal of a profile whose probed sizes ran different op sequences and whose
+    lines through them give a value no measurement can (an LSTM over a packed batch sorts
+    2 sequences and not 1: negative saved bytes per sample through micro-batches 1 and 2).
+    With three sizes or more the size that differs is left out of the fits
+    (``probe.alignment.consistent_runs``); with two nothing is left to fit. The fault is
+    the sizes probed, not memplan's (``UnreadableOutputError``), so it says which to probe."""
+    index = re.match(r"profile\.(layers|fixed)\[(\d+)\]", field)
+    if index:  # name the module
+        field = f"{field} ({getattr(profile, index[1])[int(index[2])].name})"
+    sizes = profile.micro_batches
+    return CannotMeasureError(
+        f"{profile.model.path}: micro-batches {', '.join(map(str, sizes))} ran different op "
+        "sequences (a path the batch takes at one size only), and the lines fitted through "
+        f"them are no measurement: {field} {what}.",
+        hint=f"Probe {'three or more' if len(sizes) < 3 else 'other'} sizes (e.g. "
+        f"--micro-batches {'2,4,8' if sizes[0] < 2 else '4,8,16'}): sizes that take one "
+        "path are fitted and a size that takes another is left out. Or have make_batch "
+        "return batches that take one path at every size.",
+    )
