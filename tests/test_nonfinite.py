@@ -59,3 +59,12 @@ def test_nan_loss_during_probe_names_the_first_layer_that_output_nan(monkeypatch
     # block 0 and block 1's Linear were finite; block 1's own forward made the NaN (named,
     # not the Sequential around it, and not 0.lin, whose weights the NaN step spoils later)
     assert "the first layer to output NaN or inf was 1 (Block)" in first[0]
+    # the NaN step took another path, and the lines through 1 and 2 give negative bytes:
+    # the writer refuses the profile, exit 3, saying what the probe saw at micro-batch 1
+    from memplan.errors import CannotMeasureError
+    from memplan.profile.read import profile_to_yaml
+
+    with pytest.raises(CannotMeasureError) as refused:
+        profile_to_yaml(profile)
+    assert "micro-batches 1, 2 ran different op sequences" in str(refused.value)
+    assert f"The probe also saw: {first[0]}" in str(refused.value)

@@ -257,10 +257,12 @@ def _other_paths(profile: Profile, field: str, what: str) -> CannotMeasureError:
     if index:  # name the module
         field = f"{field} ({getattr(profile, index[1])[int(index[2])].name})"
     sizes = profile.micro_batches
+    loss = [w for w in profile.warnings if w.startswith("The training loss was ")]
+    also = f" The probe also saw: {loss[0]}" if loss else ""  # a NaN step's other path
     return CannotMeasureError(
         f"{profile.model.path}: micro-batches {', '.join(map(str, sizes))} ran different op "
         "sequences (a path the batch takes at one size only), and the lines fitted through "
-        f"them are no measurement: {field} {what}.",
+        f"them are no measurement: {field} {what}.{also}",
         hint=f"Probe {'three or more' if len(sizes) < 3 else 'other'} sizes (e.g. "
         f"--micro-batches {'2,4,8' if sizes[0] < 2 else '4,8,16'}): sizes that take one "
         "path are fitted and a size that takes another is left out. Or have make_batch "
