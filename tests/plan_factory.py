@@ -38,3 +38,17 @@ def hand_plan(
         model=model,
         **extra,
     )
+
+
+def independent_peak(model: str, plan: Plan) -> int:
+    """The peak of the plan run by ``measure_training_peak`` on cpu (its micro-batch,
+    accumulation and modes), apart from ``verify``: the check that a prediction holds."""
+    from memplan.probe import measure_training_peak
+
+    return measure_training_peak(
+        model,
+        device="cpu",
+        micro_batch=plan.micro_batch_size,
+        accumulation_steps=plan.accumulation_steps,
+        checkpoint_modes=plan.checkpoint,
+    ).peak_bytes
