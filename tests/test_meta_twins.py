@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from profile_bytes import assert_meta_equals_cpu
 from typer.testing import CliRunner
@@ -485,3 +485,50 @@ def test_indexing_by_a_mask_of_the_batch_probes_on_meta_as_on_cpu(tmp_path: Path
     assert [layer.name for layer in meta.layers] == ["blocks.0", "blocks.1"]
     # a mask without a twin (computed from weights) is still refused, naming the op:
     # test_probe.test_meta_op_without_meta_kernel_is_cannot_measure
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+    plan=st.lists(st.sampled_from(["mask", "none", "long"]), min_size=1, max_size=3),
+    mask_dims=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_indexing_by_twinned_masks_has_cpus_shape_and_strides(
+    shape: list[int], plan: list[str], mask_dims: int, seed: int
+) -> None:
+    """Any mix of boolean masks (with twins), None and long indices (with twins) over a
+    tensor without a twin: meta's result has the CPU's size, dtype and layout."""
+    g = torch.Generator().manual_seed(seed)
+    cpu_indices: list[torch.Tensor | None] = []
+    dim = 0
+    for kind in plan:
+        if dim >= len(shape):
+            break
+        if kind == "mask":
+            dims = shape[dim : dim + mask_dims]
+            cpu_indices.append(torch.randint(0, 2, dims, generator=g).bool())
+            dim += len(dims)
+        elif kind == "long":
+            cpu_indices.append(torch.randint(0, shape[dim], (3,), generator=g))
+            dim += 1
+        else:
+            cpu_indices.append(None)
+            dim += 1
+    assume(any(i is not None for i in cpu_indices))  # torch's own kernel needs one
+    data = torch.randn(shape, generator=g)
+    meta_indices = [None if i is None else shadow._to_meta(i) for i in cpu_indices]
+    meta_data = torch.empty_strided(data.shape, data.stride(), device="meta")
+    try:
+        expected = torch.ops.aten.index.Tensor(data, cpu_indices)
+    except (IndexError, RuntimeError):  # masks whose counts do not broadcast: meta refuses too
+        with LiveTracker(meta=True), pytest.raises(Exception):  # noqa: B017
+            torch.ops.aten.index.Tensor(meta_data, meta_indices)
+        return
+    with LiveTracker(meta=True):
+        got = torch.ops.aten.index.Tensor(meta_data, meta_indices)
+    assert (got.shape, got.dtype) == (expected.shape, expected.dtype)
+    if expected.numel():  # the layout, where it means anything (a size-1 dim has any stride)
+        assert [st for n, st in zip(got.shape, got.stride(), strict=True) if n > 1] == [
+            st for n, st in zip(expected.shape, expected.stride(), strict=True) if n > 1
+        ]
