@@ -301,3 +301,65 @@ def test_two_sizes_on_two_paths_are_the_sizes_fault_not_memplans(tmp_path: Path)
     profile = probe_model(str(path), device="cpu", micro_batches=(2, 4, 8), timing_rounds=1)
     assert profile.layer_names == ("rnns.0", "rnns.1")
     assert all(layer.saved_bytes.slope > 0 for layer in profile.layers)
+
+
+_OWN_CACHE = """\
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.keys = []  # a cache the block keeps itself: no parameter, no buffer
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        self.keys.append(k)
+        k = torch.cat(self.keys, 1)
+        v = torch.cat([v] * len(self.keys), 1)
+        return x + torch.softmax(q @ k.transpose(1, 2), -1) @ v
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(12))
+
+    def forward(self, x):
+        for block in self.blocks:
+            block.keys = []
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(b):
+    return torch.randn(b, 6, 8)
+
+
+def training_loss(model, x):
+    return model(x).pow(2).mean()
+"""
+
+
+def test_a_run_of_identical_blocks_that_cannot_be_checkpointed_is_measured_block_by_block(
+    tmp_path: Path,
+) -> None:
+    """On meta, 12 look-alike blocks would be probed cut to 4, 5 and 6 and the rest
+    derived; each cut leaves its blocks out of the candidates, so the cuts do not
+    extrapolate, the shortcut says why, and every block is measured (none derived)."""
+    path = tmp_path / "own_cache.py"
+    path.write_text(_OWN_CACHE)
+    profile = probe_model(str(path), device="meta", micro_batches=(1, 2))
+    assert profile.layer_names == () and not profile.extrapolated_layers
+    assert [part.name for part in profile.fixed] == [*(f"blocks.{i}" for i in range(12)), "(loss)"]
+    assert profile.extrapolation_declined == (
+        "the probes of 4 and 5 blocks do not extrapolate (layer counts: the cuts to 4 and 5 "
+        "blocks kept 0 and 0 checkpoint candidates, where each block of the run adds one)"
+    )

@@ -181,7 +181,10 @@ def expand(p4: Profile, p5: Profile, a: int, n: int, names: Sequence[str], prune
     the full model's candidates). ``p4`` and ``p5`` hold unpruned points."""
     l4, l5 = p4.layers, p5.layers
     if len(l5) != len(l4) + 1 or len(names) != len(l4) + n - 4:
-        raise NotLinear("layer counts")
+        raise NotLinear(  # the probe left candidates out: layers that cannot be checkpointed
+            f"layer counts: the cuts to 4 and 5 blocks kept {len(l4)} and {len(l5)} "
+            "checkpoint candidates, where each block of the run adds one"
+        )
     mid = l5[a + 2]
     if not (_same_but_name(mid, l5[a + 3]) and _same_but_name(mid, l4[a + 2])):
         raise NotLinear("the run's middle blocks differ")
