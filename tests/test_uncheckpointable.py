@@ -25,7 +25,23 @@ from memplan.profile.read import profile_to_yaml
 from memplan.solver import SolveRequest, solve
 from memplan.verify import verify_plan
 
-_CACHED = """\
+_NET_FILE_TAIL = """
+
+def build_model():
+    return Net()
+
+
+def make_batch(b):
+    return torch.randn(b, 6, 8)
+
+
+def training_loss(model, x):
+    return model(x).pow(2).mean()
+"""
+"""The end of a model file whose model is ``Net`` and whose batch is (b, 6, 8)."""
+
+_CACHED = (
+    """\
 import torch
 from torch import nn
 
@@ -60,18 +76,9 @@ class Net(nn.Module):
             x = block(x, cache)
         return self.head(x)
 
-
-def build_model():
-    return Net()
-
-
-def make_batch(b):
-    return torch.randn(b, 6, 8)
-
-
-def training_loss(model, x):
-    return model(x).pow(2).mean()
 """
+    + _NET_FILE_TAIL
+)
 
 
 def _model(tmp_path: Path, cached: tuple[int, ...]) -> str:
@@ -303,7 +310,8 @@ def test_two_sizes_on_two_paths_are_the_sizes_fault_not_memplans(tmp_path: Path)
     assert all(layer.saved_bytes.slope > 0 for layer in profile.layers)
 
 
-_OWN_CACHE = """\
+_OWN_CACHE = (
+    """\
 import torch
 from torch import nn
 
@@ -334,18 +342,9 @@ class Net(nn.Module):
             x = block(x)
         return x
 
-
-def build_model():
-    return Net()
-
-
-def make_batch(b):
-    return torch.randn(b, 6, 8)
-
-
-def training_loss(model, x):
-    return model(x).pow(2).mean()
 """
+    + _NET_FILE_TAIL
+)
 
 
 def test_a_run_of_identical_blocks_that_cannot_be_checkpointed_is_measured_block_by_block(
