@@ -22,7 +22,7 @@ import functools
 import gc
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -57,6 +57,8 @@ from memplan.probe.sizes import (
     without_selective,
 )
 from memplan.profile import Profile
+
+T = TypeVar("T")
 
 __all__ = ["TIMING_EXTRA_FACTOR", "TIMING_ROUNDS", "available_bytes", "probe_model"]
 
@@ -142,17 +144,17 @@ def probe_model(
         raise known from exc
 
 
-def _run_size(
-    session: Session, size: int, tick: Callable[[str], None], runs: list[SizeRuns]
-) -> list[SizeRuns]:
-    """``runs`` and the runs of ``size``. Selective checkpointing that fails in a measured
-    run at this size (``SelectiveFailed``) is dropped from the whole profile, the earlier
-    sizes' selective figures with it, and the size is run again without it."""
+def _selective_dropped_on_failure(
+    session: Session, size: int, runs: list[SizeRuns], step: Callable[[], T]
+) -> tuple[list[SizeRuns], T]:
+    """``runs`` and what ``step`` (the runs of ``size``, measured or timing-only) returns.
+    Selective checkpointing that fails in it (``SelectiveFailed``) is dropped from the whole
+    profile, the earlier sizes' selective figures with it, and ``step`` runs again."""
     try:
-        return [*runs, run_size(session, size, tick)]
+        return runs, step()
     except SelectiveFailed as failed:
         selective_off(session, failed.cause, size)
-        return [*[without_selective(r) for r in runs], run_size(session, size, tick)]
+        return [without_selective(r) for r in runs], step()
 
 
 def _probe_repeats(
@@ -258,7 +260,10 @@ def probe_sizes(
         try:
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            runs[:] = _run_size(session, size, tick, runs)
+            runs, ran = _selective_dropped_on_failure(
+                session, size, runs, lambda size=size: run_size(session, size, tick)
+            )
+            runs.append(ran)
         except torch.OutOfMemoryError as exc:
             session.zero_grad()
             gc.collect()
@@ -306,12 +311,10 @@ def probe_sizes(
     ):
         rounds = rounds_phrase(backend.timing_rounds)
         tick(f"b={TIMING_EXTRA_FACTOR * sizes[-1]}: timing only ({rounds})")
-        try:
-            extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
-        except SelectiveFailed as failed:
-            selective_off(session, failed.cause, TIMING_EXTRA_FACTOR * sizes[-1])
-            runs = [without_selective(r) for r in runs]
-            extra_timed = time_extra_size(session, TIMING_EXTRA_FACTOR * sizes[-1])
+        timing_only = TIMING_EXTRA_FACTOR * sizes[-1]
+        runs, extra_timed = _selective_dropped_on_failure(
+            session, timing_only, runs, lambda: time_extra_size(session, timing_only)
+        )
     session.warnings.extend(backend.attention_notes)  # what the spec left undecided
     tick("fitting the timeline")
     profile = assemble(session, runs, extra, extra_timed, prune=prune)

@@ -19,6 +19,7 @@ from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
 from memplan.probe.tracker import LiveTracker, kept_tensors, resident_tensors
+from memplan.profile import LOSS_NOT_FINITE
 from memplan.run.training_state import (
     disable_kv_cache,
     disable_layerdrop,
@@ -173,13 +174,13 @@ class Session:
         sizes = [t.shape[0] for t in batch_tensors(batch) if t.dim() > 0]
         size = f"micro-batch {sizes[0]}" if sizes else "a micro-batch"
         head = (
-            f"The training loss was {value} at {size} during the probe (a probe step of "
+            f"{LOSS_NOT_FINITE}{value} at {size} during the probe (a probe step of "
             f"{self.model_file.spec})"
         )
         tail = (
             "; check the model and make_batch for that size (e.g. statistics over a batch of one)."
         )
-        first = not any(w.startswith("The training loss was ") for w in self.warnings)
+        first = not any(w.startswith(LOSS_NOT_FINITE) for w in self.warnings)
         if any(w.startswith(head) for w in self.warnings):
             return
         where = (

@@ -259,11 +259,8 @@ def drop_uncheckpointable(session: Session, size: int, tick: Callable[[str], Non
         for name, layer in zip(session.layer_names, session.layers, strict=True)
         if (exc := _recompute_failure(session, [layer], batch)) is not None
     }
-    if not failures:  # only together: the whole step's error, as a probe reports it
-        known = checkpointing_failure(together, session.model_file.spec)
-        if known is None:
-            raise together
-        raise known from together
+    if not failures:  # only together: the callers of probe_sizes make it CheckpointingError
+        raise together
     first = next(iter(failures.values()))
     if isinstance(first, MemplanError) and isinstance(first.__cause__, Exception):
         first = first.__cause__  # the meta probe's refusal of the op: what the op raised

@@ -329,6 +329,10 @@ NOT_CHECKPOINTABLE = "cannot be checkpointed"
 their recompute does not match their forward; the solver quotes it when a request names
 one of them."""
 
+LOSS_NOT_FINITE = "The training loss was "
+"""How the warning a profile records for a NaN or infinite loss in a probe step begins;
+the refusal of a profile fitted through two op paths quotes it (a NaN step takes its own)."""
+
 OP_SEQUENCE_DIFFERED = "op sequence differed"
 """Words of the warning a profile records when ``op_sequence_stable`` is False, which the
 solver and the renderer look for, to say it once in their own words."""

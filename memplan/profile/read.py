@@ -11,6 +11,7 @@ from memplan.errors import CannotMeasureError, ProfileError
 from memplan.files import fast_yaml
 from memplan.files.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
 from memplan.profile.data import (
+    LOSS_NOT_FINITE,
     PROFILE_SCHEMA_VERSION,
     Affine,
     Profile,
@@ -237,10 +238,10 @@ def profile_to_yaml(profile: Profile) -> str:
     profile takes its text from here, so a profile memplan would refuse (its schema, or
     ``profile_problem``) is ``UnreadableOutputError`` (exit 3, naming the field) and is
     never written."""
-    text = fast_yaml.dump(to_data(profile))
     problem = None if profile.op_sequence_stable else profile_problem(profile)
     if problem is not None:
         raise _other_paths(profile, *problem)
+    text = fast_yaml.dump(to_data(profile))
     with gc_paused():
         read_back(text, "profile", lambda data: profile_from_data(data, source=WRITTEN))
     return text
@@ -257,7 +258,7 @@ def _other_paths(profile: Profile, field: str, what: str) -> CannotMeasureError:
     if index:  # name the module
         field = f"{field} ({getattr(profile, index[1])[int(index[2])].name})"
     sizes = profile.micro_batches
-    loss = [w for w in profile.warnings if w.startswith("The training loss was ")]
+    loss = [w for w in profile.warnings if w.startswith(LOSS_NOT_FINITE)]
     also = f" The probe also saw: {loss[0]}" if loss else ""  # a NaN step's other path
     return CannotMeasureError(
         f"{profile.model.path}: micro-batches {', '.join(map(str, sizes))} ran different op "
