@@ -170,6 +170,7 @@ class Backend:
             meta=self.device == "meta",
             op_cache=self.op_cache,
             fused=step and self.compiled,
+            host_is_device=self.attention_target == CPU,
         )
 
     def guard(self) -> Any:

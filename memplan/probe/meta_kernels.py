@@ -137,12 +137,41 @@ def layer_norm_backward_meta(*args: Any) -> tuple:
     return (fresh, *grads[1:])
 
 
+def rnn_notes(model: torch.nn.Module) -> list[str]:
+    """The meta probe's warning for a model with recurrent layers (``nn.LSTM``, ``nn.GRU``,
+    ``nn.RNN``). Their kernels save workspaces of the library's own sizes: cuDNN's reserve
+    space on cuda, oneDNN's workspace on cpu (``mkldnn_rnn_layer``). PyTorch's meta kernels
+    leave both at 0 bytes (torch/_meta_registrations.py, ``_cudnn_rnn``: "TODO: Query
+    cudnnGetRNNTrainingReserveSize"), and a meta input takes neither path, so meta runs
+    PyTorch's generic RNN, one matmul a step, whose saved bytes are neither device's.
+    Empty when the model has none."""
+    names = [name for name, m in model.named_modules() if isinstance(m, torch.nn.RNNBase)]
+    if not names:
+        return []
+    shown = ", ".join(names[:4]) + (", …" if len(names) > 4 else "")
+    return [
+        f"{len(names)} recurrent layer(s) ({shown}) measured on meta as PyTorch's generic "
+        "RNN kernel: cuDNN (cuda) and oneDNN (cpu) keep workspaces whose size meta cannot "
+        "know, so these layers' saved and transient bytes are not either device's. Probe "
+        "with --device cpu or cuda for their exact bytes"
+    ]
+
+
 META_KERNELS = {
     aten._grouped_mm.default: grouped_mm_meta,
     aten.convolution.default: convolution_meta,
     aten.native_layer_norm_backward.default: layer_norm_backward_meta,
 }
 """Meta kernels used instead of PyTorch's (meta probes only)."""
+
+REFUSAL_HINTS = {
+    aten._pack_padded_sequence.default: (
+        "pack_padded_sequence takes its lengths on the CPU, on cuda as on meta: pass "
+        "lengths.cpu() (memplan's batch puts every tensor on the probed device)."
+    ),
+}
+"""Hints for a meta probe's refusal of an op that cuda refuses alike (the fix is the
+model's), instead of "probe with --device cpu"."""
 
 FLOP_FORMULAS = {aten._grouped_mm: grouped_mm_flops}
 """Formulas by overload packet, added to torch.utils.flop_counter's."""

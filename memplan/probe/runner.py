@@ -38,6 +38,7 @@ from memplan.probe.assemble import assemble
 from memplan.probe.backends import backend_for
 from memplan.probe.dedup import ForwardMisses
 from memplan.probe.expand import NotLinear, expand, same_profile
+from memplan.probe.meta_kernels import rnn_notes
 from memplan.probe.repeats import LENGTHS, longest_run, shrink, shrunk_copy
 from memplan.probe.sameness import Declined, shared_state, traced_reason
 from memplan.probe.session import Session, SizeRuns, open_session, resolve_layers, warm_up
@@ -316,6 +317,8 @@ def probe_sizes(
             session, timing_only, runs, lambda: time_extra_size(session, timing_only)
         )
     session.warnings.extend(backend.attention_notes)  # what the spec left undecided
+    if backend.device == "meta":
+        session.warnings.extend(rnn_notes(session.model))
     tick("fitting the timeline")
     profile = assemble(session, runs, extra, extra_timed, prune=prune)
     if forward_misses is not None:

@@ -198,6 +198,9 @@ def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     metas = [t for t in tensors_in((args, kwargs), []) if t.is_meta]
     if not metas:
         return False, None
+    host = _to_host(func, args, kwargs)
+    if host is not None:
+        return True, host
     written = _written(func, args, kwargs)
     if not all(t in _shadows for t in metas):
         for t in written:  # written from something without values: its shadow is stale
@@ -230,6 +233,56 @@ def run(func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
                 cpu = _matching(meta, cpu, twins_in)
             _shadows[meta] = cpu
     return True, out
+
+
+_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def _to_host(func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """``t.cpu()`` (``t.to("cpu")``) of a meta tensor with a twin: a CPU tensor, as the
+    model asked, not a meta one. ``pack_padded_sequence`` takes its lengths only on the CPU
+    (``lengths.cpu()``, which every model that packs on a GPU calls). A plain move is the
+    twin itself: on a CPU device ``.cpu()`` is the tensor it is called on, and a write to
+    it writes the batch's values, as there. A move that also converts (a dtype, a layout)
+    is a copy of the twin, as on the CPU. None when it is not that case."""
+    if func is not _TO_COPY or len(args) != 1:
+        return None
+    device = kwargs.get("device")
+    meta = args[0]
+    if device is None or torch.device(device).type != "cpu" or meta not in _shadows:
+        return None
+    twin = _shadows[meta]
+    plain = (
+        kwargs.get("dtype") in (None, twin.dtype)
+        and kwargs.get("layout") in (None, twin.layout)
+        and kwargs.get("memory_format") in (None, torch.preserve_format)
+        and not meta.requires_grad
+    )
+    if not plain:
+        return func(twin, **kwargs)
+    _handed_out.add(twin.untyped_storage())
+    return twin
+
+
+_handed_out: weakref.WeakSet = weakref.WeakSet()
+"""Storages of the twins ``_to_host`` gave the model: on the CPU they are the batch's own
+tensors, counted once as their meta tensors, whatever the model does with them."""
+
+
+def counted(outputs: list[torch.Tensor], host_is_device: bool) -> list[torch.Tensor]:
+    """Of a meta probe's op outputs, those in the planned device's memory. Meta tensors
+    are; CPU tensors (``lengths.cpu()``, the ``batch_sizes`` that packing a sequence makes
+    there) are host memory on a GPU target and device memory on a CPU one
+    (``host_is_device``), except a twin ``_to_host`` handed out (and what the model writes
+    in place into it, or views of it), which on the CPU is the batch's tensor, already
+    counted."""
+    if not any(t.device.type == "cpu" for t in outputs):
+        return outputs
+    return [
+        t
+        for t in outputs
+        if t.is_meta or (host_is_device and t.untyped_storage() not in _handed_out)
+    ]
 
 
 _INDEX = torch.ops.aten.index.Tensor

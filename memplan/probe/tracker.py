@@ -30,7 +30,7 @@ from memplan.errors import CannotMeasureError, MemplanError, first_line, interna
 from memplan.probe import shadow
 from memplan.probe.call_site import call_site
 from memplan.probe.float8 import FLOAT8_DTYPES, float8_bits, is_float8
-from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS
+from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS, REFUSAL_HINTS
 from memplan.probe.shadow import tensors_in
 
 _EMPTY: dict[str, Any] = {}
@@ -252,8 +252,12 @@ class LiveTracker(TorchDispatchMode):
         meta: bool = False,
         op_cache: Any = None,
         fused: bool = False,
+        host_is_device: bool = True,
     ) -> None:
         super().__init__()
+        self.host_is_device = host_is_device
+        """Meta only: whether CPU tensors are the planned device's memory (a CPU target)
+        or host memory, not counted (a GPU target; memplan.probe.shadow.counted)."""
         self.fused = fused and roofline is not None
         """Time the memory-bound ops as torch.compile's fused kernels move bytes (see
         ``FusedRegion``), not one kernel each (only with ``roofline``)."""
@@ -358,10 +362,15 @@ class LiveTracker(TorchDispatchMode):
             except (NotImplementedError, RuntimeError) as exc:
                 if self.meta:
                     first = first_line(exc)
+                    model_fix = REFUSAL_HINTS.get(func)
+                    why = (
+                        "it has no meta kernel or its output shape depends on tensor values"
+                        if model_fix is None
+                        else "the model's call, which cuda refuses too"
+                    )
                     raise CannotMeasureError(
-                        f"The meta probe cannot run op {func}{call_site()} ({first[:200]}); "
-                        "it has no meta kernel or its output shape depends on tensor values.",
-                        hint="Probe with --device cpu (or cuda) instead.",
+                        f"The meta probe cannot run op {func}{call_site()} ({first[:200]}); {why}.",
+                        hint=model_fix or "Probe with --device cpu (or cuda) instead.",
                     ) from exc
                 raise
         try:
@@ -394,7 +403,10 @@ class LiveTracker(TorchDispatchMode):
         """An op's bookkeeping: its new storages, the peak, its FLOPs and roofline time,
         and (on meta) its result into the op cache."""
         outputs = tensors_in(out, [])
-        for tensor in outputs:
+        counted = outputs
+        if self.meta:  # CPU tensors are the planned device's memory on a CPU target only
+            counted = shadow.counted(outputs, self.host_is_device)
+        for tensor in counted:
             self._add_tensor(tensor)
         self._take_peak()
         packet = func._overloadpacket
