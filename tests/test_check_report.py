@@ -30,6 +30,7 @@ from memplan.plan import Breakdown, Plan, Prediction
 from memplan.profile import (
     Affine,
     Environment,
+    FixedPart,
     Layer,
     ModelRef,
     Profile,
@@ -328,6 +329,55 @@ def test_diff_profiles_reports_added_and_removed_layers():
     assert added and all(g.baseline is None for g in added)
     removed = [g for g in diff_profiles(five, small()) if g.name == "h.4"]
     assert removed and all(g.current is None for g in removed)
+
+
+def _with_fixed(base: Profile, parts: dict[str, tuple[int, float]]) -> Profile:
+    zero = Affine.zero()
+    fixed = tuple(
+        FixedPart(
+            name=name,
+            module_type="ModuleList" if "." not in name[len("enc.") :] else "Attention",
+            params_trainable_bytes=params,
+            params_frozen_bytes=0,
+            grad_bytes=params,
+            optimizer_state_bytes=2 * params,
+            saved_bytes=Affine(intercept=0.0, slope=slope),
+            fwd_seconds=zero,
+            bwd_seconds=zero,
+            fwd_flops=zero,
+        )
+        for name, (params, slope) in parts.items()
+    )
+    return dataclasses.replace(base, fixed=fixed)
+
+
+def test_a_container_split_into_its_children_is_compared_whole():
+    """A baseline written before memplan split a plain ModuleList among the fixed parts into
+    its children: ``enc.attn`` then, ``enc.attn.0`` and ``enc.attn.1`` now. Before, the diff
+    said ``enc.attn`` was removed and two parts were new; now the children's sums are
+    compared with the container: the same parameters are no growth, and the bytes the old
+    profile could not see (a container has no forward to record) are growth of ``enc.attn``."""
+    old = _with_fixed(small(), {"enc.attn": (2 * MiB, 0.0), "enc.norm": (4096, 0.0)})
+    same = _with_fixed(
+        small(), {"enc.attn.0": (MiB, 0.0), "enc.attn.1": (MiB, 0.0), "enc.norm": (4096, 0.0)}
+    )
+    assert [g for g in diff_profiles(old, same) if g.kind == "fixed"] == []
+    seen = _with_fixed(
+        small(),
+        {"enc.attn.0": (MiB, 8192.0), "enc.attn.1": (MiB, 8192.0), "enc.norm": (4096, 0.0)},
+    )
+    fixed = [g for g in diff_profiles(old, seen) if g.kind == "fixed"]
+    assert [(g.name, g.quantity, g.baseline, g.current) for g in fixed] == [
+        ("enc.attn", "activation_bytes_per_sample", 0.0, 16384.0)
+    ]
+    # either way round; a new part inside a container both sides have is news
+    assert [g for g in diff_profiles(same, old) if g.kind == "fixed"] == []
+    extra = _with_fixed(small(), {"enc.attn": (2 * MiB, 0.0), "enc.attn.gate": (MiB, 0.0)})
+    news = [g for g in diff_profiles(old, extra) if g.kind == "fixed"]
+    assert sorted((g.name, g.baseline or 0, g.current or 0) for g in news) == [
+        ("enc.attn.gate", 0, MiB),
+        ("enc.norm", 4096, 0),
+    ]
 
 
 def test_growth_flips_pass_to_fail_and_names_the_layer(config):

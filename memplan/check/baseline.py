@@ -105,6 +105,24 @@ def _activation_per_sample(profile: Profile) -> float:
     return float(sum(p.saved_bytes.slope for p in (*profile.layers, *profile.fixed)))
 
 
+def _fold_children(
+    parts: dict[str, tuple[float, float]], other: dict[str, tuple[float, float]]
+) -> None:
+    """Sum into their container the parts that ``other`` has only whole: a profile written
+    before memplan split a plain ``ModuleList`` among the fixed parts into its children
+    (``transformer.attentions`` then, ``transformer.attentions.0`` and ``.1`` now) is
+    compared container to container, not as one part removed and two new."""
+    wholes = {n for n in other if n not in parts}
+    for name in [n for n in parts if n not in other]:
+        pieces = name.split(".")
+        ancestors = (".".join(pieces[:i]) for i in range(len(pieces) - 1, 0, -1))
+        whole = next((a for a in ancestors if a in wholes), None)
+        if whole is not None:
+            child = parts.pop(name)
+            total = parts.setdefault(whole, (0.0, 0.0))
+            parts[whole] = (total[0] + child[0], total[1] + child[1])
+
+
 def diff_profiles(baseline: Profile, current: Profile) -> tuple[Growth, ...]:
     """What changed from ``baseline`` to ``current``, matched by layer and fixed-part name:
     parameter bytes and activation bytes per sample (the slope of the bytes a part's forward
@@ -130,24 +148,20 @@ def diff_profiles(baseline: Profile, current: Profile) -> tuple[Growth, ...]:
     ]
     parts = (("fixed", baseline.fixed, current.fixed), ("layer", baseline.layers, current.layers))
     for kind, old_list, new_list in parts:
-        old_parts = {p.name: p for p in old_list}
-        new_parts = {p.name: p for p in new_list}
+        old_parts = {p.name: (_params_bytes(p), float(p.saved_bytes.slope)) for p in old_list}
+        new_parts = {p.name: (_params_bytes(p), float(p.saved_bytes.slope)) for p in new_list}
+        _fold_children(new_parts, old_parts)
+        _fold_children(old_parts, new_parts)
         for name in list(old_parts) + [n for n in new_parts if n not in old_parts]:
             old, new = old_parts.get(name), new_parts.get(name)
-            add(
-                name,
-                kind,
-                "params_bytes",
-                None if old is None else _params_bytes(old),
-                None if new is None else _params_bytes(new),
-            )
-            add(
-                name,
-                kind,
-                "activation_bytes_per_sample",
-                None if old is None else float(old.saved_bytes.slope),
-                None if new is None else float(new.saved_bytes.slope),
-            )
+            for i, quantity in enumerate(("params_bytes", "activation_bytes_per_sample")):
+                add(
+                    name,
+                    kind,
+                    quantity,  # type: ignore[arg-type]
+                    None if old is None else old[i],
+                    None if new is None else new[i],
+                )
 
     old_t, new_t = baseline.totals, current.totals
     add(
