@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from memplan.devices import DeviceSpec, load_device, local_gpu, spec_digest, spec_file_label
-from memplan.errors import BadInputError, CannotMeasureError
+from memplan.errors import BadInputError, CannotMeasureError, ModelFileError
 from memplan.model.batch import map_batch, move_batch
 from memplan.model.loader import ModelFile
 from memplan.probe import shadow
@@ -30,6 +30,46 @@ from memplan.profile.data import TIMING_ROUNDS, timing_rounds_problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_META_SPEC = "h100-80gb"
+
+
+def build_on_meta(model_file: ModelFile) -> torch.nn.Module:
+    """The model built with every factory on meta, so no weight is allocated. A builder
+    that reads values of tensors it makes (torchvision's RegNet: block widths from
+    ``torch.arange(depth) * w_a + w_0`` and ``.tolist()``) fails there with "Cannot copy
+    out of meta tensor", which is meta's limit and not the model file's fault: it is built
+    again with CPU twins (memplan.probe.shadow) behind the small tensors its factories make,
+    as a meta step has, so those values are read from the twins. A read of a value computed
+    from a weight still fails: exit 3 naming the read, with --device cpu as the way out.
+    Only a builder that failed on meta pays for the twins."""
+    try:
+        with torch.device("meta"):
+            return model_file.build_model()
+    except ModelFileError as exc:
+        if not _meta_value_read(exc):
+            raise
+        first = exc
+    try:
+        with torch.device("meta"), shadow.PythonData(), LiveTracker(record=False, meta=True):
+            model = model_file.build_model()
+        for tensor in (*model.parameters(), *model.buffers()):
+            shadow.forget(tensor)  # probed as a plain meta build's: no real copies kept
+        return model
+    except ModelFileError as exc:
+        if not _meta_value_read(exc):
+            raise
+        raise CannotMeasureError(
+            f"{first.message} The meta probe builds the model on meta, where a tensor "
+            "computed from weights has no values to read.",
+            hint="Probe with --device cpu (or cuda) instead, or compute those values in "
+            "Python or from the config rather than from the module's tensors.",
+        ) from exc
+
+
+def _meta_value_read(exc: ModelFileError) -> bool:
+    """Whether the builder failed reading a meta tensor's values (``.tolist()``,
+    ``.item()``, ``int(t)``, a copy to the CPU), not by a fault of its own."""
+    cause = str(exc.__cause__ or "")
+    return "meta tensor" in cause or "on meta tensors" in cause or "_local_scalar_dense" in cause
 
 
 def resolve_device(device: str) -> str:
@@ -139,9 +179,7 @@ class Backend:
     # --------------------------------------------------------------------------- model
     def build(self, model_file: ModelFile) -> torch.nn.Module:
         if self.device == "meta":
-            with torch.device("meta"):
-                model = model_file.build_model()
-            model = model.to("meta")  # anything the factory made on CPU explicitly
+            model = build_on_meta(model_file).to("meta")  # and what it made on CPU explicitly
         else:
             model = model_file.build_model().to(self.torch_device)
         if self.cast_params:

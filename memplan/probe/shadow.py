@@ -77,6 +77,11 @@ class _Shadows:
 _shadows = _Shadows()
 
 
+def forget(meta: torch.Tensor) -> None:
+    """Drop ``meta``'s twin, if it has one (a weight or buffer after a build with twins)."""
+    _shadows.pop(meta)
+
+
 def _geometry(t: torch.Tensor) -> tuple:
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
