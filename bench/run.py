@@ -43,6 +43,7 @@ SECTIONS = [
     "published",
     "engines",
     "hf_sweep",
+    "vision_sweep",
 ]
 
 
