@@ -5,8 +5,10 @@ semantic-segmentation models, built from their builders with no weights and 10 c
 to 150 M parameters, is probed on ``cpu`` and on ``meta`` at micro-batches 1 and 2 through a
 model file as a user writes one: 96 × 96 images (a transformer's ``image_size`` set to
 32, 28 for a 14-pixel patch; 160 for Inception-v3, whose last stage is 1 × 1 at 96 and
-BatchNorm refuses one value a channel; 224 for MaxViT, whose partitions need it), cross-
-entropy on the logits (a segmentation model's ``out``). The bar: the meta profile equals
+BatchNorm refuses one value a channel; 224 for MaxViT, whose partitions need it), the
+cross-entropy of the logits (a segmentation model's ``out``); DeepLabV3 at micro-batches 2
+and 4, its ASPP pooling branch holding one value a channel at any size for a batch of 1.
+The bar: the meta profile equals
 the cpu profile in every byte field (layers, fixed parts, totals, the optimizer step, every
 timeline point), or meta fails with exit 3 naming the op. Raw rows:
 ``bench/results/<device>-vision-sweep.csv``."""
@@ -80,6 +82,11 @@ def settings(name: str) -> tuple[int, str]:
     return 96, ""
 
 
+def micro_batches(name: str) -> tuple[int, int]:
+    """The sizes probed: 2 and 4 for DeepLabV3 (module docstring), else MICRO_BATCHES."""
+    return (2, 4) if name.startswith("deeplabv3") else MICRO_BATCHES
+
+
 def model_file(folder: Path, name: str) -> Path:
     size, extra = settings(name)
     target = f"(b, {size}, {size})" if name in SEGMENTATION else "(b,)"
@@ -120,7 +127,7 @@ def probe_one(name: str, folder: str) -> dict[str, Any]:
         started = time.perf_counter()
         try:
             profiles[device] = probe_model(
-                path, device=device, micro_batches=MICRO_BATCHES, timing_rounds=1
+                path, device=device, micro_batches=micro_batches(name), timing_rounds=1
             )
         except MemplanError as exc:
             status = "cpu-fails" if device == "cpu" else "meta-fails"
