@@ -35,7 +35,6 @@ path, and non-meta calls, go to PyTorch unchanged.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,9 +46,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memplan.errors import MemplanError, internal_failure
+from memplan.probe.meta_nested import BODY_CALLS, run_body
 
 SDPA = F.scaled_dot_product_attention
-MHA_FORWARD = F.multi_head_attention_forward
 _PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None}
 _POSITIONAL = 6  # scale and enable_gqa are keyword-only (native_functions.yaml schema)
@@ -346,8 +345,8 @@ class MetaAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func is MHA_FORWARD:
-            return self._multi_head(args, kwargs)
+        if func in BODY_CALLS:  # nn.MultiheadAttention: its SDPA is in a Python body
+            return run_body(self, func, args, kwargs)
         if func is not SDPA:
             return func(*args, **kwargs)
         return self._attend(args, kwargs)
@@ -363,23 +362,6 @@ class MetaAttention(TorchFunctionMode):
         except Exception as exc:
             raise internal_failure("meta attention (probe/meta_attention.py)", SDPA, exc) from exc
         return SDPA(*args, **kwargs)  # the user's call, as PyTorch runs it
-
-    def _multi_head(self, args: tuple, kwargs: dict) -> Any:
-        """``F.multi_head_attention_forward`` (``nn.MultiheadAttention`` in training, so every
-        ``nn.TransformerEncoderLayer`` and torchvision's ViT) calls SDPA from its own body,
-        where this mode is off: a mode is disabled inside its own handler, so nested calls
-        never reach it, and meta ran the math path, saving the attention probabilities
-        (12,384 B a sample more than cpu in each block of torchvision's ``vit_b_32`` at 32 ×
-        32). The routing is put in the body's way instead: the global
-        ``scaled_dot_product_attention`` of ``torch.nn.functional``, which that body reads,
-        is this mode's for the call."""
-        module = sys.modules[MHA_FORWARD.__module__]
-        original = module.scaled_dot_product_attention
-        module.scaled_dot_product_attention = lambda *a, **k: self._attend(a, k)
-        try:
-            return MHA_FORWARD(*args, **kwargs)
-        finally:
-            module.scaled_dot_product_attention = original
 
     def _route(self, args: tuple, kwargs: dict) -> Callable[[], torch.Tensor] | None:
         """The fused kernel this call runs on the target (a thunk running its meta

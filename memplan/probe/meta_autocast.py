@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from memplan.errors import MemplanError, internal_failure
+from memplan.probe.meta_nested import BODY_CALLS, run_body
 
 _T = torch.Tensor
 
@@ -81,6 +82,8 @@ class MetaAutocast(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func in BODY_CALLS:  # nn.MultiheadAttention: its linears are in a Python body
+            return run_body(self, func, args, kwargs)
         try:  # memplan's casts: a failure in them is memplan's own (InternalError)
             if func in LOWER_PRECISION:
                 args, kwargs = tree_map(lambda v: self._cast(v, self.dtype), (args, kwargs))
