@@ -44,6 +44,7 @@ SECTIONS = [
     "engines",
     "hf_sweep",
     "vision_sweep",
+    "timm_sweep",
 ]
 
 

@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,11 @@ def models() -> list[str]:
 
 def probe_one(name: str, folder: str) -> dict[str, Any]:
     """One model's row: ``status`` is equal, differs, meta-fails, cpu-fails, crash or skip."""
+    return probe_file(name, str(model_file(Path(folder), name)), micro_batches(name))
+
+
+def probe_file(name: str, path: str, sizes: tuple[int, int]) -> dict[str, Any]:
+    """The row of the model file ``path`` (``name`` in the table), probed at ``sizes``."""
     warnings.filterwarnings("ignore")
     from memplan.errors import MemplanError
     from memplan.model.loader import load_model_file
@@ -114,7 +120,6 @@ def probe_one(name: str, folder: str) -> dict[str, Any]:
     from memplan.probe.backends import build_on_meta
 
     row: dict[str, Any] = {"model": name, "status": "", "detail": ""}
-    path = str(model_file(Path(folder), name))
     try:  # counted on meta: a 600 M-parameter model allocates nothing
         built = build_on_meta(load_model_file(path))
     except Exception as exc:
@@ -127,7 +132,7 @@ def probe_one(name: str, folder: str) -> dict[str, Any]:
         started = time.perf_counter()
         try:
             profiles[device] = probe_model(
-                path, device=device, micro_batches=micro_batches(name), timing_rounds=1
+                path, device=device, micro_batches=sizes, timing_rounds=1
             )
         except MemplanError as exc:
             status = "cpu-fails" if device == "cpu" else "meta-fails"
@@ -145,15 +150,22 @@ def probe_one(name: str, folder: str) -> dict[str, Any]:
     }
 
 
-def _probe(args: tuple[str, str]) -> dict[str, Any]:
-    row = probe_one(*args)
+def _probe(args: tuple[Callable[[str, str], dict[str, Any]], str, str]) -> dict[str, Any]:
+    probe, name, folder = args
+    row = probe(name, folder)
     print(f"{row['model']:30} {row['status']:10} {row['detail'][:90]}", flush=True)
     return row
 
 
-def sweep(names: list[str], workers: int = WORKERS) -> list[dict[str, Any]]:
+def sweep(
+    names: list[str],
+    workers: int = WORKERS,
+    probe: Callable[[str, str], dict[str, Any]] = probe_one,
+) -> list[dict[str, Any]]:
+    """Every name's row from ``probe(name, folder)`` (a module-level function: the workers
+    are spawned), one model a task."""
     with tempfile.TemporaryDirectory(prefix="memplan-vision-") as folder:
-        jobs = [(name, folder) for name in names]
+        jobs = [(probe, name, folder) for name in names]
         if workers <= 1:
             return [_probe(job) for job in jobs]
         context = multiprocessing.get_context("spawn")
@@ -170,10 +182,18 @@ def run(device: str) -> str:
     return report(rows, time.perf_counter() - started, device)
 
 
-def report(rows: list[dict[str, Any]], seconds: float, device: str = "cpu") -> str:
+def report(
+    rows: list[dict[str, Any]],
+    seconds: float,
+    device: str = "cpu",
+    *,
+    library: str = "torchvision",
+    doc: str = __doc__,
+    csv_name: str = "vision-sweep",
+) -> str:
     RESULTS.mkdir(parents=True, exist_ok=True)
     names = ["model", "status", "detail", "params", "cpu_seconds", "meta_seconds"]
-    with open(RESULTS / f"{device}-vision-sweep.csv", "w", newline="", encoding="utf-8") as f:
+    with open(RESULTS / f"{device}-{csv_name}.csv", "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
@@ -182,10 +202,10 @@ def report(rows: list[dict[str, Any]], seconds: float, device: str = "cpu") -> s
     others = [r for r in probed if r["status"] != "equal"]
     skipped = [r for r in rows if r["status"] == "skip"]
     out = [
-        "### Meta equals cpu across torchvision's models\n",
-        __doc__.split("\n\n")[1].replace("\n", " ") + "\n",
-        f"**{len(equal)} of {len(probed)} models equal** on meta and cpu (torchvision "
-        f"{metadata.version('torchvision')}; sweep wall time {seconds:.0f} s, {WORKERS} "
+        f"### Meta equals cpu across {library}'s models\n",
+        doc.split("\n\n")[1].replace("\n", " ") + "\n",
+        f"**{len(equal)} of {len(probed)} models equal** on meta and cpu ({library} "
+        f"{metadata.version(library)}; sweep wall time {seconds:.0f} s, {WORKERS} "
         "processes).\n",
     ]
     if others:
@@ -194,7 +214,7 @@ def report(rows: list[dict[str, Any]], seconds: float, device: str = "cpu") -> s
         out.append("")
     if skipped:
         out.append(
-            "Over 150 M parameters, not probed here: "
+            f"Over {MAX_PARAMETERS / 1e6:.0f} M parameters, or not built, not probed here: "
             + ", ".join(f"{r['model']} ({r['detail']})" for r in skipped)
             + ".\n"
         )

@@ -1,6 +1,6 @@
-"""A sample of bench/vision_sweep.py (meta equals cpu across torchvision's models), through
-the bench's own model files: the whole sweep is
-``python -m bench.run --device cpu --only vision_sweep``."""
+"""A sample of bench/vision_sweep.py and bench/timm_sweep.py (meta equals cpu across
+torchvision's models and timm's families), through the bench's own model files: the whole
+sweeps are ``python -m bench.run --device cpu --only vision_sweep --only timm_sweep``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import vision_sweep
+from bench import timm_sweep, vision_sweep
 
 SAMPLE = [
     "vit_b_32",  # nn.MultiheadAttention: SDPA called from F.multi_head_attention_forward
@@ -36,3 +36,11 @@ def test_a_model_over_the_limit_is_counted_on_meta_and_skipped(tmp_path: Path) -
     row = vision_sweep.probe_one("vit_h_14", str(tmp_path))
     expected = 632_045_800 - 252 * 1280 - 990 * 1281
     assert row["status"] == "skip" and row["params"] == expected == 630_455_050, row
+
+
+@pytest.mark.parametrize(("module", "name"), [("convnext", "convnext_atto")])
+def test_meta_equals_cpu_for_a_sample_of_timm(tmp_path: Path, module: str, name: str) -> None:
+    assert timm_sweep.smallest(module) == name
+    row = timm_sweep.probe_one(name, str(tmp_path))
+    assert row["status"] == "equal", row
+    assert 0 < row["params"] <= vision_sweep.MAX_PARAMETERS
