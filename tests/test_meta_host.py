@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from packed_lstm import packed_lstm
 from profile_bytes import assert_meta_equals_cpu
 from typer.testing import CliRunner
 
@@ -54,42 +55,6 @@ def training_loss(model, batch):
     if max(lengths) != 11:  # the clamp above wrote the batch's lengths
         raise AssertionError(f"lengths {lengths}")
     return logits.logsumexp(-1).mean()
-"""
-
-
-PACKED_LSTM = """
-import torch
-from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(50, 16)
-        self.rnns = nn.ModuleList(nn.LSTM(16, 16, batch_first=True) for _ in range(2))
-        self.head = nn.Linear(16, 50)
-
-    def forward(self, tokens, lengths):
-        x = self.emb(tokens)
-        for rnn in self.rnns:
-            packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
-            out, _ = rnn(packed)
-            x, _ = pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
-        return self.head(x)
-
-
-def build_model():
-    return Net()
-
-
-def make_batch(b):
-    tokens = torch.randint(0, 50, (b, 12), generator=torch.Generator().manual_seed(b))
-    return tokens, torch.tensor([12 - ((i + 1) % 3) for i in range(b)])
-
-
-def training_loss(model, batch):
-    return model(*batch).logsumexp(-1).mean()
 """
 
 
@@ -156,7 +121,7 @@ def test_a_packed_lstm_probes_on_meta_with_its_rnn_warning(tmp_path: Path) -> No
     ``batch_sizes`` the packing makes there too, and the LSTM runs PyTorch's generic
     kernel on the packed data. What it keeps for the backward equals cpu's, in every
     layer and fixed part; the warning says the RNN kernels' workspaces are not measured."""
-    path = _write(tmp_path, "packed.py", PACKED_LSTM)
+    path = _write(tmp_path, "packed.py", packed_lstm(lengths_on_cpu=True))
     meta = probe_model(path, device="meta", micro_batches=(4, 8, 16))
     cpu = probe_model(path, device="cpu", micro_batches=(4, 8, 16), timing_rounds=1)
     assert [layer.name for layer in meta.layers] == ["rnns.0", "rnns.1"]
@@ -217,8 +182,7 @@ def test_packing_lengths_left_on_meta_say_what_the_kernel_wants(tmp_path: Path) 
     """Lengths passed as they come (on the device): torch refuses them on cuda as on meta
     ("should be a 1D CPU int64 tensor"), so meta's refusal quotes that, exit 3, and says
     to pass ``lengths.cpu()``, not to probe on another device."""
-    text = PACKED_LSTM.replace("lengths.cpu(), batch_first", "lengths, batch_first")
-    path = _write(tmp_path, "packed.py", text)
+    path = _write(tmp_path, "packed.py", packed_lstm())
     out = tmp_path / "p.yaml"
     result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
     said = " ".join(result.output.split())

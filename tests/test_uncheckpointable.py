@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from packed_lstm import packed_lstm
 from plan_factory import independent_peak
 from profile_bytes import assert_meta_equals_cpu
 from typer.testing import CliRunner
@@ -247,42 +248,6 @@ def test_selective_that_fails_only_at_a_later_size_is_dropped_not_fatal(
     assert all(layer.saved_bytes.slope == 64 for layer in profile.layers)  # 16 fp32 a sample
 
 
-_PACKED_LSTM = """\
-import torch
-from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(50, 16)
-        self.rnns = nn.ModuleList(nn.LSTM(16, 16, batch_first=True) for _ in range(2))
-        self.head = nn.Linear(16, 50)
-
-    def forward(self, tokens, lengths):
-        x = self.emb(tokens)
-        for rnn in self.rnns:
-            packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
-            out, _ = rnn(packed)
-            x, _ = pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
-        return self.head(x)
-
-
-def build_model():
-    return Net()
-
-
-def make_batch(b):
-    tokens = torch.randint(0, 50, (b, 12), generator=torch.Generator().manual_seed(b))
-    return tokens, torch.tensor([12 - (i % 3) for i in range(b)])
-
-
-def training_loss(model, batch):
-    return model(*batch).logsumexp(-1).mean()
-"""
-
-
 def test_two_sizes_on_two_paths_are_the_sizes_fault_not_memplans(tmp_path: Path) -> None:
     """An LSTM over sequences packed with enforce_sorted=False sorts a batch of 2 and not
     one of 1: micro-batches 1 and 2 run different op sequences, and the line through them
@@ -290,7 +255,7 @@ def test_two_sizes_on_two_paths_are_the_sizes_fault_not_memplans(tmp_path: Path)
     layer and what to probe instead, not "memplan's failure" from the read-back; sizes
     that take one path probe (the size that differs left out)."""
     path = tmp_path / "lstm.py"
-    path.write_text(_PACKED_LSTM)
+    path.write_text(packed_lstm())
     profile = probe_model(str(path), device="cpu", micro_batches=(1, 2), timing_rounds=1)
     assert not profile.op_sequence_stable
     with pytest.raises(CannotMeasureError) as info:  # every writer takes its text from here
