@@ -1,7 +1,7 @@
 """Meta equals cpu across timm's model families: the differential sweep for timm.
 
-One model of each timm module below (a family: ResNet, ConvNeXt, ViT, Swin, MaxViT,
-EfficientFormer, …), its smallest by name (``atto``, ``pico``, ``nano``, ``tiny``,
+One model of each of 39 timm modules (a family: ResNet, ConvNeXt, ViT, Swin, MaxViT,
+EfficientFormer, …; ``MODULES`` in bench/timm_sweep.py), its smallest by name (``atto``, ``pico``, ``nano``, ``tiny``,
 ``small`` first), built with ``timm.create_model(name, pretrained=False, num_classes=10)``
 and probed on ``cpu`` and on ``meta`` at micro-batches 2 and 4 (a batch of 1 leaves some
 families' pooled BatchNorm one value a channel) through a model file as a user writes one,
