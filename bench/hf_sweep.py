@@ -116,9 +116,7 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
 
-    from memplan.errors import MemplanError
     from memplan.model.loader import settle_torchvision
-    from memplan.probe import probe_model
 
     hf_logging.set_verbosity_error()
     settle_torchvision()
@@ -132,15 +130,29 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
     except Exception as exc:
         return {**row, "status": "skip", "detail": f"{type(exc).__name__}: {_first_line(exc)}"}
     path = str(hf_families.model_file(Path(folder), kind, family))
+    return meta_against_cpu(row, path, MICRO_BATCHES, bytes_only=True)
+
+
+def meta_against_cpu(
+    row: dict[str, Any], path: str, micro_batches: tuple[int, ...], *, bytes_only: bool
+) -> dict[str, Any]:
+    """``row`` with the model file ``path`` probed on cpu, then on meta, at
+    ``micro_batches``: ``status`` equal, differs (``detail``: the fields),
+    cpu-fails/meta-fails (exit 3 or 2, its first line) or crash, and each probe's seconds.
+    ``bytes_only``: without the runs byte_difference leaves out (``_bytes_only``). Shared by
+    the vision and timm sweeps."""
+    from memplan.errors import MemplanError
+    from memplan.probe import probe_model
+
     profiles = {}
     for device in ("cpu", "meta"):
         started = time.perf_counter()
         try:
-            with _bytes_only():
+            with _bytes_only() if bytes_only else contextlib.nullcontext():
                 profiles[device] = probe_model(
                     path,
                     device=device,
-                    micro_batches=MICRO_BATCHES,
+                    micro_batches=micro_batches,
                     timing_rounds=1,
                 )
         except MemplanError as exc:
@@ -153,8 +165,7 @@ def probe_family(kind: str, family: str, folder: str) -> dict[str, Any]:
                 "detail": f"{device}: {type(exc).__name__}: {_first_line(exc)}",
             }
         row[f"{device}_seconds"] = round(time.perf_counter() - started, 1)
-    cpu, meta = profiles["cpu"], profiles["meta"]
-    difference = byte_difference(cpu, meta)
+    difference = byte_difference(profiles["cpu"], profiles["meta"])
     if difference is None:
         return {**row, "status": "equal"}
     return {**row, "status": "differs", "detail": difference}

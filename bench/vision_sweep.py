@@ -26,7 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from bench.hf_sweep import byte_difference
+from bench.hf_sweep import meta_against_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -114,9 +114,7 @@ def probe_one(name: str, folder: str) -> dict[str, Any]:
 def probe_file(name: str, path: str, sizes: tuple[int, int]) -> dict[str, Any]:
     """The row of the model file ``path`` (``name`` in the table), probed at ``sizes``."""
     warnings.filterwarnings("ignore")
-    from memplan.errors import MemplanError
     from memplan.model.loader import load_model_file
-    from memplan.probe import probe_model
     from memplan.probe.backends import build_on_meta
 
     row: dict[str, Any] = {"model": name, "status": "", "detail": ""}
@@ -127,27 +125,7 @@ def probe_file(name: str, path: str, sizes: tuple[int, int]) -> dict[str, Any]:
     row["params"] = sum(p.numel() for p in built.parameters())
     if row["params"] > MAX_PARAMETERS:
         return {**row, "status": "skip", "detail": f"{row['params'] / 1e6:.0f} M parameters"}
-    profiles = {}
-    for device in ("cpu", "meta"):
-        started = time.perf_counter()
-        try:
-            profiles[device] = probe_model(
-                path, device=device, micro_batches=sizes, timing_rounds=1
-            )
-        except MemplanError as exc:
-            status = "cpu-fails" if device == "cpu" else "meta-fails"
-            first = str(exc).splitlines()[0][:160]
-            return {**row, "status": status, "detail": f"exit {exc.exit_code}: {first}"}
-        except Exception as exc:
-            detail = f"{device}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            return {**row, "status": "crash", "detail": detail}
-        row[f"{device}_seconds"] = round(time.perf_counter() - started, 1)
-    difference = byte_difference(profiles["cpu"], profiles["meta"])
-    return {
-        **row,
-        "status": "equal" if difference is None else "differs",
-        "detail": difference or "",
-    }
+    return meta_against_cpu(row, path, sizes, bytes_only=False)
 
 
 def _probe(args: tuple[Callable[[str, str], dict[str, Any]], str, str]) -> dict[str, Any]:
