@@ -45,6 +45,7 @@ SECTIONS = [
     "hf_sweep",
     "vision_sweep",
     "timm_sweep",
+    "peft_sweep",
 ]
 
 

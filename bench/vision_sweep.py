@@ -168,6 +168,7 @@ def report(
     library: str = "torchvision",
     doc: str = __doc__,
     csv_name: str = "vision-sweep",
+    noun: str = "models",
 ) -> str:
     RESULTS.mkdir(parents=True, exist_ok=True)
     names = ["model", "status", "detail", "params", "cpu_seconds", "meta_seconds"]
@@ -180,9 +181,9 @@ def report(
     others = [r for r in probed if r["status"] != "equal"]
     skipped = [r for r in rows if r["status"] == "skip"]
     out = [
-        f"### Meta equals cpu across {library}'s models\n",
+        f"### Meta equals cpu across {library}'s {noun}\n",
         doc.split("\n\n")[1].replace("\n", " ") + "\n",
-        f"**{len(equal)} of {len(probed)} models equal** on meta and cpu ({library} "
+        f"**{len(equal)} of {len(probed)} {noun} equal** on meta and cpu ({library} "
         f"{metadata.version(library)}; sweep wall time {seconds:.0f} s, {WORKERS} "
         "processes).\n",
     ]

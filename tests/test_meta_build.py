@@ -147,3 +147,67 @@ def test_a_builders_own_fault_on_meta_is_exit_2_and_built_once(tmp_path: Path) -
     said = " ".join(result.output.split())
     assert result.exit_code == 2 and "no config for this size" in said, result.output
     assert calls.read_text() == "x\n"
+
+
+def test_a_builder_that_takes_nonzero_of_its_own_mask_builds_on_meta(tmp_path: Path) -> None:
+    """``nonzero()`` of a tensor the builder made (peft's SHiRA picks its sparse pattern so:
+    a random mask, then its positions): meta has no size for it ("a correct
+    data-independent implementation does not exist"). Before: exit 2, "build_model() raised
+    NotImplementedError … Fix build_model()"; now built again with twins, as a value read."""
+    text = WIDTHS.replace(
+        "        super().__init__()\n",
+        "        super().__init__()\n"
+        "        mask = (torch.arange(12) % 4) == 1  # 3 of 12, before any other read\n"
+        "        self.register_buffer('picked', mask.nonzero().flatten())\n",
+    ).replace("x = self.stem(x)", "x = self.stem(x) + x[:, :1] * self.picked.sum()")
+    path = _write(tmp_path, "picks.py", text)
+    meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
+    assert_meta_equals_cpu(cpu, meta)
+    assert meta.totals.buffer_bytes == 3 * 8  # the 3 positions, int64
+
+
+SPARSE = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(8, 8)
+        self.values = nn.Parameter(torch.ones(4))
+        self.register_buffer("where", torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]]))
+
+    def forward(self, x):
+        delta = torch.sparse_coo_tensor(self.where, self.values, (8, 8))
+        return self.base(x) + x @ delta.to_dense()
+
+
+def build_model():
+    return Net()
+
+
+def make_batch(b):
+    return torch.randn(b, 8, generator=torch.Generator().manual_seed(b))
+
+
+def training_loss(model, x):
+    return model(x).square().mean()
+"""
+
+
+def test_a_sparse_tensor_on_meta_is_meta_s_limit_naming_the_op(tmp_path: Path) -> None:
+    """A sparse COO tensor made in the forward (peft's SHiRA adds one to its weight). Meta
+    has no kernel for some sparse ops: exit 3 naming the op and --device cpu. Before, the
+    meta op cache asked the sparse result for its storage and memplan blamed itself ("the
+    live tracker failed … This is memplan's failure")."""
+    path = _write(tmp_path, "sparse.py", SPARSE)
+    cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
+    assert cpu.totals.params_trainable_bytes == 4 * (8 * 8 + 8 + 4)  # the cpu probe runs it
+    out = tmp_path / "p.yaml"
+    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 3 and not out.exists(), result.output
+    assert "memplan's failure" not in said and "--device cpu" in said, said
+    assert "sparse" in said, said

@@ -69,7 +69,12 @@ def _meta_value_read(exc: ModelFileError) -> bool:
     """Whether the builder failed reading a meta tensor's values (``.tolist()``,
     ``.item()``, ``int(t)``, a copy to the CPU), not by a fault of its own."""
     cause = str(exc.__cause__ or "")
-    return "meta tensor" in cause or "on meta tensors" in cause or "_local_scalar_dense" in cause
+    return (
+        "meta tensor" in cause
+        or "on meta tensors" in cause
+        or "_local_scalar_dense" in cause
+        or "data-independent" in cause  # nonzero(): its output's size is the values'
+    )
 
 
 def resolve_device(device: str) -> str:

@@ -87,7 +87,12 @@ def _is_functional(func: Any) -> bool:
 
 
 def _fresh(tensor: Any, input_storages: set[int], seen: set[int]) -> _Fresh:
-    if type(tensor) is not torch.Tensor or not tensor.is_meta or tensor.storage_offset():
+    if (
+        type(tensor) is not torch.Tensor
+        or not tensor.is_meta
+        or tensor.layout != torch.strided  # sparse: no storage of its own to stand in for
+        or tensor.storage_offset()
+    ):
         raise _Uncacheable
     storage = tensor.untyped_storage()
     if id(storage) in input_storages or id(storage) in seen:
