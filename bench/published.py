@@ -225,6 +225,15 @@ FA2_H100_BACKWARD = 318 / 989
 # H100 datasheet): memplan's step time for them is a lower bound of its own model's.
 GRAND_TETON_BANDWIDTH = 2.4e12
 GRAND_TETON_MEMORY = 96 * 10**9
+# What those parts reach, measured by torchao's authors on them (pytorch/ao at 0598012,
+# torchao/testing/training/roofline_utils.py, ``gpu_name_to_specs["NVIDIA H100"]``: "2.4 TB
+# per second, custom to Meta's H100 variant"): large GEMMs at 0.78 of the 989 TFLOP/s dense
+# bf16 peak ("based on experimental observation with sample large inputs"; the SXM part at
+# 700 W reaches 0.803, its MAMF), pointwise Triton kernels at 0.92 of the 2.4 TB/s ("about
+# 2.2k GBPS on Meta's H100 variant"). Their float8 GEMMs stay at the SXM part's measured
+# 0.709 of 1,979 (torchao's roofline assumes the bf16 fraction for them: no measurement).
+TORCHAO_H100_MATMUL = 0.78
+TORCHAO_H100_MEMORY = 0.92
 # The other end of footnote 2's range: the H100 NVL part's dense peaks (NVIDIA H100 NVL
 # datasheet: BF16 1,671 and FP8 3,341 TFLOP/s with sparsity, half that dense).
 NVL_BF16_FLOPS = 835e12
@@ -242,7 +251,8 @@ def run_spec(row: Published, peaks: str = "sxm"):
     """The device spec the run is predicted on: its device profile, with the attention
     efficiency of the kernel the run ran (FlashAttention-2's on the H100 and H200 rows,
     above) and, for the December 2024 table, the published parts' memory and bandwidth
-    (module doc); ``peaks="nvl"``: with the NVL part's
+    (module doc) and the GEMM and pointwise rates torchao measured on them
+    (``TORCHAO_H100_MATMUL``, ``TORCHAO_H100_MEMORY``); ``peaks="nvl"``: with the NVL part's
     compute peaks instead of the SXM part's, the other end of the range the source gives
     (every efficiency, attention's too, a fraction of the lower peak)."""
     spec = load_device(row.device)
@@ -270,6 +280,10 @@ def run_spec(row: Published, peaks: str = "sxm"):
                 spec.efficiency,
                 attention=round(FA2_H100, 3),
                 attention_backward=round(FA2_H100_BACKWARD, 3),
+                # the parts' own rates, where torchao measured them (the SXM peaks they
+                # are fractions of); the NVL end keeps the SXM part's fractions of its peak
+                **({} if nvl else {"matmul": TORCHAO_H100_MATMUL}),
+                **({} if nvl else {"memory": TORCHAO_H100_MEMORY}),
             ),
             bf16_flops=NVL_BF16_FLOPS if nvl else spec.bf16_flops,
             fp16_flops=NVL_BF16_FLOPS if nvl else spec.fp16_flops,
@@ -646,6 +660,7 @@ def run(device: str) -> str:
     probes: dict = {}
     searches: dict[tuple, object] = {}
     a100_steps: dict[str, tuple[float, float]] = {}
+    steps: dict[tuple[str, str, str], tuple[float, float]] = {}
     with tempfile.TemporaryDirectory(prefix="memplan-published-") as tmp:
         for row in ROWS + CP_ROWS + A100_ROWS + H200_ROWS + ASYNC_TP_ROWS:
             spec = run_spec(row)
@@ -658,6 +673,9 @@ def run(device: str) -> str:
                     lines.append(f"| {row.model} | {row.table} | … | {label}: {exc.message} |")
                     continue
                 published_plan = published_plan or plan
+                if plan is published_plan:
+                    key = (row.model, row.table, row.techniques)
+                    steps[key] = (plan.predicted.step_seconds, row.step_seconds)
                 if row in A100_ROWS:
                     a100_steps[row.ac] = (plan.predicted.step_seconds, row.step_seconds)
                 reserved = reserved_gib(plan)
@@ -713,9 +731,11 @@ def run(device: str) -> str:
             "published layout, local batch and activation checkpointing solved as given "
             "(`solve --tp --pp --min-micro --max-micro --always-checkpoint`), on the "
             "published H100 parts (the h100-80gb spec with their 96 GB and 2.4 TB/s of HBM2e, "
-            "and the SXM part's compute peaks: their 500 W parts peak lower, between SXM and "
-            "NVL by torchtitan's own note, so memplan's H100 step times are lower bounds; at "
-            "the NVL part's 835 TFLOP/s its matmuls would take 18% longer) or a100-80gb; memory = allocated peak + allocator reserve "
+            "the SXM part's compute peaks, and the rates torchao's authors measured on these "
+            "500 W parts: large bf16 GEMMs at 0.78 of the 989 TFLOP/s peak, pointwise kernels "
+            "at 0.92 of the 2.4 TB/s, pytorch/ao 0598012 torchao/testing/training/"
+            "roofline_utils.py; float8 GEMMs at the SXM part's 0.709, which nobody measured "
+            "on these parts) or a100-80gb; memory = allocated peak + allocator reserve "
             "(what `max_memory_reserved` counts; no CUDA context), worst rank. Step time = "
             "memplan's meta clock at each device's measured efficiency (large bf16 GEMMs, "
             "attention, memory-bound ops; profiles/devices/*.yaml cites each, none is taken "
@@ -776,6 +796,8 @@ def run(device: str) -> str:
             "",
             sac_ranking(a100_steps),
             "",
+            same_recipe_line(steps),
+            "",
             "**Would the recipe fit an 80 GB H100?** The published runs had 96 GB parts. "
             "Their device memory: the published reserved GiB plus what max_memory_reserved "
             "leaves out, the CUDA context and NCCL's buffers as memplan counts them; an "
@@ -791,10 +813,11 @@ def run(device: str) -> str:
             "**The H100 rows' unknown peak, both ends.** The published parts' dense bf16 "
             "peak \"is between SXM and NVL\" and unknown to the runs' authors (the source's "
             "footnote 2), so each row's step is predicted at both ends: the SXM part's "
-            "989 / 1,979 TFLOP/s (bf16 / FP8, the table above) and the NVL part's 835 / "
-            "1,671 (NVIDIA H100 NVL datasheet), every efficiency a fraction of that peak. "
-            "A published step between the two is what memplan's model allows; none is "
-            "fitted.\n",
+            "989 / 1,979 TFLOP/s (bf16 / FP8) at the rates torchao measured on these parts "
+            "(the table above), and the NVL part's 835 / 1,671 (NVIDIA H100 NVL datasheet) "
+            "at the SXM part's fractions of them (bf16 GEMMs 0.803 of 835: 671 TFLOP/s, "
+            "below the 771 torchao measured on these parts, so the NVL end overstates what "
+            "the cap takes). None is fitted.\n",
             "| model | published run | published step | memplan, SXM peaks | ratio | "
             "memplan, NVL peaks | ratio |",
             "|---|---|---:|---:|---:|---:|---:|",
@@ -874,6 +897,45 @@ def sac_ranking(steps: dict[str, tuple[float, float]]) -> str:
         f"{ours_layer / ours_op - 1:+.1%} faster (its selective cost is the roofline of the "
         "ops the recompute re-runs: the matmuls the policy does not keep and the pointwise "
         'ops; docs/design.md, "Per-layer modes").'
+    )
+
+
+SAME_RECIPE = (
+    ("8B", "Table 1", "compile+float8"),  # 8 H100s at 500 W, December 2024
+    ("8B", "H200, 4 hosts", "compile+float8"),  # 32 H200s at 700 W, June 2025
+)
+"""One recipe published on both parts: Llama 3.1 8B, local batch 2, sequence 8192, per-op
+SAC, compiled, float8 linears, FSDP over every GPU."""
+
+
+def same_recipe_line(steps: dict[tuple[str, str, str], tuple[float, float]]) -> str:
+    """How much slower the published H100 step is than the H200 one for the same recipe,
+    against how much slower memplan predicts it: what memplan does not model of the
+    difference between the runs (the H100s' 500 W cap among it) is their quotient."""
+    (ours_h100, theirs_h100), (ours_h200, theirs_h200) = (steps[k] for k in SAME_RECIPE)
+    published, predicted = theirs_h100 / theirs_h200, ours_h100 / ours_h200
+    left_out = published / predicted - 1
+    short = sorted(
+        1 - ours / theirs
+        for (model, table, techniques), (ours, theirs) in steps.items()
+        if model == "8B" and table in ("Table 1", "Table 3") and "float8" not in techniques
+    )
+    verdict = (
+        f"far less than the {short[0]:.0%} to {short[-1]:.0%} by which memplan's bf16 8B "
+        "H100 rows (eager and compiled) are short of their published steps: the cap alone "
+        "does not explain those rows"
+        if short and left_out < short[0] / 2
+        else "as much as memplan's bf16 8B H100 rows are short: the cap may explain them"
+    )
+    return (
+        "**One recipe on both parts** (8B, local batch 2, per-op SAC, compile+float8, FSDP "
+        "over every GPU: Table 1 on 8 of the 500 W H100s, and the H200 table's 4 hosts of 8 "
+        f"at 700 W): the published H100 step is {published:.2f}× the H200's, memplan's "
+        f"{predicted:.2f}× (the H100s have half the memory bandwidth, the same peaks). What "
+        f"memplan leaves out of the difference costs the H100 run {left_out:+.1%}: the 500 "
+        "W cap, and everything else that differs (torch and torchao six months apart, 8 "
+        "against 32 ranks). So on this float8 run the cap costs at most about that much, "
+        f"{verdict}."
     )
 
 

@@ -142,3 +142,29 @@ def test_a_probes_folder_that_cannot_be_kept_fails_before_the_first_probe(tmp_pa
     assert published.kept_probes_folder() is None
     monkeypatch.delenv(published.PROBES_ENV)
     assert published.kept_probes_folder() is None
+
+
+def test_the_same_recipe_on_both_parts_is_read_from_the_published_rows():
+    """Table 1's compile+float8 run (8 H100s at 500 W) and the H200 table's 4 hosts are one
+    recipe: the published steps from their TPS, 16,384 tokens a GPU (local batch 2 ×
+    8,192) at 8,532 and 10,938, so the H100 step is 10,938 / 8,532 = 1.282× the H200's.
+    Given memplan steps of 1.78 and 1.43 s (1.245×), what memplan leaves out costs the H100
+    run +3.0%, under half the least shortfall of the bf16 rows (here 16%)."""
+    from bench.published import H200_ROWS, ROWS, SAME_RECIPE, same_recipe_line
+
+    rows = {(r.model, r.table, r.techniques): r for r in ROWS + H200_ROWS}
+    h100, h200 = (rows[k] for k in SAME_RECIPE)
+    assert (h100.local_batch, h100.ac, h100.gpus) == (h200.local_batch, h200.ac, 8)
+    assert abs(h100.step_seconds / h200.step_seconds - 10938 / 8532) < 1e-12
+    steps = {
+        SAME_RECIPE[0]: (1.78, h100.step_seconds),
+        SAME_RECIPE[1]: (1.43, h200.step_seconds),
+        ("8B", "Table 1", "eager"): (2.39, 2.84),  # 16% short
+        ("8B", "Table 1", "compile"): (1.93, 2.46),  # 22% short
+    }
+    line = same_recipe_line(steps)
+    assert "is 1.28× the H200's, memplan's 1.24×" in line, line
+    assert "costs the H100 run +3.0%" in line and "16% to 22%" in line, line
+    assert "does not explain those rows" in line
+    steps[SAME_RECIPE[0]] = (1.60, h100.step_seconds)  # memplan 1.12×: 14% left out
+    assert "the cap may explain them" in same_recipe_line(steps)
