@@ -14,8 +14,6 @@ every byte field, or meta fails with exit 3 naming the op. Left out, with the re
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -111,20 +109,16 @@ def probe_one(name: str, folder: str) -> dict[str, Any]:
 def run(device: str) -> str:
     if device != "cpu":
         return "### Meta equals cpu across peft's methods\n\nA CPU-only section.\n"
-    only = set(filter(None, os.environ.get("MEMPLAN_SWEEP_ONLY", "").split(",")))
-    names = [n for n in METHODS if not only or n in only]
-    started = time.perf_counter()
-    rows = vision_sweep.sweep(names, probe=probe_one)
-    skipped = "; ".join(f"{k} ({why})" for k, why in SKIPPED.items())
-    table = vision_sweep.report(
-        rows,
-        time.perf_counter() - started,
+    rows, table = vision_sweep.swept(
+        list(METHODS),
         device,
+        probe_one,
         library="peft",
         doc=__doc__,
         csv_name="peft-sweep",
         noun="methods",
     )
+    skipped = "; ".join(f"{k} ({why})" for k, why in SKIPPED.items())
     stopped = [r["model"] for r in rows if r["status"] == "meta-fails" and r["model"] in STOPS]
     why = "".join(f"- {name} {STOPS[name]}.\n" for name in stopped)
     return f"{table}\n{why}\nNot in the sweep: {skipped}.\n"

@@ -12,8 +12,6 @@ field, or meta fails with exit 3 naming the op. Raw rows:
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -98,15 +96,7 @@ def probe_one(name: str, folder: str) -> dict[str, Any]:
 def run(device: str) -> str:
     if device != "cpu":
         return "### Meta equals cpu across timm's models\n\nA CPU-only section.\n"
-    only = set(filter(None, os.environ.get("MEMPLAN_SWEEP_ONLY", "").split(",")))
-    names = [n for n in (smallest(m) for m in MODULES) if n and (not only or n in only)]
-    started = time.perf_counter()
-    rows = vision_sweep.sweep(names, probe=probe_one)
-    return vision_sweep.report(
-        rows,
-        time.perf_counter() - started,
-        device,
-        library="timm",
-        doc=__doc__,
-        csv_name="timm-sweep",
-    )
+    names = [n for n in (smallest(m) for m in MODULES) if n]
+    return vision_sweep.swept(
+        names, device, probe_one, library="timm", doc=__doc__, csv_name="timm-sweep"
+    )[1]

@@ -151,13 +151,24 @@ def sweep(
             return list(pool.imap(_probe, jobs))
 
 
+def swept(
+    names: list[str],
+    device: str,
+    probe: Callable[[str, str], dict[str, Any]] = probe_one,
+    **how: Any,
+) -> tuple[list[dict[str, Any]], str]:
+    """The rows of the names ``MEMPLAN_SWEEP_ONLY`` keeps (all when unset), and their
+    section (``report``'s keywords in ``how``). Shared by the vision, timm and peft sweeps."""
+    only = set(filter(None, os.environ.get("MEMPLAN_SWEEP_ONLY", "").split(",")))
+    started = time.perf_counter()
+    rows = sweep([name for name in names if not only or name in only], probe=probe)
+    return rows, report(rows, time.perf_counter() - started, device, **how)
+
+
 def run(device: str) -> str:
     if device != "cpu":
         return "### Meta equals cpu across torchvision's models\n\nA CPU-only section.\n"
-    only = set(filter(None, os.environ.get("MEMPLAN_SWEEP_ONLY", "").split(",")))
-    started = time.perf_counter()
-    rows = sweep([name for name in models() if not only or name in only])
-    return report(rows, time.perf_counter() - started, device)
+    return swept(models(), device)[1]
 
 
 def report(

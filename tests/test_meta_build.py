@@ -184,17 +184,8 @@ class Net(nn.Module):
         return self.base(x) + x @ delta.to_dense()
 
 
-def build_model():
-    return Net()
-
-
-def make_batch(b):
-    return torch.randn(b, 8, generator=torch.Generator().manual_seed(b))
-
-
-def training_loss(model, x):
-    return model(x).square().mean()
 """
+SPARSE += WIDTHS[WIDTHS.index("def build_model():") :]
 
 
 def test_a_sparse_tensor_on_meta_is_meta_s_limit_naming_the_op(tmp_path: Path) -> None:
