@@ -140,7 +140,7 @@ def meta_against_cpu(
     ``micro_batches``: ``status`` equal, differs (``detail``: the fields),
     cpu-fails/meta-fails (exit 3 or 2, its first line) or crash, and each probe's seconds.
     ``bytes_only``: without the runs byte_difference leaves out (``_bytes_only``). Shared by
-    the vision and timm sweeps."""
+    the vision, timm and peft sweeps (``vision_sweep.probe_file``)."""
     from memplan.errors import MemplanError
     from memplan.probe import probe_model
 

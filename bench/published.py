@@ -220,9 +220,9 @@ FA2_H100_BACKWARD = 318 / 989
 # The published H100s are not the h100-80gb part (the source's "Hardware" and footnote 2): 96 GB
 # of HBM2e at 2.4 TB/s peak (the SXM5 80 GB part: 3.35 TB/s of HBM3), run at the default 500 W
 # limit, whose bf16 peak "is between SXM and NVL" and unknown to its authors. So the rows take
-# the published capacity and bandwidth (the memory efficiency measured on HBM3 is kept), and
-# the SXM compute peaks, an upper bound (the NVL part's dense bf16 is 835 TFLOP/s by NVIDIA's
-# H100 datasheet): memplan's step time for them is a lower bound of its own model's.
+# the published capacity and bandwidth, the SXM compute peaks (the NVL part's dense bf16 is 835
+# TFLOP/s by NVIDIA's H100 datasheet), and, as fractions of those, the rates torchao measured
+# on the parts (below).
 GRAND_TETON_BANDWIDTH = 2.4e12
 GRAND_TETON_MEMORY = 96 * 10**9
 # What those parts reach, measured by torchao's authors on them (pytorch/ao at 0598012,
@@ -271,6 +271,13 @@ def run_spec(row: Published, peaks: str = "sxm"):
         )
     if row.device == DEVICE:  # the December 2024 H100 table
         nvl = peaks == "nvl"
+        # the parts' own rates, where torchao measured them (fractions of the SXM peaks);
+        # the NVL end keeps the SXM part's fractions of its own peaks
+        measured: dict[str, float] = {}
+        if not nvl:
+            measured["matmul"] = TORCHAO_H100_MATMUL
+            if row.compiled:  # Triton's pointwise kernels: inductor's
+                measured["memory"] = TORCHAO_H100_MEMORY
         spec = dataclasses.replace(
             spec,
             name="h100-96gb-hbm2e-fa2" + ("-nvl-peaks" if nvl else ""),
@@ -282,10 +289,7 @@ def run_spec(row: Published, peaks: str = "sxm"):
                 spec.efficiency,
                 attention=round(FA2_H100, 3),
                 attention_backward=round(FA2_H100_BACKWARD, 3),
-                # the parts' own rates, where torchao measured them (the SXM peaks they
-                # are fractions of); the NVL end keeps the SXM part's fractions of its peak
-                **({} if nvl else {"matmul": TORCHAO_H100_MATMUL}),
-                **({} if nvl or not row.compiled else {"memory": TORCHAO_H100_MEMORY}),
+                **measured,
             ),
             bf16_flops=NVL_BF16_FLOPS if nvl else spec.bf16_flops,
             fp16_flops=NVL_BF16_FLOPS if nvl else spec.fp16_flops,

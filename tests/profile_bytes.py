@@ -1,9 +1,10 @@
 """Two profiles compared in every byte field (import as ``from profile_bytes import
 assert_meta_equals_cpu``; pytest puts tests/ on the path): the bar for a meta probe is the
-cpu probe of the same model, to the byte."""
+cpu probe of the same model, to the byte. And ``write_model``, the model file both probe."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from memplan.files.schema import to_data
@@ -32,3 +33,10 @@ def assert_meta_equals_cpu(cpu: Any, meta: Any) -> None:
     assert meta.totals == cpu.totals
     assert meta.optimizer_step_peak_bytes == cpu.optimizer_step_peak_bytes
     assert to_data(meta.timeline) == to_data(cpu.timeline)
+
+
+def write_model(tmp: Path, name: str, text: str) -> str:
+    """The model file ``text`` written as ``tmp / name``: its path, as probe_model takes it."""
+    path = tmp / name
+    path.write_text(text)
+    return str(path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from profile_bytes import assert_meta_equals_cpu
+from profile_bytes import assert_meta_equals_cpu, write_model
 from typer.testing import CliRunner
 
 from memplan.cli import app
@@ -74,14 +74,8 @@ def training_loss(model, batch):
 """
 
 
-def _write(tmp: Path, name: str, text: str) -> str:
-    path = tmp / name
-    path.write_text(text)
-    return str(path)
-
-
 def test_a_builder_that_reads_its_own_tensors_builds_on_meta(tmp_path: Path) -> None:
-    path = _write(tmp_path, "widths.py", WIDTHS)
+    path = write_model(tmp_path, "widths.py", WIDTHS)
     meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
@@ -97,7 +91,7 @@ def test_no_weight_or_buffer_keeps_a_twin_after_the_build(tmp_path: Path) -> Non
     from memplan.probe.backends import build_on_meta
 
     text = WIDTHS.replace("nn.ReLU()", "nn.BatchNorm1d(b)")
-    model = build_on_meta(load_model_file(_write(tmp_path, "bn.py", text)))
+    model = build_on_meta(load_model_file(write_model(tmp_path, "bn.py", text)))
     tensors = (*model.parameters(), *model.buffers())
     assert len(tensors) == 18 and all(t.is_meta for t in tensors)
     assert not any(t in shadow._shadows for t in tensors)
@@ -107,7 +101,7 @@ def test_torchvision_regnet_probes_on_meta_as_on_cpu(tmp_path: Path) -> None:
     """torchvision's RegNet (``BlockParams.from_init_params``: ``torch.arange(depth) * w_a
     + w_0`` … ``.int().tolist()``). Before: exit 2, "build_model() raised
     NotImplementedError: Cannot copy out of meta tensor; no data! Fix build_model()"."""
-    path = _write(tmp_path, "regnet.py", REGNET)
+    path = write_model(tmp_path, "regnet.py", REGNET)
     meta = probe_model(path, device="meta", micro_batches=(2, 4))
     cpu = probe_model(path, device="cpu", micro_batches=(2, 4), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
@@ -124,7 +118,7 @@ def test_a_value_read_from_a_weight_too_large_to_twin_is_exit_3(tmp_path: Path) 
         "        big = nn.Linear(4100, 1024)  # 4,198,400 elements: no twin\n"
         "        self.scale = float(big.weight.abs().mean())\n",
     )
-    path = _write(tmp_path, "reads.py", text)
+    path = write_model(tmp_path, "reads.py", text)
     out = tmp_path / "p.yaml"
     result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
     said = " ".join(result.output.split())
@@ -141,7 +135,7 @@ def test_a_builders_own_fault_on_meta_is_exit_2_and_built_once(tmp_path: Path) -
         f"def build_model():\n    open({str(calls)!r}, 'a').write('x\\n')\n"
         "    raise ValueError('no config for this size')",
     )
-    path = _write(tmp_path, "broken.py", text)
+    path = write_model(tmp_path, "broken.py", text)
     out = tmp_path / "p.yaml"
     result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
     said = " ".join(result.output.split())
@@ -160,7 +154,7 @@ def test_a_builder_that_takes_nonzero_of_its_own_mask_builds_on_meta(tmp_path: P
         "        mask = (torch.arange(12) % 4) == 1  # 3 of 12, before any other read\n"
         "        self.register_buffer('picked', mask.nonzero().flatten())\n",
     ).replace("x = self.stem(x)", "x = self.stem(x) + x[:, :1] * self.picked.sum()")
-    path = _write(tmp_path, "picks.py", text)
+    path = write_model(tmp_path, "picks.py", text)
     meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
@@ -193,7 +187,7 @@ def test_a_sparse_tensor_on_meta_is_meta_s_limit_naming_the_op(tmp_path: Path) -
     has no kernel for some sparse ops: exit 3 naming the op and --device cpu. Before, the
     meta op cache asked the sparse result for its storage and memplan blamed itself ("the
     live tracker failed … This is memplan's failure")."""
-    path = _write(tmp_path, "sparse.py", SPARSE)
+    path = write_model(tmp_path, "sparse.py", SPARSE)
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
     assert cpu.totals.params_trainable_bytes == 4 * (8 * 8 + 8 + 4)  # the cpu probe runs it
     out = tmp_path / "p.yaml"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from packed_lstm import packed_lstm
-from profile_bytes import assert_meta_equals_cpu
+from profile_bytes import assert_meta_equals_cpu, write_model
 from typer.testing import CliRunner
 
 from memplan.cli import app
@@ -97,18 +97,12 @@ def training_loss(model, x):
 """
 
 
-def _write(tmp: Path, name: str, text: str) -> str:
-    path = tmp / name
-    path.write_text(text)
-    return str(path)
-
-
 def test_a_move_to_the_host_is_a_cpu_tensor_with_the_batchs_values(tmp_path: Path) -> None:
     """Before, ``lengths.cpu()`` on meta was another meta tensor: the model's own device
     check failed (exit 2). Now it is the twin, the batch's values on the CPU, written in
     place as cpu writes the batch's own tensor; it adds no bytes (on cpu it is the batch's
     tensor), so every byte field equals cpu's."""
-    path = _write(tmp_path, "host.py", HOST_LENGTHS)
+    path = write_model(tmp_path, "host.py", HOST_LENGTHS)
     meta = probe_model(path, device="meta", micro_batches=(4, 8, 16))
     cpu = probe_model(path, device="cpu", micro_batches=(4, 8, 16), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
@@ -121,7 +115,7 @@ def test_a_packed_lstm_probes_on_meta_with_its_rnn_warning(tmp_path: Path) -> No
     ``batch_sizes`` the packing makes there too, and the LSTM runs PyTorch's generic
     kernel on the packed data. What it keeps for the backward equals cpu's, in every
     layer and fixed part; the warning says the RNN kernels' workspaces are not measured."""
-    path = _write(tmp_path, "packed.py", packed_lstm(lengths_on_cpu=True))
+    path = write_model(tmp_path, "packed.py", packed_lstm(lengths_on_cpu=True))
     meta = probe_model(path, device="meta", micro_batches=(4, 8, 16))
     cpu = probe_model(path, device="cpu", micro_batches=(4, 8, 16), timing_rounds=1)
     assert [layer.name for layer in meta.layers] == ["rnns.0", "rnns.1"]
@@ -141,7 +135,7 @@ def test_a_packed_lstm_probes_on_meta_with_its_rnn_warning(tmp_path: Path) -> No
 
 
 def test_a_model_without_recurrent_layers_gets_no_rnn_warning(tmp_path: Path) -> None:
-    path = _write(tmp_path, "host.py", HOST_LENGTHS)
+    path = write_model(tmp_path, "host.py", HOST_LENGTHS)
     meta = probe_model(path, device="meta", micro_batches=(1, 2))
     assert not any("recurrent layer" in w for w in meta.warnings)
 
@@ -151,7 +145,7 @@ def test_a_host_tensor_is_device_memory_on_a_cpu_target_only(tmp_path: Path) -> 
     (meta without a GPU spec, as cpu counts it) that is the device's memory while the block
     runs; on an H100 target it is host memory, and the block's forward transient is
     exactly 4,096 B a sample smaller."""
-    path = _write(tmp_path, "scratch.py", HOST_SCRATCH)
+    path = write_model(tmp_path, "scratch.py", HOST_SCRATCH)
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
     on_cpu = probe_model(path, device="meta", micro_batches=(1, 2, 4))
     on_gpu = probe_model(path, device="meta", micro_batches=(1, 2, 4), device_profile="h100-80gb")
@@ -170,7 +164,7 @@ def test_a_move_to_the_host_of_an_activation_is_still_refused_naming_the_op(
         "return torch.tanh(self.fc(x)) * float(scratch.mean())",
         "return torch.tanh(self.fc(x)) * float(self.fc(x).cpu().mean())",
     )
-    path = _write(tmp_path, "activation.py", text)
+    path = write_model(tmp_path, "activation.py", text)
     out = tmp_path / "p.yaml"
     result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
     said = " ".join(result.output.split())
@@ -182,7 +176,7 @@ def test_packing_lengths_left_on_meta_say_what_the_kernel_wants(tmp_path: Path) 
     """Lengths passed as they come (on the device): torch refuses them on cuda as on meta
     ("should be a 1D CPU int64 tensor"), so meta's refusal quotes that, exit 3, and says
     to pass ``lengths.cpu()``, not to probe on another device."""
-    path = _write(tmp_path, "packed.py", packed_lstm())
+    path = write_model(tmp_path, "packed.py", packed_lstm())
     out = tmp_path / "p.yaml"
     result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
     said = " ".join(result.output.split())

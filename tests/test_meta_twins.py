@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from profile_bytes import assert_meta_equals_cpu
+from profile_bytes import assert_meta_equals_cpu, write_model
 from typer.testing import CliRunner
 
 from memplan.cli import app
@@ -68,16 +68,10 @@ def training_loss(model, batch):
 """
 
 
-def _write(tmp: Path, name: str, text: str) -> str:
-    path = tmp / name
-    path.write_text(text)
-    return str(path)
-
-
 def test_a_sliced_batch_lm_probes_on_meta_as_on_cpu(tmp_path: Path) -> None:
     # the twin of t[:, :-1] kept the slice's strides while its meta tensor was contiguous:
     # flatten(0, 1) was a view on meta and failed on the twin (exit 2 blaming the user)
-    path = _write(tmp_path, "sliced_lm.py", SLICED_LM)
+    path = write_model(tmp_path, "sliced_lm.py", SLICED_LM)
     meta = probe_model(path, device="meta", micro_batches=(2, 4))
     cpu = probe_model(path, device="cpu", micro_batches=(2, 4), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
@@ -248,7 +242,7 @@ CONTAINERS = ("tuple", "list", "dict", "nested")
 def _meta_equals_cpu(spec: list[tuple[str, str, str]], container: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         text = LAYOUT_MODEL.format(spec=spec, container=container)
-        path = _write(Path(tmp), "layouts.py", text)
+        path = write_model(Path(tmp), "layouts.py", text)
         cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
         meta = probe_model(path, device="meta", micro_batches=(1, 2))
         assert_meta_equals_cpu(cpu, meta)
@@ -311,7 +305,7 @@ def make_batch(n):
 
 
 def test_tensors_from_python_data_have_twins_and_equal_cpu(tmp_path: Path) -> None:
-    path = _write(tmp_path, "python_data.py", PYTHON_DATA)
+    path = write_model(tmp_path, "python_data.py", PYTHON_DATA)
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
     meta = probe_model(path, device="meta", micro_batches=(1, 2))
     assert_meta_equals_cpu(cpu, meta)
@@ -381,7 +375,7 @@ def test_layer_norm_backward_on_meta_lays_the_gradient_out_as_the_cpu_kernel() -
 
 
 def test_a_convolution_of_a_transposed_view_is_laid_out_as_on_cpu(tmp_path: Path) -> None:
-    path = _write(tmp_path, "mix_ffn.py", CONV_OF_A_VIEW)
+    path = write_model(tmp_path, "mix_ffn.py", CONV_OF_A_VIEW)
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
     meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
     assert_meta_equals_cpu(cpu, meta)
@@ -415,7 +409,7 @@ def test_a_failure_inside_memplan_is_exit_3_naming_memplans_part(
         owner = importlib.import_module(target)
     monkeypatch.setattr(owner, attribute, _broken)
     text = PYTHON_DATA if attribute == "_from_data" else SLICED_LM
-    path = _write(tmp_path, "sliced_lm.py", text)
+    path = write_model(tmp_path, "sliced_lm.py", text)
     with pytest.raises(InternalError) as raised:
         probe_model(path, device="meta", micro_batches=(1, 2))
     assert not isinstance(raised.value, ModelFileError)
@@ -478,7 +472,7 @@ def test_indexing_by_a_mask_of_the_batch_probes_on_meta_as_on_cpu(tmp_path: Path
     the result's size is the mask's count. Meta's kernel asks ``nonzero`` of the mask,
     which meta cannot know: before, exit 3 naming ``aten.index.Tensor``. The twin knows
     the positions, so meta indexes by them, equal to the byte to cpu."""
-    path = _write(tmp_path, "masked.py", MASKED)
+    path = write_model(tmp_path, "masked.py", MASKED)
     meta = probe_model(path, device="meta", micro_batches=(1, 2, 4))
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2, 4), timing_rounds=1)
     assert_meta_equals_cpu(cpu, meta)
