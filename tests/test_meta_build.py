@@ -196,3 +196,21 @@ def test_a_sparse_tensor_on_meta_is_meta_s_limit_naming_the_op(tmp_path: Path) -
     assert result.exit_code == 3 and not out.exists(), result.output
     assert "memplan's failure" not in said and "--device cpu" in said, said
     assert "sparse" in said, said
+
+
+def test_nonzero_of_a_tensor_too_large_to_twin_is_exit_3(tmp_path: Path) -> None:
+    """The nonzero() retry holds only for tensors small enough to twin: over 5,000,000
+    elements (shadow.MAX_SHADOW_ELEMENTS is 4,194,304) the second build reaches the op on
+    meta too, and that is exit 3 naming ``aten.nonzero`` and the builder's line, not exit 2
+    blaming the model file, and no profile is written."""
+    text = WIDTHS.replace(
+        "        super().__init__()\n",
+        "        super().__init__()\n"
+        "        n = int((torch.arange(5_000_000) % 7 == 0).nonzero().shape[0])\n",
+    )
+    path = write_model(tmp_path, "bignz.py", text)
+    out = tmp_path / "p.yaml"
+    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 3 and not out.exists(), result.output
+    assert "aten.nonzero" in said and "bignz.py:" in said and "Fix build_model()" not in said
