@@ -1016,8 +1016,7 @@ def gap_section(gaps: dict[str, list[Gap]]) -> list[str]:
         f"| run | published step | memplan step | gap | part: {kinds} | k − 1: {kinds} |",
         "|---|---:|---:|---:|" + "---:|" * (2 * len(KINDS)),
         *rows,
-        "",
-        *verdicts,
+        *(line for verdict in verdicts for line in ("", verdict)),
     ]
 
 
