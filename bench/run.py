@@ -41,6 +41,7 @@ SECTIONS = [
     "layouts",
     "calibrate",
     "published",
+    "fms_fsdp",
     "engines",
     "hf_sweep",
     "vision_sweep",
