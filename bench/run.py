@@ -48,6 +48,29 @@ SECTIONS = [
     "timm_sweep",
     "peft_sweep",
 ]
+GPU_SECTIONS = (
+    "accuracy",
+    "zoo_accuracy",
+    "zoo_plans",
+    "distributed",
+    "probe_overhead",
+    "modes",
+    "calibrate",
+)
+"""The sections that measure on the device under test. ``make gpu-check`` (``--device cuda``
+without ``--only``) runs these alone: the others probe on meta, time the solver or run gloo
+ranks on the CPU, or are CPU-only sweeps, so on a GPU machine they would spend its time
+repeating their CPU figures (the published section alone probes for minutes)."""
+
+
+def sections_for(device: str, only: list[str] | None) -> list[str]:
+    """The sections a run measures: those asked for by ``--only``, else every section on
+    the CPU and ``GPU_SECTIONS`` on a GPU, in ``SECTIONS`` order."""
+    if only:
+        return [name for name in SECTIONS if name in only]
+    if device == "cuda":
+        return [name for name in SECTIONS if name in GPU_SECTIONS]
+    return list(SECTIONS)
 
 
 def _machine(device: str) -> str:
@@ -100,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("bench: --device cuda needs a CUDA GPU; none is visible.", file=sys.stderr)
             return 3
-    sections = args.only or SECTIONS
+    sections = sections_for(args.device, args.only)
+    if len(sections) < len(SECTIONS) and not args.only:
+        print(
+            f"bench: {len(SECTIONS) - len(sections)} sections measure nothing on the GPU and "
+            "keep their CPU results (bench.run.GPU_SECTIONS; --only runs any of them here)",
+            flush=True,
+        )
     machine = _machine(args.device)
     out_dir = RESULTS / args.device
     out_dir.mkdir(parents=True, exist_ok=True)
