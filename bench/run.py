@@ -40,6 +40,7 @@ SECTIONS = [
     "scale",
     "layouts",
     "calibrate",
+    "kinds",
     "published",
     "fms_fsdp",
     "engines",
@@ -56,6 +57,7 @@ GPU_SECTIONS = (
     "probe_overhead",
     "modes",
     "calibrate",
+    "kinds",
 )
 """The sections that measure on the device under test. ``make gpu-check`` (``--device cuda``
 without ``--only``) runs these alone: the others probe on meta, time the solver or run gloo

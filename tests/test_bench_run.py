@@ -17,7 +17,7 @@ def test_a_gpu_run_takes_the_device_sections_only_and_a_cpu_run_all():
     assert sections_for("cpu", None) == SECTIONS
     gpu = sections_for("cuda", None)
     assert gpu == ["accuracy", "zoo_accuracy", "zoo_plans", "distributed", "probe_overhead",
-                   "modes", "calibrate"]  # fmt: skip
+                   "modes", "calibrate", "kinds"]  # fmt: skip
     assert set(gpu) == set(GPU_SECTIONS) <= set(SECTIONS)
     # --only wins on either device, in SECTIONS order, once each
     assert sections_for("cuda", ["published", "accuracy", "published"]) == [
