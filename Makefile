@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test test-fast lint format bench bench-deps gpu-check megatron-check clean
+.PHONY: install demo test test-fast lint format bench bench-deps gpu-check gpu-check-system megatron-check clean
 
 $(BIN)/memplan: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: bench-deps
 
 gpu-check: bench-deps
 	$(BIN)/python -m bench.run --device cuda
+
+# The same on a GPU machine that installs nothing (no network): its python3 must already
+# hold a CUDA torch, typer, rich, pyyaml and nvidia-ml-py; memplan is read from this tree.
+gpu-check-system:
+	PYTHONPATH=$(CURDIR) python3 -m bench.run --device cuda
 
 # --format megatron against Megatron-LM's own argument parser (add_megatron_arguments), which
 # no package on the index ships (megatron-core's wheel has megatron/core only): the parser's
