@@ -28,7 +28,6 @@ short as those do, and by which kind of op, this says.
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 import tempfile
@@ -79,23 +78,12 @@ RUNS = [
 
 def spec_for(device: str):
     """The part's device profile; on the H100, attention at FlashAttention-2's measured
-    rates (bench.published ``FA2_H100``, ``FA2_H100_BACKWARD``), which those runs' torch ran."""
-    from bench.published import FA2_H100, FA2_H100_BACKWARD
+    rates (bench.published ``with_fa2``), which those runs' torch ran."""
+    from bench.published import with_fa2
     from memplan.devices import load_device
 
     spec = load_device(device)
-    if device != "h100-80gb":
-        return spec
-    return dataclasses.replace(
-        spec,
-        name="h100-80gb-fa2",
-        display_name=f"{spec.display_name}, FlashAttention-2 SDPA",
-        efficiency=dataclasses.replace(
-            spec.efficiency,
-            attention=round(FA2_H100, 3),
-            attention_backward=round(FA2_H100_BACKWARD, 3),
-        ),
-    )
+    return with_fa2(spec) if device == "h100-80gb" else spec
 
 
 def replica_all_reduce_seconds(gradient_bytes: float, run: Run) -> float:

@@ -250,6 +250,22 @@ NVL_FP8_FLOPS = 1671e12
 # both datasheets): at sequence 8192 the kernel is bound by its compute, not its memory.
 
 
+def with_fa2(spec):
+    """``spec`` (an H100 or H200) with attention at FlashAttention-2's measured rates on
+    the H100 (``FA2_H100``, ``FA2_H100_BACKWARD``), under the name ``<name>-fa2``: what
+    SDPA ran on sm90 before torch 2.9 put cuDNN attention first."""
+    return dataclasses.replace(
+        spec,
+        name=f"{spec.name}-fa2",
+        display_name=f"{spec.display_name}, FlashAttention-2 SDPA",
+        efficiency=dataclasses.replace(
+            spec.efficiency,
+            attention=round(FA2_H100, 3),
+            attention_backward=round(FA2_H100_BACKWARD, 3),
+        ),
+    )
+
+
 def run_spec(row: Published, peaks: str = "sxm"):
     """The device spec the run is predicted on: its device profile, with the attention
     efficiency of the kernel the run ran (FlashAttention-2's on the H100 and H200 rows,
@@ -260,16 +276,7 @@ def run_spec(row: Published, peaks: str = "sxm"):
     (every efficiency, attention's too, a fraction of the lower peak)."""
     spec = load_device(row.device)
     if row.device == "h200":  # June 2025: torchtitan e7c0cae ran SDPA's FlashAttention-2
-        return dataclasses.replace(
-            spec,
-            name="h200-fa2",
-            display_name=f"{spec.display_name}, FlashAttention-2 SDPA",
-            efficiency=dataclasses.replace(
-                spec.efficiency,
-                attention=round(FA2_H100, 3),
-                attention_backward=round(FA2_H100_BACKWARD, 3),
-            ),
-        )
+        return with_fa2(spec)
     if row.device == DEVICE:  # the December 2024 H100 table
         nvl = peaks == "nvl"
         # the parts' own rates, where torchao measured them (fractions of the SXM peaks);
