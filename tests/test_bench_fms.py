@@ -4,6 +4,11 @@ hand (README.md at 4ffb9bd and ed74fd5; fms_fsdp/utils/config_utils.py)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import pytest
 
 from bench import fms_fsdp

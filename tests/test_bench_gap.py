@@ -5,6 +5,11 @@ is named. Numbers below are worked by hand."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import math
 
 import pytest

@@ -3,6 +3,11 @@ kernel and op names below are the ones torch's CUDA and CPU kernels carry."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import pytest
 
 from bench.kinds import MODEL_TEXT, ROOT, SHAPES, kind_of_cpu_op, kind_of_kernel

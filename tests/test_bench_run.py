@@ -5,6 +5,11 @@ published section probes on meta for minutes). Each section left out must be one
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 import inspect
 
 import pytest
