@@ -4,8 +4,8 @@
 bench ``published`` and ``fms_fsdp`` find memplan's H100 steps short of the published ones
 and ask which kind of op is slower than charged (bench/gap.py). This section measures it:
 a Llama (examples/llama70b.py's code; on a GPU two blocks of Llama 3.1 8B's shapes, batch 2
-× 8192 tokens, bf16 parameters; on the CPU a small one in fp32) runs forward and backward
-under ``torch.profiler``, and each kernel's time (on the CPU each aten op's own time) is
+× 8192 tokens, bf16 parameters, eager and under ``torch.compile``; on the CPU a small one in
+fp32, eager) runs forward and backward under ``torch.profiler``, and each kernel's time (on the CPU each aten op's own time) is
 summed by kind: GEMMs, fused attention, everything else (the memory-bound ops). memplan's
 part of each kind is what its meta clock gains when that kind's rate halves (bench/gap.py
 ``halved``), for the same model file probed on meta with the device's shipped spec.
@@ -52,7 +52,7 @@ def make_batch(batch_size):
     return tokens[:, :-1].clone(), tokens[:, 1:].clone()
 """
 
-_GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma", re.IGNORECASE)
+_GEMM = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|wgmma|triton_tem_fused_.*mm", re.IGNORECASE)
 _ATTENTION = re.compile(r"flash|fmha|attention|sdpa|_attn", re.IGNORECASE)
 _CPU_GEMM = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm"}
 
@@ -60,7 +60,9 @@ _CPU_GEMM = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::add
 def kind_of_kernel(name: str) -> str:
     """A CUDA kernel's kind by its name: fused attention (FlashAttention's ``flash_fwd_
     kernel``, the memory-efficient ``fmha_cutlassF_*``, cuDNN's ``*sdpa*``) before GEMMs
-    (cuBLAS's ``sm90_xmma_gemm_*`` and ``nvjet_*``, CUTLASS), else a memory-bound op."""
+    (cuBLAS's ``sm90_xmma_gemm_*`` and ``nvjet_*``, CUTLASS, inductor's ``triton_tem_fused_
+    *mm*`` templates), else a memory-bound op (inductor's ``triton_poi_*``/``triton_red_*``
+    among them)."""
     names = list(KINDS)
     if _ATTENTION.search(name):
         return names[1]
@@ -91,11 +93,14 @@ sys.path.insert(0, {root!r})
 from bench.kinds import kind_of_cpu_op, kind_of_kernel
 
 path, device, batch, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+compiled = sys.argv[5] == "compiled"
 torch.manual_seed(0)
 mf = load_model_file(path)
 model = mf.build_model().to(device)
 if device == "cuda":
     model = model.to(torch.bfloat16)
+if compiled:
+    model = torch.compile(model)
 inputs = [t.to(device) for t in mf.make_batch(batch)]
 
 def step():
@@ -103,7 +108,7 @@ def step():
     for p in model.parameters():
         p.grad = None
 
-for _ in range(2):
+for _ in range(3):  # a compiled model compiles its forward and backward here
     step()
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 sync()
@@ -131,13 +136,14 @@ print(json.dumps({{"wall": wall, "kinds": seconds}}))
 """
 
 
-def measure(model: Path, device: str, batch: int, steps: int = 3) -> dict:
-    """One step's wall time and each kind's seconds, in a fresh process."""
+def measure(model: Path, device: str, batch: int, compiled: bool, steps: int = 3) -> dict:
+    """One step's wall time and each kind's seconds, in a fresh process (``compiled``: the
+    model under ``torch.compile``)."""
     import json
 
     done = subprocess.run(
         [sys.executable, "-c", _MEASURE.format(root=str(ROOT)), str(model), device,
-         str(batch), str(steps)],
+         str(batch), str(steps), "compiled" if compiled else "eager"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -147,24 +153,24 @@ _PROBE = """
 import sys
 from memplan.probe.runner import probe_model
 from memplan.profile import profile_to_yaml
-model, out, spec, precision = sys.argv[1:5]
+model, out, spec, precision, compiled = sys.argv[1:6]
 mixed = "params" if precision == "bf16" else "autocast"  # bf16: bf16 parameters, as measured
 profile = probe_model(model, device="meta", precision=precision, mixed_precision=mixed,
-                      device_profile=spec)
+                      device_profile=spec, compiled=compiled == "compiled")
 open(out, "w").write(profile_to_yaml(profile))
 """
 
 
-def clock(model: Path, spec, precision: str, batch: int, folder: Path) -> float:
-    """memplan's meta clock of one forward and backward at ``batch``: every layer's and
-    fixed part's seconds (the profile's fit at that micro-batch)."""
+def clock(model: Path, spec, precision: str, batch: int, folder: Path, compiled: bool) -> float:
+    """memplan's meta clock of one forward and backward at ``batch`` (``compiled``: ``probe
+    --compiled``'s): every layer's and fixed part's seconds (the profile's fit there)."""
     from bench.published import spec_file
     from memplan.profile import load_profile
 
-    out = folder / f"{spec.name}.profile.yaml"
+    out = folder / f"{spec.name}-{'compiled' if compiled else 'eager'}.profile.yaml"
     subprocess.run(
         [sys.executable, "-c", _PROBE, str(model), str(out), str(spec_file(spec, folder)),
-         precision],
+         precision, "compiled" if compiled else "eager"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     profile = load_profile(out)
@@ -189,39 +195,44 @@ def run(device: str) -> str:
     else:
         gpu, name, precision = "this CPU", "cpu", "fp32"
     spec = load_device(name)
+    # torch.compile on the CPU needs a C++ toolchain and minutes of inductor: GPU only
+    modes = (False, True) if device == "cuda" else (False,)
+    layers, hidden, intermediate, heads, kv, vocab, seq = shape
+    out = [
+        "### Time by kind of op (`bench/kinds.py`)\n",
+        __doc__.split("\n\n")[1].replace("\n", " ") + "\n",
+        f"On {gpu} (memplan's spec: {spec.display_name}, {precision}): {layers} blocks of "
+        f"hidden {hidden}, intermediate {intermediate}, {heads} heads over {kv} K/V heads, "
+        f"vocabulary {vocab}, batch {batch} × {seq} tokens; one forward and backward"
+        + (", eager and under torch.compile (memplan's `probe --compiled` clock)." if
+           len(modes) > 1 else ", eager (compiled only on a GPU).")
+        + "\n",
+        "| step | kind | measured | memplan | measured ÷ memplan |",
+        "|---|---|---:|---:|---:|",
+    ]  # fmt: skip
+    totals = []
     with tempfile.TemporaryDirectory(prefix="memplan-kinds-") as tmp:
         folder = Path(tmp)
         model = folder / "llama_kinds.py"
         model.write_text(MODEL_TEXT.format(examples=str(ROOT / "examples"), shape=shape))
-        measured = measure(model, device, batch)
-        base = clock(model, spec, precision, batch, folder)
-        parts = {kind: clock(model, halved(spec, kind), precision, batch, folder) - base
-                 for kind in KINDS}  # fmt: skip
-    for kind in KINDS:
-        print(f"kinds: {kind}: measured {measured['kinds'].get(kind, 0.0):.4f} s, "
-              f"memplan {parts[kind]:.4f} s", flush=True)  # fmt: skip
-    rows = []
-    for kind in KINDS:
-        ours, theirs = parts[kind], measured["kinds"].get(kind, 0.0)
-        ratio = f"{theirs / ours:.2f}" if ours > 0 else "—"
-        rows.append(f"| {kind} | {theirs:.4f} s | {ours:.4f} s | {ratio} |")
-    total = sum(measured["kinds"].values())
-    layers, hidden, intermediate, heads, kv, vocab, seq = shape
-    return "\n".join(
-        [
-            "### Time by kind of op (`bench/kinds.py`)\n",
-            __doc__.split("\n\n")[1].replace("\n", " ") + "\n",
-            f"On {gpu} (memplan's spec: {spec.display_name}, {precision}): {layers} blocks of "
-            f"hidden {hidden}, intermediate {intermediate}, {heads} heads over {kv} K/V "
-            f"heads, vocabulary {vocab}, batch {batch} × {seq} tokens; one forward and "
-            f"backward, {measured['wall']:.4f} s measured wall ({total:.4f} s in profiled "
-            f"{'kernels' if device == 'cuda' else 'aten ops'}), memplan's meta clock "
-            f"{base:.4f} s.\n",
-            "| kind | measured | memplan | measured ÷ memplan |",
-            "|---|---:|---:|---:|",
-            *rows,
-        ]
-    )
+        for compiled in modes:
+            step = "compiled" if compiled else "eager"
+            measured = measure(model, device, batch, compiled)
+            base = clock(model, spec, precision, batch, folder, compiled)
+            for kind in KINDS:
+                ours = clock(model, halved(spec, kind), precision, batch, folder, compiled) - base
+                theirs = measured["kinds"].get(kind, 0.0)
+                print(f"kinds: {step} {kind}: measured {theirs:.4f} s, memplan {ours:.4f} s",
+                      flush=True)  # fmt: skip
+                ratio = f"{theirs / ours:.2f}" if ours > 0 else "—"
+                out.append(f"| {step} | {kind} | {theirs:.4f} s | {ours:.4f} s | {ratio} |")
+            totals.append(
+                f"{step}: {measured['wall']:.4f} s measured wall "
+                f"({sum(measured['kinds'].values()):.4f} s in profiled "
+                f"{'kernels' if device == 'cuda' else 'aten ops'}), memplan's meta clock "
+                f"{base:.4f} s"
+            )
+    return "\n".join([*out, "", "Whole steps: " + "; ".join(totals) + "."])
 
 
 if __name__ == "__main__":

@@ -38,6 +38,13 @@ from bench.kinds import MODEL_TEXT, ROOT, SHAPES, kind_of_cpu_op, kind_of_kernel
          "memory-bound ops"),
         ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "memory-bound ops"),
         ("Memcpy DtoD (Device -> Device)", "memory-bound ops"),
+        # inductor's kernels under torch.compile: its mm templates, its fused pointwise and
+        # reduction kernels
+        ("triton_tem_fused_mm_0", "GEMMs"),
+        ("triton_tem_fused_addmm_relu_3", "GEMMs"),
+        ("triton_poi_fused__to_copy_add_mul_rsqrt_2", "memory-bound ops"),
+        ("triton_red_fused__to_copy_mean_pow_1", "memory-bound ops"),
+        ("triton_per_fused_mul_sum_4", "memory-bound ops"),
     ],
 )  # fmt: skip
 def test_a_cuda_kernel_is_sorted_by_its_name(name, kind):
