@@ -4,6 +4,7 @@ cpu probe of the same model, to the byte. And ``write_model``, the model file bo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +41,26 @@ def write_model(tmp: Path, name: str, text: str) -> str:
     path = tmp / name
     path.write_text(text)
     return str(path)
+
+
+@dataclass(frozen=True)
+class MetaProbe:
+    """What ``memplan probe <model> --device meta -o <tmp>/p.yaml`` did: its exit code,
+    its output, that output with its line breaks folded (``said``: rich wraps long
+    messages), and whether it wrote the profile."""
+
+    exit_code: int
+    output: str
+    said: str
+    wrote: bool
+
+
+def probe_on_meta(path: str, tmp: Path) -> MetaProbe:
+    """Run ``memplan probe path --device meta -o tmp/p.yaml`` through the CLI."""
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    out = tmp / "p.yaml"
+    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
+    return MetaProbe(result.exit_code, result.output, " ".join(result.output.split()), out.exists())

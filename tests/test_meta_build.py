@@ -7,10 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from profile_bytes import assert_meta_equals_cpu, write_model
-from typer.testing import CliRunner
+from profile_bytes import assert_meta_equals_cpu, probe_on_meta, write_model
 
-from memplan.cli import app
 from memplan.probe import shadow
 from memplan.probe.runner import probe_model
 
@@ -119,10 +117,9 @@ def test_a_value_read_from_a_weight_too_large_to_twin_is_exit_3(tmp_path: Path) 
         "        self.scale = float(big.weight.abs().mean())\n",
     )
     path = write_model(tmp_path, "reads.py", text)
-    out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
-    said = " ".join(result.output.split())
-    assert result.exit_code == 3 and not out.exists(), result.output
+    run = probe_on_meta(path, tmp_path)
+    said = run.said
+    assert run.exit_code == 3 and not run.wrote, run.output
     assert "reads.py:" in said and "--device cpu" in said and "Fix build_model()" not in said
 
 
@@ -136,10 +133,9 @@ def test_a_builders_own_fault_on_meta_is_exit_2_and_built_once(tmp_path: Path) -
         "    raise ValueError('no config for this size')",
     )
     path = write_model(tmp_path, "broken.py", text)
-    out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
-    said = " ".join(result.output.split())
-    assert result.exit_code == 2 and "no config for this size" in said, result.output
+    run = probe_on_meta(path, tmp_path)
+    said = run.said
+    assert run.exit_code == 2 and "no config for this size" in said, run.output
     assert calls.read_text() == "x\n"
 
 
@@ -190,10 +186,9 @@ def test_a_sparse_tensor_on_meta_is_meta_s_limit_naming_the_op(tmp_path: Path) -
     path = write_model(tmp_path, "sparse.py", SPARSE)
     cpu = probe_model(path, device="cpu", micro_batches=(1, 2), timing_rounds=1)
     assert cpu.totals.params_trainable_bytes == 4 * (8 * 8 + 8 + 4)  # the cpu probe runs it
-    out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
-    said = " ".join(result.output.split())
-    assert result.exit_code == 3 and not out.exists(), result.output
+    run = probe_on_meta(path, tmp_path)
+    said = run.said
+    assert run.exit_code == 3 and not run.wrote, run.output
     assert "memplan's failure" not in said and "--device cpu" in said, said
     assert "sparse" in said, said
 
@@ -209,8 +204,7 @@ def test_nonzero_of_a_tensor_too_large_to_twin_is_exit_3(tmp_path: Path) -> None
         "        n = int((torch.arange(5_000_000) % 7 == 0).nonzero().shape[0])\n",
     )
     path = write_model(tmp_path, "bignz.py", text)
-    out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
-    said = " ".join(result.output.split())
-    assert result.exit_code == 3 and not out.exists(), result.output
+    run = probe_on_meta(path, tmp_path)
+    said = run.said
+    assert run.exit_code == 3 and not run.wrote, run.output
     assert "aten.nonzero" in said and "bignz.py:" in said and "Fix build_model()" not in said

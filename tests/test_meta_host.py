@@ -9,10 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from packed_lstm import packed_lstm
-from profile_bytes import assert_meta_equals_cpu, write_model
-from typer.testing import CliRunner
+from profile_bytes import assert_meta_equals_cpu, probe_on_meta, write_model
 
-from memplan.cli import app
 from memplan.probe.runner import probe_model
 
 HOST_LENGTHS = """
@@ -165,10 +163,9 @@ def test_a_move_to_the_host_of_an_activation_is_still_refused_naming_the_op(
         "return torch.tanh(self.fc(x)) * float(self.fc(x).cpu().mean())",
     )
     path = write_model(tmp_path, "activation.py", text)
-    out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
-    said = " ".join(result.output.split())
-    assert result.exit_code == 3 and not out.exists(), result.output
+    run = probe_on_meta(path, tmp_path)
+    said = run.said
+    assert run.exit_code == 3 and not run.wrote, run.output
     assert "aten._to_copy" in said and "activation.py" in said and "--device cpu" in said
 
 
@@ -177,9 +174,8 @@ def test_packing_lengths_left_on_meta_say_what_the_kernel_wants(tmp_path: Path) 
     ("should be a 1D CPU int64 tensor"), so meta's refusal quotes that, exit 3, and says
     to pass ``lengths.cpu()``, not to probe on another device."""
     path = write_model(tmp_path, "packed.py", packed_lstm())
-    out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["probe", path, "--device", "meta", "-o", str(out)])
-    said = " ".join(result.output.split())
-    assert result.exit_code == 3 and not out.exists(), result.output
+    run = probe_on_meta(path, tmp_path)
+    said = run.said
+    assert run.exit_code == 3 and not run.wrote, run.output
     assert "aten._pack_padded_sequence" in said and "1D CPU int64 tensor" in said
     assert "pass lengths.cpu()" in said and "--device cpu" not in said
