@@ -28,8 +28,6 @@ short as those do, and by which kind of op, this says.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,14 +93,15 @@ def replica_all_reduce_seconds(gradient_bytes: float, run: Run) -> float:
     return 2 * (nodes - 1) / nodes * gradient_bytes / SHARD_GROUP / per_gpu
 
 
-def probe(out: Path, spec, compiled: bool) -> None:
-    from bench.published import _PROBE_AT, spec_file
+def probe(out: Path, spec, compiled: bool):
+    """The 7B's meta profile for ``spec`` (``compiled``: ``probe --compiled``), written to
+    ``out`` and read back."""
+    from bench import published
+    from memplan.profile import load_profile
 
-    subprocess.run(
-        [sys.executable, "-c", _PROBE_AT, f"{MODEL}:{FACTORY}", str(out),
-         str(spec_file(spec, out.parent)), "bf16", "0", "compiled" if compiled else "eager"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+    published.probe(FACTORY, out, str(published.spec_file(spec, out.parent)), "bf16",
+                    compiled=compiled, model=MODEL)  # fmt: skip
+    return load_profile(out)
 
 
 def step(profile, spec) -> float:
@@ -127,24 +126,19 @@ def step(profile, spec) -> float:
 
 def run(device: str) -> str:
     del device  # meta probes
-    from memplan.profile import load_profile
-
     rows, gaps = [], []
     with tempfile.TemporaryDirectory(prefix="memplan-fms-") as tmp:
         for r in RUNS:
             spec = spec_for(r.device)
-            steps = []
+            steps, gradient_bytes = [], None
             for variant in [spec, *(halved(spec, kind) for kind in KINDS)]:
                 out = Path(tmp) / f"{variant.name}-{'compiled' if r.compiled else 'eager'}.yaml"
-                probe(out, variant, r.compiled)
-                profile = load_profile(out)
+                profile = probe(out, variant, r.compiled)
+                gradient_bytes = gradient_bytes or profile.totals.grad_bytes  # the base's
                 steps.append(step(profile, variant))
                 print(f"fms_fsdp: {r.label} at {variant.name}: {steps[-1]:.3f} s", flush=True)
             ours = steps[0]
-            grads = load_profile(
-                Path(tmp) / f"{spec.name}-{'compiled' if r.compiled else 'eager'}.yaml"
-            )
-            exposed = replica_all_reduce_seconds(grads.totals.grad_bytes, r)  # bf16, as reduced
+            exposed = replica_all_reduce_seconds(gradient_bytes, r)  # bf16, as reduced
             rows.append(
                 f"| {r.label} | {spec.display_name} | {SOURCE} at {r.commit} | "
                 f"{r.step_seconds:.3f} s ({r.tps:,} TPS) | {ours:.3f} s | "

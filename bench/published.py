@@ -458,13 +458,15 @@ def probe(
     precision: str = "bf16",
     seq: int = SEQ,
     compiled: bool = False,
+    model: Path = MODEL,
 ) -> float:
-    """Probe ``factory`` on meta; at ``seq`` tokens a sample (``probe --seq-len``) when the
-    run's sequence is not the example's own; ``compiled``: ``probe --compiled``."""
+    """Probe ``model:factory`` on meta; at ``seq`` tokens a sample (``probe --seq-len``) when
+    the run's sequence is not the example's own (``SEQ``: the model file's own length);
+    ``compiled``: ``probe --compiled``."""
     if seq == SEQ and not compiled:
-        return layouts.probe(factory, out, MODEL, device, precision)["seconds"]
+        return layouts.probe(factory, out, model, device, precision)["seconds"]
     run = subprocess.run(
-        [sys.executable, "-c", _PROBE_AT, f"{MODEL}:{factory}", str(out), device, precision,
+        [sys.executable, "-c", _PROBE_AT, f"{model}:{factory}", str(out), device, precision,
          str(seq if seq != SEQ else 0), "compiled" if compiled else "eager"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
