@@ -73,6 +73,14 @@ def build_8b_compiled_loss() -> nn.Module:
     return Llama(LLAMA31_8B, compiled_loss=True)
 
 
+def build_8b_torchtitan_ops() -> nn.Module:
+    """8B with the ops torchtitan's own Llama ran in the December 2024 runs (9dec370:
+    rotary embeddings on complex pairs, key/value heads repeated into full copies, its
+    RMSNorm; examples/llama70b.py ``TitanDecoderLayer``), where ``build_8b`` has
+    transformers' ops: the same shapes and parameters, another mix of memory-bound ops."""
+    return Llama(LLAMA31_8B, titan_ops=True)
+
+
 build_model = build_8b
 
 

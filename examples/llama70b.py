@@ -136,25 +136,109 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class TitanRMSNorm(RMSNorm):
+    """torchtitan's RMSNorm (9dec370, torchtitan/models/norms.py ``RMSNorm``): ``x`` cast to
+    fp32 once, normalised, cast back, then scaled (``RMSNorm`` above casts it twice)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        normed = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rotary_pairs_table(head_dim: int, seq: int) -> torch.Tensor:
+    """``rotary_tables``' angles as torchtitan keeps them (``precompute_freqs_cis``: one
+    complex64 ``cis`` a position and pair), stored as its real view, (seq, head_dim / 2, 2)
+    fp32."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq).float(), inv_freq)
+    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+
+
+def rotate_pairs(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """torchtitan's rotary embedding of ``x`` (batch, seq, heads, head_dim): each adjacent
+    pair of features read as one complex number in fp32, multiplied by its position's
+    ``cis``, and cast back (9dec370 ``apply_rotary_emb``). It rotates pair ``(2i, 2i+1)``
+    where ``rotate_half`` rotates ``(i, i + head_dim / 2)``: the same attention once the
+    query and key projections' rows are ordered to match."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    cis = torch.view_as_complex(table[: x.shape[1]]).view(1, x.shape[1], 1, -1)
+    return torch.view_as_real(pairs * cis).flatten(3).type_as(x)
+
+
+def repeat_kv(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Each key/value head copied ``n`` times, materialised (torchtitan 9dec370
+    ``repeat_kv``: expand, then a reshape that copies), where ``Attention`` lets SDPA share
+    the heads (``enable_gqa``)."""
+    if n == 1:
+        return x
+    b, t, heads, d = x.shape
+    return x.unsqueeze(3).expand(b, t, heads, n, d).reshape(b, t, heads * n, d)
+
+
+class TitanAttention(Attention):
+    """``Attention`` with the ops torchtitan's Llama ran in its December 2024 runs (9dec370,
+    torchtitan/models/llama/model.py ``Attention.forward``): rotary embeddings on complex
+    pairs in fp32 before the heads are transposed, grouped key/value heads repeated into
+    full-size copies, SDPA on those, its output made contiguous."""
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        b, t, _ = x.shape
+        q = rotate_pairs(self.q_proj(x).view(b, t, -1, s.head_dim), table)
+        k = rotate_pairs(self.k_proj(x).view(b, t, -1, s.head_dim), table)
+        v = self.v_proj(x).view(b, t, -1, s.head_dim)
+        n = q.shape[2] // k.shape[2]  # a TP rank holds heads / tp and kv_heads / tp
+        k, v = repeat_kv(k, n), repeat_kv(v, n)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.o_proj(y.transpose(1, 2).contiguous().view(b, t, -1))
+
+
+class TitanDecoderLayer(DecoderLayer):
+    """``DecoderLayer`` with torchtitan's norms and attention (``TitanRMSNorm``,
+    ``TitanAttention``); its MLP is the same SwiGLU."""
+
+    def __init__(self, s: Shape) -> None:
+        super().__init__(s)
+        self.input_layernorm = TitanRMSNorm(s.hidden, s.norm_eps)
+        self.self_attn = TitanAttention(s)
+        self.post_attention_layernorm = TitanRMSNorm(s.hidden, s.norm_eps)
+
+    def forward(self, x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), table)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class Llama(nn.Module):
-    def __init__(self, s: Shape, compiled_loss: bool = False) -> None:
+    def __init__(self, s: Shape, compiled_loss: bool = False, titan_ops: bool = False) -> None:
         super().__init__()
         self.s = s
         # torchtitan compiles its loss with training.compile since 2025 (e7c0cae,
         # torchtitan/components/loss.py): no fp32 copy of the logits (memplan.run.losses)
         self.compiled_loss = compiled_loss
+        # titan_ops: the blocks run the ops of torchtitan's own Llama (TitanDecoderLayer)
+        self.titan_ops = titan_ops
         self.embed_tokens = nn.Embedding(s.vocab, s.hidden)
-        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.layers))
-        self.norm = RMSNorm(s.hidden, s.norm_eps)
+        block = TitanDecoderLayer if titan_ops else DecoderLayer
+        self.layers = nn.ModuleList(block(s) for _ in range(s.layers))
+        norm = TitanRMSNorm if titan_ops else RMSNorm
+        self.norm = norm(s.hidden, s.norm_eps)
         self.lm_head = nn.Linear(s.hidden, s.vocab, bias=False)
-        cos, sin = rotary_tables(s.head_dim, s.seq_len)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        if titan_ops:
+            table = rotary_pairs_table(s.head_dim, s.seq_len)
+            self.register_buffer("table", table, persistent=False)
+        else:
+            cos, sin = rotary_tables(s.head_dim, s.seq_len)
+            self.register_buffer("cos", cos, persistent=False)
+            self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(idx)
+        rope = (self.table,) if self.titan_ops else (self.cos, self.sin)
         for layer in self.layers:
-            x = layer(x, self.cos, self.sin)
+            x = layer(x, *rope)
         if self.compiled_loss:
             from memplan.run.losses import compiled_cross_entropy
 
