@@ -59,6 +59,14 @@ import yaml
 
 from bench import layouts
 from bench.gap import KINDS, Gap, consistency_line, gap_line, halved, kind_factors
+from bench.published_checks import (
+    SAME_SHAPES,
+    op_mix_line,
+    op_mix_section,
+    same_shapes_line,
+    verdict_sentence,
+    with_titan_ops,
+)
 from memplan.devices import load_device
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.files.schema import to_data
@@ -483,6 +491,11 @@ stops the section before its first probe (``kept_probes_folder``)."""
 PROBE_CODE = ("probe", "profile", "model", "run", "files", "devices.py", "modes.py", "units.py")
 """memplan's sources (under the package) that make a probe's bytes and its meta clock."""
 
+MODEL_CODE = (ROOT / "examples" / "llama70b.py",)
+"""The model code examples/llama31.py loads: its blocks are built there, so a kept probe of
+llama31.py (whose profile hashes that file alone) is of today's blocks only if these bytes
+are part of its key. Before, a change to llama70b.py's blocks kept the old probes."""
+
 
 def kept_probes_folder() -> Path | None:
     """The ``PROBES_ENV`` folder, made if missing and proven writable (a file written and
@@ -511,6 +524,7 @@ def kept_probes_folder() -> Path | None:
 def probe_key(spec, precision: str, seq: int, compiled: bool = False) -> str:
     """What a kept probe must have been made with besides the model file and torch, which its
     profile records: memplan's probing code (``PROBE_CODE``, every file's path and bytes),
+    the model code the model file loads (``MODEL_CODE``),
     the device spec (its efficiencies time the meta clock, and a spec's name does not change
     with them), the precision, the sequence length and the compiled clock. A sha256."""
     import hashlib
@@ -524,6 +538,8 @@ def probe_key(spec, precision: str, seq: int, compiled: bool = False) -> str:
         for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             digest.update(file.relative_to(root).as_posix().encode() + b"\0")
             digest.update(file.read_bytes())
+    for file in MODEL_CODE:
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
     digest.update(f"{spec!r}|{precision}|{seq}".encode() + (b"|compiled" if compiled else b""))
     return digest.hexdigest()
 
@@ -678,6 +694,8 @@ def run(device: str) -> str:
     a100_steps: dict[str, tuple[float, float]] = {}
     steps: dict[tuple[str, str, str], tuple[float, float]] = {}
     gaps: dict[str, list[Gap]] = {}
+    op_lines: list[str] = []
+    shapes: list[tuple[Published, float, object]] = []
     with tempfile.TemporaryDirectory(prefix="memplan-published-") as tmp:
         for row in ROWS + CP_ROWS + A100_ROWS + H200_ROWS + ASYNC_TP_ROWS:
             spec = run_spec(row)
@@ -741,6 +759,22 @@ def run(device: str) -> str:
                     gap_of(probes, tmp, row, spec, published_plan.predicted.step_seconds)
                 )
                 print(f"published: {gap_line(gaps[row.device][-1])}", flush=True)
+            titan = with_titan_ops(row) if row.eager_bf16 else None
+            if titan is not None:  # the same run from torchtitan's own ops
+                _, modes, every = VARIANTS[row.ac][0]
+                other = predict(
+                    probed(probes, tmp, titan, spec, row.precision), titan, spec, modes, every
+                )
+                op_lines.append(
+                    op_mix_line(
+                        row,
+                        (published_plan, reserved_gib(published_plan)),
+                        (other, reserved_gib(other)),
+                    )
+                )
+                print(f"published: {op_lines[-1]}", flush=True)
+            if (row.model, row.table, row.schedule) in SAME_SHAPES:
+                shapes.append((row, reserved_gib(published_plan), published_plan))
     return "\n".join(
         [
             "### Published torchtitan runs (Llama 3.1 on H100 and H200, Llama 3 on A100)\n",
@@ -823,6 +857,16 @@ def run(device: str) -> str:
             "",
             *gap_section(gaps),
             "",
+            *op_mix_section(op_lines),
+            "",
+            same_shapes_line(
+                [(row, gib) for row, gib, _ in shapes],
+                verdict_sentence(
+                    [(row.table, device_gib(row, plan)) for row, _, plan in shapes],
+                    H100_80GB / GiB,
+                ),
+            ),
+            "",
             "**Would the recipe fit an 80 GB H100?** The published runs had 96 GB parts. "
             "Their device memory: the published reserved GiB plus what max_memory_reserved "
             "leaves out, the CUDA context and NCCL's buffers as memplan counts them; an "
@@ -884,11 +928,17 @@ def run(device: str) -> str:
 H100_80GB = 85_520_809_984
 
 
+def device_gib(row: Published, plan) -> float:
+    """The published run's device memory: its reserved GiB plus what max_memory_reserved
+    leaves out, the CUDA context and NCCL's buffers as memplan counts them for ``plan``."""
+    outside = DEFAULT_CONTEXT_BYTES + communicators(plan.parallel) * NCCL_COMMUNICATOR_BYTES
+    return (row.memory_gib * GiB + outside) / GiB
+
+
 def fit_line(row: Published, plan) -> str:
     """One line: whether the published run's memory, and memplan's prediction of it, fit an
     80 GB H100 (module doc; the table's header says how each is counted)."""
-    outside = DEFAULT_CONTEXT_BYTES + communicators(plan.parallel) * NCCL_COMMUNICATOR_BYTES
-    published = row.memory_gib * GiB + outside
+    published = device_gib(row, plan) * GiB
     ours = plan.predicted.peak_bytes
     usable = usable_budget_bytes(H100_80GB, DEFAULT_MARGIN)
     return (

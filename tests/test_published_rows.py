@@ -110,6 +110,20 @@ def test_the_probe_key_moves_with_memplans_probe_code_only(tmp_path, monkeypatch
         key = probe_key(spec, "bf16", 8192)
 
 
+def test_the_probe_key_moves_with_the_model_code_llama31_loads(tmp_path, monkeypatch):
+    # examples/llama31.py builds its blocks from examples/llama70b.py: one byte more there
+    # gives another key (before, the kept probes' model check hashed llama31.py alone)
+    from bench import published
+
+    code = tmp_path / "llama70b.py"
+    code.write_bytes(published.MODEL_CODE[0].read_bytes())
+    monkeypatch.setattr(published, "MODEL_CODE", (code,))
+    spec = published.run_spec(published.ROWS[0])
+    key = published.probe_key(spec, "bf16", 8192)
+    code.write_bytes(code.read_bytes() + b"\n")
+    assert published.probe_key(spec, "bf16", 8192) != key
+
+
 def test_a_probes_folder_that_cannot_be_kept_fails_before_the_first_probe(tmp_path, monkeypatch):
     # MEMPLAN_BENCH_PROBES under a regular file: no folder can be made there, for root too
     # (CI runs as root, to whom a chmod'ed folder stays writable). The section stops before
