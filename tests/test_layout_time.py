@@ -78,6 +78,30 @@ def test_the_bubble_stretches_each_micro_batchs_tp_collectives():
     )
 
 
+def test_a_selective_blocks_recompute_runs_the_collectives_its_policy_does_not_keep():
+    # 2 blocks a stage, 3 micro-batches of 2 at tp 2: an all-reduce's ring is 2 · 1/2 · 16 B
+    # = 16 B. Kept: 4 a block. Full: 2 more. Per-op SAC keeps SP's reduce-scatters (torchtitan's
+    # _save_list) and runs its two all-gathers again, one all-reduce's bytes; without SP its
+    # two all-reduces. Before, a selective block was charged as a kept one.
+    from memplan.modes import SAVE_OPS
+    from memplan.solver.layout_time import redone_collectives
+
+    assert "reduce_scatter_tensor" in SAVE_OPS
+    assert not any(op.startswith(("all_gather", "all_reduce")) for op in SAVE_OPS)
+    profile = _tp_profile()
+    sp = Parallel(tp=2, sequence_parallel=True)
+    plain = Parallel(tp=2)
+    assert (redone_collectives(sp), redone_collectives(plain)) == (1.0, 2.0)
+
+    def tp(parallel, full=0, selective=0):
+        return layout_comm_seconds(profile, parallel, 2, 3, 2, full, 1.0, 0.0, selective)["tp"]
+
+    assert tp(sp) == pytest.approx(3 * 4 * 2 * 16)
+    assert tp(sp, full=2) == pytest.approx(3 * (8 + 4) * 16)
+    assert tp(sp, selective=2) == pytest.approx(3 * (8 + 2) * 16)
+    assert tp(plain, selective=2) == pytest.approx(3 * (8 + 4) * 16)
+
+
 def test_fsdp_accumulates_unreduced_gradients_at_memory_bandwidth():
     # bf16 gradients G = 100 B, fp32 accumulator 200 B, 4 micro-steps unreduced: the first
     # copied (100 + 200), three added (100 + 2·200 each): 300 + 1500. Reduced every

@@ -219,3 +219,36 @@ def test_tp2_with_selective_checkpointing_within_three_percent_on_four_ranks(tmp
     assert len(measured) == 4
     for peak in measured:
         assert abs(plan.predicted.peak_bytes / peak - 1) < 0.03, (plan.predicted, measured)
+
+
+def test_the_layout_search_charges_a_selective_blocks_recompute_collectives(tmp_path):
+    # A transformers Llama on meta, TP 2 with SP on 2 ranks, every block per-op SAC. Its
+    # recompute runs the forward's two all-gathers again (torchtitan's _save_list keeps
+    # reduce-scatters, not all-gathers): one all-reduce's bytes a block, beside the kept
+    # plan's four. Before, the selective plan was charged the kept plan's four alone.
+    from memplan.solver import SolveRequest
+    from memplan.solver.layout_time import block_input_bytes
+    from memplan.solver.parallel import LayoutRequest, solve_layout
+
+    model = llama_reference(tmp_path / "llama", architectures=None)
+    profile = probe_model(model, device="meta", micro_batches=(1, 2))
+    blocks = len(profile.layers)
+    spec = load_device("h100-80gb")
+    request = SolveRequest(
+        target_batch=2,
+        budget_bytes=1 << 40,
+        world_size=2,
+        strategy="ddp",
+        device_spec=spec,
+        min_micro=2,
+        max_micro=2,
+        modes=("selective",),
+        always_checkpoint=("*",),
+    )
+    result = solve_layout(profile, request, LayoutRequest(tp=2, sequence_parallel=True))
+    assert set(result.plan.checkpoint.values()) == {"selective"}
+    assert len(result.plan.checkpoint) == blocks
+    (option,) = result.options
+    parallel = option.parallel
+    ring = 2 * 0.5 * block_input_bytes(profile, parallel, 2)  # one all-reduce at tp 2
+    assert option.comm_seconds["tp"] == pytest.approx((4 + 1) * blocks * ring / 360e9)

@@ -85,19 +85,23 @@ def layout_comm_seconds(
     recomputed: int = 0,
     intra: float = INTRA_NODE_BYTES_PER_SECOND,
     cp_seconds: float = 0.0,
+    selective: int = 0,
 ) -> dict[str, float]:
     """The collectives a layout adds to ``m`` micro-batches of a stage, in seconds, before
     the bubble stretches them (``pipeline_seconds``); ``recomputed`` of the stage's blocks
     fully checkpointed, whose recompute runs the forward's two TP collectives again
     (Korthikanti et al. 2022, §4: full recomputation repeats the forward's all-reduces, or
-    SP's all-gathers and reduce-scatters). Each micro-batch crosses ``virtual_stages``
-    boundaries a rank sends over, forward and backward. ``cp_seconds``: one micro-batch's
-    ring-attention exchanges on the stage (``memplan.solver.ring``, ``RingSeconds.comm``)."""
+    SP's all-gathers and reduce-scatters); ``selective`` of them under per-op SAC, whose
+    recompute runs again the forward collectives whose outputs its policy does not keep
+    (``redone_collectives``). Each micro-batch crosses ``virtual_stages`` boundaries a rank
+    sends over, forward and backward. ``cp_seconds``: one micro-batch's ring-attention
+    exchanges on the stage (``memplan.solver.ring``, ``RingSeconds.comm``)."""
     act = block_input_bytes(profile, parallel, b)
     out = {"tp": 0.0, "pp": 0.0, "cp": 0.0}
     if parallel.tp > 1:
         ring = 2 * timing.ring_fraction(parallel.tp) * act  # per all-reduce
-        out["tp"] = m * (4 * stage_layers + 2 * recomputed) * ring / intra
+        redone = 2 * recomputed + redone_collectives(parallel) * selective
+        out["tp"] = m * (4 * stage_layers + redone) * ring / intra
     if parallel.pp > 1:
         sends = 2 * parallel.virtual_stages
         out["pp"] = (
@@ -106,6 +110,19 @@ def layout_comm_seconds(
     if parallel.cp > 1:
         out["cp"] = m * cp_seconds
     return out
+
+
+def redone_collectives(parallel: Parallel) -> float:
+    """A per-op SAC block's TP collectives run again in its recompute, in all-reduces'
+    bytes. The policy keeps the outputs of matmuls, attention and SP's reduce-scatters, not
+    all-gathers' or all-reduces' (memplan.modes.SAVE_OPS; torchtitan 9dec370
+    torchtitan/parallelisms/parallelize_llama.py ``_save_list``: ``reduce_scatter_tensor``
+    and no other collective), and a matmul's backward needs its input: under SP the two
+    all-gathers before the attention's and the MLP's matmuls come again (two all-gathers,
+    one all-reduce's bytes); without SP the two all-reduces after them. Before, a selective
+    block's recompute was charged no collective (the 8B TP 8 rows of June 2025: 0.13 s a
+    step at 360 GB/s)."""
+    return 1.0 if parallel.sequence_parallel else 2.0
 
 
 def bubble_fraction(parallel: Parallel, m: int) -> float:

@@ -50,7 +50,7 @@ from memplan.memory.parallel import (
     stage_peak,
     tp_measured,
 )
-from memplan.modes import FULL
+from memplan.modes import FULL, SELECTIVE
 from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind, split_fits
 from memplan.plan import Plan
 from memplan.profile import Profile
@@ -268,12 +268,23 @@ def evaluate_layout(
     # the bubble stretches the micro-batches' part; the optimizer and DP collectives run once
     slowest = max(r.plan.predicted.step_seconds - r.once_seconds for r in results)
     once = max(r.once_seconds for r in results)
-    # a fully checkpointed block runs its forward's TP collectives again in its recompute
+    # a checkpointed block runs (some of) its forward's TP collectives again in its recompute
     recomputed = max(sum(1 for mode in r.plan.checkpoint.values() if mode == FULL) for r in results)
+    selective = max(
+        sum(1 for mode in r.plan.checkpoint.values() if mode == SELECTIVE) for r in results
+    )
     intra = intra_node_bandwidth(request.device_spec)
     ring = ring_seconds(profile, parallel, b, request.device_spec, gpus_per_node, intra)
     per_micro = layout_comm_seconds(
-        profile, parallel, b, m, most_layers, recomputed, intra, ring.comm(most_layers, recomputed)
+        profile,
+        parallel,
+        b,
+        m,
+        most_layers,
+        recomputed,
+        intra,
+        ring.comm(most_layers, recomputed),
+        selective,
     )
     slowest += m * ring.memory(most_layers, recomputed)  # the ring's merges: stage compute
     # the bubble stretches each micro-batch's collectives with its compute (layout_time)
