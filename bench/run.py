@@ -43,6 +43,7 @@ SECTIONS = [
     "kinds",
     "published",
     "fms_fsdp",
+    "fused_norm",
     "engines",
     "hf_sweep",
     "vision_sweep",
