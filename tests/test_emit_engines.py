@@ -9,6 +9,7 @@ megatron-core's tag and fails, not skips, where it does not import)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import shutil
@@ -534,3 +535,28 @@ def test_megatrons_parser_reads_the_float8_flags(megatron_parser, tmp_path):
         _shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
     )
     assert (ns.fp8, ns.fp8_recipe, ns.fp8_param_gather) == ("hybrid", "tensorwise", True)
+
+
+def test_a_transformers_model_probed_on_some_blocks_is_emitted_with_all_of_them():
+    # A Llama of 8 decoder blocks probed with --layers on 2 of them, both planned full: its
+    # blocks are the 8 transformers checkpoints (hf_blocks), not the 2 candidates. Before,
+    # the 2 candidates were the model: FullAC on every block was written as the plan's own
+    # choice, and Megatron's per-stage count read the candidates' positions.
+    from memplan.emit._common import plan_block_names, plan_blocks
+    from memplan.emit.torchtitan import torchtitan_args
+
+    every = tuple(f"model.layers.{i}" for i in range(8))
+    some = every[:2]
+    plan = _plan(Parallel(dp_shard=2), blocks=some, checkpoint=dict.fromkeys(some, "full"))
+    plan = dataclasses.replace(
+        plan,
+        model_fingerprint=dataclasses.replace(plan.model_fingerprint, hf_blocks=every),
+    )
+    assert plan_block_names(plan) == every and plan_blocks(plan) == 8
+    assert torchtitan_args(plan)[-1] == "activation_checkpoint:full"
+    _, text = emit(plan, "torchtitan", "m.py")
+    assert "the plan checkpoints 2 of 8 blocks (full)" in " ".join(text.split())
+    # without hf_blocks (not a transformers model) the candidates stay the blocks
+    bare = _plan(Parallel(dp_shard=2), blocks=some, checkpoint=dict.fromkeys(some, "full"))
+    assert plan_blocks(bare) == 2
+    assert "of 2 blocks" not in " ".join(emit(bare, "torchtitan", "m.py")[1].split())

@@ -139,12 +139,24 @@ def plan_layout(plan: Plan) -> Parallel:
     return Parallel(dp_shard=plan.world_size)
 
 
-def plan_blocks(plan: Plan) -> int:
-    """How many checkpointable blocks the planned model has."""
+def plan_block_names(plan: Plan) -> tuple[str, ...]:
+    """The planned model's blocks, by name: a transformers model's decoder blocks
+    (``ModelFingerprint.hf_blocks``: every one, whichever the probe's ``--layers`` took as
+    candidates), else the probe's checkpoint candidates, else the layers the plan
+    checkpoints. Before, the candidates came first: a Llama probed with ``--layers`` on 3 of
+    its 32 blocks was emitted as a 3-block model (torchtitan's ``--config`` picked by that
+    count, and FullAC on every block said to be the plan's own choice)."""
     fingerprint = plan.model_fingerprint
+    if fingerprint is not None and fingerprint.hf_blocks:
+        return fingerprint.hf_blocks
     if fingerprint is not None and fingerprint.candidate_layers:
-        return len(fingerprint.candidate_layers)
-    return max(len(plan.checkpoint), 1)
+        return fingerprint.candidate_layers
+    return tuple(plan.checkpoint)
+
+
+def plan_blocks(plan: Plan) -> int:
+    """How many checkpointable blocks the planned model has (``plan_block_names``)."""
+    return max(len(plan_block_names(plan)), 1)
 
 
 def comment_string(text: str) -> str:

@@ -26,7 +26,7 @@ written: memplan plans current (dynamic) scaling, which uses no amax history.
 
 from __future__ import annotations
 
-from memplan.emit._common import comment_string, plan_blocks, plan_layout
+from memplan.emit._common import comment_string, plan_block_names, plan_blocks, plan_layout
 from memplan.modes import SELECTIVE
 from memplan.plan import Plan
 
@@ -83,11 +83,7 @@ def megatron_args(plan: Plan) -> list[str]:
         args.append("--recompute-granularity selective")
     elif plan.checkpoint:
         per_stage = p.stage_ranges(plan_blocks(plan))
-        names = (
-            plan.model_fingerprint.candidate_layers
-            if plan.model_fingerprint and plan.model_fingerprint.candidate_layers
-            else tuple(plan.checkpoint)
-        )
+        names = plan_block_names(plan)
         most = max(
             sum(1 for j in stage if j < len(names) and names[j] in plan.checkpoint)
             for stage in per_stage
