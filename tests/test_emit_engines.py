@@ -560,3 +560,27 @@ def test_a_transformers_model_probed_on_some_blocks_is_emitted_with_all_of_them(
     bare = _plan(Parallel(dp_shard=2), blocks=some, checkpoint=dict.fromkeys(some, "full"))
     assert plan_blocks(bare) == 2
     assert "of 2 blocks" not in " ".join(emit(bare, "torchtitan", "m.py")[1].split())
+
+
+def test_every_block_is_read_by_name_not_by_count():
+    # 7 of 8 blocks and the head checkpointed: as many layers as blocks, but not every block.
+    # Before, the count matched and torchtitan's FullAC was written as the plan's own choice.
+    from memplan.emit._common import checkpoints_every_block
+
+    layers = (*BLOCKS[:7], "lm_head")
+    plan = _plan(Parallel(dp_shard=2), checkpoint=dict.fromkeys(layers, "full"))
+    assert len(plan.checkpoint) == len(BLOCKS) and not checkpoints_every_block(plan)
+    _, text = emit(plan, "torchtitan", "m.py")
+    assert "the plan checkpoints 7 of 8 blocks (full)" in " ".join(text.split())
+    whole = _plan(Parallel(dp_shard=2), checkpoint=dict.fromkeys(BLOCKS, "full"))
+    assert checkpoints_every_block(whole)
+    assert "blocks (full)" not in " ".join(emit(whole, "torchtitan", "m.py")[1].split())
+
+
+def test_a_plan_checkpointing_no_block_gets_every_block_in_torchtitans_toml():
+    # only the head checkpointed: the 0.1-0.2 TOML's nth-block option is 1 (every block: no
+    # more memory than planned); before, the head counted as a block: "8", one block
+    plan = _plan(Parallel(dp_shard=2), checkpoint={"lm_head": "full"})
+    _, text = emit(plan, "torchtitan-toml", "m.py")
+    assert 'selective_ac_option = "1"' in text
+    assert "the plan checkpoints 0 of 8 blocks (full)" in " ".join(text.split())

@@ -154,6 +154,18 @@ def plan_block_names(plan: Plan) -> tuple[str, ...]:
     return tuple(plan.checkpoint)
 
 
+def checkpointed_blocks(plan: Plan) -> int:
+    """How many of the model's blocks (``plan_block_names``) the plan checkpoints, by name."""
+    return sum(1 for name in plan_block_names(plan) if name in plan.checkpoint)
+
+
+def checkpoints_every_block(plan: Plan) -> bool:
+    """Whether the plan checkpoints every block of the model (``plan_block_names``), by name:
+    a plan of as many layers, one of them not a block (the head), does not."""
+    names = plan_block_names(plan)
+    return bool(names) and checkpointed_blocks(plan) == len(names)
+
+
 def plan_blocks(plan: Plan) -> int:
     """How many checkpointable blocks the planned model has (``plan_block_names``)."""
     return max(len(plan_block_names(plan)), 1)

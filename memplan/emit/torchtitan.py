@@ -55,7 +55,13 @@ import json
 import math
 from dataclasses import dataclass
 
-from memplan.emit._common import comment_string, plan_blocks, plan_layout
+from memplan.emit._common import (
+    checkpointed_blocks,
+    checkpoints_every_block,
+    comment_string,
+    plan_blocks,
+    plan_layout,
+)
 from memplan.modes import FULL, SELECTIVE
 from memplan.parallel import Parallel
 from memplan.plan import Plan
@@ -97,10 +103,11 @@ def _every(n: int) -> str:
 
 def _every_nth(plan: Plan, n_blocks: int) -> int:
     """The largest N such that checkpointing every N-th block covers as many blocks as the
-    plan checkpoints (0: none)."""
-    count = len(plan.checkpoint)
+    plan checkpoints; 1 where it checkpoints layers but no block (only torchtitan's blocks
+    can be: every block, no more memory than planned)."""
+    count = checkpointed_blocks(plan)
     if count == 0:
-        return 0
+        return 1
     return max(1, n_blocks // count)
 
 
@@ -124,15 +131,15 @@ def emit_torchtitan_toml(plan: Plan, *, model_path: str) -> str:
     ]
     if not plan.checkpoint:
         ac = {"mode": "none"}
-    elif modes == {FULL} and len(plan.checkpoint) == n_blocks:
+    elif modes == {FULL} and checkpoints_every_block(plan):
         ac = {"mode": "full"}
-    elif modes == {SELECTIVE} and len(plan.checkpoint) == n_blocks:
+    elif modes == {SELECTIVE} and checkpoints_every_block(plan):
         ac = {"mode": "selective", "selective_ac_option": "op"}
     else:
         nth = _every_nth(plan, n_blocks)
         ac = {"mode": "selective", "selective_ac_option": str(nth)}
         notes.append(
-            f"the plan checkpoints {len(plan.checkpoint)} of {n_blocks} blocks "
+            f"the plan checkpoints {checkpointed_blocks(plan)} of {n_blocks} blocks "
             f"({', '.join(sorted(modes))}); torchtitan checkpoints {_every(nth)} fully"
         )
     if p.tp > 1 and not p.sequence_parallel:
@@ -258,7 +265,7 @@ def _ac_subcommand(plan: Plan, n_blocks: int) -> tuple[str, list[str]]:
     """torchtitan 0.3's activation-checkpointing subcommand for ``plan``, and notes where it
     is not the plan's own choice."""
     modes = set(plan.checkpoint.values())
-    every = len(plan.checkpoint) == n_blocks
+    every = checkpoints_every_block(plan)
     if not plan.checkpoint:
         return "none", []
     if modes == {FULL} and every:
@@ -266,7 +273,7 @@ def _ac_subcommand(plan: Plan, n_blocks: int) -> tuple[str, list[str]]:
     if modes == {SELECTIVE} and every:  # memplan's selective is SelectiveAC's policy
         return "selective", []
     return "full", [
-        f"the plan checkpoints {len(plan.checkpoint)} of {n_blocks} blocks "
+        f"the plan checkpoints {checkpointed_blocks(plan)} of {n_blocks} blocks "
         f"({', '.join(sorted(modes))}); torchtitan {RELEASE} applies one policy to every "
         "block, so FullAC checkpoints every block: no more memory than planned, more "
         "recompute (memplan.apply on your own model runs the plan's choice)"
