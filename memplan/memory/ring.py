@@ -24,8 +24,9 @@ Less what the probe already measured in the block: the plain call's output (``w`
 dQ, dK and dV (``3w``) backward. Log-sum-exp tensors (``1/head_dim`` of these) are left out.
 Measured (tests/test_ring_attention.py): torch's own ring forward and backward on 2, 4 and 8
 gloo ranks with the CPU flash kernel, every live tensor counted at every op, bf16 and fp32:
-the most any rank holds equals these, exactly from cp 3 on (at cp 2 the backward holds up
-to one ``w`` less).
+the most any rank holds equals these, exactly from cp 3 on. At cp 2 the backward holds
+less, so memplan over-counts there: in bf16 one ``w`` an element less (46 of 48 bytes), in
+fp32 5.875 of 68 less (62.125), the most of either rank, measured by the same count.
 """
 
 from __future__ import annotations
