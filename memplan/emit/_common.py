@@ -163,7 +163,7 @@ def checkpoints_every_block(plan: Plan) -> bool:
     """Whether the plan checkpoints every block of the model (``plan_block_names``), by name:
     a plan of as many layers, one of them not a block (the head), does not."""
     names = plan_block_names(plan)
-    return bool(names) and checkpointed_blocks(plan) == len(names)
+    return bool(names) and all(name in plan.checkpoint for name in names)
 
 
 def plan_blocks(plan: Plan) -> int:

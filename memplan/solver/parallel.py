@@ -268,11 +268,12 @@ def evaluate_layout(
     # the bubble stretches the micro-batches' part; the optimizer and DP collectives run once
     slowest = max(r.plan.predicted.step_seconds - r.once_seconds for r in results)
     once = max(r.once_seconds for r in results)
+
     # a checkpointed block runs (some of) its forward's TP collectives again in its recompute
-    recomputed = max(sum(1 for mode in r.plan.checkpoint.values() if mode == FULL) for r in results)
-    selective = max(
-        sum(1 for mode in r.plan.checkpoint.values() if mode == SELECTIVE) for r in results
-    )
+    def most_in(kind: str) -> int:  # the most blocks any stage checkpoints in mode ``kind``
+        return max(sum(1 for mode in r.plan.checkpoint.values() if mode == kind) for r in results)
+
+    recomputed, selective = most_in(FULL), most_in(SELECTIVE)
     intra = intra_node_bandwidth(request.device_spec)
     ring = ring_seconds(profile, parallel, b, request.device_spec, gpus_per_node, intra)
     per_micro = layout_comm_seconds(
