@@ -74,9 +74,14 @@ class RMSNorm(nn.Module):
         return (x.float() * torch.rsqrt(var + self.eps)).type_as(x) * self.weight
 
 
-def rotary_tables(head_dim: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_angles(head_dim: int, seq: int) -> torch.Tensor:
+    """Each position's angle for each pair of features, (seq, head_dim / 2)."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    angles = torch.outer(torch.arange(seq).float(), inv_freq)
+    return torch.outer(torch.arange(seq).float(), inv_freq)
+
+
+def rotary_tables(head_dim: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = rotary_angles(head_dim, seq)
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
 
@@ -147,11 +152,10 @@ class TitanRMSNorm(RMSNorm):
 
 
 def rotary_pairs_table(head_dim: int, seq: int) -> torch.Tensor:
-    """``rotary_tables``' angles as torchtitan keeps them (``precompute_freqs_cis``: one
+    """``rotary_angles`` as torchtitan keeps them (``precompute_freqs_cis``: one
     complex64 ``cis`` a position and pair), stored as its real view, (seq, head_dim / 2, 2)
     fp32."""
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    angles = torch.outer(torch.arange(seq).float(), inv_freq)
+    angles = rotary_angles(head_dim, seq)
     return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
 
 
