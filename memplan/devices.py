@@ -204,23 +204,63 @@ def _file_spec(label: str) -> DeviceSpec | None:
         return None
 
 
-def spec_digest(spec: DeviceSpec) -> str:
-    """A fingerprint of the numbers a clock takes from ``spec`` (every field but its name
-    and display name): a profile records it, so the spec file it was timed against is known
-    again after the file is moved, renamed or checked out under another path."""
-    fields = dataclasses.asdict(spec)
-    del fields["name"], fields["display_name"]
+CLOCK_FIELDS = (
+    "bf16_flops",
+    "fp16_flops",
+    "fp32_flops",
+    "fp8_flops",
+    "memory_bandwidth",
+    "compute_capability",
+)
+"""What a meta probe takes from its spec (memplan.probe.backends, memplan.probe.tracker's
+``Roofline``): the peaks and memory bandwidth its clock divides by, and the compute
+capability its attention kernels follow; with the efficiencies but the interconnect's, and
+whether the spec has a capacity (a GPU's: the attention target). The links, the capacity's
+value and the interconnect's efficiency are read by the solver from the spec it is given."""
+
+
+def _fingerprint(fields: dict) -> str:
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def spec_digest(spec: DeviceSpec) -> str:
+    """A fingerprint of the numbers a meta probe's clock takes from ``spec``
+    (``CLOCK_FIELDS``): a profile records it, so the spec file it was timed against is known
+    again after the file is moved, renamed or checked out under another path, and a spec
+    that differs only in what the solver reads itself (its links, capacity, NCCL's share of
+    the link) keeps the profile's clock. Before, every field counted: a copy of the spec with
+    another interconnect re-timed a meta profile by roofline from FLOPs, which has no
+    float8 or compiled clock: the 70B float8 Table 4 row (bench ``published``, 17.62 s) on a
+    copy of its spec with half the link rate came out 24.72 s, 2.10 s of it the roofline's,
+    where TP's doubled collectives alone make it 22.63 s."""
+    efficiency = dataclasses.asdict(spec.efficiency)
+    del efficiency["interconnect"]
+    fields = {name: getattr(spec, name) for name in CLOCK_FIELDS}
+    fields["gpu"] = spec.memory_bytes is not None
+    fields["efficiency"] = efficiency
+    return _fingerprint(fields)
+
+
+def whole_spec_digest(spec: DeviceSpec) -> str:
+    """The fingerprint profiles written before ``CLOCK_FIELDS`` recorded: every field but
+    the name and display name. Still recognised (``names_spec``)."""
+    fields = dataclasses.asdict(spec)
+    del fields["name"], fields["display_name"]
+    return _fingerprint(fields)
+
+
 def names_spec(label: str | None, spec: DeviceSpec, digest: str | None = None) -> bool:
     """Whether a profile's ``device_profile`` (a spec's name, or a spec file's path) is
-    ``spec``: the same name, a file that loads as the same spec, or, wherever the file now
-    is, the same numbers (``digest``, the profile's ``device_spec_digest``)."""
-    if label == spec.name or (digest is not None and digest == spec_digest(spec)):
+    ``spec`` as its clock sees it: the same name, a file that loads as a spec with the same
+    clock, or, wherever the file now is, the same clock numbers (``digest``, the profile's
+    ``device_spec_digest``, or the whole-spec one older profiles carry)."""
+    if label == spec.name:
         return True
-    return label is not None and _file_spec(label) == spec
+    if digest is not None and digest in (spec_digest(spec), whole_spec_digest(spec)):
+        return True
+    loaded = _file_spec(label) if label is not None else None
+    return loaded is not None and spec_digest(loaded) == spec_digest(spec)
 
 
 def label_has_capacity(label: str | None) -> bool:

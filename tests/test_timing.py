@@ -105,7 +105,7 @@ def test_a_meta_profile_knows_its_spec_by_its_numbers_wherever_the_file_is():
 
 @given(
     field=st.sampled_from(
-        ["memory_bytes", "bf16_flops", "fp16_flops", "fp32_flops", "memory_bandwidth"]
+        ["bf16_flops", "fp16_flops", "fp32_flops", "fp8_flops", "memory_bandwidth"]
     ),
     factor=st.floats(min_value=1.0001, max_value=1e6),
     name=st.text(max_size=20),
@@ -113,10 +113,67 @@ def test_a_meta_profile_knows_its_spec_by_its_numbers_wherever_the_file_is():
 def test_spec_digest_follows_the_numbers_not_the_name(field, factor, name):
     from memplan.devices import spec_digest
 
-    value = getattr(GPU, field)
+    value = getattr(GPU, field) or 1e12  # fp8_flops: none on this GPU, then a figure
     changed = value * factor if isinstance(value, float) else int(value * factor) + 1
     assert spec_digest(dataclasses.replace(GPU, name=name, display_name=name)) == spec_digest(GPU)
     assert spec_digest(dataclasses.replace(GPU, **{field: changed})) != spec_digest(GPU)
+
+
+@given(
+    field=st.sampled_from(["memory_bytes", "interconnect_bandwidth", "host_link_bandwidth"]),
+    factor=st.floats(min_value=1.0001, max_value=1e6),
+    share=st.floats(min_value=0.01, max_value=1.0),
+)
+def test_spec_digest_leaves_out_what_the_solver_reads_itself(field, factor, share):
+    # A meta probe's clock takes the peaks, the memory bandwidth, the compute capability
+    # and the efficiencies; the solver reads the links, the capacity and NCCL's share of
+    # the link from the spec it is given. A spec differing only there keeps the clock.
+    from memplan.devices import spec_digest, whole_spec_digest
+
+    value = getattr(GPU, field) or 1
+    other = dataclasses.replace(
+        GPU,
+        **{field: int(value * factor) + 1 if field == "memory_bytes" else value * factor},
+        efficiency=dataclasses.replace(GPU.efficiency, interconnect=share),
+    )
+    assert spec_digest(other) == spec_digest(GPU)
+    assert whole_spec_digest(other) != whole_spec_digest(GPU)
+    # a capacity at all is a GPU's, whose attention kernels a meta probe models
+    assert spec_digest(dataclasses.replace(GPU, memory_bytes=None)) != spec_digest(GPU)
+    assert spec_digest(dataclasses.replace(GPU, compute_capability=8.0)) != spec_digest(
+        dataclasses.replace(GPU, compute_capability=9.0)
+    )
+    slower = dataclasses.replace(GPU.efficiency, memory=GPU.efficiency.memory / 2)
+    assert spec_digest(dataclasses.replace(GPU, efficiency=slower)) != spec_digest(GPU)
+
+
+def test_a_meta_clock_survives_a_spec_with_another_interconnect(tmp_path):
+    # The profile was timed against a spec file since moved: a copy of the spec with
+    # another link rate and NCCL share is the same clock, so its times stand (before: the
+    # whole spec was fingerprinted and the profile was re-timed by roofline from FLOPs).
+    # A profile written before carries the whole-spec digest, still recognised.
+    from memplan.devices import spec_digest, whole_spec_digest
+
+    pcie = dataclasses.replace(
+        GPU,
+        name="lab-pcie",
+        interconnect_bandwidth=64e9,
+        efficiency=dataclasses.replace(GPU.efficiency, interconnect=0.5),
+    )
+    profile = meta_profile(str(tmp_path / "gone.yaml"))
+    for digest in (spec_digest(GPU), whole_spec_digest(GPU)):
+        recorded = dataclasses.replace(
+            profile,
+            environment=dataclasses.replace(profile.environment, device_spec_digest=digest),
+        )
+        assert timing.choose_timing_source(recorded, GPU)[0] == "measured"
+    recorded = dataclasses.replace(
+        profile,
+        environment=dataclasses.replace(profile.environment, device_spec_digest=spec_digest(GPU)),
+    )
+    assert timing.choose_timing_source(recorded, pcie)[0] == "measured"
+    faster = dataclasses.replace(pcie, bf16_flops=2 * GPU.bf16_flops)
+    assert timing.choose_timing_source(recorded, faster)[0] == "roofline"
 
 
 def test_roofline_times_by_hand():
