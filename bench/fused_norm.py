@@ -25,15 +25,7 @@ import tempfile
 from pathlib import Path
 
 from bench.gap import halved
-from bench.published import (
-    ROWS,
-    VARIANTS,
-    predict,
-    probe,
-    run_spec,
-    spec_file,
-)
-from memplan.profile import load_profile
+from bench.published import ROWS, VARIANTS, predict, probed, run_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "bench" / "fused_norm_model.py"
@@ -75,11 +67,11 @@ def slowed(step: float, memory_bound_part: float, factor: float = SLOWER) -> flo
     return step + (factor - 1) * memory_bound_part
 
 
-def step_of(factory: str, spec, tmp: Path) -> float:
+def step_of(factory: str, spec, probes: dict, tmp: Path) -> float:
+    """memplan's step for the layout with ``factory``'s norm, on ``spec``: the model probed
+    once on meta (``bench.published.probed``, kept as the published section keeps its own)."""
     row = dataclasses.replace(layout(), factory=factory)
-    out = tmp / f"{factory}-{spec.name}.yaml"
-    probe(factory, out, str(spec_file(spec, tmp)), "bf16", row.seq, False, model=MODEL)
-    profile = dataclasses.replace(load_profile(out), pipeline_refused=None)
+    profile = probed(probes, str(tmp), row, spec, "bf16", model=MODEL)
     _, modes, every = VARIANTS[row.ac][0]
     return predict(profile, row, spec, modes, every).predicted.step_seconds
 
@@ -90,11 +82,12 @@ def run(device: str) -> str:
     spec = run_spec(row)
     slow = halved(spec, MEMORY_BOUND)
     steps: dict[str, tuple[float, float]] = {}
+    probes: dict = {}
     with tempfile.TemporaryDirectory(prefix="memplan-fused-norm-") as folder:
         tmp = Path(folder)
         for factory in ("build_eager", "build_fused"):
-            step = step_of(factory, spec, tmp)
-            part = step_of(factory, slow, tmp) - step  # the memory-bound ops' part
+            step = step_of(factory, spec, probes, tmp)
+            part = step_of(factory, slow, probes, tmp) - step  # the memory-bound ops' part
             steps[factory] = (step, part)
             print(
                 f"fused_norm: {factory}: step {step:.3f} s, memory-bound {part:.3f} s", flush=True

@@ -491,10 +491,12 @@ stops the section before its first probe (``kept_probes_folder``)."""
 PROBE_CODE = ("probe", "profile", "model", "run", "files", "devices.py", "modes.py", "units.py")
 """memplan's sources (under the package) that make a probe's bytes and its meta clock."""
 
-MODEL_CODE = (ROOT / "examples" / "llama70b.py",)
-"""The model code examples/llama31.py loads: its blocks are built there, so a kept probe of
-llama31.py (whose profile hashes that file alone) is of today's blocks only if these bytes
-are part of its key. Before, a change to llama70b.py's blocks kept the old probes."""
+MODEL_CODE = (MODEL, ROOT / "examples" / "llama70b.py")
+"""The example code the probed model files load: examples/llama31.py (itself a model file,
+and loaded by bench/fused_norm_model.py, whose kept probes' profiles hash only that file)
+and examples/llama70b.py, where llama31.py builds its blocks. A kept probe is of today's
+blocks only if these bytes are part of its key. Before, a change to llama70b.py's blocks
+kept the old probes."""
 
 
 def kept_probes_folder() -> Path | None:
@@ -544,10 +546,11 @@ def probe_key(spec, precision: str, seq: int, compiled: bool = False) -> str:
     return digest.hexdigest()
 
 
-def kept_probe_matches(path: Path, key: str) -> bool:
+def kept_probe_matches(path: Path, key: str, model: Path = MODEL) -> bool:
     """Whether a kept probe (``PROBES_ENV``) may stand for a new one: it exists, is of
-    today's examples/llama31.py (the profile's sha256 of the model file) and today's torch,
-    and its ``.key`` file holds ``key`` (``probe_key``: today's probing code and spec)."""
+    today's ``model`` (examples/llama31.py unless told: the profile's sha256 of the model
+    file) and today's torch, and its ``.key`` file holds ``key`` (``probe_key``: today's
+    probing code and spec)."""
     sidecar = path.with_suffix(".key")
     if not path.is_file() or not sidecar.is_file() or sidecar.read_text().strip() != key:
         return False
@@ -557,7 +560,7 @@ def kept_probe_matches(path: Path, key: str) -> bool:
 
     kept = load_profile(path)
     return (
-        kept.model.sha256 == hashlib.sha256(MODEL.read_bytes()).hexdigest()
+        kept.model.sha256 == hashlib.sha256(model.read_bytes()).hexdigest()
         and kept.environment.torch_version == torch.__version__
     )
 
@@ -574,17 +577,21 @@ def keep_probe(probed_file: Path, kept: Path, key: str) -> None:
         os.replace(temporary, target)
 
 
-def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
-    """The meta profile of the row's model for ``spec`` at ``precision``, probed once (with
-    ``--compiled`` for a compiled run)."""
-    key = (row.factory, spec.name, precision, row.compiled)
+def probed(probes: dict, tmp: str, row: Published, spec, precision: str, model: Path = MODEL):
+    """The meta profile of the row's model (``model``'s ``row.factory``) for ``spec`` at
+    ``precision``, probed once (with ``--compiled`` for a compiled run), or read from the
+    kept probes."""
+    key = (model, row.factory, spec.name, precision, row.compiled)
     if key not in probes:
-        name = f"{row.factory}-{spec.name}-{precision}{'-compiled' if row.compiled else ''}.yaml"
+        stem = "" if model == MODEL else f"{model.stem}-"
+        name = (
+            f"{stem}{row.factory}-{spec.name}-{precision}{'-compiled' if row.compiled else ''}.yaml"
+        )
         out = Path(tmp) / name
         folder = kept_probes_folder()
         kept = folder / name if folder else None
         code = probe_key(spec, precision, row.seq, row.compiled)
-        if kept is not None and kept_probe_matches(kept, code):  # probed before
+        if kept is not None and kept_probe_matches(kept, code, model):  # probed before
             out, seconds = kept, 0.0
         else:
             if kept is not None:  # stale or torn: its key goes first, so it is never read
@@ -596,6 +603,7 @@ def probed(probes: dict, tmp: str, row: Published, spec, precision: str):
                 precision,
                 row.seq,
                 row.compiled,
+                model=model,
             )
             if kept is not None:
                 keep_probe(out, kept, code)

@@ -111,17 +111,24 @@ def test_the_probe_key_moves_with_memplans_probe_code_only(tmp_path, monkeypatch
 
 
 def test_the_probe_key_moves_with_the_model_code_llama31_loads(tmp_path, monkeypatch):
-    # examples/llama31.py builds its blocks from examples/llama70b.py: one byte more there
-    # gives another key (before, the kept probes' model check hashed llama31.py alone)
+    # examples/llama31.py builds its blocks from examples/llama70b.py, and
+    # bench/fused_norm_model.py loads llama31.py: one byte more in either gives another key
+    # (before, the kept probes' model check hashed the probed model file alone)
     from bench import published
 
-    code = tmp_path / "llama70b.py"
-    code.write_bytes(published.MODEL_CODE[0].read_bytes())
-    monkeypatch.setattr(published, "MODEL_CODE", (code,))
+    names = [path.name for path in published.MODEL_CODE]
+    assert names == ["llama31.py", "llama70b.py"]
+    copies = []
+    for path in published.MODEL_CODE:
+        copies.append(tmp_path / path.name)
+        copies[-1].write_bytes(path.read_bytes())
+    monkeypatch.setattr(published, "MODEL_CODE", tuple(copies))
     spec = published.run_spec(published.ROWS[0])
     key = published.probe_key(spec, "bf16", 8192)
-    code.write_bytes(code.read_bytes() + b"\n")
-    assert published.probe_key(spec, "bf16", 8192) != key
+    for code in copies:
+        code.write_bytes(code.read_bytes() + b"\n")
+        assert published.probe_key(spec, "bf16", 8192) != key
+        key = published.probe_key(spec, "bf16", 8192)
 
 
 def test_a_probes_folder_that_cannot_be_kept_fails_before_the_first_probe(tmp_path, monkeypatch):
