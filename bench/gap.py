@@ -24,16 +24,25 @@ KINDS: dict[str, tuple[str, ...]] = {
     "GEMMs": ("matmul", "float8_matmul"),
     "attention": ("attention", "attention_backward"),
     "memory-bound ops": ("memory",),
+    "NVLink collectives": ("interconnect",),
 }
 """Each kind of op, and the device-spec efficiencies (memplan.devices.Efficiency) that set
 its rate: halved together in its variant. GEMMs are one kind, bf16 and float8 alike (the
-tensor cores' clock is one)."""
+tensor cores' clock is one). NVLink collectives: TP's, CP's and the data-parallel ones
+within a node, at NCCL's share of the link (memplan.timing.interconnect_bandwidth); the
+data-parallel ones between nodes run at the NICs' rate, which the spec does not set."""
+
+SOLVED_KINDS = frozenset({"NVLink collectives"})
+"""Kinds the solver times from the spec it is given, not a probe's meta clock: their
+variant is solved again from the same profile (a spec that differs only there keeps the
+profile's clock, memplan.devices.spec_digest), with no probe of its own."""
 
 
 def halved(spec, kind: str):
     """``spec`` with ``kind``'s efficiencies halved (one left unset takes the value the spec
     falls back to: attention's backward its forward's, float8 GEMMs the bf16 ones'), under a
-    name of its own: a probe's meta clock is keyed by the spec's name."""
+    name of its own: a probe's meta clock is keyed by the spec's name (a ``SOLVED_KINDS``
+    variant is not probed: its numbers leave the clock's fingerprint as it was)."""
     efficiency = spec.efficiency
     fallback = {
         "attention_backward": efficiency.backward_attention,

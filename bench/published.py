@@ -58,7 +58,15 @@ from pathlib import Path
 import yaml
 
 from bench import layouts
-from bench.gap import KINDS, Gap, consistency_line, gap_line, halved, kind_factors
+from bench.gap import (
+    KINDS,
+    SOLVED_KINDS,
+    Gap,
+    consistency_line,
+    gap_line,
+    halved,
+    kind_factors,
+)
 from bench.published_checks import (
     SAME_SHAPES,
     op_mix_line,
@@ -763,10 +771,10 @@ def run(device: str) -> str:
             search_lines.append(search_line(row, published_plan, searches[where]))
             print(f"published: {search_lines[-1]}", flush=True)
             if row in gap_rows():
-                gaps.setdefault(row.device, []).append(
+                gaps.setdefault(gap_part(row), []).append(
                     gap_of(probes, tmp, row, spec, published_plan.predicted.step_seconds)
                 )
-                print(f"published: {gap_line(gaps[row.device][-1])}", flush=True)
+                print(f"published: {gap_line(gaps[gap_part(row)][-1])}", flush=True)
             titan = with_titan_ops(row) if row.eager_bf16 else None
             if titan is not None:  # the same run from torchtitan's own ops
                 _, modes, every = VARIANTS[row.ac][0]
@@ -1026,29 +1034,42 @@ def same_recipe_line(steps: dict[tuple[str, str, str], tuple[float, float]]) -> 
 def gap_rows() -> list[Published]:
     """The runs whose step gap ``bench.gap`` takes apart: Llama 3.1 8B (and Llama 3 8B on
     A100) at sequence 8192 with FSDP alone, so one part's runs differ only in technique,
-    checkpointing or scale."""
+    checkpointing or scale; and the H100 runs with TP 8 and no stages or CP (70B and 8B,
+    December 2024 and June 2025), whose TP collectives are a part of their own."""
     return [
         row
-        for row in ROWS + A100_ROWS + H200_ROWS
-        if row.model == "8B" and row.seq == SEQ and row.tp == row.pp == row.cp == 1
+        for row in ROWS + A100_ROWS + H200_ROWS + ASYNC_TP_ROWS
+        if row.seq == SEQ
+        and row.pp == row.cp == 1
+        and ((row.model == "8B" and row.tp == 1) or (row.device == DEVICE and row.tp > 1))
     ]
+
+
+def gap_part(row: Published) -> str:
+    """The part a gap row's verdict groups it in (``PARTS``): its device, or the H100s' TP
+    runs."""
+    return TP_PART if row.tp > 1 else row.device
 
 
 def gap_of(probes: dict, tmp: str, row: Published, spec, step: float) -> Gap:
     """The row's published and predicted steps, and what each kind of op adds to the
-    prediction when its rate halves (``bench.gap.halved``: one more probe a kind)."""
+    prediction when its rate halves (``bench.gap.halved``: one more probe a kind, but for
+    the kinds the solver times, ``SOLVED_KINDS``, solved again from the row's own probe)."""
     label, modes, every = VARIANTS[row.ac][0]
     added = []
     for kind in KINDS:
         slower = halved(spec, kind)
-        profile = probed(probes, tmp, row, slower, row.precision)
+        profile = probed(probes, tmp, row, spec if kind in SOLVED_KINDS else slower, row.precision)
         added.append(predict(profile, row, slower, modes, every).predicted.step_seconds - step)
     del label
     return Gap(f"{row.model} {row.table}, {row.techniques}", row.step_seconds, step, tuple(added))
 
 
+TP_PART = f"{DEVICE} tp"
+
 PARTS = {
     DEVICE: "the 500 W H100s (December 2024)",
+    TP_PART: "the 500 W H100s' TP 8 runs (December 2024 and June 2025)",
     "a100-80gb": "the A100s (April 2024)",
     "h200": "the H200s (June 2025)",
 }
@@ -1057,13 +1078,15 @@ PARTS = {
 def gap_section(gaps: dict[str, list[Gap]]) -> list[str]:
     """The paragraph, table and one verdict a part: where each run's gap lies."""
     rows = [gap_line(g) for part in PARTS for g in gaps.get(part, [])]
-    verdicts = (
-        [consistency_line(gaps[DEVICE], PARTS[DEVICE])] if len(gaps.get(DEVICE, [])) > 1 else []
-    )
+    verdicts = [
+        consistency_line(gaps[part], PARTS[part])
+        for part in (DEVICE, TP_PART)
+        if len(gaps.get(part, [])) > 1
+    ]
     others = [
         f"{', '.join(f'{v:+.2f}' for v in kind_factors(gaps[part], 'GEMMs'))} on {PARTS[part]}"
         for part in PARTS
-        if part != DEVICE and gaps.get(part)
+        if part not in (DEVICE, TP_PART) and gaps.get(part)
     ]
     if others:
         verdicts.append(
@@ -1073,9 +1096,12 @@ def gap_section(gaps: dict[str, list[Gap]]) -> list[str]:
         )
     kinds = " | ".join(KINDS)
     return [
-        "**Where the 8B rows' gap lies** (bench/gap.py). Each run with FSDP alone is "
-        "predicted again with one kind of op at half its rate: GEMMs (bf16 and float8), "
-        "attention, memory-bound ops. What the step gains is that kind's part of it. Were "
+        "**Where the rows' gap lies** (bench/gap.py). Each 8B run with FSDP alone, and each "
+        "H100 run with TP 8 and no pipeline or CP, is predicted again with one kind of op "
+        "at half its rate: GEMMs (bf16 and float8), attention and memory-bound ops (each "
+        "probed again with that rate: the meta clock charges them), and the collectives on "
+        "NVLink (solved again from the same probe: the solver times them; TP's, and FSDP's "
+        "within a node). What the step gains is that kind's part of it. Were "
         "one kind alone slower than memplan charges by a factor k, the step would grow by "
         "(k − 1) × its part, so each run's gap ÷ each part is the k − 1 that kind would "
         "need. One cause needs about the same k in every run of a part. Nothing here "

@@ -16,8 +16,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.gap import Gap, consistency_line, gap_line, halved, kind_factors, spread
-from memplan.devices import load_device
+from bench.gap import (
+    KINDS,
+    SOLVED_KINDS,
+    Gap,
+    consistency_line,
+    gap_line,
+    halved,
+    kind_factors,
+    spread,
+)
+from memplan.devices import load_device, spec_digest
 
 
 def test_halving_a_kind_halves_its_efficiencies_and_nothing_else():
@@ -38,8 +47,16 @@ def test_halving_a_kind_halves_its_efficiencies_and_nothing_else():
     assert a100.efficiency.float8_matmul is None
     assert halved(a100, "GEMMs").efficiency.float8_matmul == pytest.approx(0.4345)
     # the halved spec's name differs per kind: a probe's meta clock is keyed by it
-    names = {halved(h100, kind).name for kind in ("GEMMs", "attention", "memory-bound ops")}
-    assert len(names) == 3 and h100.name not in names
+    names = {halved(h100, kind).name for kind in KINDS}
+    assert len(names) == 4 and h100.name not in names
+    # NVLink collectives: NCCL's share of the link, 0.80 → 0.40; the solver times them, so
+    # that variant keeps the profile's clock (its fingerprint) where the others do not
+    nvlink = halved(h100, "NVLink collectives")
+    assert nvlink.efficiency.interconnect == 0.4 and nvlink.efficiency.matmul == 0.803
+    assert SOLVED_KINDS == {"NVLink collectives"}
+    for kind in KINDS:
+        kept = spec_digest(halved(h100, kind)) == spec_digest(h100)
+        assert kept == (kind in SOLVED_KINDS), kind
 
 
 def test_a_runs_factors_are_its_gap_over_each_kinds_part():
@@ -59,19 +76,21 @@ def test_a_runs_factors_are_its_gap_over_each_kinds_part():
 def test_the_kind_whose_factors_agree_best_is_named():
     # GEMMs need +0.40 and +0.50 (spread 1.25×), attention +1.00 and +2.00 (2×), memory-bound
     # ops +0.20 and +1.00 (5×): GEMMs, 1.40× to 1.50× slower
+    # NVLink collectives +2.00 and +10.00 (5×)
     gaps = [
-        Gap("eager", 3.0, 2.6, (1.0, 0.4, 2.0)),
-        Gap("compile", 2.5, 2.0, (1.0, 0.25, 0.5)),
+        Gap("eager", 3.0, 2.6, (1.0, 0.4, 2.0, 0.2)),
+        Gap("compile", 2.5, 2.0, (1.0, 0.25, 0.5, 0.05)),
     ]
     assert kind_factors(gaps, "GEMMs") == pytest.approx([0.4, 0.5])
     line = consistency_line(gaps, "the H100s")
     assert "GEMMs +0.40, +0.50 (spread 1.25×)" in line, line
     assert "attention +1.00, +2.00 (spread 2.00×)" in line, line
     assert "memory-bound ops +0.20, +1.00 (spread 5.00×)" in line, line
+    assert "NVLink collectives +2.00, +10.00 (spread 5.00×)" in line, line
     assert line.endswith("is GEMMs: that kind would have to run 1.40× to 1.50× slower than "
                          "memplan charges it."), line  # fmt: skip
     # a run memplan overestimates (negative gap) is explained by no kind running slower
-    gaps.append(Gap("float8", 1.0, 1.2, (0.5, 0.2, 0.3)))
+    gaps.append(Gap("float8", 1.0, 1.2, (0.5, 0.2, 0.3, 0.1)))
     line = consistency_line(gaps, "the H100s")
     assert "spread none: not all short" in line
     assert line.endswith("no one kind running slower explains every run's gap."), line
@@ -135,3 +154,57 @@ def test_what_a_halved_gemm_rate_adds_is_the_gemms_own_time_on_the_meta_clock(tm
             assert added == pytest.approx(batch * flops / (67e12 * 0.803), rel=1e-9)
         assert base[name].fwd_seconds.at(1) == pytest.approx(9.98e-6, rel=1e-3)
     assert slow["1"].fwd_seconds.at(4) == base["1"].fwd_seconds.at(4) > 0  # the ReLU
+
+
+def test_the_nvlink_collectives_part_of_a_tp_layout_is_its_tp_collectives():
+    """The solved kind's part, read off as the others are (the step with its rate halved,
+    less the step): on tp 2 alone (2 ranks, no data-parallel traffic) it is exactly the
+    layout's TP collectives, 4 ring all-reduces a block of ring(8 B, 2) = 8 B at 360 GB/s
+    on h100-80gb: 4 blocks · 4 · 8 B = 128 B, 0.36 ns; halved, they take twice that."""
+    from profiles_factory import uniform_chain, with_tp_measurement
+
+    from memplan.solver import SolveRequest
+    from memplan.solver.parallel import LayoutRequest, solve_layout
+
+    profile = with_tp_measurement(
+        uniform_chain(4, saved=[4000] * 4, output=[400] * 4).profile(), 0.75, hf_blocks=True
+    )
+    h100 = load_device("h100-80gb")
+    steps = {}
+    for spec in (h100, halved(h100, "NVLink collectives")):
+        request = SolveRequest(
+            target_batch=1,
+            budget_bytes=1 << 40,
+            world_size=2,
+            strategy="ddp",
+            device_spec=spec,
+            modes=("keep",),
+        )
+        (option,) = solve_layout(profile, request, LayoutRequest(tp=2, pp=1)).options
+        steps[spec.name] = (option.step_seconds, option.comm_seconds["tp"])
+    (step, tp), (slower, tp_slower) = steps[h100.name], steps[f"{h100.name}-half-nvlink"]
+    assert tp == pytest.approx(128 / 360e9) and tp_slower == pytest.approx(2 * tp)
+    assert slower - step == pytest.approx(tp, rel=1e-9)
+
+
+def test_the_gap_rows_are_the_fsdp_8b_runs_and_the_h100_tp_runs():
+    # nine 8B runs with FSDP alone (H100 Tables 1 and 3, two A100, two H200) in their
+    # device's part; the five H100 runs with TP 8 and neither stages nor CP (70B Table 4,
+    # and the June 2025 vanilla-TP runs of 70B and 8B, bf16 and float8) in a part of their
+    # own; no pipeline, CP or long-sequence run
+    from bench.published import DEVICE, TP_PART, gap_part, gap_rows
+
+    rows = gap_rows()
+    parts = [(row.model, row.table, row.techniques, gap_part(row)) for row in rows]
+    tp = [p for p in parts if p[3] == TP_PART]
+    assert [(m, t, tech) for m, t, tech, _ in tp] == [
+        ("70B", "Table 4", "compile+float8"),
+        ("70B", "asyncTP 2025-06, vanilla TP", "compile"),
+        ("70B", "asyncTP 2025-06, vanilla TP", "compile+float8"),
+        ("8B", "asyncTP 2025-06, vanilla TP", "compile"),
+        ("8B", "asyncTP 2025-06, vanilla TP", "compile+float8"),
+    ]
+    fsdp = [p for p in parts if p[3] != TP_PART]
+    assert len(fsdp) == 9 and {p[0] for p in fsdp} == {"8B"}
+    assert sum(p[3] == DEVICE for p in fsdp) == 5
+    assert all(row.pp == row.cp == 1 and row.seq == 8192 for row in rows)
