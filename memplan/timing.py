@@ -125,12 +125,23 @@ def choose_timing_source(
         and device_spec is not None
         and not names_spec(env.device_profile, device_spec, env.device_spec_digest)
     ):
+        timed = env.device_profile or _default_clock(env.device_name)
         return "roofline", (
             f"step times by roofline from FLOPs against {device_spec.display_name}: the meta "
-            f"profile was timed against {env.device_profile or 'no device'}"
+            f"profile was timed against {timed}"
         )
     where = env.device_name or env.device
     return "measured", f"step times measured on {where}"
+
+
+def _default_clock(device_name: str) -> str:
+    """What a meta profile probed without ``--device-profile`` was timed against, from its
+    ``device_name`` (``meta (timed as <spec>)``): memplan's default spec, named."""
+    prefix, suffix = "meta (timed as ", ")"
+    if device_name.startswith(prefix) and device_name.endswith(suffix):
+        spec = device_name[len(prefix) : -len(suffix)]
+        return f"memplan's default spec, {spec} (the probe was given no --device-profile)"
+    return "no device spec"
 
 
 def _structure_key(layer: Layer) -> tuple:

@@ -84,6 +84,25 @@ def test_meta_profile_for_another_device_is_timed_by_roofline():
     assert timing.choose_timing_source(meta_profile(), None)[0] == "measured"
 
 
+def test_the_roofline_reason_names_the_default_spec_a_bare_meta_probe_was_timed_against():
+    # probed on meta without --device-profile: timed against memplan's default spec (the
+    # profile's device_name says which), planned for no device. Before, the reason said it
+    # was "timed against no device".
+    bare = meta_profile(None)
+    bare = dataclasses.replace(
+        bare,
+        environment=dataclasses.replace(bare.environment, device_name="meta (timed as h100-80gb)"),
+    )
+    source, reason = timing.choose_timing_source(bare, GPU)
+    assert source == "roofline"
+    assert reason.endswith(
+        "timed against memplan's default spec, h100-80gb (the probe was given no --device-profile)"
+    ), reason
+    assert timing.choose_timing_source(meta_profile(None), GPU)[1].endswith(
+        "timed against no device spec"
+    )
+
+
 def test_a_meta_profile_knows_its_spec_by_its_numbers_wherever_the_file_is():
     # A spec file's path recorded by the probe no longer exists (moved, another checkout):
     # the recorded fingerprint of the spec's numbers still names it; its name does not count.
