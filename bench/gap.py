@@ -121,7 +121,8 @@ def consistency_line(gaps: Sequence[Gap], part: str) -> str:
     else:
         low, high = min(per_kind[best]), max(per_kind[best])
         verdict = (
-            f"the kind whose factors agree best is {best}: that kind would have to run "
-            f"{1 + low:.2f}× to {1 + high:.2f}× slower than memplan charges it"
+            f"the kind whose factors agree best is {best} (spread {spreads[best]:.2f}×): "
+            f"that kind would have to run {1 + low:.2f}× to {1 + high:.2f}× slower than "
+            "memplan charges it"
         )
     return f"On {part} ({len(gaps)} runs), each kind's k − 1: {cells}. So {verdict}."

@@ -87,8 +87,8 @@ def test_the_kind_whose_factors_agree_best_is_named():
     assert "attention +1.00, +2.00 (spread 2.00×)" in line, line
     assert "memory-bound ops +0.20, +1.00 (spread 5.00×)" in line, line
     assert "NVLink collectives +2.00, +10.00 (spread 5.00×)" in line, line
-    assert line.endswith("is GEMMs: that kind would have to run 1.40× to 1.50× slower than "
-                         "memplan charges it."), line  # fmt: skip
+    assert line.endswith("is GEMMs (spread 1.25×): that kind would have to run 1.40× to "
+                         "1.50× slower than memplan charges it."), line  # fmt: skip
     # a run memplan overestimates (negative gap) is explained by no kind running slower
     gaps.append(Gap("float8", 1.0, 1.2, (0.5, 0.2, 0.3, 0.1)))
     line = consistency_line(gaps, "the H100s")
