@@ -1034,20 +1034,26 @@ def same_recipe_line(steps: dict[tuple[str, str, str], tuple[float, float]]) -> 
 def gap_rows() -> list[Published]:
     """The runs whose step gap ``bench.gap`` takes apart: Llama 3.1 8B (and Llama 3 8B on
     A100) at sequence 8192 with FSDP alone, so one part's runs differ only in technique,
-    checkpointing or scale; and the H100 runs with TP 8 and no stages or CP (70B and 8B,
-    December 2024 and June 2025), whose TP collectives are a part of their own."""
+    checkpointing or scale; the H100 runs with TP 8 and no stages or CP (70B and 8B,
+    December 2024 and June 2025), whose TP collectives are a part of their own; and the
+    405B pipeline runs (Table 5: 1F1B and interleaved)."""
     return [
         row
         for row in ROWS + A100_ROWS + H200_ROWS + ASYNC_TP_ROWS
         if row.seq == SEQ
-        and row.pp == row.cp == 1
-        and ((row.model == "8B" and row.tp == 1) or (row.device == DEVICE and row.tp > 1))
+        and row.cp == 1
+        and (
+            (row.model == "8B" and row.tp == row.pp == 1)
+            or (row.device == DEVICE and (row.tp > 1 or row.pp > 1))
+        )
     ]
 
 
 def gap_part(row: Published) -> str:
-    """The part a gap row's verdict groups it in (``PARTS``): its device, or the H100s' TP
-    runs."""
+    """The part a gap row's verdict groups it in (``PARTS``): its device, the H100s' TP
+    runs, or their pipeline runs."""
+    if row.pp > 1:
+        return PP_PART
     return TP_PART if row.tp > 1 else row.device
 
 
@@ -1055,21 +1061,24 @@ def gap_of(probes: dict, tmp: str, row: Published, spec, step: float) -> Gap:
     """The row's published and predicted steps, and what each kind of op adds to the
     prediction when its rate halves (``bench.gap.halved``: one more probe a kind, but for
     the kinds the solver times, ``SOLVED_KINDS``, solved again from the row's own probe)."""
-    label, modes, every = VARIANTS[row.ac][0]
+    _, modes, every = VARIANTS[row.ac][0]
     added = []
     for kind in KINDS:
         slower = halved(spec, kind)
         profile = probed(probes, tmp, row, spec if kind in SOLVED_KINDS else slower, row.precision)
         added.append(predict(profile, row, slower, modes, every).predicted.step_seconds - step)
-    del label
-    return Gap(f"{row.model} {row.table}, {row.techniques}", row.step_seconds, step, tuple(added))
+    schedule = f", {row.schedule}" if row.pp > 1 else ""
+    label = f"{row.model} {row.table}, {row.techniques}{schedule}"
+    return Gap(label, row.step_seconds, step, tuple(added))
 
 
 TP_PART = f"{DEVICE} tp"
+PP_PART = f"{DEVICE} pp"
 
 PARTS = {
     DEVICE: "the 500 W H100s (December 2024)",
     TP_PART: "the 500 W H100s' TP 8 runs (December 2024 and June 2025)",
+    PP_PART: "the 500 W H100s' 405B pipeline runs (December 2024)",
     "a100-80gb": "the A100s (April 2024)",
     "h200": "the H200s (June 2025)",
 }
@@ -1083,10 +1092,16 @@ def gap_section(gaps: dict[str, list[Gap]]) -> list[str]:
         for part in (DEVICE, TP_PART)
         if len(gaps.get(part, [])) > 1
     ]
+    if gaps.get(PP_PART):  # one model and layout in two schedules: every kind agrees there
+        verdicts.append(
+            f"On {PARTS[PP_PART]}, which differ only in schedule (so every kind's factors "
+            "agree across them), GEMMs' k − 1 is "
+            f"{', '.join(f'{v:+.2f}' for v in kind_factors(gaps[PP_PART], 'GEMMs'))}."
+        )
     others = [
         f"{', '.join(f'{v:+.2f}' for v in kind_factors(gaps[part], 'GEMMs'))} on {PARTS[part]}"
         for part in PARTS
-        if part not in (DEVICE, TP_PART) and gaps.get(part)
+        if part not in (DEVICE, TP_PART, PP_PART) and gaps.get(part)
     ]
     if others:
         verdicts.append(
@@ -1096,8 +1111,9 @@ def gap_section(gaps: dict[str, list[Gap]]) -> list[str]:
         )
     kinds = " | ".join(KINDS)
     return [
-        "**Where the rows' gap lies** (bench/gap.py). Each 8B run with FSDP alone, and each "
-        "H100 run with TP 8 and no pipeline or CP, is predicted again with one kind of op "
+        "**Where the rows' gap lies** (bench/gap.py). Each 8B run with FSDP alone, each "
+        "H100 run with TP 8 and no pipeline or CP, and the 405B pipeline runs are predicted "
+        "again with one kind of op "
         "at half its rate: GEMMs (bf16 and float8), attention and memory-bound ops (each "
         "probed again with that rate: the meta clock charges them), and the collectives on "
         "NVLink (solved again from the same probe: the solver times them; TP's, and FSDP's "

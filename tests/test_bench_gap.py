@@ -187,12 +187,12 @@ def test_the_nvlink_collectives_part_of_a_tp_layout_is_its_tp_collectives():
     assert slower - step == pytest.approx(tp, rel=1e-9)
 
 
-def test_the_gap_rows_are_the_fsdp_8b_runs_and_the_h100_tp_runs():
+def test_the_gap_rows_are_the_fsdp_8b_runs_the_h100_tp_runs_and_the_405b_pipelines():
     # nine 8B runs with FSDP alone (H100 Tables 1 and 3, two A100, two H200) in their
     # device's part; the five H100 runs with TP 8 and neither stages nor CP (70B Table 4,
     # and the June 2025 vanilla-TP runs of 70B and 8B, bf16 and float8) in a part of their
-    # own; no pipeline, CP or long-sequence run
-    from bench.published import DEVICE, TP_PART, gap_part, gap_rows
+    # own; the two 405B pipeline runs of Table 5 in a third; no CP or long-sequence run
+    from bench.published import DEVICE, PP_PART, TP_PART, gap_part, gap_rows
 
     rows = gap_rows()
     parts = [(row.model, row.table, row.techniques, gap_part(row)) for row in rows]
@@ -204,7 +204,35 @@ def test_the_gap_rows_are_the_fsdp_8b_runs_and_the_h100_tp_runs():
         ("8B", "asyncTP 2025-06, vanilla TP", "compile"),
         ("8B", "asyncTP 2025-06, vanilla TP", "compile+float8"),
     ]
-    fsdp = [p for p in parts if p[3] != TP_PART]
+    pp = [row for row in rows if gap_part(row) == PP_PART]
+    assert [(r.model, r.table, r.pp, r.schedule) for r in pp] == [
+        ("405B", "Table 5", 8, "1f1b"),
+        ("405B", "Table 5", 8, "interleaved_1f1b"),
+    ]
+    fsdp = [p for p in parts if p[3] not in (TP_PART, PP_PART)]
     assert len(fsdp) == 9 and {p[0] for p in fsdp} == {"8B"}
     assert sum(p[3] == DEVICE for p in fsdp) == 5
-    assert all(row.pp == row.cp == 1 and row.seq == 8192 for row in rows)
+    assert all(row.cp == 1 and row.seq == 8192 for row in rows)
+
+
+def test_each_h100_part_gets_its_verdict_and_the_others_their_gemms():
+    # the FSDP and TP parts each get which kind agrees best; the pipeline part (one layout
+    # in two schedules, every kind agreeing) only its GEMMs' k − 1; the A100 part its GEMMs'
+    from bench.published import DEVICE, PP_PART, TP_PART, gap_section
+
+    two = [Gap("a", 3.0, 2.0, (1.0, 2.0, 4.0, 8.0)), Gap("b", 3.0, 2.5, (1.0, 1.0, 1.0, 1.0))]
+    lines = gap_section(
+        {
+            DEVICE: two,
+            TP_PART: two,
+            PP_PART: [Gap("1f1b", 4.0, 3.0, (2.5, 1.0, 1.0, 1.0))],
+            "a100-80gb": [Gap("x", 2.2, 2.0, (2.0, 1.0, 1.0, 1.0))],
+        }
+    )
+    text = "\n".join(lines)
+    # GEMMs +1.00, +0.50 (2×); attention +0.50, +0.50 (1×): attention agrees best
+    assert text.count("So the kind whose factors agree best is attention (spread 1.00×)") == 2
+    assert "which differ only in schedule (so every kind's factors agree across them), " in text
+    assert "GEMMs' k − 1 is +0.40." in text
+    assert "GEMMs' k − 1 +0.10 on the A100s (April 2024)." in text
+    assert sum(line.startswith("| ") for line in lines) == 1 + 2 + 2 + 1 + 1
