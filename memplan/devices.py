@@ -148,6 +148,24 @@ def list_devices() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
 
 
+_META_TIMED = ("meta (timed as ", ")")
+
+
+def meta_device_name(spec_name: str | None) -> str:
+    """A meta profile's ``device_name``: the spec its clock was timed against, named."""
+    prefix, suffix = _META_TIMED
+    return f"{prefix}{spec_name}{suffix}" if spec_name else "meta"
+
+
+def meta_timed_spec(device_name: str) -> str | None:
+    """The spec a meta profile's clock was timed against, read back from its
+    ``device_name`` (``meta_device_name``); None when it names none."""
+    prefix, suffix = _META_TIMED
+    if device_name.startswith(prefix) and device_name.endswith(suffix):
+        return device_name[len(prefix) : -len(suffix)]
+    return None
+
+
 def names_spec_file(name: str | Path) -> bool:
     """Whether a device profile argument names a spec file rather than a shipped spec: its
     name ends in .yaml or .yml, in any case (whether or not the file exists; no shipped

@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 
 from memplan.collective import Collective
-from memplan.devices import DeviceSpec, names_spec
+from memplan.devices import DeviceSpec, meta_timed_spec, names_spec
 from memplan.errors import BadInputError
 from memplan.modes import FULL, KEEP, SELECTIVE
 from memplan.profile import Affine, Layer, Profile
@@ -136,12 +136,11 @@ def choose_timing_source(
 
 def _default_clock(device_name: str) -> str:
     """What a meta profile probed without ``--device-profile`` was timed against, from its
-    ``device_name`` (``meta (timed as <spec>)``): memplan's default spec, named."""
-    prefix, suffix = "meta (timed as ", ")"
-    if device_name.startswith(prefix) and device_name.endswith(suffix):
-        spec = device_name[len(prefix) : -len(suffix)]
-        return f"memplan's default spec, {spec} (the probe was given no --device-profile)"
-    return "no device spec"
+    ``device_name`` (``devices.meta_timed_spec``): memplan's default spec, named."""
+    spec = meta_timed_spec(device_name)
+    if spec is None:
+        return "no device spec"
+    return f"memplan's default spec, {spec} (the probe was given no --device-profile)"
 
 
 def _structure_key(layer: Layer) -> tuple:

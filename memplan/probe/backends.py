@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 
-from memplan.devices import DeviceSpec, load_device, local_gpu, spec_digest, spec_file_label
+from memplan.devices import (
+    DeviceSpec,
+    load_device,
+    local_gpu,
+    meta_device_name,
+    spec_digest,
+    spec_file_label,
+)
 from memplan.errors import BadInputError, CannotMeasureError, ModelFileError
 from memplan.model.batch import map_batch, move_batch
 from memplan.model.loader import ModelFile
@@ -273,7 +280,7 @@ class Backend:
 
     def device_name(self) -> str:
         if self.device == "meta":
-            return f"meta (timed as {self.spec.name})" if self.spec else "meta"
+            return meta_device_name(self.spec.name if self.spec else None)
         if self.device == "cuda":
             return torch.cuda.get_device_name(self.torch_device)
         return "cpu"
