@@ -771,10 +771,9 @@ def run(device: str) -> str:
             search_lines.append(search_line(row, published_plan, searches[where]))
             print(f"published: {search_lines[-1]}", flush=True)
             if row in gap_rows():
-                gaps.setdefault(gap_part(row), []).append(
-                    gap_of(probes, tmp, row, spec, published_plan.predicted.step_seconds)
-                )
-                print(f"published: {gap_line(gaps[gap_part(row)][-1])}", flush=True)
+                gap = gap_of(probes, tmp, row, spec, published_plan.predicted.step_seconds)
+                gaps.setdefault(gap_part(row), []).append(gap)
+                print(f"published: {gap_line(gap)}", flush=True)
             titan = with_titan_ops(row) if row.eager_bf16 else None
             if titan is not None:  # the same run from torchtitan's own ops
                 _, modes, every = VARIANTS[row.ac][0]
@@ -1087,6 +1086,10 @@ PARTS = {
 def gap_section(gaps: dict[str, list[Gap]]) -> list[str]:
     """The paragraph, table and one verdict a part: where each run's gap lies."""
     rows = [gap_line(g) for part in PARTS for g in gaps.get(part, [])]
+
+    def gemms(part: str) -> str:  # the part's GEMMs' k − 1, run by run
+        return ", ".join(f"{v:+.2f}" for v in kind_factors(gaps[part], "GEMMs"))
+
     verdicts = [
         consistency_line(gaps[part], PARTS[part])
         for part in (DEVICE, TP_PART)
@@ -1095,11 +1098,10 @@ def gap_section(gaps: dict[str, list[Gap]]) -> list[str]:
     if gaps.get(PP_PART):  # one model and layout in two schedules: every kind agrees there
         verdicts.append(
             f"On {PARTS[PP_PART]}, which differ only in schedule (so every kind's factors "
-            "agree across them), GEMMs' k − 1 is "
-            f"{', '.join(f'{v:+.2f}' for v in kind_factors(gaps[PP_PART], 'GEMMs'))}."
+            f"agree across them), GEMMs' k − 1 is {gemms(PP_PART)}."
         )
     others = [
-        f"{', '.join(f'{v:+.2f}' for v in kind_factors(gaps[part], 'GEMMs'))} on {PARTS[part]}"
+        f"{gemms(part)} on {PARTS[part]}"
         for part in PARTS
         if part not in (DEVICE, TP_PART, PP_PART) and gaps.get(part)
     ]
