@@ -302,6 +302,13 @@ def test_a_spec_file_moved_after_the_probe_is_still_the_probes_clock(tmp_path):
     moved.parent.mkdir()
     shutil.move(first, moved)
     assert solved(moved) == (before, False)
+    # A copy differing only in what the solver reads itself (its link, NCCL's share of it,
+    # the capacity) is the same clock: kept (before, every number counted: re-timed)
+    linked = dict(spec, interconnect_bandwidth=64e9, memory_bytes=2 * spec["memory_bytes"])
+    linked["efficiency"] = dict(spec.get("efficiency") or {}, interconnect=0.5)
+    pcie = tmp_path / "b" / "pcie.yaml"
+    pcie.write_text(yaml.safe_dump(linked))
+    assert solved(pcie) == (before, False)
     # A spec with other numbers is another device: re-timed by roofline, as before.
     spec["efficiency"] = dict(spec.get("efficiency") or {}, matmul=0.5)
     other = tmp_path / "b" / "slower.yaml"
