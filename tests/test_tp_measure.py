@@ -63,6 +63,38 @@ def test_probe_measures_the_tp_split_of_a_llama(llama, tmp_path):
     assert profile.tp_degree_divides == 2
 
 
+def test_probe_records_the_split_linears_gemm_shapes(llama, tmp_path):
+    """Each projection's GEMMs per sample (16 tokens), by hand: a colwise one reads its whole
+    input (16 × k) and writes its output shard (16 × n); a rowwise one the other way round;
+    2·16·n·k FLOPs. Forward order q, k, v, o, gate, up, down; the selective mode re-runs the
+    2nd, 4th and 6th counted matmuls (k, o, up: memplan.modes)."""
+    profile = _measured(llama, tmp_path)
+    tokens, kv = 16, KV * (H // HEADS)
+    shapes = [
+        ("colwise", H, H),  # q: n, k
+        ("colwise", kv, H),
+        ("colwise", kv, H),
+        ("rowwise", H, H),  # o
+        ("colwise", FFN, H),  # gate
+        ("colwise", FFN, H),  # up
+        ("rowwise", H, FFN),  # down
+    ]
+    for layer in profile.layers:
+        got = [(g.style, g.flops, g.whole, g.split, g.recomputed) for g in layer.tp_gemms]
+        want = [
+            (
+                style,
+                2.0 * tokens * n * k,
+                tokens * (k if style == "colwise" else n),
+                tokens * (n if style == "colwise" else k),
+                i in (1, 3, 5),
+            )
+            for i, (style, n, k) in enumerate(shapes)
+        ]
+        assert got == want
+        assert {(g.input_size, g.output_size, g.float8) for g in layer.tp_gemms} == {(4, 4, False)}
+
+
 def test_saved_bytes_leave_parameters_out():
     # A linear layer saves its input (4 × 8 floats) and its weight (a parameter: left out).
     layer = torch.nn.Linear(8, 8, bias=False)

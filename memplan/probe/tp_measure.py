@@ -9,7 +9,8 @@ backward (:func:`kept_activation_bytes`), plain and under TP 2::
 and ``Layer.tp_saved_fraction = inside / kept(1)``; the same of the block under selective
 checkpointing (memplan.modes) is ``Layer.tp_selective_fraction``, when the profile has
 selective figures. ``tp_sharded_bytes`` is what the TP plan took off the block's
-parameters on one rank, × 2 (the whole of what is split). Fixed parts (embedding, head)
+parameters on one rank, × 2 (the whole of what is split); ``tp_gemms`` the split linears'
+GEMM shapes (memplan.probe.tp_gemms). Fixed parts (embedding, head)
 are not run: a module the plan names has its weight split (its bias too when colwise),
 from the shapes. Blocks alike (same class, parameter shapes, input shapes) are run once.
 On meta the blocks run as the probe runs them: with CPU twins of small tensors, the target
@@ -31,8 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memplan.errors import BadInputError
 from memplan.modes import KEEP, SELECTIVE
+from memplan.probe.tp_gemms import gemm_shapes
 from memplan.probe.tracker import LiveTracker, tensors_in
-from memplan.profile import Profile
+from memplan.profile import Profile, TpGemm
 from memplan.run.checkpoint import in_mode
 from memplan.run.tp_plan import tp_degree_divides, tp_modules, tp_plan_for
 
@@ -215,14 +217,16 @@ def measure_tp(session: Any, profile: Profile, size: int, declared: Any = None) 
     inputs = capture_inputs(session, size)
     started = _fake_world(TP_PROBE_DEGREE)
     try:
-        measured = _measured(session, profile, split, inputs)
+        measured = _measured(session, profile, split, inputs, size)
         return dataclasses.replace(measured, tp_degree_divides=tp_degree_divides(model, split))
     finally:
         if started:
             dist.destroy_process_group()
 
 
-def _measured(session: Any, profile: Profile, split: dict[str, str], inputs: dict) -> Profile:
+def _measured(
+    session: Any, profile: Profile, split: dict[str, str], inputs: dict, size: int
+) -> Profile:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -231,7 +235,7 @@ def _measured(session: Any, profile: Profile, split: dict[str, str], inputs: dic
     mesh = init_device_mesh("cpu", (TP_PROBE_DEGREE,))
     selective = all(layer.selective_savings_bytes is not None for layer in profile.layers)
     modes = (KEEP, SELECTIVE) if selective else (KEEP,)
-    by_signature: dict[tuple, tuple[dict[str, float], int]] = {}
+    by_signature: dict[tuple, tuple[dict[str, float], int, tuple[TpGemm, ...]]] = {}
     layers = []
     for name, module, layer in zip(
         session.layer_names, session.layers, profile.layers, strict=True
@@ -257,15 +261,17 @@ def _measured(session: Any, profile: Profile, split: dict[str, str], inputs: dic
                     )  # fmt: skip
                     inside = TP_PROBE_DEGREE * (whole - under_tp)
                     fractions[mode] = min(max(inside / whole, 0.0), 1.0) if whole > 0 else 0.0
+                gemms = gemm_shapes(plain, styles, _fresh(args), _fresh(kwargs), size)
             sharded = TP_PROBE_DEGREE * (_local_param_bytes(plain) - _local_param_bytes(tp))
-            by_signature[sig] = (fractions, sharded // (TP_PROBE_DEGREE - 1))
-        fractions, sharded = by_signature.get(sig, ({}, 0))
+            by_signature[sig] = (fractions, sharded // (TP_PROBE_DEGREE - 1), gemms)
+        fractions, sharded, gemms = by_signature.get(sig, ({}, 0, ()))
         layers.append(
             dataclasses.replace(
                 layer,
                 tp_saved_fraction=fractions.get(KEEP, 0.0),
                 tp_selective_fraction=fractions.get(SELECTIVE),
                 tp_sharded_bytes=sharded,
+                tp_gemms=gemms,
             )
         )
     modules = dict(model.named_modules())

@@ -133,6 +133,37 @@ class Segment:
             raise ValueError("an active segment needs ckpt_points")
 
 
+TpStyle = Literal["colwise", "rowwise"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TpGemm:
+    """One linear of a block that the model's TP plan splits, as one of its three GEMMs
+    (forward, input gradient, weight gradient) sees it, per sample of the micro-batch and
+    whole (TP degree 1); weights left out. Each of the three reads or writes one activation
+    operand that TP leaves whole on a rank (colwise: the input, rowwise: the output, whose
+    partial sums TP reduces afterwards) and one that it splits, and takes the same FLOPs, so
+    at degree t a rank's GEMMs take 1/t of the FLOPs but move ``whole + split/t`` elements:
+    a narrow projection (a key/value head's) turns memory-bound (memplan.solver.tp_gemms)."""
+
+    style: TpStyle
+    flops: float
+    """FLOPs of each of the three GEMMs, per sample, whole."""
+    whole: float
+    """Elements per sample of the activation operand TP leaves whole."""
+    split: float
+    """Elements per sample of the activation operand TP splits, whole."""
+    input_size: int = 2
+    """Bytes an element of the GEMMs' inputs (2: bf16; 1: float8, torchao's casts)."""
+    output_size: int = 2
+    """Bytes an element of their outputs."""
+    float8: bool = False
+    """Run on float8 operands (at the spec's float8 rate)."""
+    recomputed: bool = False
+    """Re-run by selective checkpointing's recompute (every second counted matmul,
+    memplan.modes)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Layer:
     """One checkpoint candidate (a repeated block), addressed by fully-qualified name."""
@@ -191,6 +222,10 @@ class Layer:
     """Bytes of its parameters (as probed) that are weights of linears converted to float8
     (``Environment.float8``): what FSDP2 gathers at one byte an element under float8
     all-gather."""
+    tp_gemms: tuple[TpGemm, ...] = ()
+    """The linears the TP plan splits, in forward order, as their GEMMs' shapes (measured
+    with ``tp_saved_fraction``); empty: not measured (no TP plan, or an older profile), and
+    a TP rank's GEMMs are then charged 1/t of the whole block's time."""
     affine: bool = True
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""

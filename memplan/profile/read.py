@@ -184,6 +184,10 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
                 return f"{path}.{name}", f"is {value}, a negative number of bytes"
         if path == "profile.totals":
             continue
+        for g, gemm in enumerate(getattr(part, "tp_gemms", ())):
+            for name in ("flops", "whole", "split", "input_size", "output_size"):
+                if getattr(gemm, name) < 0:
+                    return f"{path}.tp_gemms[{g}].{name}", "is negative"
         for name in part.__slots__:
             value = getattr(part, name)
             if isinstance(value, Affine) and name not in _SIGNED_AFFINE:

@@ -81,6 +81,12 @@ def _selective_ops() -> tuple[frozenset[Any], frozenset[Any]]:
     return _save_overloads
 
 
+def counted_matmuls() -> frozenset[Any]:
+    """The op overloads the ``selective`` mode counts (memplan.modes.COUNTED_MATMULS): every
+    second of them in a checkpointed call is recomputed."""
+    return _selective_ops()[1]
+
+
 def selective_policy() -> Callable[..., CheckpointPolicy]:
     """A fresh policy for one checkpointed call: torchtitan's ``SelectiveAC`` (memplan.modes
     .SAVE_OPS): keep the outputs of the save-list ops, except every second matmul, counted
