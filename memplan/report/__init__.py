@@ -156,7 +156,10 @@ def _layout_report(
     layout = plan.parallel
     assert layout is not None
     worst = layout_peaks(profile, plan, spec).worst
+    from memplan.solver.tp_gemms import gemm_spec, rank_gemms_profile
+
     rank = rank_profile(profile, layout, worst.stage, plan.accumulation_steps)
+    rank = rank_gemms_profile(rank, layout, gemm_spec(profile, spec))  # as the solve timed it
     where = (
         f"pipeline stage {worst.stage} of {layout.pp} (its highest peak), " if layout.pp > 1 else ""
     )

@@ -67,6 +67,7 @@ from memplan.solver.options import MANY_MICRO_BATCHES
 from memplan.solver.request import LayoutRequest, SolveRequest, SolveResult
 from memplan.solver.ring import ring_seconds
 from memplan.solver.search import solve_if_fits
+from memplan.solver.tp_gemms import gemm_spec, rank_gemms_profile
 from memplan.units import format_bytes
 
 
@@ -154,11 +155,18 @@ profile (an ``id`` alone can be reused once the first is collected)."""
 
 
 def _rank_profile(
-    profile: Profile, parallel: Parallel, stage: int, m: int, all_full: bool = False
+    profile: Profile,
+    parallel: Parallel,
+    stage: int,
+    m: int,
+    all_full: bool = False,
+    spec: DeviceSpec | None = None,
 ) -> Profile:
     """``rank_profile``, which depends on the micro-batches only through the stage's
     in-flight count: kept for the search of one profile (the last one asked). ``all_full``:
-    every block of the stage fully checkpointed, in the waiting micro-batches too."""
+    every block of the stage fully checkpointed, in the waiting micro-batches too. With
+    ``spec``: the rank's split GEMMs timed at its own shapes (memplan.solver.tp_gemms),
+    kept beside the rank without them (what the memory-only callers read)."""
     if not _RANKS_OF or _RANKS_OF[0] is not profile:
         _RANKS.clear()
         _RANKS_OF[:] = [profile]
@@ -170,7 +178,12 @@ def _rank_profile(
             names = rank_profile(profile, parallel, stage, m).layer_names
             modes = dict.fromkeys(names, "full")
         _RANKS[key] = rank_profile(profile, parallel, stage, m, modes)
-    return _RANKS[key]
+    if spec is None or parallel.tp == 1:
+        return _RANKS[key]
+    timed = (*key, spec)  # a spec by its values: equal specs time alike
+    if timed not in _RANKS:
+        _RANKS[timed] = rank_gemms_profile(_RANKS[key], parallel, spec)
+    return _RANKS[timed]
 
 
 def _all_full_variant(
@@ -180,7 +193,8 @@ def _all_full_variant(
     checkpointed in every micro-batch in flight, and the request pinning that map."""
     if parallel.pp == 1 or (request.modes is not None and "full" not in request.modes):
         return None
-    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True)
+    spec = gemm_spec(profile, request.device_spec)
+    rank_full = _rank_profile(profile, parallel, stage, m, all_full=True, spec=spec)
     if not rank_full.layers:
         return None
     forced = dataclasses.replace(
@@ -196,7 +210,8 @@ def _solve_stage(
     as ``rank_profile`` charges them without a map; and, with pipeline stages, once more
     with every block fully checkpointed in every micro-batch in flight (what the stage
     then holds, exactly): the faster that fits."""
-    result = solve_if_fits(_rank_profile(profile, parallel, stage, m), request, explain=False)
+    rank = _rank_profile(profile, parallel, stage, m, spec=gemm_spec(profile, request.device_spec))
+    result = solve_if_fits(rank, request, explain=False)
     variant = _all_full_variant(profile, request, parallel, stage, m)
     if variant is None:
         return result
