@@ -36,13 +36,14 @@ def llama(tmp_path_factory):
     return f"hf:{folder}?task=causal-lm&seq-len=16"
 
 
-def _measured(reference: str, tmp_path):
+def _measured(reference: str, tmp_path, device: str = "cpu"):
     from typer.testing import CliRunner
 
     from memplan.cli import app
 
-    out = tmp_path / "p.yaml"
-    result = CliRunner().invoke(app, ["probe", reference, "--micro-batches", "1,2", "-o", str(out)])
+    out = tmp_path / f"p-{device}.yaml"
+    argv = ["probe", reference, "--micro-batches", "1,2", "--device", device, "-o", str(out)]
+    result = CliRunner().invoke(app, argv)
     assert result.exit_code == 0, result.output
     return load_profile(out)
 
@@ -93,6 +94,9 @@ def test_probe_records_the_split_linears_gemm_shapes(llama, tmp_path):
         ]
         assert got == want
         assert {(g.input_size, g.output_size, g.float8) for g in layer.tp_gemms} == {(4, 4, False)}
+    # the same shapes, and the same matmuls counted, when the probe runs on meta
+    meta = _measured(llama, tmp_path, "meta")
+    assert [x.tp_gemms for x in meta.layers] == [x.tp_gemms for x in profile.layers]
 
 
 def test_saved_bytes_leave_parameters_out():

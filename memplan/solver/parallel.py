@@ -23,7 +23,8 @@ collectives add, none of them overlapped (an upper bound, as for data parallelis
 
 (``layout_time``: the bubble stretches each micro-batch's collectives with its compute;
 before, they were added once, outside it), with ``t_s`` stage s's micro-batches (compute and
-recompute; with CP also the ring's memory-bound merges, memplan.solver.ring), ``o_s`` what it runs once per step (optimizer step; data-parallel collectives at
+recompute, a TP rank's split GEMMs at its own shapes, memplan.solver.tp_gemms; with CP also
+the ring's memory-bound merges, memplan.solver.ring), ``o_s`` what it runs once per step (optimizer step; data-parallel collectives at
 ``data_parallel_bandwidth``: NVLink within a node, the group's NICs between nodes), both from
 the stage solve, ``act_bytes`` one sample's block input and ``intra`` the device's NVLink at
 NCCL's bus bandwidth. The fastest fitting plan wins (ties: less peak). Unknown without a
@@ -274,7 +275,7 @@ def evaluate_layout(
     most_layers = 0
     # Stage 0 holds the most micro-batches in flight: the likeliest not to fit, tried first.
     for stage in range(parallel.pp):
-        rank = _rank_profile(profile, parallel, stage, m)
+        rank = _rank_profile(profile, parallel, stage, m)  # its block count only
         most_layers = max(most_layers, len(rank.layers))
         result = _solve_stage(profile, stage_request, parallel, stage, m)
         if result is None:
@@ -418,7 +419,8 @@ def _least_stage_peak(
     a map charges waiting micro-batches their un-checkpointed bytes)."""
     from memplan.solver.search import least_peak_bytes
 
-    least = least_peak_bytes(_rank_profile(profile, parallel, stage, m), request)
+    spec = gemm_spec(profile, request.device_spec)  # the rank _solve_stage reads, not a twin
+    least = least_peak_bytes(_rank_profile(profile, parallel, stage, m, spec=spec), request)
     variant = _all_full_variant(profile, request, parallel, stage, m)
     return least if variant is None else min(least, least_peak_bytes(*variant))
 
