@@ -165,9 +165,8 @@ def _rank_profile(
 ) -> Profile:
     """``rank_profile``, which depends on the micro-batches only through the stage's
     in-flight count: kept for the search of one profile (the last one asked). ``all_full``:
-    every block of the stage fully checkpointed, in the waiting micro-batches too. With
-    ``spec``: the rank's split GEMMs timed at its own shapes (memplan.solver.tp_gemms),
-    kept beside the rank without them (what the memory-only callers read)."""
+    every block of the stage fully checkpointed, in the waiting micro-batches too. Its split
+    GEMMs timed at its own shapes on ``gemm_spec(profile, spec)`` (solver.tp_gemms)."""
     if not _RANKS_OF or _RANKS_OF[0] is not profile:
         _RANKS.clear()
         _RANKS_OF[:] = [profile]
@@ -179,6 +178,7 @@ def _rank_profile(
             names = rank_profile(profile, parallel, stage, m).layer_names
             modes = dict.fromkeys(names, "full")
         _RANKS[key] = rank_profile(profile, parallel, stage, m, modes)
+    spec = gemm_spec(profile, spec)
     if spec is None or parallel.tp == 1:
         return _RANKS[key]
     timed = (*key, spec)  # a spec by its values: equal specs time alike
@@ -194,7 +194,7 @@ def _all_full_variant(
     checkpointed in every micro-batch in flight, and the request pinning that map."""
     if parallel.pp == 1 or (request.modes is not None and "full" not in request.modes):
         return None
-    spec = gemm_spec(profile, request.device_spec)
+    spec = request.device_spec
     rank_full = _rank_profile(profile, parallel, stage, m, all_full=True, spec=spec)
     if not rank_full.layers:
         return None
@@ -211,7 +211,7 @@ def _solve_stage(
     as ``rank_profile`` charges them without a map; and, with pipeline stages, once more
     with every block fully checkpointed in every micro-batch in flight (what the stage
     then holds, exactly): the faster that fits."""
-    rank = _rank_profile(profile, parallel, stage, m, spec=gemm_spec(profile, request.device_spec))
+    rank = _rank_profile(profile, parallel, stage, m, spec=request.device_spec)
     result = solve_if_fits(rank, request, explain=False)
     variant = _all_full_variant(profile, request, parallel, stage, m)
     if variant is None:
@@ -419,8 +419,8 @@ def _least_stage_peak(
     a map charges waiting micro-batches their un-checkpointed bytes)."""
     from memplan.solver.search import least_peak_bytes
 
-    spec = gemm_spec(profile, request.device_spec)  # the rank _solve_stage reads, not a twin
-    least = least_peak_bytes(_rank_profile(profile, parallel, stage, m, spec=spec), request)
+    rank = _rank_profile(profile, parallel, stage, m, spec=request.device_spec)  # _solve_stage's
+    least = least_peak_bytes(rank, request)
     variant = _all_full_variant(profile, request, parallel, stage, m)
     return least if variant is None else min(least, least_peak_bytes(*variant))
 

@@ -53,11 +53,13 @@ def added_seconds(gemm: TpGemm, t: int, spec: DeviceSpec, precision: str) -> tup
     weight-gradient GEMMs of ``gemm`` beyond 1/t of the whole GEMMs' (module docstring)."""
     if t <= 1:
         return (0.0, 0.0, 0.0)
-    rate = timing.achievable_flops(spec, "float8" if gemm.float8 else precision)
-    bandwidth = timing.achievable_bandwidth(spec)
-    compute = gemm.flops / rate
+    kind = "float8" if gemm.float8 else precision
+
+    def seconds(flops: float, moved: float) -> float:  # the solver's roofline
+        return timing.roofline_seconds(flops, moved, spec, kind)
+
     return tuple(
-        max(max(compute / t, rank / bandwidth) - max(compute, whole / bandwidth) / t, 0.0)
+        max(seconds(gemm.flops / t, rank) - seconds(gemm.flops, whole) / t, 0.0)
         for rank, whole in zip(_operand_bytes(gemm, t), _operand_bytes(gemm, 1), strict=True)
     )
 
