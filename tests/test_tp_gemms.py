@@ -157,3 +157,28 @@ def test_a_profile_keeps_its_gemms_through_yaml_and_refuses_a_negative_one():
     data["layers"][1]["tp_gemms"][1]["whole"] = -1.0
     with pytest.raises(ProfileError, match=r"layers\[1\]\.tp_gemms\[1\]\.whole"):
         profile_from_data(data, source="p.yaml")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("flops", float("nan"), "not a finite number"),
+        ("whole", float("inf"), "not a finite number"),
+        ("style", "diagonal", "expected one of 'colwise', 'rowwise'"),
+        ("split", 1e300, "absurdly large"),
+        ("input_size", 1.5, "must be an integer"),
+        ("recomputed", "yes", "must be true or false"),
+    ],
+)
+def test_an_edited_gemm_is_refused_naming_its_field(field, value, says):
+    import yaml
+
+    from memplan.errors import ProfileError
+    from memplan.profile import profile_from_data, profile_to_yaml
+
+    profile = uniform_chain(1).profile()
+    layers = tuple(dataclasses.replace(x, tp_gemms=(_gemm(KV, HIDDEN),)) for x in profile.layers)
+    data = yaml.safe_load(profile_to_yaml(dataclasses.replace(profile, layers=layers)))
+    data["layers"][0]["tp_gemms"][0][field] = value
+    with pytest.raises(ProfileError, match=rf"layers\[0\]\.tp_gemms\[0\]\.{field}'.*{says}"):
+        profile_from_data(data, source="p.yaml")
