@@ -4,10 +4,12 @@ to one process's measured bytes, per phase and segment. No torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from memplan.memory.edge_units import EdgeBytes, edge_gathered, edge_split
+from memplan.memory.memo import by_identity
 from memplan.memory.terms import (
     PHASE_GRADS_RESIDENT,
     PHASE_NO_GRADS,
@@ -187,6 +189,7 @@ def _edge_gathered(profile: Profile, unit: EdgeBytes) -> int:
     return unit.params - float8_gather_saving_bytes(profile, unit.float8)
 
 
+@by_identity(64)
 def gathered_params_bytes(profile: Profile) -> int:
     """The whole model as FSDP2's all-gathers move it (what ``communication_bytes`` is
     charged for the all-gathers)."""
@@ -194,6 +197,7 @@ def gathered_params_bytes(profile: Profile) -> int:
     return units + gathered_root_bytes(profile)
 
 
+@by_identity(64)
 def root_params_bytes(profile: Profile) -> int:
     """Parameters outside the candidate layers (embeddings, head): the FSDP root unit."""
     t = profile.totals
@@ -201,6 +205,7 @@ def root_params_bytes(profile: Profile) -> int:
     return max(t.params_trainable_bytes + t.params_frozen_bytes - layers, 0)
 
 
+@by_identity(256)
 def rank_params_bytes(profile: Profile, sharding: Sharding) -> int:
     """Parameters and buffers one rank holds at rest. FSDP / ZeRO-3 keeps 1/world of every
     unit's parameters (ZeRO paper, Rajbhandari et al. 2020, §5.3 "P_os+g+p"); buffers and
@@ -358,6 +363,7 @@ def _unit_grads(profile: Profile, sharding: Sharding, probed: int) -> _UnitGrads
     )
 
 
+@by_identity(64)
 def _root_grads_bytes(profile: Profile) -> int:
     """Gradients outside the candidate layers (the root unit's)."""
     return max(grads_bytes(profile) - sum(layer.grad_bytes for layer in profile.layers), 0)
@@ -381,6 +387,64 @@ def fsdp_shards_resident(sharding: Sharding, accumulation_steps: int) -> bool:
         and syncs_every_micro_step(sharding, accumulation_steps)
         and not sharding.reduce_after_schedule
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _GradsTable:
+    """What ``fsdp_grads_bytes`` reads at every segment of one (profile, sharding, phase,
+    micro-steps): the units' gradients, the flags that say what a unit holds, and the
+    layers' holdings summed ahead (``unposted[i]``: layers before ``i`` before their
+    post_backward; ``posted[i]``: layers from ``i`` on after it), so that a segment costs a
+    lookup, not a sum over every layer (the layout search asks every segment of every
+    micro-batch of every layout)."""
+
+    resident: bool  # earlier micro-steps' gradients exist
+    syncing: bool  # a unit reduce-scatters in its post_backward
+    sharded_before: bool  # accumulated sharded, in place
+    units: tuple[_UnitGrads, ...]
+    root: _UnitGrads
+    tail: _UnitGrads | None  # torchtitan's norm + head unit, reduced first
+    root_params: int
+    unposted: tuple[int, ...]
+    posted: tuple[int, ...]
+
+    def held(self, unit: _UnitGrads, posted: bool) -> int:
+        """The unit's gradients before (``posted`` False) or after its post_backward."""
+        if self.sharded_before or (posted and self.syncing):
+            return unit.shard
+        if self.resident or posted:
+            return unit.whole  # accumulated unsharded (upcast under mixed precision)
+        return 0
+
+
+@by_identity(256)
+def _grads_table(
+    profile: Profile, sharding: Sharding, phase: str, accumulation_steps: int
+) -> _GradsTable:
+    resident = phase == PHASE_GRADS_RESIDENT
+    # a pipeline stage reduces after its schedule: no unit syncs during a backward
+    every = syncs_every_micro_step(sharding, accumulation_steps)
+    every = every and not sharding.reduce_after_schedule
+    syncing = (every or resident) and not sharding.reduce_after_schedule
+    # accumulated sharded, in place (the reserve reads the same fact: fsdp_shards_resident)
+    sharded_before = resident and fsdp_shards_resident(sharding, accumulation_steps)
+    units = tuple(_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers)
+    root = _unit_grads(profile, sharding, _root_grads_bytes(profile))
+    tail = None
+    root_params = root_params_bytes(profile)
+    split = edge_split(profile, root_params, root.probed) if sharding.edge_units else None
+    if split is not None:  # the root's part is the embeddings' unit, reduced last
+        root = _unit_grads(profile, sharding, split[0].grads)
+        tail = _unit_grads(profile, sharding, split[1].grads)
+        root_params = _edge_gathered(profile, split[0])
+    table = _GradsTable(resident, syncing, sharded_before, units, root, tail, root_params, (), ())
+    unposted, posted = [0], [0]
+    for unit in units:
+        unposted.append(unposted[-1] + table.held(unit, False))
+    for unit in reversed(units):
+        posted.append(posted[-1] + table.held(unit, True))
+    posted.reverse()
+    return dataclasses.replace(table, unposted=tuple(unposted), posted=tuple(posted))
 
 
 def fsdp_grads_bytes(
@@ -414,31 +478,11 @@ def fsdp_grads_bytes(
     segment = segments[index]
     h, n = segment.held, len(profile.layers)
     started = backward_started(segments, index)
-    resident = phase == PHASE_GRADS_RESIDENT  # earlier micro-steps' gradients exist
-    # a pipeline stage reduces after its schedule: no unit syncs during a backward
-    every = syncs_every_micro_step(sharding, accumulation_steps)
-    every = every and not sharding.reduce_after_schedule
-    syncing = (every or resident) and not sharding.reduce_after_schedule
-    # accumulated sharded, in place (the reserve reads the same fact: fsdp_shards_resident)
-    sharded_before = resident and fsdp_shards_resident(sharding, accumulation_steps)
+    table = _grads_table(profile, sharding, phase, accumulation_steps)
+    resident, syncing, sharded_before = table.resident, table.syncing, table.sharded_before
     mixed = mixed_precision_params(profile, sharding)
-    units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
-    root = _unit_grads(profile, sharding, _root_grads_bytes(profile))
-    tail: _UnitGrads | None = None  # torchtitan's norm + head unit, reduced first
-    root_params = root_params_bytes(profile)
-    split = edge_split(profile, root_params, root.probed) if sharding.edge_units else None
-    if split is not None:  # the root's part is the embeddings' unit, reduced last
-        root = _unit_grads(profile, sharding, split[0].grads)
-        tail = _unit_grads(profile, sharding, split[1].grads)
-        root_params = _edge_gathered(profile, split[0])
-
-    def held(unit: _UnitGrads, posted: bool) -> int:
-        """The unit's gradients before (``posted`` False) or after its post_backward."""
-        if sharded_before or (posted and syncing):
-            return unit.shard
-        if resident or posted:
-            return unit.whole  # accumulated unsharded (upcast under mixed precision)
-        return 0
+    units, root, tail, root_params = table.units, table.root, table.tail, table.root_params
+    held = table.held
 
     # The root's gradients of this micro-step, from the backward's start to its end (all of
     # them: the profile does not say which fixed parts run before the layers). They land
@@ -452,7 +496,7 @@ def fsdp_grads_bytes(
         """Held when layers ``first_posted`` .. n-1 have run their post_backward: their
         shards or unsharded gradients, the others', the root's, and the last reduce-scatter
         input, kept until the next post_backward."""
-        total = sum(held(u, j >= first_posted) for j, u in enumerate(units))
+        total = table.unposted[first_posted] + table.posted[first_posted]
         total += held(root, False) + root_fresh
         if tail is not None:  # its post_backward ran inside the head's segment
             total += held(tail, started)

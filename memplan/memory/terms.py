@@ -8,6 +8,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from memplan.errors import BadInputError
+from memplan.memory.memo import by_identity
 from memplan.modes import FULL, KEEP, MODES, OFFLOAD, SELECTIVE
 from memplan.profile import Affine, Phase, Point, Profile, Segment
 from memplan.profile.arrays import layer_values, rounded_ints
@@ -312,7 +313,14 @@ def layer_indices(profile: Profile, layers: Iterable[int | str]) -> frozenset[in
 
 
 def backward_started(segments: Sequence[Segment], index: int) -> bool:
-    return any(seg.active == "bwd" for seg in segments[: index + 1])
+    """Whether a backward segment comes at or before ``index``."""
+    return _first_backward(segments) <= index
+
+
+@by_identity(256)
+def _first_backward(segments: Sequence[Segment]) -> int | float:
+    """The index of the first backward segment (infinity without one)."""
+    return next((i for i, seg in enumerate(segments) if seg.active == "bwd"), math.inf)
 
 
 def grads_at_bytes(profile: Profile, phase: str, index: int | None) -> int:
