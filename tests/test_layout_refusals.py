@@ -266,3 +266,77 @@ def test_a_profile_seq_len_solves_to_a_readable_plan_or_is_refused(length):
 
 def test_profile_model_reference_is_kept():
     assert _profile().model == ModelRef(path="synthetic.py")
+
+
+# 13: when no layout fits, what was not searched and what to try --------------------------
+
+
+def _refusal(profile, request, ask) -> str:
+    with pytest.raises(NoPlanFitsError) as refused:
+        solve_layout(profile, request, ask)
+    return " ".join(refused.value.hint.split())
+
+
+def _tp_profile(n: int = 4, **more):
+    from profiles_factory import with_tp_measurement
+
+    profile = with_tp_measurement(_profile(n), 0.75, hf_blocks=True)
+    return dataclasses.replace(profile, **more)
+
+
+def test_a_prime_world_says_neither_tp_nor_stages_could_divide_it():
+    # 11 ranks: no TP degree from 2 to 8 and no pipeline degree from 2 to 4 blocks divides
+    # them, so only dp 11 was searched; --layout auto was given, so it is not suggested
+    tiny = dataclasses.replace(_request(target=11, world=11), budget_bytes=1)
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(auto=True))
+    assert "no degree from 2 to --gpus-per-node 8 divides 11 ranks" in hint
+    assert "no degree from 2 to the model's 4 blocks divides 11 ranks" in hint
+    assert "--layout auto" not in hint and "larger --tp" not in hint
+    assert hint.endswith("Try more ranks, a larger --budget, or a smaller --target-batch.")
+
+
+def test_auto_says_why_tp_and_stages_were_not_searched_on_this_profile():
+    tiny = dataclasses.replace(_request(target=8, world=8), budget_bytes=1)
+    # a profile without a TP measurement, of a model memplan cannot split into stages
+    hint = _refusal(_profile(hf=False), tiny, LayoutRequest(auto=True))
+    assert "the profile has no TP measurement" in hint
+    why = pipeline_refusal_by_kind(_profile(hf=False).model.spec, ())
+    assert f"Pipeline stages were not searched ({why.rstrip('.')})" in hint
+    # TP measured, but its heads' divisor is 3: none of 2, 4, 8 divides it
+    hint = _refusal(_tp_profile(tp_degree_divides=3), tiny, LayoutRequest(auto=True))
+    assert "the degrees that divide 8 ranks within a node (2, 4, 8) do not divide the " in hint
+    assert "model's 3" in hint
+    assert "Pipeline stages" not in hint  # they were searched (and did not fit)
+
+
+def test_fixed_degrees_suggest_the_search_and_a_larger_degree_only_where_one_runs():
+    tiny = dataclasses.replace(_request(target=8, world=8), budget_bytes=1)
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(tp=2))
+    assert hint.startswith("Try --layout auto, to search every tp × pp × dp of the ranks;")
+    assert "a larger --tp" in hint and "a larger --pp" not in hint
+    # tp 8 is the node: no larger TP; pp 2 of 4 blocks on 8 ranks: pp 4 would run
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(tp=8))
+    assert "a larger --tp" not in hint
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(pp=2))
+    assert "a larger --pp" in hint
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(pp=4))
+    assert "a larger --pp" not in hint
+
+
+def test_the_cli_prints_the_hint_with_exit_1(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text(profile_to_yaml(_tp_profile()))
+    args = ["solve", str(path), "--budget", "1KiB", "--target-batch", "11", "--world-size", "11"]
+    result = CliRunner().invoke(app, [*args, "--layout", "auto"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "no layout of 11 ranks fits" in out
+    assert "Tensor parallelism was not searched: no degree from 2 to --gpus-per-node 8" in out
+
+
+def test_collectives_beside_another_degree_read_as_more_or_less():
+    from memplan.solver.layout_explain import collectives_difference
+
+    assert collectives_difference(2.237) == "its collectives take 2237.0 ms more per step"
+    assert collectives_difference(-2.237) == "its collectives take 2237.0 ms less per step"
+    assert "same time" in collectives_difference(-0.00004)

@@ -56,6 +56,7 @@ from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind, spli
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.batches import divisors, micro_batch_sizes, split_error
+from memplan.solver.layout_explain import layout_reasons, no_layout_hint
 from memplan.solver.layout_time import (  # re-exported: the layout search's time terms
     INTER_NODE_BYTES_PER_SECOND,
     bubble_fraction,
@@ -65,33 +66,11 @@ from memplan.solver.layout_time import (  # re-exported: the layout search's tim
     pipeline_seconds,
 )
 from memplan.solver.options import MANY_MICRO_BATCHES
-from memplan.solver.request import LayoutRequest, SolveRequest, SolveResult
+from memplan.solver.request import LayoutOption, LayoutRequest, SolveRequest, SolveResult
 from memplan.solver.ring import ring_seconds
 from memplan.solver.search import solve_if_fits
 from memplan.solver.tp_gemms import gemm_spec, rank_gemms_profile
 from memplan.units import format_bytes
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LayoutOption:
-    """One layout at one micro-batch: every stage solved."""
-
-    parallel: Parallel
-    micro_batch: int
-    micro_batches: int
-    stages: tuple[SolveResult, ...]
-    step_seconds: float
-    comm_seconds: dict[str, float]
-    bubble: float
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(s.plan.predicted.peak_bytes for s in self.stages)
-
-    @property
-    def worst_stage(self) -> int:
-        peaks = [s.plan.predicted.peak_bytes for s in self.stages]
-        return peaks.index(max(peaks))
 
 
 def candidate_layouts(
@@ -445,47 +424,6 @@ def least_layout_peak(
     return best
 
 
-def _reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
-    p = best.parallel
-    out = [
-        f"layout {p.describe()}: micro-batch {best.micro_batch}, {best.micro_batches} "
-        f"{'pipeline micro-batch' if p.pp > 1 else 'accumulation step'}"
-        f"{'' if best.micro_batches == 1 else 'es' if p.pp > 1 else 's'} per step; worst "
-        f"rank (stage {best.worst_stage}) {format_bytes(best.peak_bytes)}; step "
-        f"{best.step_seconds * 1e3:.1f} ms" + (f", bubble {best.bubble:.0%}" if p.pp > 1 else "")
-    ]
-    if p.pp > 1:
-        peaks = ", ".join(
-            f"{s}: {format_bytes(r.plan.predicted.peak_bytes)}" for s, r in enumerate(best.stages)
-        )
-        out.append(f"every stage's peak per rank ({p.schedule}): {peaks}")
-    for dim in ("tp", "pp"):
-        others = [o for o in options if getattr(o.parallel, dim) != getattr(p, dim)]
-        if not others:
-            continue
-        alt = min(others, key=lambda o: o.step_seconds)
-        mine, theirs = getattr(p, dim), getattr(alt.parallel, dim)
-        extra = best.comm_seconds[dim] - alt.comm_seconds[dim]
-        what = (
-            "each block's activations and TP-split weights divide by it"
-            if dim == "tp"
-            else "each rank holds fewer blocks; the bubble and the in-flight micro-batches grow with it"
-        )
-        comm = (
-            f"its collectives add {extra * 1e3:+.1f} ms per step"
-            if abs(extra) >= 0.05e-3
-            else "its collectives take no time to the tenth of a millisecond"
-        )
-        out.append(
-            f"{dim} {mine} over {dim} {theirs}: {what}; {comm}; peak "
-            f"{format_bytes(best.peak_bytes)} vs "
-            f"{format_bytes(alt.peak_bytes)}, step {best.step_seconds * 1e3:.1f} vs "
-            f"{alt.step_seconds * 1e3:.1f} ms ({alt.parallel.describe()}, micro-batch "
-            f"{alt.micro_batch})"
-        )
-    return out
-
-
 def layout_plan(
     profile: Profile,
     option: LayoutOption,
@@ -580,6 +518,8 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         )
     options = _options(profile, request, ask)
     if not options:
+        strategy = "fsdp" if request.strategy == "auto" else request.strategy
+        layouts = candidate_layouts(profile, request.world_size, ask, strategy)
         least = least_layout_peak(profile, request, ask)
         needs = (
             f" The least peak any of them needs is {format_bytes(least[0])} per rank "
@@ -590,11 +530,13 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         raise NoPlanFitsError(
             f"no layout of {request.world_size} ranks fits {format_bytes(request.budget_bytes)} "
             f"per rank at target batch {request.target_batch}.{needs}",
-            hint="Try --layout auto, more ranks, a larger --pp or --tp, or a smaller target.",
+            hint=no_layout_hint(profile, request, ask, layouts),
             min_peak_bytes=least[0] if least else None,
         )
     best = min(options, key=lambda o: (o.step_seconds, o.peak_bytes))
     return LayoutResult(
-        plan=layout_plan(profile, best, [*_reasons(best, options), *notes], request.device_spec),
+        plan=layout_plan(
+            profile, best, [*layout_reasons(best, options), *notes], request.device_spec
+        ),
         options=tuple(options),
     )

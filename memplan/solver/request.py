@@ -22,6 +22,7 @@ from memplan.parallel import (
     STAGE_SPLITS,
     FsdpUnits,
     KeptOutputs,
+    Parallel,
     Schedule,
     StageSplit,
 )
@@ -363,4 +364,26 @@ class SolveResult:
     and the data-parallel collectives (a pipeline's bubble does not stretch them)."""
     layouts: tuple[Any, ...] = ()
     """With a layout: every layout and micro-batch that fits
-    (memplan.solver.parallel.LayoutOption); ``candidates`` is then empty."""
+    (``LayoutOption``); ``candidates`` is then empty."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayoutOption:
+    """One layout at one micro-batch: every stage solved."""
+
+    parallel: Parallel
+    micro_batch: int
+    micro_batches: int
+    stages: tuple[SolveResult, ...]
+    step_seconds: float
+    comm_seconds: dict[str, float]
+    bubble: float
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(s.plan.predicted.peak_bytes for s in self.stages)
+
+    @property
+    def worst_stage(self) -> int:
+        peaks = [s.plan.predicted.peak_bytes for s in self.stages]
+        return peaks.index(max(peaks))

@@ -1,0 +1,128 @@
+"""What the layout search says: why the chosen layout won over the others (its reasons),
+and, when none fits, what to try, told from what was searched and why a degree was not.
+No torch."""
+
+from __future__ import annotations
+
+from memplan.memory.parallel import tp_measured
+from memplan.parallel import Parallel, pipeline_refusal_by_kind
+from memplan.profile import Profile
+from memplan.solver.batches import divisors
+from memplan.solver.request import LayoutOption, LayoutRequest, SolveRequest
+from memplan.units import format_bytes
+
+
+def layout_reasons(best: LayoutOption, options: list[LayoutOption]) -> list[str]:
+    """The chosen layout, and against the fastest layout of another TP (PP) degree what its
+    own degree does: memory, collectives and step, both figures side by side."""
+    p = best.parallel
+    out = [
+        f"layout {p.describe()}: micro-batch {best.micro_batch}, {best.micro_batches} "
+        f"{'pipeline micro-batch' if p.pp > 1 else 'accumulation step'}"
+        f"{'' if best.micro_batches == 1 else 'es' if p.pp > 1 else 's'} per step; worst "
+        f"rank (stage {best.worst_stage}) {format_bytes(best.peak_bytes)}; step "
+        f"{best.step_seconds * 1e3:.1f} ms" + (f", bubble {best.bubble:.0%}" if p.pp > 1 else "")
+    ]
+    if p.pp > 1:
+        peaks = ", ".join(
+            f"{s}: {format_bytes(r.plan.predicted.peak_bytes)}" for s, r in enumerate(best.stages)
+        )
+        out.append(f"every stage's peak per rank ({p.schedule}): {peaks}")
+    for dim in ("tp", "pp"):
+        others = [o for o in options if getattr(o.parallel, dim) != getattr(p, dim)]
+        if not others:
+            continue
+        alt = min(others, key=lambda o: o.step_seconds)
+        mine, theirs = getattr(p, dim), getattr(alt.parallel, dim)
+        what = (
+            "each block's activations and TP-split weights divide by it"
+            if dim == "tp"
+            else "each rank holds fewer blocks; the bubble and the in-flight micro-batches grow with it"
+        )
+        out.append(
+            f"{dim} {mine} over {dim} {theirs}: {what}; "
+            f"{collectives_difference(best.comm_seconds[dim] - alt.comm_seconds[dim])}; peak "
+            f"{format_bytes(best.peak_bytes)} vs "
+            f"{format_bytes(alt.peak_bytes)}, step {best.step_seconds * 1e3:.1f} vs "
+            f"{alt.step_seconds * 1e3:.1f} ms ({alt.parallel.describe()}, micro-batch "
+            f"{alt.micro_batch})"
+        )
+    return out
+
+
+def collectives_difference(extra_seconds: float) -> str:
+    """What one degree's collectives take per step beside another's, in words: more, less,
+    or the same to the tenth of a millisecond."""
+    if abs(extra_seconds) < 0.05e-3:
+        return "its collectives take the same time to the tenth of a millisecond"
+    more = "more" if extra_seconds > 0 else "less"
+    return f"its collectives take {abs(extra_seconds) * 1e3:.1f} ms {more} per step"
+
+
+def no_layout_hint(
+    profile: Profile, request: SolveRequest, ask: LayoutRequest, layouts: list[Parallel]
+) -> str:
+    """What to try when none of ``layouts`` (those searched) fits: where the search had no
+    layout with TP (stages), why; then the search where the degrees were fixed, a larger
+    fixed degree where one could run, and the asks any plan has (ranks, budget, target)."""
+    world, notes, tries = request.world_size, [], []
+    if ask.auto and not ask.tp and max((p.tp for p in layouts), default=1) == 1:
+        notes.append(_why_no_tp(profile, world, ask.gpus_per_node))
+    if ask.auto and not ask.pp and max((p.pp for p in layouts), default=1) == 1:
+        notes.append(_why_no_pp(profile, world))
+    if not ask.auto:
+        tries.append("--layout auto, to search every tp × pp × dp of the ranks")
+    heads = profile.tp_degree_divides
+    if ask.tp and any(
+        ask.tp < t <= ask.gpus_per_node and not (heads and heads % t) for t in divisors(world)
+    ):
+        tries.append("a larger --tp")
+    if ask.pp and any(ask.pp < p <= len(profile.layers) for p in divisors(world)):
+        tries.append("a larger --pp")
+    tries.append("more ranks, a larger --budget, or a smaller --target-batch")
+    return "".join(f"{note[0].upper()}{note[1:]}. " for note in notes) + (
+        "Try " + "; ".join(tries) + "."
+    )
+
+
+def _why_no_tp(profile: Profile, world: int, gpus_per_node: int) -> str:
+    """Why the search had no TP degree above 1, and what would give it one."""
+    if profile.tp_refused:
+        return f"tensor parallelism was not searched ({profile.tp_refused})"
+    if not tp_measured(profile):
+        return (
+            "tensor parallelism was not searched: the profile has no TP measurement (probe "
+            "the model again; a model with a TP plan is measured under TP 2)"
+        )
+    within = [t for t in divisors(world) if 1 < t <= gpus_per_node]
+    if not within:
+        return (
+            f"tensor parallelism was not searched: no degree from 2 to --gpus-per-node "
+            f"{gpus_per_node} divides {world} ranks (a multiple of {gpus_per_node} ranks "
+            "lets TP split the blocks)"
+        )
+    heads = profile.tp_degree_divides
+    if heads and all(heads % t for t in within):
+        return (
+            f"tensor parallelism was not searched: the degrees that divide {world} ranks "
+            f"within a node ({', '.join(map(str, within))}) do not divide the model's {heads} "
+            "(the greatest common divisor of its heads, key/value heads and split dimensions)"
+        )
+    return (
+        "tensor parallelism was not searched: with it, fewer than 2 ranks would shard the "
+        "state of a profile probed under FSDP's mixed-precision policy (more ranks)"
+    )
+
+
+def _why_no_pp(profile: Profile, world: int) -> str:
+    """Why the search had no pipeline degree above 1, and what would give it one."""
+    why = profile.pipeline_refused or pipeline_refusal_by_kind(
+        profile.model.spec, profile.hf_blocks
+    )
+    if why:
+        return f"pipeline stages were not searched ({why.rstrip('.')})"
+    n = len(profile.layers)
+    return (
+        f"pipeline stages were not searched: no degree from 2 to the model's {n} blocks "
+        f"divides {world} ranks"
+    )
