@@ -270,13 +270,16 @@ def whole_spec_digest(spec: DeviceSpec) -> str:
 
 def names_spec(label: str | None, spec: DeviceSpec, digest: str | None = None) -> bool:
     """Whether a profile's ``device_profile`` (a spec's name, or a spec file's path) is
-    ``spec`` as its clock sees it: the same name, a file that loads as a spec with the same
-    clock, or, wherever the file now is, the same clock numbers (``digest``, the profile's
-    ``device_spec_digest``, or the whole-spec one older profiles carry)."""
-    if label == spec.name:
-        return True
+    ``spec`` as its clock sees it: the same clock numbers wherever the file now is
+    (``digest``, the profile's ``device_spec_digest``, or the whole-spec one older profiles
+    carry), the same name where the profile records no numbers, or a file that loads as a
+    spec with the same clock. A name is not enough where the numbers say otherwise: a shipped
+    spec whose efficiencies a later memplan changed, or a spec file of one's own edited
+    under the same name, is another clock (before, the name alone kept the profile's)."""
     if digest is not None and digest in (spec_digest(spec), whole_spec_digest(spec)):
         return True
+    if label == spec.name:
+        return digest is None
     loaded = _file_spec(label) if label is not None else None
     return loaded is not None and spec_digest(loaded) == spec_digest(spec)
 

@@ -126,6 +126,12 @@ def choose_timing_source(
         and not names_spec(env.device_profile, device_spec, env.device_spec_digest)
     ):
         timed = env.device_profile or _default_clock(env.device_name)
+        if env.device_profile == device_spec.name:  # the name, with other numbers
+            timed = (
+                f"{timed} with other numbers (that spec as it was when the profile was "
+                "made, or an edited copy of the same name); probe again against this spec "
+                "for its own clock"
+            )
         return "roofline", (
             f"step times by roofline from FLOPs against {device_spec.display_name}: the meta "
             f"profile was timed against {timed}"

@@ -336,3 +336,28 @@ def test_bad_efficiency_in_a_device_file_names_the_field(tmp_path, block, proble
     assert problem in caught.value.message
     assert str(path) in caught.value.message
     assert caught.value.exit_code == 2
+
+
+def test_a_spec_of_the_profiles_name_with_other_numbers_is_another_clock():
+    # A meta profile timed against GPU (its name and its numbers recorded). The same name
+    # with other efficiencies (a later memplan's shipped spec, or an edited copy) is not
+    # the profile's clock: re-timed by roofline, and the reason says why. Before, the name
+    # alone kept the old clock's times.
+    from memplan.devices import spec_digest
+
+    profile = meta_profile(GPU.name)
+    recorded = dataclasses.replace(
+        profile,
+        environment=dataclasses.replace(profile.environment, device_spec_digest=spec_digest(GPU)),
+    )
+    assert timing.choose_timing_source(recorded, GPU)[0] == "measured"
+    newer = dataclasses.replace(GPU, efficiency=Efficiency(matmul=0.5))
+    source, reason = timing.choose_timing_source(recorded, newer)
+    assert source == "roofline"
+    assert f"timed against {GPU.name} with other numbers" in reason
+    assert "probe again against this spec" in reason
+    # a copy with another interconnect only is the same clock
+    linked = dataclasses.replace(GPU, interconnect_bandwidth=1e9)
+    assert timing.choose_timing_source(recorded, linked)[0] == "measured"
+    # a profile that records no numbers is known by its spec's name, as before
+    assert timing.choose_timing_source(profile, newer)[0] == "measured"
