@@ -107,3 +107,23 @@ def test_a_changed_profile_is_not_answered_from_the_first():
     assert memory.rank_params_bytes(second, fsdp) == 2 * 9000 // 4
     # and the first is still answered as itself
     assert memory.fsdp_grads_bytes(first, fsdp, "grads_resident", bwd, 2) == 5 * 500 + 2000 + 1000
+
+
+@settings(max_examples=40, deadline=None)
+@given(grads=st.lists(st.integers(0, 10**12).map(lambda x: 2 * x), min_size=1, max_size=10))
+def test_gradients_held_at_a_segment_equal_the_sum_over_the_layers_done(grads):
+    # grads_at_bytes reads running sums; brute force: the layers whose backward has
+    # finished, and the fixed parts' once the backward has reached a layer
+    from memplan.memory.terms import backward_started, grads_at_bytes, grads_bytes
+
+    profile = _mixed_chain(grads)
+    segments = profile.timeline["no_grads"]
+    n = len(profile.layers)
+    fixed = max(grads_bytes(profile) - sum(grads), 0)
+    for index, segment in enumerate(segments):
+        if not backward_started(segments, index):
+            brute = 0
+        else:
+            first = segment.held + 1 if segment.active == "bwd" else segment.held
+            brute = sum(grads[first:]) + (fixed if segment.held < n else 0)
+        assert grads_at_bytes(profile, "no_grads", index) == brute

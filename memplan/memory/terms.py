@@ -335,6 +335,17 @@ def grads_at_bytes(profile: Profile, phase: str, index: int | None) -> int:
     if not backward_started(segments, index):
         return 0
     first_done = segment.held + 1 if segment.active == "bwd" else segment.held
-    layer_grads = sum(layer.grad_bytes for layer in profile.layers[first_done:])
-    fixed_grads = max(grads_bytes(profile) - sum(layer.grad_bytes for layer in profile.layers), 0)
+    after = _layer_grads_from(profile)  # after[i]: layers i.. n-1's gradients
+    layer_grads = after[min(first_done, len(after) - 1)]
+    fixed_grads = max(grads_bytes(profile) - after[0], 0)
     return layer_grads + (fixed_grads if segment.held < len(profile.layers) else 0)
+
+
+@by_identity(256)
+def _layer_grads_from(profile: Profile) -> tuple[int, ...]:
+    """The candidate layers' gradient bytes from each layer on (``n + 1`` running sums, the
+    last 0): what ``grads_at_bytes`` reads at every segment of every micro-batch."""
+    sums = [0]
+    for layer in reversed(profile.layers):
+        sums.append(sums[-1] + layer.grad_bytes)
+    return tuple(reversed(sums))
