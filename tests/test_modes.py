@@ -12,7 +12,7 @@ import pytest
 import torch
 from profiles_factory import ChainSpec
 
-from memplan import memory, timing
+from memplan import host_link, memory, timing
 from memplan.errors import BadInputError, NoPlanFitsError, ProfileError
 from memplan.modes import parse_modes
 from memplan.plan import Breakdown, Plan, Prediction, load_plan, plan_to_yaml
@@ -265,7 +265,7 @@ def test_offload_on_a_gpu_plan_is_timed_from_the_host_link_and_capped():
     b = 64
     bounds = memory.step_bounds(profile, b, 1, modes=("keep", "offload"))
     assert bounds.host_bytes == (6400,) * 4  # saved 100 B/sample
-    times = timing.offload_seconds(bounds.host_bytes, spec.host_link_bandwidth)
+    times = host_link.offload_seconds(bounds.host_bytes, spec.host_link_bandwidth)
     assert times[0] == pytest.approx(2 * 6400 / 64e9)
     reserve = memory.reserve_for(profile, spec)
     plain = memory.step_peak(profile, b, [], 1).allocated_bytes

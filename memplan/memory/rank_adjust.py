@@ -4,6 +4,7 @@ of, what the single-process probe measured. No torch."""
 
 from __future__ import annotations
 
+from memplan.memory.memo import by_identity
 from memplan.memory.sharding import (
     SINGLE,
     Sharding,
@@ -70,21 +71,27 @@ def _segment_adjust_bytes(
     if sharding == SINGLE:
         return 0
     held_grads = grads_at_bytes(profile, phase, index)
-    delta = 0
-    delta -= params_bytes(profile) - rank_params_bytes(profile, sharding)
-    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
+    delta = _resting_adjust_bytes(profile, sharding)
     delta -= sharded_grads_removed_bytes(profile, sharding, held_grads, accumulation_steps)
     bucket = ddp_bucket_bytes(profile, sharding)
     if bucket:
         replaced = bucket_views_replace_grads(sharding, phase, accumulation_steps)
         delta += bucket - (held_grads if replaced else 0)
-    delta += zero2_bucket_bytes(profile, sharding)
     if sharding.strategy == "fsdp":
         delta += fsdp_gathered_bytes(profile, sharding, phase, index)
         if sharding.world_size > 1:
             delta += fsdp_grads_bytes(profile, sharding, phase, index, accumulation_steps)
             delta -= held_grads
     return delta
+
+
+@by_identity(256)
+def _resting_adjust_bytes(profile: Profile, sharding: Sharding) -> int:
+    """The part of ``_segment_adjust_bytes`` no segment changes: − the parameters and the
+    optimizer state a rank does not hold, + ZeRO-2's reduction bucket."""
+    delta = -(params_bytes(profile) - rank_params_bytes(profile, sharding))
+    delta -= optimizer_state_bytes(profile) - rank_optimizer_state_bytes(profile, sharding)
+    return delta + zero2_bucket_bytes(profile, sharding)
 
 
 def optimizer_adjust_bytes(profile: Profile, sharding: Sharding) -> int:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from memplan import memory, timing
+from memplan import host_link, memory, timing
 from memplan.devices import DeviceSpec
 from memplan.memory import Reserve, Sharding
 from memplan.modes import FULL, KEEP, OFFLOAD
@@ -359,9 +359,11 @@ def plan_report(
         profile, plan.micro_batch_size, source=source, device_spec=device_spec
     )
     if OFFLOAD in chosen.values():  # timed as the solver times it: the host link's rate
-        link, _ = timing.host_link_bandwidth(device_spec)
+        link, _ = host_link.host_link_bandwidth(device_spec)
         host = memory.offload_host_bytes(profile, plan.micro_batch_size)
-        times = timing.with_offload(times, timing.offload_seconds(host, link) if link > 0 else ())
+        times = timing.with_offload(
+            times, host_link.offload_seconds(host, link) if link > 0 else ()
+        )
     per_rank = (
         f" · {plan.world_size} ranks ({plan.strategy}), per rank" if plan.world_size > 1 else ""
     )

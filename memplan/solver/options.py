@@ -9,7 +9,7 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from memplan import memory, timing
+from memplan import host_link, memory, timing
 from memplan.collective import Collective
 from memplan.errors import BadInputError
 from memplan.memory import Peak, Reserve, Sharding
@@ -42,7 +42,7 @@ def resolve_modes(
     planning for CUDA with a known host link. Asked-for modes the profile or device cannot
     do are an error that says why."""
     cuda = memory.plans_for_cuda(profile, request.device_spec)
-    link, link_source = timing.host_link_bandwidth(request.device_spec)
+    link, link_source = host_link.host_link_bandwidth(request.device_spec)
     can = {KEEP: "", FULL: ""}
     why_not = {}
     if memory.has_selective(profile):
@@ -316,7 +316,9 @@ def _evaluate(
         times, sharding.world_size, sharding.strategy in ("zero1", "zero2", "fsdp")
     )
     if OFFLOAD in ctx.modes:
-        times = timing.with_offload(times, timing.offload_seconds(bounds.host_bytes, ctx.host_link))
+        times = timing.with_offload(
+            times, host_link.offload_seconds(bounds.host_bytes, ctx.host_link)
+        )
     costs = {mode: timing.mode_picoseconds(times, mode) for mode in ctx.modes if mode != KEEP}
     bounds = bar_slow_selective(bounds, times, ctx.modes)
     forced = {"forced_in": ctx.forced_in, "forced_out": ctx.forced_out}
