@@ -289,7 +289,7 @@ def test_a_prime_world_says_neither_tp_nor_stages_could_divide_it():
     # them, so only dp 11 was searched; --layout auto was given, so it is not suggested
     tiny = dataclasses.replace(_request(target=11, world=11), budget_bytes=1)
     hint = _refusal(_tp_profile(), tiny, LayoutRequest(auto=True))
-    assert "no degree from 2 to --gpus-per-node 8 divides 11 ranks" in hint
+    assert "no degree from 2 to --gpus-per-node 8 divides 11 ranks; a multiple of 8" in hint
     assert "no degree from 2 to the model's 4 blocks divides 11 ranks" in hint
     assert "--layout auto" not in hint and "larger --tp" not in hint
     assert hint.endswith("Try more ranks, a larger --budget, or a smaller --target-batch.")
@@ -340,3 +340,10 @@ def test_collectives_beside_another_degree_read_as_more_or_less():
     assert collectives_difference(2.237) == "its collectives take 2237.0 ms more per step"
     assert collectives_difference(-2.237) == "its collectives take 2237.0 ms less per step"
     assert "same time" in collectives_difference(-0.00004)
+
+
+def test_beside_a_fixed_cp_tp_is_judged_on_the_ranks_cp_leaves():
+    # 8 ranks at cp 8 leave 1 for TP: not "no degree divides 8 ranks", which one does
+    tiny = dataclasses.replace(_request(target=8, world=8), budget_bytes=1)
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(auto=True, cp=8))
+    assert "divides the 1 of 8 ranks that --cp 8 leaves; a multiple of 64 ranks lets" in hint

@@ -67,7 +67,7 @@ def no_layout_hint(
     fixed degree where one could run, and the asks any plan has (ranks, budget, target)."""
     world, notes, tries = request.world_size, [], []
     if ask.auto and not ask.tp and max((p.tp for p in layouts), default=1) == 1:
-        notes.append(_why_no_tp(profile, world, ask.gpus_per_node))
+        notes.append(_why_no_tp(profile, world, ask.gpus_per_node, ask.cp or 1))
     if ask.auto and not ask.pp and max((p.pp for p in layouts), default=1) == 1:
         notes.append(_why_no_pp(profile, world))
     if not ask.auto:
@@ -85,8 +85,9 @@ def no_layout_hint(
     )
 
 
-def _why_no_tp(profile: Profile, world: int, gpus_per_node: int) -> str:
-    """Why the search had no TP degree above 1, and what would give it one."""
+def _why_no_tp(profile: Profile, world: int, gpus_per_node: int, cp: int) -> str:
+    """Why the search had no TP degree above 1, and what would give it one (beside a fixed
+    ``--cp``, TP divides the ranks cp leaves)."""
     if profile.tp_refused:
         return f"tensor parallelism was not searched ({profile.tp_refused})"
     if not tp_measured(profile):
@@ -94,17 +95,21 @@ def _why_no_tp(profile: Profile, world: int, gpus_per_node: int) -> str:
             "tensor parallelism was not searched: the profile has no TP measurement (probe "
             "the model again; a model with a TP plan is measured under TP 2)"
         )
-    within = [t for t in divisors(world) if 1 < t <= gpus_per_node]
+    ranks = world // cp if world % cp == 0 else 1
+    within = [t for t in divisors(ranks) if 1 < t <= gpus_per_node]
     if not within:
+        these = (
+            f"the {ranks} of {world} ranks that --cp {cp} leaves" if cp > 1 else f"{world} ranks"
+        )
         return (
             f"tensor parallelism was not searched: no degree from 2 to --gpus-per-node "
-            f"{gpus_per_node} divides {world} ranks (a multiple of {gpus_per_node} ranks "
-            "lets TP split the blocks)"
+            f"{gpus_per_node} divides {these}; a multiple of {gpus_per_node * cp} ranks lets "
+            "TP split the blocks"
         )
     heads = profile.tp_degree_divides
     if heads and all(heads % t for t in within):
         return (
-            f"tensor parallelism was not searched: the degrees that divide {world} ranks "
+            f"tensor parallelism was not searched: the degrees that divide {ranks} ranks "
             f"within a node ({', '.join(map(str, within))}) do not divide the model's {heads} "
             "(the greatest common divisor of its heads, key/value heads and split dimensions)"
         )
