@@ -347,3 +347,12 @@ def test_beside_a_fixed_cp_tp_is_judged_on_the_ranks_cp_leaves():
     tiny = dataclasses.replace(_request(target=8, world=8), budget_bytes=1)
     hint = _refusal(_tp_profile(), tiny, LayoutRequest(auto=True, cp=8))
     assert "divides the 1 of 8 ranks that --cp 8 leaves; a multiple of 64 ranks lets" in hint
+
+
+def test_a_larger_fixed_degree_is_suggested_only_where_the_other_fixed_ones_leave_room():
+    # 8 ranks at pp 4 leave 2: tp 2 is all there is, so no "a larger --tp"
+    tiny = dataclasses.replace(_request(target=8, world=8), budget_bytes=1)
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(tp=2, pp=4))
+    assert "a larger --tp" not in hint and "a larger --pp" not in hint
+    hint = _refusal(_tp_profile(), tiny, LayoutRequest(tp=2, pp=2))
+    assert "a larger --tp" in hint and "a larger --pp" in hint

@@ -74,15 +74,27 @@ def no_layout_hint(
         tries.append("--layout auto, to search every tp × pp × dp of the ranks")
     heads = profile.tp_degree_divides
     if ask.tp and any(
-        ask.tp < t <= ask.gpus_per_node and not (heads and heads % t) for t in divisors(world)
+        ask.tp < t <= ask.gpus_per_node and not (heads and heads % t)
+        for t in _degrees_beside(world, ask.pp, ask.cp)
     ):
         tries.append("a larger --tp")
-    if ask.pp and any(ask.pp < p <= len(profile.layers) for p in divisors(world)):
+    if ask.pp and any(
+        ask.pp < p <= len(profile.layers) for p in _degrees_beside(world, ask.tp, ask.cp)
+    ):
         tries.append("a larger --pp")
     tries.append("more ranks, a larger --budget, or a smaller --target-batch")
     return "".join(f"{note[0].upper()}{note[1:]}. " for note in notes) + (
         "Try " + "; ".join(tries) + "."
     )
+
+
+def _degrees_beside(world: int, *fixed: int | None) -> list[int]:
+    """The degrees a dimension can take beside the other fixed ones: the divisors of the
+    ranks they leave (none where they do not divide the world)."""
+    other = 1
+    for degree in fixed:
+        other *= degree or 1
+    return divisors(world // other) if world % other == 0 else []
 
 
 def _why_no_tp(profile: Profile, world: int, gpus_per_node: int, cp: int) -> str:
@@ -115,7 +127,7 @@ def _why_no_tp(profile: Profile, world: int, gpus_per_node: int, cp: int) -> str
         )
     return (
         "tensor parallelism was not searched: with it, fewer than 2 ranks would shard the "
-        "state of a profile probed under FSDP's mixed-precision policy (more ranks)"
+        "state, which a profile probed under FSDP's mixed-precision policy needs"
     )
 
 
