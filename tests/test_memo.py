@@ -44,9 +44,11 @@ def test_remembered_by_identity_and_bounded():
     assert double(a, 0) == 2
     assert double(a, 1) == 11  # other arguments: computed; the bound of 2 drops (a, 0)
     assert double(a, 0) == 10
+    assert double(a, extra=0) == 10  # by keyword: the same value, remembered apart
+    assert double(a, extra=0) == 10
     double.cache_clear()
     assert double(a_twin, 0) == 2
-    assert len(calls) == 5
+    assert len(calls) == 6
 
 
 def _mixed_chain(grads: list[int]):

@@ -19,19 +19,20 @@ R = TypeVar("R")
 
 
 def by_identity(size: int) -> Callable[[Callable[..., R]], Callable[..., R]]:
-    """Remember ``fn(obj, *args)`` for the ``size`` latest (obj, args), ``obj`` by identity;
-    ``args`` must be hashable. The wrapped function's ``cache_clear()`` empties it."""
+    """Remember ``fn(obj, *args, **kwargs)`` for the ``size`` latest calls, ``obj`` by
+    identity, the rest by value (hashable; a keyword and its position are two entries of
+    one value). The wrapped function's ``cache_clear()`` empties it."""
 
     def wrap(fn: Callable[..., R]) -> Callable[..., R]:
         cache: OrderedDict[tuple, tuple[object, R]] = OrderedDict()
 
         @functools.wraps(fn)
-        def remembered(obj: object, *args: object) -> R:
-            key = (id(obj), *args)
+        def remembered(obj: object, *args: object, **kwargs: object) -> R:
+            key = (id(obj), *args, *sorted(kwargs.items()))
             hit = cache.get(key)
             if hit is not None and hit[0] is obj:
                 return hit[1]
-            value = fn(obj, *args)
+            value = fn(obj, *args, **kwargs)
             cache[key] = (obj, value)
             if len(cache) > size:
                 cache.popitem(last=False)
