@@ -24,13 +24,8 @@ from memplan.memory.sharding import (
 from memplan.memory.terms import grads_at_bytes, grads_bytes, optimizer_state_bytes, params_bytes
 from memplan.profile import Profile
 
-_ADJUSTS: dict[tuple, tuple[Profile, int]] = {}
-"""``segment_adjust_bytes`` of recent profiles: it depends on no micro-batch and no
-checkpoint set, but every solve of every micro-batch asks it again (the layout search, of
-hundreds). Keyed by the profile's identity, which the entry holds so the id stays its own."""
-_ADJUSTS_MAX = 200_000
 
-
+@by_identity(200_000)
 def segment_adjust_bytes(
     profile: Profile,
     sharding: Sharding,
@@ -38,16 +33,10 @@ def segment_adjust_bytes(
     index: int,
     accumulation_steps: int,
 ) -> int:
-    """``_segment_adjust_bytes``, remembered (see ``_ADJUSTS``)."""
-    key = (id(profile), sharding, phase, index, accumulation_steps)
-    hit = _ADJUSTS.get(key)
-    if hit is not None and hit[0] is profile:
-        return hit[1]
-    if len(_ADJUSTS) >= _ADJUSTS_MAX:
-        _ADJUSTS.clear()
-    value = _segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
-    _ADJUSTS[key] = (profile, value)
-    return value
+    """``_segment_adjust_bytes``, remembered by the profile's identity: it depends on no
+    micro-batch and no checkpoint set, but every solve of every micro-batch asks it again
+    (the layout search, of hundreds)."""
+    return _segment_adjust_bytes(profile, sharding, phase, index, accumulation_steps)
 
 
 def _segment_adjust_bytes(

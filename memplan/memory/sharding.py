@@ -14,6 +14,7 @@ from memplan.memory.terms import (
     PHASE_GRADS_RESIDENT,
     PHASE_NO_GRADS,
     backward_started,
+    fixed_grads_bytes,
     grads_bytes,
     optimizer_state_bytes,
     params_bytes,
@@ -178,7 +179,7 @@ def gathered_edge_bytes(profile: Profile) -> tuple[int, int] | None:
     """What FSDP2's all-gathers make of torchtitan's two edge units (``Sharding.edge_units``),
     the lead's and the tail's: the root unit's bytes divided between them; None where they
     are one unit (``edge_split``)."""
-    split = edge_split(profile, root_params_bytes(profile), _root_grads_bytes(profile))
+    split = edge_split(profile, root_params_bytes(profile), fixed_grads_bytes(profile))
     if split is None:
         return None
     return _edge_gathered(profile, split[0]), _edge_gathered(profile, split[1])
@@ -363,17 +364,11 @@ def _unit_grads(profile: Profile, sharding: Sharding, probed: int) -> _UnitGrads
     )
 
 
-@by_identity(64)
-def _root_grads_bytes(profile: Profile) -> int:
-    """Gradients outside the candidate layers (the root unit's)."""
-    return max(grads_bytes(profile) - sum(layer.grad_bytes for layer in profile.layers), 0)
-
-
 def fsdp_sharded_grads_bytes(profile: Profile, sharding: Sharding) -> int:
     """Every unit's sharded gradient (the root's too) in ``reduce_dtype``, padded as FSDP2
     pads: what one rank's reduce-scatter outputs add up to after a backward."""
     units = [_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers]
-    units.append(_unit_grads(profile, sharding, _root_grads_bytes(profile)))
+    units.append(_unit_grads(profile, sharding, fixed_grads_bytes(profile)))
     return sum(unit.shard for unit in units)
 
 
@@ -429,7 +424,7 @@ def _grads_table(
     # accumulated sharded, in place (the reserve reads the same fact: fsdp_shards_resident)
     sharded_before = resident and fsdp_shards_resident(sharding, accumulation_steps)
     units = tuple(_unit_grads(profile, sharding, layer.grad_bytes) for layer in profile.layers)
-    root = _unit_grads(profile, sharding, _root_grads_bytes(profile))
+    root = _unit_grads(profile, sharding, fixed_grads_bytes(profile))
     tail = None
     root_params = root_params_bytes(profile)
     split = edge_split(profile, root_params, root.probed) if sharding.edge_units else None

@@ -337,8 +337,13 @@ def grads_at_bytes(profile: Profile, phase: str, index: int | None) -> int:
     first_done = segment.held + 1 if segment.active == "bwd" else segment.held
     after = _layer_grads_from(profile)  # after[i]: layers i.. n-1's gradients
     layer_grads = after[min(first_done, len(after) - 1)]
-    fixed_grads = max(grads_bytes(profile) - after[0], 0)
+    fixed_grads = fixed_grads_bytes(profile)
     return layer_grads + (fixed_grads if segment.held < len(profile.layers) else 0)
+
+
+def fixed_grads_bytes(profile: Profile) -> int:
+    """Gradients outside the candidate layers (the fixed parts': FSDP's root unit)."""
+    return max(grads_bytes(profile) - _layer_grads_from(profile)[0], 0)
 
 
 @by_identity(256)

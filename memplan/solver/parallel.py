@@ -203,6 +203,11 @@ def _solve_stage(
     return result
 
 
+def _searched_strategy(request: SolveRequest) -> str:
+    """The strategy the layouts are searched for: as asked; ``auto`` as FSDP."""
+    return "fsdp" if request.strategy == "auto" else request.strategy
+
+
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
     """The data-parallel engine: as asked; ``auto`` shards (FSDP2 over dp × cp, as torchtitan)."""
     if request.strategy != "auto":
@@ -304,7 +309,7 @@ def evaluate_layout(
 
 def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> list[LayoutOption]:
     world = request.world_size
-    strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    strategy = _searched_strategy(request)
     divides = profile.tp_degree_divides
     if ask.tp and ask.tp > 1 and divides and divides % ask.tp:
         raise BadInputError(
@@ -410,7 +415,7 @@ def least_layout_peak(
     """The least per-rank peak any of the asked layouts needs at the target batch (each
     stage at its least-memory plan, the layout at its worst stage), with that layout and
     micro-batch; None when no layout runs the target at all."""
-    strategy = "fsdp" if request.strategy == "auto" else request.strategy
+    strategy = _searched_strategy(request)
     best: tuple[int, Parallel, int] | None = None
     for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
         for b, m in _splits(request, parallel):
@@ -518,7 +523,7 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         )
     options = _options(profile, request, ask)
     if not options:
-        strategy = "fsdp" if request.strategy == "auto" else request.strategy
+        strategy = _searched_strategy(request)
         layouts = candidate_layouts(profile, request.world_size, ask, strategy)
         least = least_layout_peak(profile, request, ask)
         needs = (
