@@ -129,3 +129,15 @@ def test_gradients_held_at_a_segment_equal_the_sum_over_the_layers_done(grads):
             first = segment.held + 1 if segment.active == "bwd" else segment.held
             brute = sum(grads[first:]) + (fixed if segment.held < n else 0)
         assert grads_at_bytes(profile, "no_grads", index) == brute
+
+
+def test_profiles_made_and_dropped_in_turn_are_each_answered_as_themselves():
+    # Python reuses a collected object's id; an entry holds its profile, so a new profile
+    # can never take the id of one still remembered. Built to fool an id-only key: each
+    # profile dropped at once, the next with other gradients (1000·i B a layer on 4 ranks:
+    # fp32 masters 2000·i B, parameters and root 2·(4·1000·i + 1000) / 4 a rank).
+    fsdp = Sharding(strategy="fsdp", world_size=4)
+    for i in range(1, 40):
+        profile = _mixed_chain([1000 * i] * 4)
+        assert memory.rank_params_bytes(profile, fsdp) == 2 * (4 * 1000 * i + 1000) // 4
+        del profile
