@@ -89,12 +89,15 @@ def with_selective(profile, seed: int = 1):
     return dataclasses.replace(profile, layers=tuple(layers), timeline=timeline)
 
 
+def _budget(profile) -> int:
+    """The solves' budget: the peak at micro-batch 64 with every other layer checkpointed."""
+    return memory.step_peak(profile, 64, range(0, len(profile.layers), 2), 2).peak_bytes
+
+
 def _time_solve(
     profile, target: int, repeats: int, modes: str | None = None
 ) -> tuple[float, object]:
-    n = len(profile.layers)
-    budget = memory.step_peak(profile, 64, range(0, n, 2), 2).peak_bytes
-    request = SolveRequest(target_batch=target, budget_bytes=budget, modes=modes)
+    request = SolveRequest(target_batch=target, budget_bytes=_budget(profile), modes=modes)
     times, result = [], None
     for _ in range(repeats):
         started = time.perf_counter()
@@ -375,11 +378,9 @@ def sharded() -> str:
     rows, seconds_by_layers = [], {}
     for n_layers, varied in SHARDED_CASES:
         profile = synthetic_profile(n_layers, varied)
-        n = len(profile.layers)
-        budget = memory.step_peak(profile, 64, range(0, n, 2), 2).peak_bytes // SHARDED_WORLD
         request = SolveRequest(
             target_batch=SHARDED_TARGET,
-            budget_bytes=budget,
+            budget_bytes=_budget(profile) // SHARDED_WORLD,
             world_size=SHARDED_WORLD,
             strategy="fsdp",
         )
