@@ -291,6 +291,46 @@ def test_the_scripts_functions_are_named_by_their_own_names():
     assert raised.value.hint == "Make count(model, batch) return a scalar loss tensor."
 
 
+def spread(model, batch):
+    """A loss over the batch's spread: NaN for a batch of one (the unbiased std of one
+    sample), finite for any larger batch."""
+    x, _ = batch
+    return model(x).std()
+
+
+@pytest.mark.parametrize(
+    "as_function, loss, asks",
+    [
+        (False, spread, "check the model, the batch and spread for that size"),
+        (True, spread, "check the model, sample and spread for that size"),
+        (True, None, "check the model and sample for that size"),
+    ],
+)
+def test_a_nan_loss_names_what_the_script_passed(as_function, loss, asks):
+    x, y = data(4)
+
+    def sample(n):
+        return x[:n], y[:n]
+
+    model = blocks_model() if loss is not None else _LossModel(blocks_model())
+    batch = sample if as_function else (x, y)
+    profile = profile_model(model, batch, loss_fn=loss, micro_batches=(1, 2), timing_rounds=1)
+    first = [w for w in profile.warnings if "loss was nan at micro-batch 1" in w]
+    assert len(first) == 1 and asks in first[0], profile.warnings
+    assert "make_batch" not in first[0]
+
+
+class _LossModel(torch.nn.Module):
+    """A model whose forward returns its loss (memplan's default: no loss_fn)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, y):
+        return self.inner(x).std()
+
+
 def test_a_loss_that_trains_the_live_model_is_caught():
     live = blocks_model()
 

@@ -47,6 +47,8 @@ def test_nan_loss_during_probe_is_a_warning_naming_the_step(monkeypatch):
     assert len(first) == 1, profile.warnings
     # the model's layers were finite: the NaN came from the loss's statistics over one sample
     assert "every module's output was finite: it arose in the loss computation" in first[0]
+    # the file defines both functions: the warning asks the user to check each by its name
+    assert "check the model, make_batch and training_loss for that size" in first[0]
 
 
 def test_nan_loss_during_probe_names_the_first_layer_that_output_nan(monkeypatch):

@@ -97,6 +97,7 @@ def live_model_file(
         has_make_optimizer=True,
         takes_seq_len=callable(batch) and takes_seq_len(batch),
         labels=_labels(make_batch=batch if callable(batch) else None, training_loss=loss_fn),
+        batch_text=None if callable(batch) else "the batch",
     )
 
 

@@ -196,9 +196,23 @@ class ModelFile:
     the name the user gave it (``plan_model``'s batch and loss functions); others keep the
     model file's names."""
 
+    batch_text: str | None = None
+    """What messages call a batch given as data, which no function of the user's makes
+    (``plan_model``'s tensors: memplan samples them); None: the batches come from
+    ``make_batch`` (``named``)."""
+
     def named(self, name: str) -> str:
         """What messages call the file's function ``name``."""
         return dict(self.labels).get(name, name)
+
+    def inputs_text(self) -> str:
+        """What a step's inputs come from, for a message that asks the user to check them:
+        the model, its batches (their function or ``batch_text``) and the loss function
+        where the user gave one."""
+        parts = ["the model", self.batch_text or self.named("make_batch")]
+        if self.has_training_loss:
+            parts.append(self.named("training_loss"))
+        return ", ".join(parts[:-1]) + " and " + parts[-1]
 
     def at_seq_len(self, seq_len: int | None) -> ModelFile:
         """This model file with batches of ``seq_len`` tokens per sample; None: unchanged.

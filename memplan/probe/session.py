@@ -178,7 +178,8 @@ class Session:
             f"{self.model_file.spec})"
         )
         tail = (
-            "; check the model and make_batch for that size (e.g. statistics over a batch of one)."
+            f"; check {self.model_file.inputs_text()} for that size (e.g. statistics over "
+            "a batch of one)."
         )
         first = not any(w.startswith(LOSS_NOT_FINITE) for w in self.warnings)
         if any(w.startswith(head) for w in self.warnings):
