@@ -39,6 +39,7 @@ SECTIONS = [
     "seqlen",
     "scale",
     "layouts",
+    "retime",
     "calibrate",
     "kinds",
     "published",

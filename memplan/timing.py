@@ -27,25 +27,12 @@ from typing import Literal
 import numpy as np
 
 from memplan.collective import Collective
-from memplan.devices import DeviceSpec, meta_timed_spec, names_spec
-from memplan.errors import BadInputError
+from memplan.devices import DeviceSpec
 from memplan.modes import FULL, KEEP, SELECTIVE
 from memplan.profile import Affine, Layer, Profile
-from memplan.profile.arrays import layer_ints, layer_values
 
-TimingSource = Literal["measured", "roofline"]
+TimingSource = Literal["measured", "roofline", "rescaled"]
 TimingMode = Literal["auto", "measured", "roofline"]
-
-# Roofline: a kernel takes max(FLOPs / FLOP/s, bytes / bandwidth), against the device spec's
-# datasheet peaks times its measured efficiencies (memplan.devices.Efficiency: the fraction
-# of peak that large GEMMs and memory-bound ops reach on that device, from public
-# measurements cited in each profiles/devices file). Per layer, not per op: a layer's FLOPs
-# and bytes are summed before taking the max, and every FLOP is taken at the GEMM efficiency
-# (a layer's attention FLOPs are not told apart here; a meta probe's own clock,
-# memplan.probe.tracker.Roofline, times each op by its kind, so probing against the target
-# spec is the closer estimate).
-# Backward computes gradients for both inputs and weights: two matmuls per forward matmul.
-BACKWARD_FLOPS_FACTOR = 2.0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,64 +78,10 @@ def _modes(checkpointed: Iterable[int] | Mapping[int, str]) -> list[tuple[int, s
     return [(i, FULL) for i in checkpointed]
 
 
-def _seconds(value: Affine, micro_batch: int) -> float:
-    # A fit with a negative intercept can dip below zero at tiny sizes; time cannot.
+def seconds_at(value: Affine, micro_batch: int) -> float:
+    """A fitted time at ``micro_batch``: a fit with a negative intercept can dip below zero
+    at tiny sizes; time cannot."""
     return max(value.at(micro_batch), 0.0)
-
-
-def choose_timing_source(
-    profile: Profile, device_spec: DeviceSpec | None, mode: TimingMode = "auto"
-) -> tuple[TimingSource, str]:
-    """Which times to use, and why (one line for the plan's reasons).
-
-    ``auto`` uses measured times, except for a ``meta`` profile planned for a device spec
-    other than the one the probe timed it against: its times are then recomputed from
-    FLOPs by roofline against the spec."""
-    if mode == "measured":
-        return (
-            "measured",
-            f"step times as the probe recorded them on {profile.environment.device_name}",
-        )
-    if mode == "roofline":
-        if device_spec is None:
-            raise BadInputError(
-                "Roofline timing needs a device spec.",
-                hint="Pass --device-profile NAME (see `memplan devices`).",
-            )
-        return (
-            "roofline",
-            f"step times by roofline from FLOPs against {device_spec.display_name} (as requested)",
-        )
-    env = profile.environment
-    if (
-        env.device == "meta"
-        and device_spec is not None
-        and not names_spec(env.device_profile, device_spec, env.device_spec_digest)
-    ):
-        timed = env.device_profile or _default_clock(env.device_name)
-        if env.device_profile == device_spec.name:  # the name, with other numbers
-            timed += f" with other numbers ({_OTHER_NUMBERS})"
-        return "roofline", (
-            f"step times by roofline from FLOPs against {device_spec.display_name}: the meta "
-            f"profile was timed against {timed}"
-        )
-    where = env.device_name or env.device
-    return "measured", f"step times measured on {where}"
-
-
-_OTHER_NUMBERS = (
-    "that spec as it was when the profile was made, or an edited copy of the same name); "
-    "probe again against this spec for its own clock"
-)
-
-
-def _default_clock(device_name: str) -> str:
-    """What a meta profile probed without ``--device-profile`` was timed against, from its
-    ``device_name`` (``devices.meta_timed_spec``): memplan's default spec, named."""
-    spec = meta_timed_spec(device_name)
-    if spec is None:
-        return "no device spec"
-    return f"memplan's default spec, {spec} (the probe was given no --device-profile)"
 
 
 def _structure_key(layer: Layer) -> tuple:
@@ -164,6 +97,15 @@ def _structure_key(layer: Layer) -> tuple:
     )
 
 
+def layer_groups(profile: Profile) -> list[list[int]]:
+    """The profile's layers by identical structure (``_structure_key``): each group's
+    indices, ascending; the groups in order of their first layer."""
+    groups: dict[tuple, list[int]] = {}
+    for index, layer in enumerate(profile.layers):
+        groups.setdefault(_structure_key(layer), []).append(index)
+    return list(groups.values())
+
+
 def pooled_layer_seconds(
     profile: Profile,
 ) -> tuple[list[Affine], list[Affine], list[Affine], list[Affine]]:
@@ -175,16 +117,13 @@ def pooled_layer_seconds(
     timed run each, on a machine doing other things). Left alone, that noise decides which
     of several identical blocks to checkpoint; pooled, the choice is made on real
     differences and ties go to the earliest layers."""
-    groups: dict[tuple, list[int]] = {}
-    for index, layer in enumerate(profile.layers):
-        groups.setdefault(_structure_key(layer), []).append(index)
     fwd = [layer.fwd_seconds for layer in profile.layers]
     bwd = [layer.bwd_seconds for layer in profile.layers]
     measured = [layer.recompute_seconds for layer in profile.layers]
     recompute = measured if all(r is not None for r in measured) else []
     sel = [layer.selective_recompute_seconds for layer in profile.layers]
     selective = sel if sel and all(r is not None for r in sel) else []
-    for members in groups.values():
+    for members in layer_groups(profile):
         if len(members) < 2:
             continue
         for series in (fwd, bwd, recompute, selective):
@@ -209,12 +148,12 @@ def measured_times(profile: Profile, micro_batch: int) -> MicroStepTimes:
     fwd, bwd, recompute, selective = _pooled[0][1]
     return MicroStepTimes(
         micro_batch=micro_batch,
-        fixed_seconds=_seconds(profile.step_fixed_seconds, micro_batch),
-        fwd_seconds=tuple(_seconds(value, micro_batch) for value in fwd),
-        bwd_seconds=tuple(_seconds(value, micro_batch) for value in bwd),
-        recompute_seconds=tuple(_seconds(value, micro_batch) for value in recompute),
-        selective_seconds=tuple(_seconds(value, micro_batch) for value in selective),
-        optimizer_step_seconds=_seconds(profile.optimizer_step_seconds, micro_batch),
+        fixed_seconds=seconds_at(profile.step_fixed_seconds, micro_batch),
+        fwd_seconds=tuple(seconds_at(value, micro_batch) for value in fwd),
+        bwd_seconds=tuple(seconds_at(value, micro_batch) for value in bwd),
+        recompute_seconds=tuple(seconds_at(value, micro_batch) for value in recompute),
+        selective_seconds=tuple(seconds_at(value, micro_batch) for value in selective),
+        optimizer_step_seconds=seconds_at(profile.optimizer_step_seconds, micro_batch),
         source="measured",
     )
 
@@ -255,113 +194,6 @@ def roofline_seconds(flops: float, bytes_moved: float, spec: DeviceSpec, precisi
     compute = flops / achievable_flops(spec, precision)
     memory = bytes_moved / achievable_bandwidth(spec)
     return max(compute, memory, 0.0)
-
-
-def _roofline_layer_seconds(
-    profile: Profile, micro_batch: int, spec: DeviceSpec
-) -> tuple[list[float], list[float]] | None:
-    """``roofline_times``'s per-layer forward and backward seconds in array operations (the
-    same IEEE operations in the same order; ``np.maximum`` keeps its first argument on a
-    tie as ``max`` does), or None where memplan.profile.arrays cannot give the values."""
-    flops = layer_values(profile, "fwd_flops", micro_batch)
-    inputs = layer_values(profile, "input_bytes", micro_batch)
-    saved = layer_values(profile, "saved_bytes", micro_batch)
-    if flops is None or inputs is None or saved is None:
-        return None
-    params = layer_ints(profile, "params_trainable_bytes")
-    frozen = layer_ints(profile, "params_frozen_bytes")
-    if not (np.abs(params).max(initial=0.0) < 2**52 and np.abs(frozen).max(initial=0.0) < 2**52):
-        return None  # their sum as ints, then as a float, could differ from this one
-    flops = np.maximum(flops, 0.0)
-    moved = params + frozen + np.maximum(inputs, 0.0) + np.maximum(saved, 0.0)
-    peak = achievable_flops(spec, profile.environment.precision)
-    bandwidth = achievable_bandwidth(spec)
-
-    def seconds(flops: np.ndarray, moved: np.ndarray) -> list[float]:
-        return np.maximum(np.maximum(flops / peak, moved / bandwidth), 0.0).tolist()
-
-    return (
-        seconds(flops, moved),
-        seconds(BACKWARD_FLOPS_FACTOR * flops, BACKWARD_FLOPS_FACTOR * moved),
-    )
-
-
-def roofline_times(profile: Profile, micro_batch: int, spec: DeviceSpec) -> MicroStepTimes:
-    """Times from FLOPs and bytes. A layer's forward reads its weights and input and writes
-    what it saves; its backward does twice the FLOPs and moves about twice the bytes. The
-    optimizer step is memory-bound: it reads params, grads and state and writes params and
-    state."""
-    precision = profile.environment.precision
-    b = micro_batch
-    fast = _roofline_layer_seconds(profile, b, spec)
-    fwd, bwd = fast if fast is not None else ([], [])
-    for layer in profile.layers if fast is None else ():
-        flops = max(layer.fwd_flops.at(b), 0.0)
-        moved = (
-            layer.params_trainable_bytes
-            + layer.params_frozen_bytes
-            + max(layer.input_bytes.at(b), 0.0)
-            + max(layer.saved_bytes.at(b), 0.0)
-        )
-        fwd.append(roofline_seconds(flops, moved, spec, precision))
-        bwd.append(
-            roofline_seconds(
-                BACKWARD_FLOPS_FACTOR * flops, BACKWARD_FLOPS_FACTOR * moved, spec, precision
-            )
-        )
-    fixed = 0.0
-    for part in profile.fixed:
-        flops = max(part.fwd_flops.at(b), 0.0)
-        moved = (
-            part.params_trainable_bytes
-            + part.params_frozen_bytes
-            + max(part.saved_bytes.at(b), 0.0)
-        )
-        fixed += roofline_seconds(flops, moved, spec, precision) + roofline_seconds(
-            BACKWARD_FLOPS_FACTOR * flops, BACKWARD_FLOPS_FACTOR * moved, spec, precision
-        )
-    totals = profile.totals
-    optimizer_bytes = (
-        2 * totals.params_trainable_bytes + totals.grad_bytes + 2 * totals.optimizer_state_bytes
-    )
-    return MicroStepTimes(
-        micro_batch=b,
-        fixed_seconds=fixed,
-        fwd_seconds=tuple(fwd),
-        bwd_seconds=tuple(bwd),
-        optimizer_step_seconds=roofline_seconds(0.0, optimizer_bytes, spec, precision),
-        source="roofline",
-        selective_seconds=_roofline_selective(profile, b, fwd),
-    )
-
-
-def _roofline_selective(profile: Profile, b: int, fwd: list[float]) -> tuple[float, ...]:
-    """Per layer: selective checkpointing's extra time on the roofline, the measured share
-    of a forward that the ops its recompute re-runs take (a meta probe's clock: the matmuls
-    the policy does not keep and the pointwise ops) times this spec's forward; empty when
-    the profile has no selective times."""
-    measured = [layer.selective_recompute_seconds for layer in profile.layers]
-    if not measured or any(m is None for m in measured):
-        return ()
-    out = []
-    for layer, extra, seconds in zip(profile.layers, measured, fwd, strict=True):
-        forward = layer.fwd_seconds.at(b)
-        out.append(seconds * max(extra.at(b), 0.0) / forward if forward > 0 else 0.0)  # type: ignore[union-attr]
-    return tuple(out)
-
-
-def micro_step_times(
-    profile: Profile,
-    micro_batch: int,
-    *,
-    source: TimingSource = "measured",
-    device_spec: DeviceSpec | None = None,
-) -> MicroStepTimes:
-    if source == "roofline":
-        if device_spec is None:
-            raise BadInputError("Roofline timing needs a device spec.")
-        return roofline_times(profile, micro_batch, device_spec)
-    return measured_times(profile, micro_batch)
 
 
 def recompute_seconds(
@@ -552,27 +384,3 @@ def fsdp_copy_seconds(copy_bytes: float, device_spec: DeviceSpec | None) -> floa
     if device_spec is None or copy_bytes <= 0:
         return 0.0
     return copy_bytes / achievable_bandwidth(device_spec)
-
-
-STEP_SPREAD_LIMIT = 0.25
-"""(slowest − fastest) / median of the timed steps above which one step time means little."""
-
-
-def timing_caveat(samples: Iterable[float], load_average: float | None, cpu_count: int) -> str:
-    """Why measured step times cannot judge the predicted one, or '': the machine's load
-    above its cores (other work took the CPU) or the timed steps spreading by more than
-    ``STEP_SPREAD_LIMIT`` of their median."""
-    times = sorted(samples)
-    reasons = []
-    if load_average is not None and load_average > cpu_count:
-        reasons.append(f"the machine's load {load_average:.1f} exceeds its {cpu_count} core(s)")
-    if len(times) >= 2:
-        median = (
-            times[len(times) // 2]
-            if len(times) % 2
-            else sum(times[len(times) // 2 - 1 : len(times) // 2 + 1]) / 2
-        )
-        spread = (times[-1] - times[0]) / median if median > 0 else 0.0
-        if spread > STEP_SPREAD_LIMIT:
-            reasons.append(f"the {len(times)} timed steps spread by {spread:.0%} of their median")
-    return " and ".join(reasons)

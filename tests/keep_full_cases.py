@@ -18,7 +18,7 @@ sys.path.insert(0, str(HERE))
 
 from profiles_factory import ChainSpec, raw_profile  # noqa: E402
 
-from memplan import memory, timing  # noqa: E402
+from memplan import memory, retime, timing  # noqa: E402
 from memplan.errors import NoPlanFitsError  # noqa: E402
 from memplan.profile import Affine, Segment, load_profile  # noqa: E402
 from memplan.solver import SolveRequest, least_recompute_set, solve  # noqa: E402
@@ -148,7 +148,7 @@ def set_cases():
 
 def least_set(seed, b, k, limit):
     profile = chain_profile(seed)
-    times = timing.micro_step_times(profile, b)
+    times = retime.micro_step_times(profile, b)
     cost = [timing.to_picoseconds(times.checkpoint_seconds(i)) for i in range(len(profile.layers))]
     chosen = least_recompute_set(memory.step_bounds(profile, b, k), limit, cost)
     return None if chosen is None else list(chosen)

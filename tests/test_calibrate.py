@@ -300,7 +300,7 @@ def test_float8_gemms_are_timed_as_scaled_mm_and_kept_apart_from_bf16s():
 
 
 def test_the_roofline_times_float8_gemms_at_their_own_efficiency():
-    from memplan.probe.tracker import Roofline
+    from memplan.probe.roofline import Roofline
     from memplan.timing import achievable_flops
 
     mm = torch.ops.aten.mm.default

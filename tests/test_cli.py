@@ -260,7 +260,9 @@ def test_a_meta_profile_timed_against_a_spec_file_solves_without_naming_it_again
             assert result.exit_code == 0, result.output
             plan = json.loads(result.stdout)["plan"]
             assert plan["device"] == str(path.resolve())
-            assert not any("by roofline" in r for r in plan["reasons"])  # the probe's clock
+            assert not any(
+                "by roofline" in r or "rescaled to" in r for r in plan["reasons"]
+            )  # the probe's clock
             assert (plan["predicted"]["breakdown"]["reserve"] > 0) is reserved
 
 
@@ -294,7 +296,9 @@ def test_a_spec_file_moved_after_the_probe_is_still_the_probes_clock(tmp_path):
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         plan = json.loads(result.stdout)["plan"]
-        return plan["predicted"]["step_seconds"], any("by roofline" in r for r in plan["reasons"])
+        return plan["predicted"]["step_seconds"], any(
+            "by roofline" in r or "rescaled to" in r for r in plan["reasons"]
+        )
 
     before, retimed = solved(first)
     assert not retimed
@@ -309,7 +313,7 @@ def test_a_spec_file_moved_after_the_probe_is_still_the_probes_clock(tmp_path):
     pcie = tmp_path / "b" / "pcie.yaml"
     pcie.write_text(yaml.safe_dump(linked))
     assert solved(pcie) == (before, False)
-    # A spec with other numbers is another device: re-timed by roofline, as before.
+    # A spec with other numbers is another device: re-timed (rescaled from its clock), as before.
     spec["efficiency"] = dict(spec.get("efficiency") or {}, matmul=0.5)
     other = tmp_path / "b" / "slower.yaml"
     other.write_text(yaml.safe_dump(spec))

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memplan.probe.tracker import LiveTracker, Roofline
+from memplan.probe.roofline import Roofline
+from memplan.probe.tracker import LiveTracker
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 1 << 16  # elements: 256 KiB of fp32

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_modes_bruteforce import SPEC, problems
 
-from memplan import memory, timing
+from memplan import memory, retime, timing
 from memplan.errors import ProfileError
 from memplan.files import schema
 from memplan.memory import bounds as bounds_module
@@ -190,10 +190,10 @@ def test_per_layer_values_and_times_in_arrays_equal_one_by_one(problem, data):
     assert memory.offload_host_bytes(profile, b) == tuple(
         max(math.ceil(layer.saved_bytes.at(b)), 0) for layer in layers
     )
-    fast = timing.roofline_times(profile, b, SPEC)
+    fast = retime.roofline_times(profile, b, SPEC)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(timing, "_roofline_layer_seconds", lambda *args: None)
-        slow = timing.roofline_times(profile, b, SPEC)
+        patch.setattr(retime, "_roofline_layer_seconds", lambda *args: None)
+        slow = retime.roofline_times(profile, b, SPEC)
     assert repr(fast) == repr(slow)  # repr: -0.0 and 0.0 differ
     fast = dataclasses.replace(fast, recompute_seconds=tuple(x * 1.5 for x in fast.fwd_seconds))
     # roofline times charge selective its measured share of a forward, where measured

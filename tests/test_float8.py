@@ -23,7 +23,8 @@ from memplan.memory.sharding import Sharding  # noqa: E402
 from memplan.probe import probe_model  # noqa: E402
 from memplan.probe.backends import Backend  # noqa: E402
 from memplan.probe.float8 import Float8Conversion  # noqa: E402
-from memplan.probe.tracker import LiveTracker, Roofline  # noqa: E402
+from memplan.probe.roofline import Roofline  # noqa: E402
+from memplan.probe.tracker import LiveTracker  # noqa: E402
 from memplan.profile import profile_from_data, profile_to_yaml  # noqa: E402
 
 MODEL = str(Path(__file__).resolve().parent / "models" / "float8_block.py")

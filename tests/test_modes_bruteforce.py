@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from profiles_factory import raw_profile
 
-from memplan import memory, timing
+from memplan import memory, retime, timing
 from memplan.devices import DeviceSpec
 from memplan.errors import NoPlanFitsError
 from memplan.profile import Affine, Segment
@@ -149,7 +149,7 @@ def oracle_picoseconds(profile, b, k, assignment, link):
     """Step time from the per-layer times memplan.timing pools over identical layers (the
     modes' sums are the oracle's own; offload from the host link)."""
     ps = timing.to_picoseconds
-    t = timing.micro_step_times(profile, b)
+    t = retime.micro_step_times(profile, b)
     micro = ps(t.fixed_seconds) + sum(map(ps, t.fwd_seconds)) + sum(map(ps, t.bwd_seconds))
     for j, mode in enumerate(assignment):
         if mode == "full":
@@ -171,7 +171,7 @@ def brute_force(profile, request):
     best, least = None, None
     for b in micro:
         k = request.target_batch // b
-        t = timing.micro_step_times(profile, b)
+        t = retime.micro_step_times(profile, b)
         ps = timing.to_picoseconds
         # selective is never offered where it is no faster than full (both allowed)
         barred = {

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from keep_full_cases import GOLDEN, cases, chain_profile, decision, least_set
 
-from memplan import memory, timing
+from memplan import memory, retime, timing
 from memplan.solver import least_cost_modes
 
 EXPECTED = json.loads(Path(GOLDEN).read_text())
@@ -38,7 +38,7 @@ def test_the_general_dp_restricted_to_keep_full_is_the_same(seed):
     profile = chain_profile(seed)
     for case in (c for c in EXPECTED if c.get("set", [None])[0] == seed):
         _, b, k, limit = case["set"]
-        times = timing.micro_step_times(profile, b)
+        times = retime.micro_step_times(profile, b)
         cost = [
             timing.to_picoseconds(times.checkpoint_seconds(i)) for i in range(len(profile.layers))
         ]

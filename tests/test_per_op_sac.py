@@ -20,7 +20,7 @@ from memplan.memory.parallel import rank_profile
 from memplan.parallel import Parallel
 from memplan.probe import probe_model
 from memplan.profile import Affine
-from memplan.timing import roofline_times
+from memplan.retime import roofline_times
 
 MODELS = Path(__file__).parent / "models"
 LLAMA = {k: v for k, v in TINY_LLAMA.items() if k != "architectures"}

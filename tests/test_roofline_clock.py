@@ -1,11 +1,12 @@
-"""A meta probe's clock (memplan.probe.tracker.Roofline): each op timed against the device
+"""A meta probe's clock (memplan.probe.roofline.Roofline): each op timed against the device
 spec's peaks times the spec's efficiency for the op's kind, computed here by hand."""
 
 import pytest
 import torch
 
 from memplan.probe.dedup import MetaOpCache
-from memplan.probe.tracker import LiveTracker, Roofline
+from memplan.probe.roofline import Roofline
+from memplan.probe.tracker import LiveTracker
 
 aten = torch.ops.aten
 PEAK = 1e12  # bf16 FLOP/s

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from profiles_factory import ChainSpec, raw_profile
 
-from memplan import memory, timing
+from memplan import memory, retime, timing
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.profile import Affine, Segment
 from memplan.solver import SolveRequest, least_peak, least_recompute_set, solve
@@ -122,7 +122,7 @@ def brute_force(profile, request, always, never):
     best, least = None, None
     for b in micro:
         k = per_rank // b
-        t = timing.micro_step_times(profile, b)
+        t = retime.micro_step_times(profile, b)
         tops, savings = segment_tops(profile, b, k), memory.savings_bytes(profile, b)
         for subset in subsets:
             peak = brute_peak(profile, b, subset, k, tops, savings)
@@ -256,7 +256,7 @@ def chain_problems(draw):
 @given(problem=chain_problems())
 def test_branch_and_bound_never_changes_the_answer(problem):
     profile, bounds, limit, never = problem
-    times = timing.micro_step_times(profile, bounds.micro_batch)
+    times = retime.micro_step_times(profile, bounds.micro_batch)
     cost = [timing.to_picoseconds(t) for t in times.fwd_seconds]
     fast = least_recompute_set(bounds, limit, cost, forced_out=never)
     slow = least_recompute_set(bounds, limit, cost, forced_out=never, prune=False)

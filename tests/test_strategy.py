@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from profiles_factory import uniform_chain
 
-from memplan import memory, timing
+from memplan import memory, retime, timing
 from memplan.collective import Collective
 from memplan.devices import DeviceSpec, Efficiency, load_device
 from memplan.emit import emit
@@ -478,5 +478,5 @@ def test_a_sharded_rank_steps_its_share_of_the_optimizer():
     for strategy in ("zero1", "zero2", "fsdp"):
         assert steps["ddp"] - steps[strategy] == pytest.approx(0.375, abs=1e-6)
     assert timing.with_optimizer_share(
-        timing.micro_step_times(profile, 1), 4, sharded=False
+        retime.micro_step_times(profile, 1), 4, sharded=False
     ).optimizer_step_seconds == pytest.approx(0.5)

@@ -141,7 +141,7 @@ def test_a_no_fit_paragraph_prints_once(tmp_path) -> None:
 
 
 def test_step_times_say_when_they_mean_nothing() -> None:
-    from memplan.timing import timing_caveat
+    from memplan.verify.single import timing_caveat
 
     assert timing_caveat([0.10, 0.11, 0.12], 0.5, 4) == ""
     # (0.2 − 0.1) / median 0.12 = 83%

@@ -21,6 +21,7 @@ from memplan.probe.alignment import (
     unique_params,
     window_peak,
 )
+from memplan.probe.clock_mix import fixed_clock, layer_clock, selective_clock
 from memplan.probe.layers import has_batchnorm, hf_blocks, own_params_owners, param_bytes
 from memplan.probe.session import Run, Session, SizeRuns
 from memplan.probe.sizes import TimedSize
@@ -119,6 +120,7 @@ def assemble(
         warnings=tuple(dict.fromkeys(warnings)),
         max_seq_len=session.model_file.max_seq_len,
         hf_blocks=hf_blocks(session.model),
+        fixed_clock=fixed_clock(fits.runs),
         shared_inputs=shared,
     )
 
@@ -220,6 +222,9 @@ def _layer(
         else 0,
         affine=is_affine,
         has_batchnorm=has_batchnorm(module),
+        fwd_clock=layer_clock(fits.runs, j, "fwd"),
+        bwd_clock=layer_clock(fits.runs, j, "bwd"),
+        selective_clock=selective_clock(fits.runs, j) if sel_timed else (),
     )
 
 

@@ -31,8 +31,9 @@ from memplan.probe.float8 import FLOAT8_DTYPES, Float8Conversion, time_casts_fus
 from memplan.probe.meta_attention import CPU, CUDA, MetaAttention
 from memplan.probe.meta_autocast import MetaAutocast
 from memplan.probe.meta_kernels import CONV_TARGET
+from memplan.probe.roofline import Roofline
 from memplan.probe.settings import ProbeSettings
-from memplan.probe.tracker import LiveTracker, Roofline
+from memplan.probe.tracker import LiveTracker
 from memplan.profile.data import TIMING_ROUNDS, timing_rounds_problem
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -186,6 +187,7 @@ class Backend:
                 memory_efficiency=spec.efficiency.memory,
                 attention_backward_efficiency=spec.efficiency.backward_attention,
                 float8_matmul_efficiency=spec.efficiency.float8_matmul_efficiency,
+                default_peak=self.precision,
             )
 
     # --------------------------------------------------------------------------- model

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memplan.devices import Measurement, nvml_handle
 from memplan.errors import BadInputError, CannotMeasureError
-from memplan.probe.tracker import ROOFLINE_FLOP_FORMULAS
+from memplan.probe.roofline import ROOFLINE_FLOP_FORMULAS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

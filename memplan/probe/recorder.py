@@ -67,6 +67,9 @@ class LayerRecord:
     bwd_live0: int = 0
     bwd_t0: float | None = None
     bwd_t1: float | None = None
+    clock: dict[str, dict[Any, tuple[float, float]]] = field(default_factory=dict)
+    """On the meta clock: its mix (``LiveTracker.clock_mix``) at each of the four times
+    above that was taken, by the time's name."""
     calls: int = 0
     inputs_late: list[tuple[int, bool]] = field(default_factory=list)
     """Per distinct storage of the layer's tensor inputs, in order: its bytes, and whether it
@@ -218,6 +221,11 @@ class Recorder:
     def _pos(self) -> int:
         return self.tracker.position if self.tracker is not None else 0
 
+    def _mix(self, rec: LayerRecord, time: str) -> None:
+        """Note the meta clock's mix at ``rec``'s ``time`` (nothing off meta)."""
+        if self.tracker is not None and self.tracker.roofline is not None:
+            rec.clock[time] = self.tracker.clock_mix()
+
     def _flops(self) -> float:
         return self.tracker.flops if self.tracker is not None else 0.0
 
@@ -229,6 +237,7 @@ class Recorder:
             if closing.bwd_t1 is None:
                 closing.bwd_t1 = self.clock()
                 closing.bwd_pos1 = self._pos()
+                self._mix(closing, "bwd_t1")
         self.held, self.active = held, active
         self.rec.marks.append(Mark(self._pos(), held, active, self._live()))
 
@@ -329,6 +338,7 @@ class Recorder:
                 if tensor.requires_grad:
                     tensor.register_hook(self._bwd_end(index))
             rec.fwd_t0 = self.clock()
+            self._mix(rec, "fwd_t0")
 
         return _owned(f"the forward pre-hook of layer {index}", hook)
 
@@ -338,6 +348,7 @@ class Recorder:
             if rec.calls > 1:
                 return
             rec.fwd_t1 = self.clock()
+            self._mix(rec, "fwd_t1")
             rec.post_pos, rec.post_live = self._pos(), self._live()
             rec.flops = self._flops() - rec.flops
             outputs = _tensors(output)
@@ -361,6 +372,7 @@ class Recorder:
             self._set_state(index, "bwd")
             rec = self.rec.layers[index]
             rec.bwd_t0 = self.clock()
+            self._mix(rec, "bwd_t0")
             rec.bwd_pos0, rec.bwd_live0 = self._pos(), self._live()
 
         return _owned(f"the backward hook of layer {index}", hook)

@@ -18,6 +18,7 @@ from memplan.probe.backends import Backend
 from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
+from memplan.probe.roofline import ClockKey
 from memplan.probe.tracker import LiveTracker, kept_tensors, resident_tensors
 from memplan.profile import LOSS_NOT_FINITE
 from memplan.run.training_state import (
@@ -41,6 +42,8 @@ class Run:
     peak_bytes: int
     virtual_seconds: float = 0.0
     ops: list[str] = field(default_factory=list)
+    clock_mix: dict[ClockKey, float] = field(default_factory=dict)
+    """The meta clock's seconds by what bounded them (``LiveTracker.clock_mix``)."""
 
     def segments(self) -> list[tuple[tuple[int, str], Series]]:
         """Per segment, in execution order: its key and its (live bytes, op names), the
@@ -204,7 +207,14 @@ class Session:
         tracker.track(resident_tensors(self.model, self.optimizer, batch))
         with tracker:
             record = self.micro_step(batch, tracker)
-        return Run(record, tracker.values, tracker.peak_bytes, tracker.virtual_seconds, tracker.ops)
+        return Run(
+            record,
+            tracker.values,
+            tracker.peak_bytes,
+            tracker.virtual_seconds,
+            tracker.ops,
+            tracker.clock_mix(),
+        )
 
     def tracked_optimizer_step(self, batch: Any) -> Run:
         tracker = self.backend.tracker(record=False)

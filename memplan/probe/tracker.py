@@ -24,132 +24,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
 from memplan.errors import CannotMeasureError, MemplanError, first_line, internal_failure
 from memplan.probe import shadow
 from memplan.probe.call_site import call_site
-from memplan.probe.float8 import FLOAT8_DTYPES, float8_bits, is_float8
-from memplan.probe.meta_kernels import FLOP_FORMULAS, META_KERNELS, REFUSAL_HINTS
+from memplan.probe.float8 import float8_bits, is_float8
+from memplan.probe.meta_kernels import META_KERNELS, REFUSAL_HINTS
+from memplan.probe.roofline import MEMORY_ONLY, ROOFLINE_FLOP_FORMULAS, ClockKey, Roofline
 from memplan.probe.shadow import tensors_in
 
 _EMPTY: dict[str, Any] = {}
-
-
-def _flop_formulas() -> dict[Any, Any]:
-    """torch.utils.flop_counter's formulas, plus ``_grouped_mm``'s and the CPU flash
-    attention kernel and its backward, which it lacks: the same FLOPs as the CUDA flash kernel's formulas (both
-    compute softmax(QKᵀ)V and its gradients; torch/utils/flop_counter.py sdpa_flop)."""
-    aten = torch.ops.aten
-    formulas = dict(flop_registry)
-    aliases = {
-        "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu_backward": (
-            "_scaled_dot_product_flash_attention_backward"
-        ),
-    }
-    for name, like in aliases.items():
-        if hasattr(aten, name) and getattr(aten, like, None) in formulas:
-            formulas.setdefault(getattr(aten, name), formulas[getattr(aten, like)])
-    for packet, formula in FLOP_FORMULAS.items():  # probe/meta_kernels.py: MoE matmuls
-        formulas.setdefault(packet, formula)
-    return formulas
-
-
-ROOFLINE_FLOP_FORMULAS = _flop_formulas()
-"""What the roofline counts each op's FLOPs with (memplan.probe.calibrate counts so too)."""
-
-
-class Roofline:
-    """Time of one op on a device spec: max(FLOPs / achievable FLOP/s, bytes / achievable
-    bandwidth), where achievable is the datasheet peak times the spec's efficiency for the
-    op's kind (memplan.devices.Efficiency): fused attention kernels at ``attention`` (their
-    backward kernels, ``*_backward``, at ``attention_backward``, which defaults to it), every
-    other op with counted FLOPs (matmuls, convolutions) at ``matmul``, and bytes at
-    ``memory``. A causal attention call is charged half its counted FLOPs: torch's formula
-    (torch/utils/flop_counter.py ``sdpa_flop_count``) counts the full QKᵀ and PV products,
-    while the kernels skip the masked half and their measured TFLOP/s (the FlashAttention
-    papers' convention) divide by the halved count."""
-
-    def __init__(
-        self,
-        *,
-        flops_by_dtype: dict[torch.dtype, float],
-        default_flops: float,
-        memory_bandwidth: float,
-        matmul_efficiency: float = 1.0,
-        attention_efficiency: float = 1.0,
-        memory_efficiency: float = 1.0,
-        attention_backward_efficiency: float | None = None,
-        float8_matmul_efficiency: float | None = None,
-    ) -> None:
-        self.flops_by_dtype = flops_by_dtype
-        self.default_flops = default_flops
-        self.memory_bandwidth = memory_bandwidth * memory_efficiency
-        self.matmul_efficiency = matmul_efficiency
-        self.attention_efficiency = attention_efficiency
-        self.attention_backward_efficiency = (
-            attention_efficiency
-            if attention_backward_efficiency is None
-            else attention_backward_efficiency
-        )
-        self.float8_matmul_efficiency = (
-            matmul_efficiency if float8_matmul_efficiency is None else float8_matmul_efficiency
-        )
-        self._kinds: dict[Any, tuple[bool, int | None, int | None, bool]] = {}
-
-    def _kind(self, func: Any) -> tuple[bool, int | None, int | None, bool]:
-        """(is a fused attention op, position of ``is_causal``, of ``custom_mask_type``, is
-        a backward kernel: ``_scaled_dot_product_flash_attention_backward``,
-        ``_efficient_attention_backward``, ...) in the op's schema, once per op."""
-        kind = self._kinds.get(func)
-        if kind is None:
-            name = func._overloadpacket.__name__
-            attention = "attention" in name
-            names = [a.name for a in func._schema.arguments] if attention else []
-            kind = (
-                attention,
-                names.index("is_causal") if "is_causal" in names else None,
-                names.index("custom_mask_type") if "custom_mask_type" in names else None,
-                attention and name.endswith("_backward"),
-            )
-            self._kinds[func] = kind
-        return kind
-
-    def _causal(self, func: Any, args: tuple, kwargs: dict) -> bool:
-        _, causal_at, mask_at, _ = self._kind(func)
-        for name, at in (("is_causal", causal_at), ("custom_mask_type", mask_at)):
-            if at is None:
-                continue
-            value = kwargs.get(name, args[at] if at < len(args) else None)
-            if value:  # True, or a causal mask type (1: from the top left, 2: bottom right)
-                return True
-        return False
-
-    def seconds(
-        self,
-        flops: float,
-        bytes_moved: int,
-        dtype: torch.dtype | None,
-        func: Any = None,
-        args: tuple = (),
-        kwargs: dict | None = None,
-    ) -> float:
-        peak = self.flops_by_dtype.get(dtype, self.default_flops) if dtype else self.default_flops
-        kind = self._kind(func) if flops and func is not None else None
-        if kind is not None and kind[0]:
-            if self._causal(func, args, kwargs or _EMPTY):
-                flops = flops / 2
-            efficiency = (
-                self.attention_backward_efficiency if kind[3] else self.attention_efficiency
-            )
-            compute = flops / (peak * efficiency)
-        else:
-            efficiency = (
-                self.float8_matmul_efficiency if dtype in FLOAT8_DTYPES else self.matmul_efficiency
-            )
-            compute = flops / (peak * efficiency)
-        return max(compute, bytes_moved / self.memory_bandwidth)
 
 
 _UNSAFE_VIEW = torch.ops.aten._unsafe_view.default
@@ -263,6 +147,8 @@ class LiveTracker(TorchDispatchMode):
         ``FusedRegion``), not one kernel each (only with ``roofline``)."""
         self._region = FusedRegion()
         self._seconds = 0.0
+        self._mix: dict[ClockKey, list[float]] = {}
+        """Per ``ClockKey``: the seconds of its ops' FLOPs and of their bytes."""
         self.fused_bytes = 0
         """Bytes the closed fused regions moved (with ``fused``)."""
         self.live_bytes = 0
@@ -289,15 +175,38 @@ class LiveTracker(TorchDispatchMode):
         if self._region.pending():
             moved = self._region.close()
             self.fused_bytes += moved
-            self._seconds += moved / self.roofline.memory_bandwidth
+            seconds = moved / self.roofline.memory_bandwidth
+            self._charge(seconds, MEMORY_ONLY, 0.0, seconds)
         return self._seconds
 
     @virtual_seconds.setter
     def virtual_seconds(self, value: float) -> None:
         """Set the clock: what the open region holds is replaced by ``value`` (a cast timed
-        as a whole, memplan.probe.float8)."""
+        as a whole, memplan.probe.float8, a memory-bound kernel: the change is the memory
+        rate's)."""
         self._region = FusedRegion()
+        change = value - self._seconds
         self._seconds = value
+        self._mix.setdefault(MEMORY_ONLY, [0.0, 0.0])[1] += change
+
+    def _charge(self, seconds: float, key: ClockKey, compute: float, memory: float) -> None:
+        self._seconds += seconds
+        entry = self._mix.setdefault(key, [0.0, 0.0])
+        entry[0] += compute
+        entry[1] += memory
+
+    def clock_mix(self) -> dict[ClockKey, tuple[float, float]]:
+        """The clock so far as ``ClockKey`` bins, each with its ops' FLOPs' and bytes'
+        seconds; the ops with no FLOPs under ``("memory", None, the memory rate, None)``;
+        empty without a roofline."""
+        if self.roofline is None:
+            return {}
+        self.virtual_seconds  # noqa: B018  (closes an open fused region)
+        memory = ("memory", None, self.roofline.memory_bandwidth, None)
+        out = {memory: (0.0, 0.0)}
+        for key, (c, m) in self._mix.items():
+            out[memory if key == MEMORY_ONLY else key] = (c, m)
+        return out
 
     # ------------------------------------------------------------------ storage accounting
     def _free(self, key: int) -> None:
@@ -428,8 +337,11 @@ class LiveTracker(TorchDispatchMode):
         if self.fused and not op_flops and not _no_kernel(func):
             self._region.add(inputs, outputs)
         elif self.roofline is not None and not _no_kernel(func):
-            self.virtual_seconds += self.roofline.seconds(
-                op_flops, moved, _timed_dtype(op_flops, args, outputs), func, args, kwargs
+            self.virtual_seconds  # noqa: B018  (a matmul closes the fused region before it)
+            self._charge(
+                *self.roofline.charge(
+                    op_flops, moved, _timed_dtype(op_flops, args, outputs), func, args, kwargs
+                )
             )
         if cache is not None:
             cache.store(key, args, kwargs, out, op_flops, moved)
@@ -449,8 +361,9 @@ class LiveTracker(TorchDispatchMode):
             self._region.add(tensors_in((args, kwargs), []), outputs)
         elif self.roofline is not None and not _no_kernel(func):
             dtype = _timed_dtype(entry.flops, args, outputs)
-            self.virtual_seconds += self.roofline.seconds(
-                entry.flops, entry.moved_bytes, dtype, func, args, kwargs
+            self.virtual_seconds  # noqa: B018  (a matmul closes the fused region before it)
+            self._charge(
+                *self.roofline.charge(entry.flops, entry.moved_bytes, dtype, func, args, kwargs)
             )
         return out
 

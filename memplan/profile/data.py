@@ -230,6 +230,14 @@ class Layer:
     """False when a quantity's fit residual exceeds the probe's tolerance: flagged, and
     extrapolation from it is not trusted."""
     has_batchnorm: bool = False
+    fwd_clock: tuple[ClockMix, ...] = ()
+    """A meta probe's clock over the layer's forward (``fwd_seconds``), in bins, at the
+    smallest and the largest probed size; empty: not a meta probe, or an older profile."""
+    bwd_clock: tuple[ClockMix, ...] = ()
+    """The same over its backward (``bwd_seconds``)."""
+    selective_clock: tuple[ClockMix, ...] = ()
+    """The same over what selective checkpointing adds (``selective_recompute_seconds``);
+    empty: not measured (then re-timed as its forward)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -243,6 +251,42 @@ class SharedInput:
     """Its storage's bytes."""
     layers: tuple[int, ...]
     """Indices of the candidate layers it is an input of, ascending."""
+
+
+ClockKind = Literal["memory", "matmul", "float8_matmul", "attention", "attention_backward"]
+
+
+ClockKind = Literal["memory", "matmul", "float8_matmul", "attention", "attention_backward"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClockShare:
+    """A bin of a meta probe's clock (memplan.probe.roofline.Roofline) over one stretch of
+    a micro-step: ops of one FLOP kind, run at one peak, whose FLOPs' and bytes' seconds
+    stand within 2^(1/4) of one ratio; or the ops with no FLOPs. Another spec re-times the
+    stretch from its bins (memplan.retime)."""
+
+    kind: ClockKind
+    """The spec efficiency their FLOPs ran at; ``memory``: ops with no FLOPs."""
+    peak: Literal["fp32", "bf16", "fp16", "float8"] | None
+    """The spec's peak their FLOPs ran at (None for ``memory``)."""
+    flop_rate: float
+    """Their FLOPs' achievable rate on the clock, FLOP/s (0 for ``memory``)."""
+    memory_rate: float
+    """The clock's achievable memory rate, bytes/s."""
+    compute: float
+    """Seconds of their FLOPs at ``flop_rate``."""
+    memory: float
+    """Seconds of their bytes at ``memory_rate`` (each op took the longer of its two)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClockMix:
+    """A stretch of a meta probe's micro-step at one probed size, in bins."""
+
+    micro_batch: int
+    bins: tuple[ClockShare, ...]
+    """By kind, peak, rate and their FLOPs' seconds over their bytes'."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -435,6 +479,11 @@ class Profile:
     """The blocks Hugging Face's own ``gradient_checkpointing_enable()`` checkpoints (each
     module of a ``_no_split_modules`` class that transformers checkpoints), by
     fully-qualified name; empty for a model that is not a transformers model."""
+    fixed_clock: tuple[ClockMix, ...] = ()
+    """A meta probe's clock over the micro-step outside the layers (``step_fixed_seconds``:
+    the fixed parts, the loss), in bins, at the smallest and the largest probed size; empty
+    (or a layer's clock empty): not a meta probe, or a profile written before memplan
+    recorded it (then another spec re-times it from FLOPs and bytes per layer)."""
     shared_inputs: tuple[SharedInput, ...] = ()
     """Tensors made outside the candidate layers and passed to several of them; segments
     name those the plain run holds (``Segment.shared_live``). Empty: none, or a profile

@@ -14,6 +14,7 @@ from memplan.profile.data import (
     LOSS_NOT_FINITE,
     PROFILE_SCHEMA_VERSION,
     Affine,
+    ClockShare,
     Profile,
     point_at,
     timing_rounds_problem,
@@ -151,6 +152,42 @@ def _grid_problem(profile: Profile) -> tuple[str, str] | None:
     return None
 
 
+def _clock_problem(profile: Profile) -> tuple[str, str] | None:
+    """A clock in bins no meta clock records (``fixed_clock``, each layer's ``fwd_clock``
+    and ``bwd_clock``): sizes not ascending, a rate at or below zero, negative seconds, or
+    a FLOP kind without its peak (or ``memory`` with FLOPs)."""
+    clocks = [("profile.fixed_clock", profile.fixed_clock)]
+    for j, layer in enumerate(profile.layers):
+        clocks += [(f"profile.layers[{j}].{n}", getattr(layer, n)) for n in _CLOCKS]
+    for path, clock in clocks:
+        sizes = [mix.micro_batch for mix in clock]
+        if sizes != sorted(set(sizes)) or (sizes and sizes[0] < 1):
+            return path, f"has micro-batches {sizes}, not ascending sizes"
+        for m, mix in enumerate(clock):
+            for i, share in enumerate(mix.bins):
+                problem = _bin_problem(share)
+                if problem is not None:
+                    return f"{path}[{m}].bins[{i}]{problem[0]}", problem[1]
+    return None
+
+
+_CLOCKS = ("fwd_clock", "bwd_clock", "selective_clock")
+
+
+def _bin_problem(share: ClockShare) -> tuple[str, str] | None:
+    memory = share.kind == "memory"
+    if not share.memory_rate > 0:
+        return ".memory_rate", f"is {share.memory_rate}, not a rate"
+    if memory != (share.peak is None) or (memory and (share.flop_rate or share.compute)):
+        return "", f"is {share.kind} with peak {share.peak} and FLOPs' seconds"
+    if not memory and not share.flop_rate > 0:
+        return ".flop_rate", f"is {share.flop_rate}, not a rate"
+    for name in ("compute", "memory"):
+        if getattr(share, name) < 0:
+            return f".{name}", f"is {getattr(share, name)}, negative seconds"
+    return None
+
+
 def profile_problem(profile: Profile) -> tuple[str, str] | None:
     """``(field path, what is wrong)`` for the first value no measurement can produce —
     negative bytes or times, an empty timeline, a byte fit negative at sizes the solver
@@ -166,7 +203,7 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
             return "profile.max_seq_len", f"is {profile.max_seq_len}, not a length"
         if profile.seq_len is not None and profile.seq_len > profile.max_seq_len:
             return "profile.seq_len", f"is {profile.seq_len}, past max_seq_len"
-    problem = _grid_problem(profile) or _affine_problem(profile)
+    problem = _grid_problem(profile) or _affine_problem(profile) or _clock_problem(profile)
     if problem is not None:
         return problem
     rounds = profile.environment.timing_rounds

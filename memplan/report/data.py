@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from memplan import host_link, memory, timing
+from memplan import host_link, memory, retime, timing
 from memplan.devices import DeviceSpec
 from memplan.memory import Reserve, Sharding
 from memplan.modes import FULL, KEEP, OFFLOAD
@@ -354,8 +354,8 @@ def plan_report(
             f"says {plan.predicted.peak_bytes:,}: the profile changed since the plan was "
             "solved, or another device spec was used. The charts show the profile's figures."
         )
-    source, _ = timing.choose_timing_source(profile, device_spec, "auto")
-    times = timing.micro_step_times(
+    source, _ = retime.choose_timing_source(profile, device_spec, "auto")
+    times = retime.micro_step_times(
         profile, plan.micro_batch_size, source=source, device_spec=device_spec
     )
     if OFFLOAD in chosen.values():  # timed as the solver times it: the host link's rate
@@ -393,8 +393,8 @@ def profile_report(profile: Profile, *, device_spec: DeviceSpec | None = None) -
     line = predicted_timeline(
         profile, micro, frozenset(), 1, reserve=memory.reserve_for(profile, device_spec)
     )
-    source, _ = timing.choose_timing_source(profile, device_spec, "auto")
-    times = timing.micro_step_times(profile, micro, source=source, device_spec=device_spec)
+    source, _ = retime.choose_timing_source(profile, device_spec, "auto")
+    times = retime.micro_step_times(profile, micro, source=source, device_spec=device_spec)
     env = profile.environment
     return Report(
         title=(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memplan import timing
+from memplan import retime
 from memplan.errors import BadInputError, NoPlanFitsError
 from memplan.files.schema import to_data
 from memplan.profile import Profile
@@ -77,11 +77,14 @@ def precision_label(profile: Profile) -> str:
 def timing_basis(profile: Profile, request: SolveRequest) -> str:
     """What the profile's step times under ``request`` are measured or computed on: two
     profiles' times compare only on one basis."""
-    source, _ = timing.choose_timing_source(profile, request.device_spec, request.timing)
+    source, _ = retime.choose_timing_source(profile, request.device_spec, request.timing)
     env = profile.environment
     if source == "roofline":
         assert request.device_spec is not None  # roofline needs a spec
         return f"roofline from FLOPs against {request.device_spec.name}"
+    if source == "rescaled":  # the clock the spec would give (memplan.retime)
+        assert request.device_spec is not None
+        return f"meta clock against {request.device_spec.name}"
     if env.device == "meta":
         return f"meta clock against {env.device_profile or 'no device spec'}"
     return f"measured on {env.device_name or env.device}"

@@ -9,7 +9,7 @@ import fnmatch
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from memplan import host_link, memory, timing
+from memplan import host_link, memory, retime, timing
 from memplan.collective import Collective
 from memplan.errors import BadInputError
 from memplan.memory import Peak, Reserve, Sharding
@@ -309,7 +309,7 @@ def _evaluate(
         modes=ctx.modes,
         host_limit_bytes=ctx.request.host_memory_bytes,
     )
-    times = timing.micro_step_times(
+    times = retime.micro_step_times(
         profile, micro_batch, source=ctx.timing_source, device_spec=ctx.request.device_spec
     )
     times = timing.with_optimizer_share(

@@ -209,7 +209,7 @@ class SolveRequest:
     device: str | None = None
     """Label for the plan's device; default: the spec's name, else the profile's device."""
     timing: TimingMode = "auto"
-    """``auto``, ``measured`` or ``roofline`` (see memplan.timing.choose_timing_source)."""
+    """``auto``, ``measured`` or ``roofline`` (see memplan.retime.choose_timing_source)."""
     model_path: str | None = None
     """Model file named in the plan; default: the profile's (``path`` or ``path:factory``)."""
     profile_path: str = ""

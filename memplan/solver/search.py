@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memplan import memory, timing
+from memplan import memory, retime, timing
 from memplan.errors import BadInputError
 from memplan.plan import STRATEGIES, Plan
 from memplan.profile import Profile
@@ -96,7 +96,7 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
         ),
         request.communicators,
     )
-    source, source_reason = timing.choose_timing_source(
+    source, source_reason = retime.choose_timing_source(
         profile, request.device_spec, request.timing
     )
     bandwidth, bandwidth_source = timing.interconnect_bandwidth(request.device_spec)

@@ -6,7 +6,7 @@ holds for a GEMM only while it stays compute-bound. A split linear's three GEMMs
 memplan.probe.tp_gemms), so a narrow one turns memory-bound: Llama 3.1 8B's key and value
 projections at TP 8 are 128 wide on a rank, and their GEMMs read the whole 4,096-wide input
 to do 1/8 of the work. Each GEMM is re-timed here on the device spec's roofline (as a meta
-probe's clock times it, memplan.probe.tracker.Roofline: max of FLOPs at the GEMM rate and
+probe's clock times it, memplan.probe.roofline.Roofline: max of FLOPs at the GEMM rate and
 bytes at the memory rate) at the rank's shape, and what that adds to 1/t of its whole time
 is added to the block's forward (the forward GEMM), backward (input and weight gradients),
 full recompute (the forward again) and selective recompute (the GEMMs the policy re-runs).

@@ -18,7 +18,7 @@ import itertools
 import math
 import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,6 @@ from memplan.model.loader import ModelFile, load_model_file
 from memplan.plan import Plan
 from memplan.probe.backends import make_backend
 from memplan.probe.tracker import resident_tensors
-from memplan.timing import timing_caveat
 from memplan.units import format_bytes
 from memplan.verify.grad_check import (
     TOLERANCE,
@@ -473,3 +472,27 @@ def last_step_timeline(
         for a, b in itertools.pairwise(starts)
     )
     return (*pieces, tuple(values[step_marks[-1] :])), forward_ops
+
+
+STEP_SPREAD_LIMIT = 0.25
+"""(slowest − fastest) / median of the timed steps above which one step time means little."""
+
+
+def timing_caveat(samples: Iterable[float], load_average: float | None, cpu_count: int) -> str:
+    """Why measured step times cannot judge the predicted one, or '': the machine's load
+    above its cores (other work took the CPU) or the timed steps spreading by more than
+    ``STEP_SPREAD_LIMIT`` of their median."""
+    times = sorted(samples)
+    reasons = []
+    if load_average is not None and load_average > cpu_count:
+        reasons.append(f"the machine's load {load_average:.1f} exceeds its {cpu_count} core(s)")
+    if len(times) >= 2:
+        median = (
+            times[len(times) // 2]
+            if len(times) % 2
+            else sum(times[len(times) // 2 - 1 : len(times) // 2 + 1]) / 2
+        )
+        spread = (times[-1] - times[0]) / median if median > 0 else 0.0
+        if spread > STEP_SPREAD_LIMIT:
+            reasons.append(f"the {len(times)} timed steps spread by {spread:.0%} of their median")
+    return " and ".join(reasons)

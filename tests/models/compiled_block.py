@@ -48,7 +48,8 @@ def main() -> None:
     import torch._inductor.config as inductor_config
     import torch._inductor.metrics as metrics
 
-    from memplan.probe.tracker import LiveTracker, Roofline
+    from memplan.probe.roofline import Roofline
+    from memplan.probe.tracker import LiveTracker
 
     layer, x, step = build()
     roofline = Roofline(flops_by_dtype={}, default_flops=1e30, memory_bandwidth=1.0)
