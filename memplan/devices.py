@@ -113,6 +113,23 @@ class DeviceSpec:
     efficiency: Efficiency = Efficiency()
     """Achievable fractions of the peaks (:class:`Efficiency`); all 1.0 when not given."""
 
+    def __post_init__(self) -> None:
+        """Capacities, peaks and rates are above 0 (a link may be 0: unknown); before, a
+        spec with ``memory_bytes: -5`` was taken and a budget of 80% of it blamed
+        ``budget_bytes``."""
+        positive = ("memory_bytes", "bf16_flops", "fp16_flops", "fp32_flops", "fp8_flops")
+        for name in (*positive, "memory_bandwidth", "compute_capability"):
+            value = getattr(self, name)
+            optional = name not in ("fp32_flops", "memory_bandwidth")
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} is {value!r}; it must be a number above 0")
+        for name in ("interconnect_bandwidth", "host_link_bandwidth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ValueError(f"{name} is {value!r}; it must be 0 (unknown) or above")
+
     def peak_flops(self, precision: str) -> float:
         value = {
             "bf16": self.bf16_flops,

@@ -154,3 +154,57 @@ def test_a_plan_too_big_for_the_machine_cannot_be_measured_not_a_model_error(tmp
     assert result.exit_code == 3, result.output
     assert "cannot be run here" in " ".join(result.output.split())
     assert "make_batch" not in result.output
+
+
+# ------------------------------------------------------------------ a loss with nothing to train
+_NO_GRAD_LOSS = """
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+
+def make_batch(batch_size):
+    return torch.randn(batch_size, 4)
+
+def training_loss(model, batch):
+    {body}
+"""
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "return model(batch).sum().detach()",
+        "return torch.tensor(1.0)",
+        "with torch.no_grad():\n        return model(batch).sum()",
+    ],
+)
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_loss_no_parameter_reaches_is_a_model_file_error(tmp_path, body, device):
+    # before: autograd's RuntimeError ("element 0 of tensors does not require grad") as a
+    # traceback, exit 1 (the "does not fit" code)
+    path = tmp_path / "nograd.py"
+    path.write_text(_NO_GRAD_LOSS.format(body=body))
+    result = invoke("probe", path, "--device", device, "-o", tmp_path / "p.yaml")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "training_loss(model, batch) is a loss that no trainable parameter reaches" in text
+    assert "Traceback" not in result.output and not (tmp_path / "p.yaml").exists()
+
+
+def test_plan_model_refuses_a_loss_no_parameter_reaches():
+    import torch
+
+    import memplan
+    from memplan.errors import ModelFileError
+
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(ModelFileError, match=r"constant\(model, batch\) is a loss that no"):
+
+        def constant(model, batch):
+            return torch.tensor(1.0)
+
+        memplan.plan_model(
+            model, torch.randn(4, 4), loss_fn=constant, budget="1GiB", target_batch=4
+        )

@@ -314,10 +314,16 @@ def test_a_nan_loss_names_what_the_script_passed(as_function, loss, asks):
 
     model = blocks_model() if loss is not None else _LossModel(blocks_model())
     batch = sample if as_function else (x, y)
-    profile = profile_model(model, batch, loss_fn=loss, micro_batches=(1, 2), timing_rounds=1)
+    with pytest.warns(UserWarning, match="memplan: The training loss was nan") as said:
+        profile = profile_model(model, batch, loss_fn=loss, micro_batches=(1, 2), timing_rounds=1)
     first = [w for w in profile.warnings if "loss was nan at micro-batch 1" in w]
     assert len(first) == 1 and asks in first[0], profile.warnings
     assert "make_batch" not in first[0]
+    # said in the script as a Python warning, as `memplan probe` prints it; before, silent
+    nan = [w for w in profile.warnings if "loss was nan" in w]
+    assert [str(w.message) for w in said if "loss was nan" in str(w.message)] == [
+        f"memplan: {w}" for w in nan
+    ]
 
 
 class _LossModel(torch.nn.Module):
@@ -445,3 +451,19 @@ def test_plan_model_plans_a_compiled_step_on_meta_and_refuses_it_elsewhere(monke
         memplan.plan_model(
             blocks_model(), (x, y), loss_fn=mse, budget="1GiB", target_batch=TARGET, compiled=True
         )
+
+
+def test_a_function_from_another_module_is_named_where_it_lives(tmp_path, monkeypatch):
+    # the loss is imported from losses.py and passed from this test file: the message and
+    # the hint name losses.py. Before, the hint said "Fix bad() in" the calling script.
+    (tmp_path / "losses_elsewhere.py").write_text(
+        "def bad(model, batch):\n    raise ValueError('user bug in losses_elsewhere.py')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from losses_elsewhere import bad
+
+    with pytest.raises(ModelFileError) as raised:
+        memplan.plan_model(blocks_model(), data(4), loss_fn=bad, budget="1GiB", target_batch=4)
+    where = str(tmp_path / "losses_elsewhere.py")
+    assert raised.value.message.startswith(f"{where}:2: bad() raised ValueError")
+    assert raised.value.hint == f"Fix bad() in {where}; memplan runs it as a training script would."

@@ -26,6 +26,7 @@ from memplan.profile import profile_to_yaml
 from memplan.report import report_for_plan
 from memplan.solver import LayoutRequest, SolveRequest, SolveRequestError, solve
 from memplan.solver.parallel import solve_layout
+from memplan.units import format_bytes
 
 
 def _profile(n: int = 4, *, hf: bool = True):
@@ -292,7 +293,10 @@ def test_a_prime_world_says_neither_tp_nor_stages_could_divide_it():
     assert "no degree from 2 to --gpus-per-node 8 divides 11 ranks; a multiple of 8" in hint
     assert "no degree from 2 to the model's 4 blocks divides 11 ranks" in hint
     assert "--layout auto" not in hint and "larger --tp" not in hint
-    assert hint.endswith("Try more ranks, a larger --budget, or a smaller --target-batch.")
+    # 22 ranks let TP 2 split the blocks: offered with what they would need; at a budget of
+    # 1 byte no smaller target helps, so none is offered
+    assert "Try more ranks (22 need " in hint and hint.endswith("a rank); a larger --budget.")
+    assert "--target-batch" not in hint and "DDP keeps" not in hint
 
 
 def test_auto_says_why_tp_and_stages_were_not_searched_on_this_profile():
@@ -312,7 +316,7 @@ def test_auto_says_why_tp_and_stages_were_not_searched_on_this_profile():
 def test_fixed_degrees_suggest_the_search_and_a_larger_degree_only_where_one_runs():
     tiny = dataclasses.replace(_request(target=8, world=8), budget_bytes=1)
     hint = _refusal(_tp_profile(), tiny, LayoutRequest(tp=2))
-    assert hint.startswith("Try --layout auto, to search every tp × pp × dp of the ranks;")
+    assert "Try --layout auto, to search every tp × pp × dp of the ranks;" in hint
     assert "a larger --tp" in hint and "a larger --pp" not in hint
     # tp 8 is the node: no larger TP; pp 2 of 4 blocks on 8 ranks: pp 4 would run
     hint = _refusal(_tp_profile(), tiny, LayoutRequest(tp=8))
@@ -356,3 +360,71 @@ def test_a_larger_fixed_degree_is_suggested_only_where_the_other_fixed_ones_leav
     assert "a larger --tp" not in hint and "a larger --pp" not in hint
     hint = _refusal(_tp_profile(), tiny, LayoutRequest(tp=2, pp=2))
     assert "a larger --tp" in hint and "a larger --pp" in hint
+
+
+# a layout every combination of degrees leaves out says why, per combination ----------------
+
+
+def test_one_shard_of_a_params_profile_is_named_not_the_divisibility_rules(tmp_path):
+    # probed with bf16 parameters (FSDP's mixed-precision policy): tp 8 on 8 ranks leaves
+    # one shard. Before, the refusal told the user to make the degrees divide the world and
+    # keep tp within a node, which they did.
+    profile = _tp_profile(8)
+    env = dataclasses.replace(profile.environment, precision="bf16", mixed_precision="params")
+    params = dataclasses.replace(profile, environment=env)
+    for args in (["--world-size", "8", "--tp", "8"], ["--world-size", "1", "--layout", "auto"]):
+        result = _cli(tmp_path, params, "--target-batch", "8", "--strategy", "fsdp", *args)
+        text = " ".join(result.output.split())
+        assert result.exit_code == 2, result.output
+        assert "leaves 1 data-parallel shard" in text and "--mixed-precision params" in text
+        assert "Make the degrees divide" not in text
+    # degrees that do not divide the world still say so, and the rules stand in the hint
+    with pytest.raises(BadInputError, match=r"tp 2 × pp 1 × cp 1 does not divide 3 ranks"):
+        solve_layout(profile, _request(target=3, world=3), LayoutRequest(tp=2))
+
+
+def _least(profile, request, ask):
+    from memplan.solver.parallel import least_layout_peak
+
+    return least_layout_peak(profile, request, ask)[0]
+
+
+def test_more_ranks_and_a_smaller_target_are_offered_only_where_they_help():
+    # Before, every refusal ended "Try more ranks, a larger --budget, or a smaller
+    # --target-batch", tried or not: a user took them and got the same refusal.
+    profile = _profile(4, hf=False)  # no TP measurement, no stages: dp alone
+    ddp = _request(target=16, world=2)  # DDP replicas: the model state whole on each
+    least = _least(profile, ddp, LayoutRequest(auto=True))
+    fewer = _least(profile, dataclasses.replace(ddp, target_batch=2), LayoutRequest(auto=True))
+    assert fewer < least  # micro-batch 1 instead of 8: a smaller target needs less
+    between = dataclasses.replace(ddp, budget_bytes=(fewer + least) // 2, margin=0.0)
+    hint = _refusal(profile, between, LayoutRequest(auto=True))
+    assert f"a smaller --target-batch (2 needs {format_bytes(fewer)})" in hint
+    # DDP: 4 ranks keep the same state a rank and the same batch a rank: not offered
+    assert "Try more ranks" not in hint and "; more ranks" not in hint
+    assert "DDP keeps every parameter, gradient and optimizer state whole" in hint
+    # below what micro-batch 1 needs, a smaller target is not offered either
+    below = dataclasses.replace(ddp, budget_bytes=fewer // 2, margin=0.0)
+    hint = _refusal(profile, below, LayoutRequest(auto=True))
+    assert "--target-batch" not in hint and hint.endswith("Try a larger --budget.")
+    # FSDP over twice the ranks shards the state further: offered, with its figure
+    fsdp = dataclasses.replace(below, strategy="fsdp")
+    twice = dataclasses.replace(fsdp, world_size=4, target_batch=32)
+    more = _least(profile, twice, LayoutRequest(auto=True))
+    assert more < _least(profile, fsdp, LayoutRequest(auto=True))
+    hint = _refusal(profile, fsdp, LayoutRequest(auto=True))
+    assert f"more ranks (4 need {format_bytes(more)} a rank)" in hint and "DDP" not in hint
+
+
+def test_auto_strategy_searches_ddp_layouts_for_an_autocast_profile():
+    # bf16 autocast over fp32 parameters: FSDP's mixed-precision memory is not measured, so
+    # --layout auto --strategy auto searches DDP layouts. Before, it refused the profile
+    # ("probe again with --mixed-precision params") where --strategy auto alone planned it.
+    profile = _tp_profile(4)
+    env = dataclasses.replace(profile.environment, precision="bf16", mixed_precision="autocast")
+    autocast = dataclasses.replace(profile, environment=env)
+    result = solve_layout(
+        autocast, _request(target=8, world=4, strategy="auto"), LayoutRequest(auto=True)
+    )
+    assert result.plan.strategy == "ddp"
+    assert {o.parallel.dp_shard for o in result.options} == {1}

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from profiles_factory import ChainSpec
 
-from memplan import timing
+from memplan import retime, timing
 from memplan.devices import DeviceSpec, Efficiency, load_device
 from memplan.errors import BadInputError, ProfileError
 from memplan.profile import Affine, Environment
@@ -38,7 +38,7 @@ def spec(**kwargs):
 
 def test_step_seconds_by_hand():
     profile = spec().profile()
-    times = timing.micro_step_times(profile, 4)
+    times = retime.micro_step_times(profile, 4)
     # fwd per layer: 1, 2, 0.5 s at b = 4; bwd twice that; fixed 0.125; optimizer 0.5.
     assert times.fwd_seconds == (1.0, 2.0, 0.5)
     assert times.bwd_seconds == (2.0, 4.0, 1.0)
@@ -53,12 +53,12 @@ def test_negative_fitted_time_is_clamped_to_zero():
     profile = dataclasses.replace(
         spec().profile(), step_fixed_seconds=Affine(intercept=-1.0, slope=0.1)
     )
-    assert timing.micro_step_times(profile, 2).fixed_seconds == 0.0
+    assert retime.micro_step_times(profile, 2).fixed_seconds == 0.0
 
 
 def test_auto_uses_measured_times():
     profile = spec().profile()
-    source, reason = timing.choose_timing_source(profile, GPU)
+    source, reason = retime.choose_timing_source(profile, GPU)
     assert source == "measured"
     assert "measured" in reason
 
@@ -76,12 +76,12 @@ def meta_profile(device_profile="a100-80gb"):
 
 
 def test_meta_profile_for_another_device_is_timed_by_roofline():
-    source, reason = timing.choose_timing_source(meta_profile(), GPU)
+    source, reason = retime.choose_timing_source(meta_profile(), GPU)
     assert source == "roofline"
     assert "Test GPU" in reason
     # Same spec as the probe used: its times stand.
-    assert timing.choose_timing_source(meta_profile("testgpu"), GPU)[0] == "measured"
-    assert timing.choose_timing_source(meta_profile(), None)[0] == "measured"
+    assert retime.choose_timing_source(meta_profile("testgpu"), GPU)[0] == "measured"
+    assert retime.choose_timing_source(meta_profile(), None)[0] == "measured"
 
 
 def test_the_roofline_reason_names_the_default_spec_a_bare_meta_probe_was_timed_against():
@@ -93,12 +93,12 @@ def test_the_roofline_reason_names_the_default_spec_a_bare_meta_probe_was_timed_
         bare,
         environment=dataclasses.replace(bare.environment, device_name="meta (timed as h100-80gb)"),
     )
-    source, reason = timing.choose_timing_source(bare, GPU)
+    source, reason = retime.choose_timing_source(bare, GPU)
     assert source == "roofline"
     assert reason.endswith(
         "timed against memplan's default spec, h100-80gb (the probe was given no --device-profile)"
     ), reason
-    assert timing.choose_timing_source(meta_profile(None), GPU)[1].endswith(
+    assert retime.choose_timing_source(meta_profile(None), GPU)[1].endswith(
         "timed against no device spec"
     )
 
@@ -115,11 +115,11 @@ def test_a_meta_profile_knows_its_spec_by_its_numbers_wherever_the_file_is():
         profile,
         environment=dataclasses.replace(profile.environment, device_spec_digest=spec_digest(GPU)),
     )
-    assert timing.choose_timing_source(profile, GPU)[0] == "roofline"
-    assert timing.choose_timing_source(with_digest, GPU)[0] == "measured"
-    assert timing.choose_timing_source(with_digest, renamed)[0] == "measured"
+    assert retime.choose_timing_source(profile, GPU)[0] == "roofline"
+    assert retime.choose_timing_source(with_digest, GPU)[0] == "measured"
+    assert retime.choose_timing_source(with_digest, renamed)[0] == "measured"
     slower = dataclasses.replace(GPU, efficiency=Efficiency(matmul=0.5))
-    assert timing.choose_timing_source(with_digest, slower)[0] == "roofline"
+    assert retime.choose_timing_source(with_digest, slower)[0] == "roofline"
 
 
 @given(
@@ -185,19 +185,19 @@ def test_a_meta_clock_survives_a_spec_with_another_interconnect(tmp_path):
             profile,
             environment=dataclasses.replace(profile.environment, device_spec_digest=digest),
         )
-        assert timing.choose_timing_source(recorded, GPU)[0] == "measured"
+        assert retime.choose_timing_source(recorded, GPU)[0] == "measured"
     recorded = dataclasses.replace(
         profile,
         environment=dataclasses.replace(profile.environment, device_spec_digest=spec_digest(GPU)),
     )
-    assert timing.choose_timing_source(recorded, pcie)[0] == "measured"
+    assert retime.choose_timing_source(recorded, pcie)[0] == "measured"
     faster = dataclasses.replace(pcie, bf16_flops=2 * GPU.bf16_flops)
-    assert timing.choose_timing_source(recorded, faster)[0] == "roofline"
+    assert retime.choose_timing_source(recorded, faster)[0] == "roofline"
 
 
 def test_roofline_times_by_hand():
     profile = meta_profile()  # fp32, layer 0: 0.25e9 FLOPs per sample, 1 param byte
-    times = timing.micro_step_times(profile, 4, source="roofline", device_spec=GPU)
+    times = retime.micro_step_times(profile, 4, source="roofline", device_spec=GPU)
     flops = 1e9 * 4 * 0.25
     compute = flops / 1e12  # GPU has no efficiency: the datasheet peak itself
     moved = 1 + 4 * 8 + 4 * 100  # params + input (embedding output) + saved
@@ -210,7 +210,7 @@ def test_roofline_times_by_hand():
 
 def test_roofline_without_a_spec_is_a_bad_input():
     with pytest.raises(BadInputError):
-        timing.choose_timing_source(spec().profile(), None, "roofline")
+        retime.choose_timing_source(spec().profile(), None, "roofline")
 
 
 def test_bf16_on_a_device_without_it_is_a_bad_input():
@@ -219,7 +219,7 @@ def test_bf16_on_a_device_without_it_is_a_bad_input():
     env = dataclasses.replace(profile.environment, precision="bf16")
     profile = dataclasses.replace(profile, environment=env)
     with pytest.raises(BadInputError, match="bf16"):
-        timing.micro_step_times(profile, 2, source="roofline", device_spec=no_bf16)
+        retime.micro_step_times(profile, 2, source="roofline", device_spec=no_bf16)
 
 
 def test_identical_layers_share_their_mean_time():
@@ -229,7 +229,7 @@ def test_identical_layers_share_their_mean_time():
     profile = spec().profile()
     same = profile.layers[0].fwd_flops
     layers = tuple(dataclasses.replace(layer, fwd_flops=same) for layer in profile.layers)
-    times = timing.micro_step_times(dataclasses.replace(profile, layers=layers), 4)
+    times = retime.micro_step_times(dataclasses.replace(profile, layers=layers), 4)
     mean_fwd = (0.25 + 0.5 + 0.125) / 3 * 4
     assert times.fwd_seconds == pytest.approx((mean_fwd,) * 3)
     assert times.bwd_seconds == pytest.approx((2 * mean_fwd,) * 3)
@@ -245,12 +245,12 @@ def test_measured_checkpoint_cost_replaces_one_forward():
         dataclasses.replace(layer, recompute_seconds=Affine(intercept=0.0, slope=cost))
         for layer, cost in zip(profile.layers, costs, strict=True)
     )
-    times = timing.micro_step_times(dataclasses.replace(profile, layers=layers), 4)
+    times = retime.micro_step_times(dataclasses.replace(profile, layers=layers), 4)
     assert times.recompute_seconds == (3.0, 2.0, 1.0)
     assert timing.recompute_seconds(times, [0, 2]) == 4.0
     assert timing.step_seconds(times, 2, [0]) == 2 * (0.125 + 3.5 + 7.0 + 3.0) + 0.5
     # Without them (meta, older profiles): one forward, as before.
-    assert timing.recompute_seconds(timing.micro_step_times(profile, 4), [0, 2]) == 1.5
+    assert timing.recompute_seconds(retime.micro_step_times(profile, 4), [0, 2]) == 1.5
 
 
 # A GPU whose large GEMMs reach half its 1 TFLOP/s fp32 peak and whose memory-bound ops reach
@@ -264,7 +264,7 @@ def test_roofline_step_time_by_hand_with_device_efficiency():
     # bytes per sample. Compute time = FLOPs / (1e12 × 0.5): 2 ms, 4 ms, 1 ms forward.
     # Memory time = bytes / (1e11 × 0.8): ~5 ns, far below: every layer is compute-bound.
     profile = meta_profile()
-    times = timing.micro_step_times(profile, 4, source="roofline", device_spec=HALF)
+    times = retime.micro_step_times(profile, 4, source="roofline", device_spec=HALF)
     assert times.fwd_seconds == pytest.approx((2e-3, 4e-3, 1e-3), rel=1e-12)
     assert times.bwd_seconds == pytest.approx((4e-3, 8e-3, 2e-3), rel=1e-12)
     # The optimizer step is memory-bound: 2·params + grads + 2·state bytes at 80 GB/s.
@@ -282,7 +282,7 @@ def test_roofline_step_time_by_hand_with_device_efficiency():
     expected = 3 * micro + optimizer_bytes / 8e10
     assert timing.step_seconds(times, 3, [0, 2]) == pytest.approx(expected, rel=1e-12)
     # Against the datasheet peaks the same step is exactly the compute half as long.
-    peak = timing.micro_step_times(profile, 4, source="roofline", device_spec=GPU)
+    peak = retime.micro_step_times(profile, 4, source="roofline", device_spec=GPU)
     assert peak.fwd_seconds == pytest.approx((1e-3, 2e-3, 5e-4), rel=1e-12)
 
 
@@ -350,14 +350,50 @@ def test_a_spec_of_the_profiles_name_with_other_numbers_is_another_clock():
         profile,
         environment=dataclasses.replace(profile.environment, device_spec_digest=spec_digest(GPU)),
     )
-    assert timing.choose_timing_source(recorded, GPU)[0] == "measured"
+    assert retime.choose_timing_source(recorded, GPU)[0] == "measured"
     newer = dataclasses.replace(GPU, efficiency=Efficiency(matmul=0.5))
-    source, reason = timing.choose_timing_source(recorded, newer)
+    source, reason = retime.choose_timing_source(recorded, newer)
     assert source == "roofline"
     assert f"timed against {GPU.name} with other numbers" in reason
     assert "probe again against this spec" in reason
     # a copy with another interconnect only is the same clock
     linked = dataclasses.replace(GPU, interconnect_bandwidth=1e9)
-    assert timing.choose_timing_source(recorded, linked)[0] == "measured"
+    assert retime.choose_timing_source(recorded, linked)[0] == "measured"
     # a profile that records no numbers is known by its spec's name, as before
-    assert timing.choose_timing_source(profile, newer)[0] == "measured"
+    assert retime.choose_timing_source(profile, newer)[0] == "measured"
+
+
+@pytest.mark.parametrize(
+    ("line", "where", "problem", "hint"),
+    [
+        # before: taken, and a budget of 80% of it blamed budget_bytes
+        ("memory_bytes: -5", "'device'", "memory_bytes is -5; it must be a number above 0", None),
+        ("memory_bytes: 0", "'device'", "memory_bytes is 0", None),
+        ("memory_bandwidth: 0.0", "'device'", "memory_bandwidth is 0.0", None),
+        ("interconnect_bandwidth: -1.0", "'device'", "interconnect_bandwidth is -1.0", None),
+        # YAML 1.1 reads an exponent without a dot and a sign as text: say so, and how
+        ("fp32_flops: 1e12", "'device.fp32_flops'", "must be a number", "Write 1000000000000."),
+        ("memory_bytes: 8e10", "'device.memory_bytes'", "must be an integer", "Write 80000000000."),
+        ("efficiency:\n  matmul: 8e-1", "'device.efficiency.matmul'", "number", "Write 0.8."),
+    ],
+)
+def test_a_device_file_with_an_impossible_number_names_it(tmp_path, line, where, problem, hint):
+    fields = {
+        "name": "gpu",
+        "display_name": "GPU",
+        "memory_bytes": "100",
+        "bf16_flops": "1.0e+12",
+        "fp16_flops": "1.0e+12",
+        "fp32_flops": "1.0e+12",
+        "memory_bandwidth": "1.0e+9",
+    }
+    key = line.split(":")[0]
+    text = "".join(f"{k}: {v}\n" for k, v in fields.items() if k != key) + line + "\n"
+    path = tmp_path / "gpu.yaml"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as caught:
+        load_device(str(path))
+    assert f"field {where}" in caught.value.message and problem in caught.value.message
+    assert caught.value.exit_code == 2
+    if hint is not None:
+        assert caught.value.hint is not None and caught.value.hint.endswith(hint)

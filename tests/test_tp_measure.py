@@ -6,6 +6,7 @@ solved from a second run under TP 2 on a fake process group."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -124,3 +125,31 @@ def test_a_model_without_a_tp_plan_keeps_its_profile(tmp_path):
     assert declared_plan(model_file.module, session.model) is None
     sentinel = object()
     assert measure_tp(session, sentinel, 1) is sentinel  # type: ignore[arg-type]
+
+
+def test_a_model_files_head_counts_limit_the_tp_degree():
+    """A model file states its heads in its own attributes, not an HF config: Llama 3.1
+    8B's (examples/llama31.py, a Shape dataclass held by each attention module) has 32
+    heads and 8 key/value heads, and split dimensions 4096, 1024, 14336 and the vocabulary
+    128,256, so gcd(32, 8, 4096, 1024, 14336, 128256) = 8. Before, the heads were read from
+    an HF config alone and the 8B model file was offered TP up to 256 (gcd of its linears),
+    though TP 16 leaves a rank half a key/value head."""
+    import importlib.util
+
+    from memplan.run.tp_plan import tp_degree_divides, tp_modules
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "llama31.py"
+    spec = importlib.util.spec_from_file_location("llama31_heads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        model = module.build_8b()
+    modules = tp_modules(model, module.TP_PLAN)
+    assert tp_degree_divides(model, modules) == 8
+    # its linears alone (no head counts anywhere): 256
+    for sub in model.modules():
+        if hasattr(sub, "s"):
+            sub.s = None
+    assert tp_degree_divides(model, modules) == 256
+    # nn.MultiheadAttention's own num_heads
+    assert tp_degree_divides(torch.nn.MultiheadAttention(64, 4), {}) == 4

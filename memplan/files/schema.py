@@ -336,6 +336,28 @@ def _fail(source: str, path: str, problem: str, hint: str | None = None) -> Prof
     return ProfileError(f"{source}: field '{path}' {problem}.", hint=hint)
 
 
+def _as_text(data: Any) -> str | None:
+    """The hint for a number YAML read as text: ``8e-1`` and ``1e9`` are strings to YAML
+    1.1 (PyYAML), whose exponent form needs a dot and a signed exponent (``8.0e-1``)."""
+    if not isinstance(data, str):
+        return None
+    try:
+        value = float(data.replace("_", ""))
+    except ValueError:
+        return None
+    if not math.isfinite(value):
+        return None
+    plain = repr(value)
+    if value.is_integer() and abs(value) < 1e18:
+        written = str(int(value))
+    else:
+        written = plain if "." in plain and "e" not in plain else f"{value:.1e}"
+    return (
+        f"YAML reads {data} as text, not a number: its exponent form needs a dot and a "
+        f"signed exponent. Write {written}."
+    )
+
+
 @functools.cache
 def _shape(tp: Any) -> tuple[Any, tuple]:
     """``typing.get_origin`` and ``get_args`` of a field type, once per type."""
@@ -404,7 +426,7 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
         return _convert_dataclass(tp, data, source=source, path=path)
     if tp is float:
         if isinstance(data, bool) or not isinstance(data, (int, float)):
-            raise _fail(source, path, f"must be a number, got {_short(data)}")
+            raise _fail(source, path, f"must be a number, got {_short(data)}", _as_text(data))
         if isinstance(data, float) and not math.isfinite(data):
             raise _fail(source, path, f"is {data}, not a finite number")
         if abs(data) > LARGEST_FLOAT:
@@ -415,7 +437,7 @@ def _convert(tp: Any, data: Any, *, source: str, path: str) -> Any:
             if isinstance(data, float) and data.is_integer():
                 data = int(data)
             else:
-                raise _fail(source, path, f"must be an integer, got {_short(data)}")
+                raise _fail(source, path, f"must be an integer, got {_short(data)}", _as_text(data))
         if abs(data) > LARGEST_INT:
             raise _fail(source, path, f"is {_short(data)}, absurdly large (over 2**62)")
         return data

@@ -22,6 +22,7 @@ import inspect
 import itertools
 import math
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -265,31 +266,26 @@ def profile_model(
         prepare=prepare,
     )
     live = model if isinstance(model, torch.nn.Module) else None
+    how = {
+        "device": probe_device,
+        "micro_batches": micro_batches,
+        "precision": precision,
+        "layers": layers,
+        "device_profile": device_profile,
+        "mixed_precision": mixed_precision,
+        "timing_rounds": timing_rounds,
+        "compiled": compiled,
+    }
     with rng_preserved(cuda=probe_device != "cpu"), unchanged(live):
         if seq_lens:
-            return probe_seq_grid(
-                model_file,
-                seq_lens,
-                device=probe_device,
-                micro_batches=micro_batches,
-                precision=precision,
-                layers=layers,
-                device_profile=device_profile,
-                mixed_precision=mixed_precision,
-                timing_rounds=timing_rounds,
-                compiled=compiled,
-            )
-        return probe_model(
-            model_file,
-            device=probe_device,
-            micro_batches=micro_batches,
-            precision=precision,
-            layers=layers,
-            device_profile=device_profile,
-            mixed_precision=mixed_precision,
-            timing_rounds=timing_rounds,
-            compiled=compiled,
-        )
+            profile = probe_seq_grid(model_file, seq_lens, **how)
+        else:
+            profile = probe_model(model_file, **how)
+    # what `memplan probe` prints as warnings (a NaN loss, BatchNorm's statistics), said in
+    # the script as Python warnings; before, plan_model said nothing of them
+    for text in profile.warnings:
+        warnings.warn(f"memplan: {text}", UserWarning, stacklevel=2)
+    return profile
 
 
 def resolve_device(model: Any, device: str | None) -> str:

@@ -53,6 +53,22 @@ def _user_location(exc: BaseException, path: Path) -> str:
     return str(path)
 
 
+def _defined_in(fn: Any) -> Path | None:
+    """The file that defines ``fn`` (a function a script passed to ``plan_model`` may live
+    in another module than the script); None where it says none (a builtin, a callable
+    object without code)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    name = getattr(code, "co_filename", None)
+    return Path(name) if name and not name.startswith("<") else None
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
 def _describe(exc: BaseException) -> str:
     """``Type: first line`` of ``exc``, cut to 300 characters; an exception whose ``str``
     itself fails is named by its type alone."""
@@ -250,9 +266,12 @@ class ModelFile:
                     hint="The size asked for does not fit this machine: use a smaller "
                     "micro-batch, or plan for this machine's memory.",
                 ) from exc
+            home = _defined_in(fn)
+            if home is None or _same_file(home, self.path):
+                home = self.path  # as the user named it
             raise ModelFileError(
-                f"{_user_location(exc, self.path)}: {shown}() raised {_describe(exc)}",
-                hint=f"Fix {shown}() in {self.path}; memplan runs it as a training script would.",
+                f"{_user_location(exc, home)}: {shown}() raised {_describe(exc)}",
+                hint=f"Fix {shown}() in {home}; memplan runs it as a training script would.",
             ) from exc
 
     def build_model(self) -> Any:
@@ -337,6 +356,14 @@ class ModelFile:
                 if self.has_training_loss
                 else "Define training_loss(model, batch) returning a scalar loss tensor, or make "
                 "the model return one (or an object with .loss).",
+            )
+        if torch.is_grad_enabled() and not out.requires_grad:
+            raise ModelFileError(
+                f"{self.path}: {where} is a loss that no trainable parameter reaches "
+                "(requires_grad is False: it was detached, made from constants or under "
+                "no_grad, or every parameter is frozen), so a backward has nothing to do.",
+                hint=f"Make {where} compute the loss from the model's output without "
+                ".detach(), .item() or torch.no_grad(), and train at least one parameter.",
             )
         return out
 

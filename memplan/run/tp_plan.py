@@ -58,17 +58,61 @@ def tp_degree_divides(model: torch.nn.Module, modules: Mapping[str, str]) -> int
     rank, only when it divides this (memplan.run.parallel.check_tp_divisible refuses the
     rest at run time)."""
     out = 0
-    config = getattr(model, "config", None)
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, attr, None)
-        if isinstance(heads, int) and heads > 0:
-            out = math.gcd(out, heads)
+    for heads in _head_counts(model):
+        out = math.gcd(out, heads)
     named = dict(model.named_modules())
     for name, style in modules.items():
         module = named.get(name)
         if isinstance(module, torch.nn.Linear) and style.startswith(("colwise", "rowwise")):
             out = math.gcd(out, int(module.weight.shape[0 if style.startswith("colwise") else 1]))
     return out or 1
+
+
+_HEAD_COUNTS = frozenset(
+    {
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_heads",
+        "num_kv_heads",
+        "n_heads",
+        "n_head",
+        "n_kv_heads",
+        "heads",
+        "kv_heads",
+    }
+)
+"""Attribute names that count attention heads (transformers' configs and modules,
+``nn.MultiheadAttention``, and the usual spellings of model files)."""
+
+
+def _head_counts(model: torch.nn.Module) -> set[int]:
+    """Every head count the model states: an int attribute of ``_HEAD_COUNTS`` on a module,
+    or on a plain object a module holds (a config, a shape dataclass: ``self.config``,
+    ``self.s``). A model file's TP degree must split whole heads too, and its linears'
+    sizes alone do not say so: Llama 3.1 8B's are all multiples of 256, its key/value heads
+    8 (before, a model file was offered TP 16, whose ranks would hold half a head)."""
+    found: set[int] = set()
+    seen: set[int] = set()
+    for module in model.modules():
+        holders = [module, *(v for v in vars(module).values() if _plain(v))]
+        for holder in holders:
+            if id(holder) in seen:
+                continue
+            seen.add(id(holder))
+            names = vars(holder) if hasattr(holder, "__dict__") else {}
+            for name in _HEAD_COUNTS:
+                value = names.get(name, getattr(type(holder), name, None))
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    found.add(value)
+    return found
+
+
+def _plain(value: object) -> bool:
+    """A plain object that may hold head counts: not a tensor, module, container or
+    primitive."""
+    return hasattr(value, "__dict__") and not isinstance(
+        value, torch.nn.Module | torch.Tensor | type
+    )
 
 
 def tp_modules(model: torch.nn.Module, plan: Mapping[str, str]) -> dict[str, str]:

@@ -4,6 +4,7 @@ No torch."""
 
 from __future__ import annotations
 
+from memplan.memory import usable_budget_bytes
 from memplan.memory.parallel import tp_measured
 from memplan.parallel import Parallel, pipeline_refusal_by_kind
 from memplan.profile import Profile
@@ -59,12 +60,28 @@ def collectives_difference(extra_seconds: float) -> str:
     return f"its collectives take {abs(extra_seconds) * 1e3:.1f} ms {more} per step"
 
 
+Least = tuple[int, Parallel, int] | None
+"""The least per-rank peak a search needs, with its layout and micro-batch; None: none ran."""
+
+
 def no_layout_hint(
-    profile: Profile, request: SolveRequest, ask: LayoutRequest, layouts: list[Parallel]
+    profile: Profile,
+    request: SolveRequest,
+    ask: LayoutRequest,
+    layouts: list[Parallel],
+    *,
+    least: Least = None,
+    smaller: Least = None,
+    more: Least = None,
+    strategy: str = "fsdp",
 ) -> str:
     """What to try when none of ``layouts`` (those searched) fits: where the search had no
     layout with TP (stages), why; then the search where the degrees were fixed, a larger
-    fixed degree where one could run, and the asks any plan has (ranks, budget, target)."""
+    fixed degree where one could run, and the asks any plan has, each where it was tried
+    and helps: ``smaller``, the least peak at the smallest target every layout splits
+    (``--target-batch`` the world), and ``more``, at twice the ranks (the same batch a
+    rank), against ``least``, what the search needed; a larger budget always. Under DDP, that the model state is whole on every rank.
+    Before, more ranks and a smaller target were offered whatever they did."""
     world, notes, tries = request.world_size, [], []
     if ask.auto and not ask.tp and max((p.tp for p in layouts), default=1) == 1:
         notes.append(_why_no_tp(profile, world, ask.gpus_per_node, ask.cp or 1))
@@ -82,7 +99,20 @@ def no_layout_hint(
         ask.pp < p <= len(profile.layers) for p in _degrees_beside(world, ask.tp, ask.cp)
     ):
         tries.append("a larger --pp")
-    tries.append("more ranks, a larger --budget, or a smaller --target-batch")
+    limit = usable_budget_bytes(request.budget_bytes, request.margin)
+    helps = more is not None and least is not None and more[0] < least[0]
+    if helps:
+        tries.append(f"more ranks ({2 * world} need {format_bytes(more[0])} a rank)")
+    if smaller is not None and smaller[0] <= limit and request.target_batch != world:
+        tries.append(f"a smaller --target-batch ({world} needs {format_bytes(smaller[0])})")
+    tries.append("a larger --budget")
+    if strategy == "ddp" and not helps:
+        notes.append(
+            "DDP keeps every parameter, gradient and optimizer state whole on each "
+            "data-parallel rank, so more ranks alone do not shrink them: --strategy fsdp shards "
+            "them (a profile probed with --mixed-precision params), or, without --layout, "
+            "--strategy zero1 or zero2"
+        )
     return "".join(f"{note[0].upper()}{note[1:]}. " for note in notes) + (
         "Try " + "; ".join(tries) + "."
     )

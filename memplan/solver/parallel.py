@@ -74,10 +74,16 @@ from memplan.units import format_bytes
 
 
 def candidate_layouts(
-    profile: Profile, world: int, ask: LayoutRequest, strategy: str = "fsdp"
+    profile: Profile,
+    world: int,
+    ask: LayoutRequest,
+    strategy: str = "fsdp",
+    why: list[str] | None = None,
 ) -> list[Parallel]:
     """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1.
-    The data-parallel ranks are DDP replicas for ``ddp``, shards otherwise."""
+    The data-parallel ranks are DDP replicas for ``ddp``, shards otherwise. ``why``
+    collects, for each combination of degrees left out, the reason."""
+    skipped = why if why is not None else []
     n = len(profile.layers)
     every = divisors(world) if ask.auto else [1]  # by factorisation: a prime world is quick
     tps = [ask.tp] if ask.tp else [t for t in every if t <= ask.gpus_per_node]
@@ -90,20 +96,27 @@ def candidate_layouts(
     for tp in tps:
         for pp in pps:
             for cp in cps:
+                degrees = f"tp {tp} × pp {pp} × cp {cp}"
                 if world % (tp * pp * cp):
+                    skipped.append(f"{degrees} does not divide {world} ranks")
                     continue
                 if pp > 1 and not split_fits(n, pp * ask.virtual_stages, ask.stage_split):
+                    skipped.append(f"{n} blocks do not split into {pp} stages as asked")
                     continue
                 if tp > 1 and not tp_measured(profile):
+                    skipped.append("the profile has no TP measurement")
                     continue
                 if pp > 1 and profile.pipeline_refused:
+                    skipped.append(f"pipeline stages: {profile.pipeline_refused}")
                     continue  # the model cannot be split into stages memplan runs
                 if tp > 1 and profile.tp_degree_divides and profile.tp_degree_divides % tp:
+                    skipped.append(f"tp {tp} does not divide {profile.tp_degree_divides}")
                     continue  # it would split a head or a projection unevenly
                 dp = world // (tp * pp * cp)
                 replicas = strategy == "ddp"
                 shards = dp if replicas else dp * cp  # FSDP spans cp (layout_sharding)
                 if profile.environment.mixed_precision == "params" and shards < 2:
+                    skipped.append(_ONE_SHARD.format(degrees=degrees, shards=shards))
                     continue  # FSDP's mixed-precision policy, as probed, needs shards
                 sp = ask.sequence_parallel
                 if sp is None:  # the runtime runs SP without pipeline stages only
@@ -126,6 +139,14 @@ def candidate_layouts(
                     )
                 )
     return out
+
+
+_ONE_SHARD = (
+    "{degrees} leaves {shards} data-parallel shard, and the profile was probed with bf16 "
+    "parameters (--mixed-precision params), which only FSDP's mixed-precision policy over 2 "
+    "or more shards runs: give more ranks, a smaller degree, or probe again with --precision "
+    "bf16 (autocast) to plan one shard"
+)
 
 
 _RANKS: dict[tuple, Profile] = {}
@@ -203,9 +224,17 @@ def _solve_stage(
     return result
 
 
-def _searched_strategy(request: SolveRequest) -> str:
-    """The strategy the layouts are searched for: as asked; ``auto`` as FSDP."""
-    return "fsdp" if request.strategy == "auto" else request.strategy
+def _searched_strategy(request: SolveRequest, profile: Profile) -> str:
+    """The strategy the layouts are searched for: as asked; ``auto`` as FSDP, but as DDP
+    for a profile probed under bf16 or fp16 autocast over fp32 parameters, whose memory
+    under FSDP's mixed-precision policy it does not measure (memplan.solver.options.
+    strategies_to_try; before, ``--layout auto --strategy auto`` refused such a profile
+    outright)."""
+    if request.strategy != "auto":
+        return request.strategy
+    env = profile.environment
+    autocast = env.mixed_precision != "params" and env.precision != "fp32"
+    return "ddp" if autocast else "fsdp"
 
 
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
@@ -309,7 +338,7 @@ def evaluate_layout(
 
 def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> list[LayoutOption]:
     world = request.world_size
-    strategy = _searched_strategy(request)
+    strategy = _searched_strategy(request, profile)
     divides = profile.tp_degree_divides
     if ask.tp and ask.tp > 1 and divides and divides % ask.tp:
         raise BadInputError(
@@ -326,14 +355,20 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
         and (why := pipeline_refusal_by_kind(profile.model.spec, profile.hf_blocks))
     ):
         raise BadInputError(f"--pp {ask.pp}: {why}.", hint="Plan this model with --pp 1.")
-    layouts = candidate_layouts(profile, world, ask, strategy)
+    why: list[str] = []
+    layouts = candidate_layouts(profile, world, ask, strategy, why)
     if not layouts:
         searched = "auto" if ask.auto else 1
+        reasons = "; ".join(dict.fromkeys(why)) or (
+            f"no tp up to --gpus-per-node {ask.gpus_per_node} was asked or searched"
+        )
         raise BadInputError(
             f"no layout of {world} ranks fits the asked degrees (tp {ask.tp or searched}, pp "
             f"{ask.pp or searched}, cp {ask.cp or 1}) and the model's {len(profile.layers)} "
-            "blocks.",
-            hint="Make the degrees divide --world-size, keep tp within --gpus-per-node, "
+            f"blocks: {reasons}.",
+            hint=None
+            if all("data-parallel shard," in w for w in why) and why
+            else "Make the degrees divide --world-size, keep tp within --gpus-per-node, "
             "and pp at most the number of blocks.",
         )
     for parallel in layouts:
@@ -415,7 +450,7 @@ def least_layout_peak(
     """The least per-rank peak any of the asked layouts needs at the target batch (each
     stage at its least-memory plan, the layout at its worst stage), with that layout and
     micro-batch; None when no layout runs the target at all."""
-    strategy = _searched_strategy(request)
+    strategy = _searched_strategy(request, profile)
     best: tuple[int, Parallel, int] | None = None
     for parallel in candidate_layouts(profile, request.world_size, ask, strategy):
         for b, m in _splits(request, parallel):
@@ -523,7 +558,7 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
         )
     options = _options(profile, request, ask)
     if not options:
-        strategy = _searched_strategy(request)
+        strategy = _searched_strategy(request, profile)
         layouts = candidate_layouts(profile, request.world_size, ask, strategy)
         least = least_layout_peak(profile, request, ask)
         needs = (
@@ -532,10 +567,23 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
             if least
             else ""
         )
+        world, target = request.world_size, request.target_batch or request.world_size
+        smaller = least_layout_peak(profile, dataclasses.replace(request, target_batch=world), ask)
+        twice = dataclasses.replace(request, world_size=2 * world, target_batch=2 * target)
+        more = least_layout_peak(profile, twice, ask)
         raise NoPlanFitsError(
             f"no layout of {request.world_size} ranks fits {format_bytes(request.budget_bytes)} "
             f"per rank at target batch {request.target_batch}.{needs}",
-            hint=no_layout_hint(profile, request, ask, layouts),
+            hint=no_layout_hint(
+                profile,
+                request,
+                ask,
+                layouts,
+                least=least,
+                smaller=smaller,
+                more=more,
+                strategy=strategy,
+            ),
             min_peak_bytes=least[0] if least else None,
         )
     best = min(options, key=lambda o: (o.step_seconds, o.peak_bytes))
