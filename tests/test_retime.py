@@ -246,3 +246,26 @@ def test_a_clock_no_probe_records_is_refused(tmp_path, where, field, value, prob
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ProfileError, match=problem):
         load_profile(path)
+
+
+def test_a_tp_rank_rescaled_is_the_targets_own_tp_rank(probes):
+    # A TP 8 rank's split GEMMs are re-timed at its own shapes on the spec solved for
+    # (solver.tp_gemms) and added to a layer whose clock is then rescaled: they go in at
+    # the clock's units so they come out as the spec's. Before, they were rescaled twice:
+    # the 8B probed against an H100, solved for an A100 at TP 8, 0.6% slower than the
+    # A100's own probe.
+    from memplan.solver import LayoutRequest, SolveRequest
+    from memplan.solver.parallel import solve_layout
+
+    probes, _, _ = probes
+    if "a100-80gb" not in probes:
+        pytest.skip("the llama case")
+    a100 = load_device("a100-80gb")
+    request = SolveRequest(
+        target_batch=16, budget_bytes=80 << 30, world_size=16, strategy="fsdp", device_spec=a100
+    )
+    steps = [
+        min(o.step_seconds for o in solve_layout(probes[s], request, LayoutRequest(tp=8)).options)
+        for s in ("h100-80gb", "a100-80gb")
+    ]
+    assert steps[0] == pytest.approx(steps[1], rel=1e-4)
