@@ -117,11 +117,10 @@ class DeviceSpec:
         """Capacities, peaks and rates are above 0 (a link may be 0: unknown); before, a
         spec with ``memory_bytes: -5`` was taken and a budget of 80% of it blamed
         ``budget_bytes``."""
-        positive = ("memory_bytes", "bf16_flops", "fp16_flops", "fp32_flops", "fp8_flops")
-        for name in (*positive, "memory_bandwidth", "compute_capability"):
+        optional = ("memory_bytes", "bf16_flops", "fp16_flops", "fp8_flops", "compute_capability")
+        for name in ("fp32_flops", "memory_bandwidth", *optional):
             value = getattr(self, name)
-            optional = name not in ("fp32_flops", "memory_bandwidth")
-            if value is None and optional:
+            if value is None and name in optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} is {value!r}; it must be a number above 0")

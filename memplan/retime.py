@@ -1,36 +1,41 @@
 """A meta profile's step times on another device spec, from its own clock. No torch.
 
 A meta probe's clock (memplan.probe.roofline.Roofline) charges each op the longer of its
-FLOPs at its kind's rate and its bytes at the memory rate. The profile keeps its largest
-micro-step in bins (``Profile.clock_mix``): per FLOP kind and peak, the ops whose FLOPs'
-and bytes' seconds stand within 2^(1/4) of one ratio, with both sums; and the ops with no
-FLOPs. On another spec a bin's FLOPs take the ratio of the two specs' rates for that kind
-and peak, its bytes the ratio of their memory rates, and the bin the longer of the two:
+FLOPs at its kind's rate and its bytes at the memory rate, and files it in a bin: per FLOP
+kind and peak, the ops whose FLOPs' and bytes' seconds stand within 2^(1/4) of one ratio,
+with both sums; and the ops with no FLOPs. The profile keeps the bins of each layer's
+forward, backward and selective change (``Layer.fwd_clock``, ``bwd_clock``,
+``selective_clock``) and of the rest of the step (``Profile.fixed_clock``) at the smallest
+and the largest probed micro-batch. On another spec a bin's FLOPs take the ratio of the two
+specs' rates for that kind and peak, its bytes the ratio of their memory rates, and the bin
+the longer of the two:
 
     factor = Σ max(compute × flop_rate / spec's, memory × memory_rate / spec's)
              ÷ Σ max(compute, memory)
 
-which every time of the profile is multiplied by (its own spec gives 1), at the smallest
-and the largest probed micro-batch, each with its own bins, and taken on the line through
-the two between and beyond them. Within a bin the
-ops' two sides stand in one ratio, so the bin's longer sum is each op's longer one, to
-within that factor for the bin whose ops sit at the new spec's ridge point, exactly for the
-others. The optimizer step, which moves bytes and computes nothing on the clock, scales by
-the memory rates alone.
+which each of those times is multiplied by (its own spec gives 1) at both probed sizes,
+and taken on the line through the two between and beyond them. A bin's ops stand on one
+side of their ridge on the clock, so the bin's longer sum is each op's longer one, exactly
+except for the bin whose ops sit at the new spec's ridge point (to within the bin's width).
+The optimizer step, which moves bytes and computes nothing on the clock, scales by the
+memory rates alone.
 
-Before profiles recorded the bins, another spec re-timed a meta profile from FLOPs and bytes
-summed per layer (``roofline_times``): a layer's bytes there are its inputs,
-weights and saved tensors, not every op's reads and writes, and its step came out at 0.34
-to 0.89 of a probe against that spec itself on the example GPT and Llama 3.1 8B (bench
-``retime``).
+Before profiles recorded the bins, another spec re-timed a meta profile from FLOPs and
+bytes summed per layer (``roofline_times``, which older profiles and ``--timing roofline``
+still take): a layer's bytes there are its inputs, weights and saved tensors, not every
+op's reads and writes, and its step came out at 0.34 to 1.03 of a probe against that spec
+itself on the example GPT and MLP and Llama 3.1 8B (bench ``retime``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from memplan.devices import DeviceSpec, meta_timed_spec, names_spec
 from memplan.errors import BadInputError
+from memplan.memory.memo import by_identity
 from memplan.profile import Affine, ClockMix, ClockShare, Profile
 from memplan.profile.arrays import layer_ints, layer_values
 from memplan.timing import (
@@ -80,9 +85,8 @@ def clock_factor(mix: tuple[ClockShare, ...], spec: DeviceSpec) -> float:
 
 def memory_factor(profile: Profile, spec: DeviceSpec) -> float:
     """The same for work that only moves bytes (the optimizer step): the clock's memory
-    rate over the spec's."""
-    clock = next(s.memory_rate for s in step_bins(profile))
-    return clock / memory_rate(spec)
+    rate (every bin records it) over the spec's."""
+    return step_bins(profile)[0].memory_rate / memory_rate(spec)
 
 
 def has_clock(profile: Profile) -> bool:
@@ -326,43 +330,78 @@ def micro_step_times(
     return measured_times(profile, micro_batch)
 
 
+@dataclass(frozen=True, slots=True)
+class _Rescale:
+    """What ``rescaled_times`` needs of a profile and a spec at any micro-batch: each
+    stretch's (size, factor) ends, the layers' groups and the memory rates' factor."""
+
+    sizes: tuple[int, ...]
+    fixed: Ends
+    fwd: tuple[Ends, ...]
+    bwd: tuple[Ends, ...]
+    selective: tuple[Ends, ...]
+    groups: tuple[tuple[int, ...], ...]
+    memory: float
+
+
+Ends = tuple[tuple[int, float], ...]
+
+
+@by_identity(64)
+def _rescale(profile: Profile, spec: DeviceSpec) -> _Rescale:
+    """The factors once per profile and spec (the solver asks for the times at every
+    micro-batch of every layout's rank profile)."""
+    sizes = tuple(m.micro_batch for m in profile.fixed_clock)
+
+    def ends(clock: tuple[ClockMix, ...]) -> Ends:
+        return clock_ends(clock, spec) or tuple((size, 1.0) for size in sizes)
+
+    layers = profile.layers
+    return _Rescale(
+        sizes=sizes,
+        fixed=ends(profile.fixed_clock),
+        fwd=tuple(ends(x.fwd_clock) for x in layers),
+        bwd=tuple(ends(x.bwd_clock) for x in layers),
+        selective=tuple(ends(x.selective_clock or x.fwd_clock) for x in layers),
+        groups=tuple(tuple(g) for g in layer_groups(profile)),
+        memory=memory_factor(profile, spec),
+    )
+
+
 def rescaled_times(profile: Profile, micro_batch: int, spec: DeviceSpec) -> MicroStepTimes:
     """A meta profile's clock times on ``spec`` (memplan.retime): each layer's forward (and
     so its recompute), its backward and the rest of the step rescaled by their own bins at
     the end sizes and taken on the line through them, then pooled over identical layers as
     ``measured_times`` pools; the optimizer step by the memory rates."""
     b = micro_batch
-    sizes = [m.micro_batch for m in profile.fixed_clock]
+    r = _rescale(profile, spec)
 
-    def at(clock: tuple, value: Affine | None) -> float:
+    def at(ends: Ends, value: Affine | None) -> float:
         if value is None:
             return 0.0
-        ends = clock_ends(clock, spec) or tuple((size, 1.0) for size in sizes)
-        return time_at(b, ends, tuple(seconds_at(value, size) for size in sizes))
+        return time_at(b, ends, tuple(seconds_at(value, size) for size in r.sizes))
 
     layers = profile.layers
-    fwd = [at(x.fwd_clock, x.fwd_seconds) for x in layers]
-    bwd = [at(x.bwd_clock, x.bwd_seconds) for x in layers]
-    measured = [x.recompute_seconds for x in layers]
-    recompute = [at(x.fwd_clock, r) for x, r in zip(layers, measured, strict=True)]
+    fwd = [at(e, x.fwd_seconds) for e, x in zip(r.fwd, layers, strict=True)]
+    bwd = [at(e, x.bwd_seconds) for e, x in zip(r.bwd, layers, strict=True)]
+    recompute = [at(e, x.recompute_seconds) for e, x in zip(r.fwd, layers, strict=True)]
     selective = [
-        at(x.selective_clock or x.fwd_clock, x.selective_recompute_seconds) for x in layers
+        at(e, x.selective_recompute_seconds) for e, x in zip(r.selective, layers, strict=True)
     ]
     for series in (fwd, bwd, recompute, selective):
-        for members in layer_groups(profile):
+        for members in r.groups:
             mean = sum(series[i] for i in members) / len(members)
             for i in members:
                 series[i] = mean
-    has_recompute = all(r is not None for r in measured)
-    has_selective = bool(layers) and all(x.selective_recompute_seconds for x in layers)
+    has_recompute = all(x.recompute_seconds is not None for x in layers)
+    has_selective = bool(layers) and all(x.selective_recompute_seconds is not None for x in layers)
     return MicroStepTimes(
         micro_batch=b,
-        fixed_seconds=at(profile.fixed_clock, profile.step_fixed_seconds),
+        fixed_seconds=at(r.fixed, profile.step_fixed_seconds),
         fwd_seconds=tuple(fwd),
         bwd_seconds=tuple(bwd),
         recompute_seconds=tuple(recompute) if has_recompute else (),
         selective_seconds=tuple(selective) if has_selective else (),
-        optimizer_step_seconds=seconds_at(profile.optimizer_step_seconds, b)
-        * memory_factor(profile, spec),
+        optimizer_step_seconds=seconds_at(profile.optimizer_step_seconds, b) * r.memory,
         source="rescaled",
     )

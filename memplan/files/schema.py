@@ -347,10 +347,10 @@ def _as_text(data: Any) -> str | None:
         return None
     if not math.isfinite(value):
         return None
-    plain = repr(value)
     if value.is_integer() and abs(value) < 1e18:
         written = str(int(value))
     else:
+        plain = repr(value)
         written = plain if "." in plain and "e" not in plain else f"{value:.1e}"
     return (
         f"YAML reads {data} as text, not a number: its exponent form needs a dot and a "

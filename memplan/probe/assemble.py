@@ -21,7 +21,7 @@ from memplan.probe.alignment import (
     unique_params,
     window_peak,
 )
-from memplan.probe.clock_mix import fixed_clock, layer_clock, selective_clock
+from memplan.probe.clock_mix import fixed_clock, layer_clocks
 from memplan.probe.layers import has_batchnorm, hf_blocks, own_params_owners, param_bytes
 from memplan.probe.session import Run, Session, SizeRuns
 from memplan.probe.sizes import TimedSize
@@ -29,6 +29,7 @@ from memplan.probe.tracker import state_tensors, storages_bytes
 from memplan.profile import (
     OP_SEQUENCE_DIFFERED,
     Affine,
+    ClockMix,
     Environment,
     FixedPart,
     Layer,
@@ -86,8 +87,9 @@ def assemble(
         for j in range(len(session.layer_names))
     ]
     selective_savings = _selective_savings(fits, len(session.layer_names))
+    clocks = layer_clocks(fits.runs)
     layers = [
-        _layer(session, fits, j, savings[j], selective_savings, warnings)
+        _layer(session, fits, j, savings[j], selective_savings, warnings, clocks[j])
         for j in range(len(session.layer_names))
     ]
     fixed = [*_ran_parts(session, fits), *_own_params_parts(session, fits), *_loss_part(fits)]
@@ -172,9 +174,11 @@ def _layer(
     savings: Affine,
     selective_savings: list[Affine] | None,
     warnings: list[str],
+    clocks: dict[str, tuple[ClockMix, ...]],
 ) -> Layer:
     """Layer ``j``: its parameters and state, each byte quantity and time fitted across
-    sizes; a byte quantity that is not affine adds a warning."""
+    sizes, its meta clock's bins (``clocks``, memplan.probe.clock_mix.layer_clocks); a byte
+    quantity that is not affine adds a warning."""
     name = session.layer_names[j]
     module = dict(session.model.named_modules())[name]
     params = unique_params(module)
@@ -222,9 +226,9 @@ def _layer(
         else 0,
         affine=is_affine,
         has_batchnorm=has_batchnorm(module),
-        fwd_clock=layer_clock(fits.runs, j, "fwd"),
-        bwd_clock=layer_clock(fits.runs, j, "bwd"),
-        selective_clock=selective_clock(fits.runs, j) if sel_timed else (),
+        fwd_clock=clocks["fwd_clock"],
+        bwd_clock=clocks["bwd_clock"],
+        selective_clock=clocks["selective_clock"] if sel_timed else (),
     )
 
 

@@ -5,13 +5,14 @@ four times. Another spec re-times the profile from them (memplan.retime)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from memplan.probe.roofline import ClockKey
 from memplan.profile import ClockMix, ClockShare
 
 if TYPE_CHECKING:
-    from memplan.probe.recorder import LayerRecord
+    from memplan.probe.recorder import LayerRecord, StepRecord
     from memplan.probe.session import Run, SizeRuns
 
 Mix = dict[ClockKey, tuple[float, float]]
@@ -65,19 +66,70 @@ def _order(share: ClockShare) -> tuple:
     return (share.kind, share.peak or "", share.flop_rate, ratio)
 
 
-def layer_clock(runs: list[SizeRuns], j: int, phase: Literal["fwd", "bwd"]) -> tuple[ClockMix, ...]:
-    """Layer ``j``'s forward or backward in bins at the end sizes; empty off meta or where
-    a size did not reach both of the phase's times (a layer without a backward)."""
+def layer_clocks(runs: list[SizeRuns]) -> list[dict[str, tuple[ClockMix, ...]]]:
+    """Per layer, its ``fwd_clock``, ``bwd_clock`` and ``selective_clock`` (memplan.profile.
+    Layer): its forward's and backward's bins at the end sizes, and what selective
+    checkpointing adds to them, as memplan.probe.sizes.mode_seconds times it on meta (the
+    layer's forward and backward in the all-selective run less the plain run's, and an
+    even share of the change outside the layers, worked out once a size). A clock is empty
+    off meta, where a size did not reach both of the phase's times (a layer without a
+    backward), or where no selective run was made."""
+    ends = _ends(runs)
+    outside = {r.size: _outside_change(r) for r in ends}
+
+    def selective(r: SizeRuns, j: int) -> tuple[Mix | None, Mix | None]:
+        change, moded = outside[r.size], r.sel_no_grads
+        if change is None or moded is None or moded.record is None:
+            return None, None
+        added = _between(_layer_mix(moded.record.layers[j]), _layer_mix(_record(r).layers[j]))
+        return _plus(added, change, 1 / len(_record(r).layers)), moded.clock_mix
+
+    return [
+        {
+            "fwd_clock": _clock(
+                ends, lambda r, j=j: (_phase_mix(_record(r).layers[j], "fwd"), None)
+            ),
+            "bwd_clock": _clock(
+                ends, lambda r, j=j: (_phase_mix(_record(r).layers[j], "bwd"), None)
+            ),
+            "selective_clock": _clock(ends, lambda r, j=j: selective(r, j)),
+        }
+        for j in range(len(_record(ends[0]).layers))
+    ]
+
+
+def _record(r: SizeRuns) -> StepRecord:
+    record = r.no_grads.record
+    assert record is not None
+    return record
+
+
+def _outside_change(r: SizeRuns) -> Mix | None:
+    """What the all-selective run changes outside the layers; None without one."""
+    moded = r.sel_no_grads
+    if moded is None or moded.record is None:
+        return None
+    return _between(_rest(moded), _rest(r.no_grads))
+
+
+def _clock(
+    ends: list[SizeRuns], mix_at: Callable[[SizeRuns], tuple[Mix | None, Mix | None]]
+) -> tuple[ClockMix, ...]:
+    """A stretch's bins at each end size, from ``mix_at``'s (mix, the whole it was
+    subtracted from or None); empty where an end has no mix."""
     out = []
-    for r in _ends(runs):
-        record = r.no_grads.record
-        assert record is not None
-        noted = record.layers[j].clock
-        start, end = noted.get(f"{phase}_t0"), noted.get(f"{phase}_t1")
-        if start is None or end is None:
+    for r in ends:
+        mix, whole = mix_at(r)
+        if mix is None:
             return ()
-        out.append(ClockMix(micro_batch=r.size, bins=bins(_between(end, start))))
+        out.append(ClockMix(micro_batch=r.size, bins=bins(mix, whole)))
     return tuple(out)
+
+
+def _phase_mix(layer: LayerRecord, phase: str) -> Mix | None:
+    """A layer's forward or backward; None where the step did not reach both its times."""
+    start, end = layer.clock.get(f"{phase}_t0"), layer.clock.get(f"{phase}_t1")
+    return None if start is None or end is None else _between(end, start)
 
 
 def _plus(a: Mix, b: Mix, scale: float = 1.0) -> Mix:
@@ -92,28 +144,10 @@ def _layer_mix(layer: LayerRecord) -> Mix:
     """A layer's forward and backward together, as far as they ran."""
     out: Mix = {}
     for phase in ("fwd", "bwd"):
-        start, end = layer.clock.get(f"{phase}_t0"), layer.clock.get(f"{phase}_t1")
-        if start is not None and end is not None:
-            out = _plus(out, _between(end, start))
+        mix = _phase_mix(layer, phase)
+        if mix is not None:
+            out = _plus(out, mix)
     return out
-
-
-def selective_clock(runs: list[SizeRuns], j: int) -> tuple[ClockMix, ...]:
-    """What selective checkpointing adds to layer ``j``'s micro-step, in bins at the end
-    sizes, as memplan.probe.sizes.mode_seconds times it on meta: the layer's forward and
-    backward in the all-selective run less the plain run's, and an even share of the
-    change outside the layers. Empty where no selective run was made."""
-    out = []
-    for r in _ends(runs):
-        plain, moded = r.no_grads, r.sel_no_grads
-        if moded is None or plain.record is None or moded.record is None:
-            return ()
-        n = len(plain.record.layers)
-        added = _between(_layer_mix(moded.record.layers[j]), _layer_mix(plain.record.layers[j]))
-        outside = _between(_rest(moded), _rest(plain))
-        change = _plus(added, outside, 1 / n)
-        out.append(ClockMix(micro_batch=r.size, bins=bins(change, moded.clock_mix)))
-    return tuple(out)
 
 
 def _rest(run: Run) -> Mix:

@@ -80,6 +80,8 @@ class Roofline:
             matmul_efficiency if float8_matmul_efficiency is None else float8_matmul_efficiency
         )
         self.default_peak = default_peak
+        self.memory_key: ClockKey = ("memory", None, self.memory_bandwidth, None)
+        """Where the clock's mix files the ops with no FLOPs."""
         self._kinds: dict[Any, tuple[bool, int | None, int | None, bool]] = {}
 
     def _kind(self, func: Any) -> tuple[bool, int | None, int | None, bool]:
@@ -149,7 +151,7 @@ class Roofline:
         compute = max(flops / (peak * efficiency), 0.0)
         memory = max(bytes_moved / self.memory_bandwidth, 0.0)
         if not compute:
-            return memory, MEMORY_ONLY, 0.0, memory
+            return memory, self.memory_key, 0.0, memory
         peak_name = _PEAK_NAMES.get(dtype) if in_table else self.default_peak
         # ops of one kind whose FLOPs and bytes take about the same ratio share a bin
         ratio = math.floor(_BINS_PER_OCTAVE * math.log2(compute / memory)) if memory else None
@@ -163,8 +165,6 @@ ClockKey = tuple[str, str | None, float, int | None]
 with no FLOPs), the spec field of the peak it ran at (``bf16``, ``fp16``, ``fp32``,
 ``float8``), that kind's achievable FLOP/s, and the bin of its FLOPs' seconds over its
 bytes' (``_BINS_PER_OCTAVE`` a factor of 2; None: no bytes)."""
-
-MEMORY_ONLY: ClockKey = ("memory", None, 0.0, None)
 
 _BINS_PER_OCTAVE = 4
 """Ops within 2^(1/4) of one ratio of FLOPs' to bytes' seconds share a bin: on another spec

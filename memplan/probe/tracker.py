@@ -30,7 +30,7 @@ from memplan.probe import shadow
 from memplan.probe.call_site import call_site
 from memplan.probe.float8 import float8_bits, is_float8
 from memplan.probe.meta_kernels import META_KERNELS, REFUSAL_HINTS
-from memplan.probe.roofline import MEMORY_ONLY, ROOFLINE_FLOP_FORMULAS, ClockKey, Roofline
+from memplan.probe.roofline import ROOFLINE_FLOP_FORMULAS, ClockKey, Roofline
 from memplan.probe.shadow import tensors_in
 
 _EMPTY: dict[str, Any] = {}
@@ -172,11 +172,7 @@ class LiveTracker(TorchDispatchMode):
     def virtual_seconds(self) -> float:
         """Roofline time of the ops seen so far (only with ``roofline``); reading it closes
         the fused region (a compiled graph's boundary: torchtitan compiles each block)."""
-        if self._region.pending():
-            moved = self._region.close()
-            self.fused_bytes += moved
-            seconds = moved / self.roofline.memory_bandwidth
-            self._charge(seconds, MEMORY_ONLY, 0.0, seconds)
+        self._close_region()
         return self._seconds
 
     @virtual_seconds.setter
@@ -184,10 +180,20 @@ class LiveTracker(TorchDispatchMode):
         """Set the clock: what the open region holds is replaced by ``value`` (a cast timed
         as a whole, memplan.probe.float8, a memory-bound kernel: the change is the memory
         rate's)."""
+        assert self.roofline is not None  # only a roofline's clock is set
         self._region = FusedRegion()
         change = value - self._seconds
         self._seconds = value
-        self._mix.setdefault(MEMORY_ONLY, [0.0, 0.0])[1] += change
+        self._mix.setdefault(self.roofline.memory_key, [0.0, 0.0])[1] += change
+
+    def _close_region(self) -> None:
+        """Charge the open fused region, a memory-bound kernel, to the clock."""
+        if self._region.pending():
+            assert self.roofline is not None  # only a roofline's clock fuses
+            moved = self._region.close()
+            self.fused_bytes += moved
+            seconds = moved / self.roofline.memory_bandwidth
+            self._charge(seconds, self.roofline.memory_key, 0.0, seconds)
 
     def _charge(self, seconds: float, key: ClockKey, compute: float, memory: float) -> None:
         self._seconds += seconds
@@ -197,16 +203,14 @@ class LiveTracker(TorchDispatchMode):
 
     def clock_mix(self) -> dict[ClockKey, tuple[float, float]]:
         """The clock so far as ``ClockKey`` bins, each with its ops' FLOPs' and bytes'
-        seconds; the ops with no FLOPs under ``("memory", None, the memory rate, None)``;
-        empty without a roofline."""
+        seconds (the memory bin always, the clock's memory rate in its key); empty without
+        a roofline."""
         if self.roofline is None:
             return {}
-        self.virtual_seconds  # noqa: B018  (closes an open fused region)
-        memory = ("memory", None, self.roofline.memory_bandwidth, None)
-        out = {memory: (0.0, 0.0)}
-        for key, (c, m) in self._mix.items():
-            out[memory if key == MEMORY_ONLY else key] = (c, m)
-        return out
+        self._close_region()
+        return {self.roofline.memory_key: (0.0, 0.0)} | {
+            k: (c, m) for k, (c, m) in self._mix.items()
+        }
 
     # ------------------------------------------------------------------ storage accounting
     def _free(self, key: int) -> None:
@@ -337,7 +341,7 @@ class LiveTracker(TorchDispatchMode):
         if self.fused and not op_flops and not _no_kernel(func):
             self._region.add(inputs, outputs)
         elif self.roofline is not None and not _no_kernel(func):
-            self.virtual_seconds  # noqa: B018  (a matmul closes the fused region before it)
+            self._close_region()  # a matmul closes the fused region before it
             self._charge(
                 *self.roofline.charge(
                     op_flops, moved, _timed_dtype(op_flops, args, outputs), func, args, kwargs
@@ -361,7 +365,7 @@ class LiveTracker(TorchDispatchMode):
             self._region.add(tensors_in((args, kwargs), []), outputs)
         elif self.roofline is not None and not _no_kernel(func):
             dtype = _timed_dtype(entry.flops, args, outputs)
-            self.virtual_seconds  # noqa: B018  (a matmul closes the fused region before it)
+            self._close_region()  # a matmul closes the fused region before it
             self._charge(
                 *self.roofline.charge(entry.flops, entry.moved_bytes, dtype, func, args, kwargs)
             )

@@ -153,8 +153,8 @@ def _grid_problem(profile: Profile) -> tuple[str, str] | None:
 
 
 def _clock_problem(profile: Profile) -> tuple[str, str] | None:
-    """A clock in bins no meta clock records (``fixed_clock``, each layer's ``fwd_clock``
-    and ``bwd_clock``): sizes not ascending, a rate at or below zero, negative seconds, or
+    """A clock in bins no meta clock records (``fixed_clock``, each layer's ``_CLOCKS``):
+    sizes not ascending, a rate at or below zero, negative seconds, or
     a FLOP kind without its peak (or ``memory`` with FLOPs)."""
     clocks = [("profile.fixed_clock", profile.fixed_clock)]
     for j, layer in enumerate(profile.layers):

@@ -99,9 +99,8 @@ def _head_counts(model: torch.nn.Module) -> set[int]:
             if id(holder) in seen:
                 continue
             seen.add(id(holder))
-            names = vars(holder) if hasattr(holder, "__dict__") else {}
             for name in _HEAD_COUNTS:
-                value = names.get(name, getattr(type(holder), name, None))
+                value = getattr(holder, name, None)  # a config's aliases too (attribute_map)
                 if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                     found.add(value)
     return found

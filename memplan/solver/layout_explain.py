@@ -60,6 +60,22 @@ def collectives_difference(extra_seconds: float) -> str:
     return f"its collectives take {abs(extra_seconds) * 1e3:.1f} ms {more} per step"
 
 
+ONE_SHARD = "shard"
+"""The kind of reason (``candidate_layouts``' ``why``) that says what to do itself."""
+
+
+def one_shard(profile: Profile, degrees: str, shards: int) -> str:
+    """Why ``degrees`` were left out of a profile probed with FSDP's mixed-precision
+    policy: one shard, and what to do (the hint adds nothing to it)."""
+    precision = profile.environment.precision
+    return (
+        f"{degrees} leaves {shards} data-parallel shard, and the profile was probed with "
+        f"{precision} parameters (--mixed-precision params), which only FSDP's mixed-precision "
+        "policy over 2 or more shards runs: give more ranks, a smaller degree, or probe again "
+        f"with --precision {precision} (autocast) to plan one shard"
+    )
+
+
 Least = tuple[int, Parallel, int] | None
 """The least per-rank peak a search needs, with its layout and micro-batch; None: none ran."""
 
@@ -79,9 +95,10 @@ def no_layout_hint(
     layout with TP (stages), why; then the search where the degrees were fixed, a larger
     fixed degree where one could run, and the asks any plan has, each where it was tried
     and helps: ``smaller``, the least peak at the smallest target every layout splits
-    (``--target-batch`` the world), and ``more``, at twice the ranks (the same batch a
-    rank), against ``least``, what the search needed; a larger budget always. Under DDP, that the model state is whole on every rank.
-    Before, more ranks and a smaller target were offered whatever they did."""
+    (``--target-batch`` the world), where it fits; ``more``, at twice the ranks (the same
+    batch a rank), where it needs less than ``least``, what the search needed; a larger
+    budget always. Under DDP, where more ranks do not help, that the model state is whole
+    on every rank. Before, more ranks and a smaller target were offered whatever they did."""
     world, notes, tries = request.world_size, [], []
     if ask.auto and not ask.tp and max((p.tp for p in layouts), default=1) == 1:
         notes.append(_why_no_tp(profile, world, ask.gpus_per_node, ask.cp or 1))

@@ -444,6 +444,14 @@ def build_plan(
 
 
 # --------------------------------------------------------------------------- strategies
+def fsdp_measured(profile: Profile) -> bool:
+    """Whether the profile measures what FSDP trains: its mixed-precision policy's bf16 or
+    fp16 parameters (``--mixed-precision params``), or fp32 throughout; not autocast over
+    fp32 parameters in a low precision, which is what single devices and DDP run."""
+    env = profile.environment
+    return env.mixed_precision == "params" or env.precision == "fp32"
+
+
 def strategies_to_try(profile: Profile, request: SolveRequest) -> tuple[str, ...]:
     """The strategies to try. Low precision under sharding runs the engine's mixed-precision
     policy (FSDP2 ``MixedPrecisionPolicy``), which a profile measures only when probed with
@@ -478,7 +486,7 @@ def strategies_to_try(profile: Profile, request: SolveRequest) -> tuple[str, ...
             )
         return ("fsdp",)
     if request.strategy != "auto":
-        if request.strategy == "fsdp" and env.precision != "fp32":
+        if request.strategy == "fsdp" and not fsdp_measured(profile):
             raise BadInputError(
                 f"The profile was probed under {env.precision} autocast over fp32 parameters; "
                 "FSDP trains in low precision with its mixed-precision policy instead (bf16 "
@@ -501,7 +509,7 @@ def strategies_to_try(profile: Profile, request: SolveRequest) -> tuple[str, ...
                 "and solve that profile with --strategy fsdp.",
             )
         return ("fsdp",)
-    if env.precision != "fp32":  # FSDP needs a profile probed with --mixed-precision params
+    if not fsdp_measured(profile):  # FSDP needs a profile probed with --mixed-precision params
         return tuple(st for st in STRATEGIES if st != "fsdp")
     return STRATEGIES
 

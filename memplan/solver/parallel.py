@@ -56,7 +56,7 @@ from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind, spli
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.batches import divisors, micro_batch_sizes, split_error
-from memplan.solver.layout_explain import layout_reasons, no_layout_hint
+from memplan.solver.layout_explain import ONE_SHARD, layout_reasons, no_layout_hint, one_shard
 from memplan.solver.layout_time import (  # re-exported: the layout search's time terms
     INTER_NODE_BYTES_PER_SECOND,
     bubble_fraction,
@@ -65,7 +65,7 @@ from memplan.solver.layout_time import (  # re-exported: the layout search's tim
     layout_comm_seconds,
     pipeline_seconds,
 )
-from memplan.solver.options import MANY_MICRO_BATCHES
+from memplan.solver.options import MANY_MICRO_BATCHES, fsdp_measured
 from memplan.solver.request import LayoutOption, LayoutRequest, SolveRequest, SolveResult
 from memplan.solver.ring import ring_seconds
 from memplan.solver.search import solve_if_fits
@@ -78,11 +78,11 @@ def candidate_layouts(
     world: int,
     ask: LayoutRequest,
     strategy: str = "fsdp",
-    why: list[str] | None = None,
+    why: list[tuple[str, str]] | None = None,
 ) -> list[Parallel]:
     """Every layout to consider: fixed degrees as given, the rest searched (``auto``) or 1.
     The data-parallel ranks are DDP replicas for ``ddp``, shards otherwise. ``why``
-    collects, for each combination of degrees left out, the reason."""
+    collects, for each combination of degrees left out, the kind of reason and the reason."""
     skipped = why if why is not None else []
     n = len(profile.layers)
     every = divisors(world) if ask.auto else [1]  # by factorisation: a prime world is quick
@@ -98,25 +98,27 @@ def candidate_layouts(
             for cp in cps:
                 degrees = f"tp {tp} × pp {pp} × cp {cp}"
                 if world % (tp * pp * cp):
-                    skipped.append(f"{degrees} does not divide {world} ranks")
+                    skipped.append(("divide", f"{degrees} does not divide {world} ranks"))
                     continue
                 if pp > 1 and not split_fits(n, pp * ask.virtual_stages, ask.stage_split):
-                    skipped.append(f"{n} blocks do not split into {pp} stages as asked")
+                    skipped.append(("split", f"{n} blocks do not split into {pp} stages as asked"))
                     continue
                 if tp > 1 and not tp_measured(profile):
-                    skipped.append("the profile has no TP measurement")
+                    skipped.append(("tp", "the profile has no TP measurement"))
                     continue
                 if pp > 1 and profile.pipeline_refused:
-                    skipped.append(f"pipeline stages: {profile.pipeline_refused}")
+                    skipped.append(("stages", f"pipeline stages: {profile.pipeline_refused}"))
                     continue  # the model cannot be split into stages memplan runs
                 if tp > 1 and profile.tp_degree_divides and profile.tp_degree_divides % tp:
-                    skipped.append(f"tp {tp} does not divide {profile.tp_degree_divides}")
+                    skipped.append(
+                        ("heads", f"tp {tp} does not divide {profile.tp_degree_divides}")
+                    )
                     continue  # it would split a head or a projection unevenly
                 dp = world // (tp * pp * cp)
                 replicas = strategy == "ddp"
                 shards = dp if replicas else dp * cp  # FSDP spans cp (layout_sharding)
                 if profile.environment.mixed_precision == "params" and shards < 2:
-                    skipped.append(_ONE_SHARD.format(degrees=degrees, shards=shards))
+                    skipped.append((ONE_SHARD, one_shard(profile, degrees, shards)))
                     continue  # FSDP's mixed-precision policy, as probed, needs shards
                 sp = ask.sequence_parallel
                 if sp is None:  # the runtime runs SP without pipeline stages only
@@ -139,14 +141,6 @@ def candidate_layouts(
                     )
                 )
     return out
-
-
-_ONE_SHARD = (
-    "{degrees} leaves {shards} data-parallel shard, and the profile was probed with bf16 "
-    "parameters (--mixed-precision params), which only FSDP's mixed-precision policy over 2 "
-    "or more shards runs: give more ranks, a smaller degree, or probe again with --precision "
-    "bf16 (autocast) to plan one shard"
-)
 
 
 _RANKS: dict[tuple, Profile] = {}
@@ -232,9 +226,7 @@ def _searched_strategy(request: SolveRequest, profile: Profile) -> str:
     outright)."""
     if request.strategy != "auto":
         return request.strategy
-    env = profile.environment
-    autocast = env.mixed_precision != "params" and env.precision != "fp32"
-    return "ddp" if autocast else "fsdp"
+    return "fsdp" if fsdp_measured(profile) else "ddp"
 
 
 def _strategy(request: SolveRequest, parallel: Parallel) -> str:
@@ -355,11 +347,11 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
         and (why := pipeline_refusal_by_kind(profile.model.spec, profile.hf_blocks))
     ):
         raise BadInputError(f"--pp {ask.pp}: {why}.", hint="Plan this model with --pp 1.")
-    why: list[str] = []
+    why: list[tuple[str, str]] = []
     layouts = candidate_layouts(profile, world, ask, strategy, why)
     if not layouts:
         searched = "auto" if ask.auto else 1
-        reasons = "; ".join(dict.fromkeys(why)) or (
+        reasons = "; ".join(dict.fromkeys(text for _, text in why)) or (
             f"no tp up to --gpus-per-node {ask.gpus_per_node} was asked or searched"
         )
         raise BadInputError(
@@ -367,7 +359,7 @@ def _options(profile: Profile, request: SolveRequest, ask: LayoutRequest) -> lis
             f"{ask.pp or searched}, cp {ask.cp or 1}) and the model's {len(profile.layers)} "
             f"blocks: {reasons}.",
             hint=None
-            if all("data-parallel shard," in w for w in why) and why
+            if why and all(kind == ONE_SHARD for kind, _ in why)
             else "Make the degrees divide --world-size, keep tp within --gpus-per-node, "
             "and pp at most the number of blocks.",
         )
