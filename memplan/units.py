@@ -64,6 +64,13 @@ def _size_of_text(text: str, what: str) -> int:
     return int(Decimal(match.group(1)) * _UNITS[unit])
 
 
+def _spec_option(what: str) -> str:
+    """How the one asking names a device spec: the flag on the command line, the
+    ``device_profile`` argument or key from Python or memplan.yaml (which said to add a flag
+    they cannot pass)."""
+    return "--device-profile" if what.startswith("--") else "device_profile"
+
+
 def parse_budget(
     text: str | int,
     *,
@@ -79,7 +86,7 @@ def parse_budget(
         if free_bytes is None:
             raise BadInputError(
                 f"{what} auto needs the free memory of a GPU, and none is visible.",
-                hint="Give an explicit size (e.g. 24GiB) or a percentage with --device-profile.",
+                hint=f"Give an explicit size (e.g. 24GiB) or a percentage with {_spec_option(what)}.",
             )
         return int(free_bytes)
     if isinstance(text, str) and (match := _PERCENT_RE.match(text)):
@@ -89,7 +96,8 @@ def parse_budget(
         if capacity_bytes is None:
             raise BadInputError(
                 f"{what} {text!r} is a percentage of device memory, but no device is known.",
-                hint="Add --device-profile NAME (see profiles/devices/) or give a size like 24GiB.",
+                hint=f"Add {_spec_option(what)} NAME (see profiles/devices/) or give a size "
+                "like 24GiB.",
             )
         return int(capacity_bytes * percent / 100)
     size = parse_size(text, what=what)

@@ -113,3 +113,35 @@ def max_difference(a: nn.Module, b: nn.Module) -> float:
     pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
     assert pa.keys() == pb.keys()
     return max(float((pa[n] - pb[n]).detach().abs().max()) for n in pa)
+
+
+def tiny_llama(transformers: Any) -> nn.Module:
+    """The integrations' Hugging Face model: a two-layer Llama from its config (no weights
+    downloaded), seeded."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def lightning_fit(L: Any, module: Any, callbacks: list, steps: int, datamodule: Any = None) -> Any:
+    """A Lightning fit of ``steps`` steps on the CPU, nothing logged or saved."""
+    trainer = L.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, datamodule=datamodule)
+    return trainer

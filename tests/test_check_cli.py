@@ -3,6 +3,7 @@ in tests/models/: a model that grows flips a passing check to exit 1 naming the 
 layer; --json validates against the documented shape; --junit parses and counts failures;
 `init-check` writes a starter config that passes."""
 
+import dataclasses
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -75,6 +76,18 @@ def test_real_run_json_validates(baseline):
     assert load_profile(folder / "small.profile.yaml").environment.timing_rounds == 1
 
 
+def baseline_of(small_baseline: Path, model: str, target: Path) -> str:
+    """``small_baseline`` as the baseline of ``model`` before it grew: check_grown.py stands
+    for check_small.py after an edit, and a baseline that records another model's file is
+    not compared (it is a note)."""
+    from memplan.profile import load_profile, profile_to_yaml
+
+    recorded = load_profile(small_baseline)
+    recorded = dataclasses.replace(recorded, model=dataclasses.replace(recorded.model, path=model))
+    target.write_text(profile_to_yaml(recorded), encoding="utf-8")
+    return str(target)
+
+
 def test_growth_flips_pass_to_exit_1_naming_the_layer(app, baseline):
     folder, data = baseline
     min_peak = data["checks"][0]["min_peak_bytes"]
@@ -84,7 +97,8 @@ def test_growth_flips_pass_to_exit_1_naming_the_layer(app, baseline):
     assert result.exit_code == 0, result.output
     assert "PASS" in result.output
 
-    write(config, [entry("mlp", GROWN, budget)])
+    before = baseline_of(folder / "small.profile.yaml", GROWN, folder / "grown.profile.yaml")
+    write(config, [entry("mlp", GROWN, budget, before)])
     result = invoke(app, "check", "--config", str(config))
     assert result.exit_code == 1, result.output
     assert "FAIL" in result.output and "exceeded by" in result.output
@@ -105,9 +119,10 @@ def test_junit_and_json_count_the_failure(app, baseline, tmp_path):
     folder, data = baseline
     budget = int(data["checks"][0]["min_peak_bytes"] * 1.3)
     base = str(folder / "small.profile.yaml")
+    before = baseline_of(folder / "small.profile.yaml", GROWN, tmp_path / "grown.profile.yaml")
     config = write(
         tmp_path / "memplan.yaml",
-        [entry("small", SMALL, budget, base), entry("grown", GROWN, budget, base)],
+        [entry("small", SMALL, budget, base), entry("grown", GROWN, budget, before)],
     )
     report = tmp_path / "report.xml"
     summary = tmp_path / "summary.md"

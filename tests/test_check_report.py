@@ -451,6 +451,8 @@ def test_identical_probes_are_shared(config, tmp_path):
         {**data["checks"][0], "name": "c", "target_batch": 64, "budget": "64MiB"},
         {**data["checks"][0], "name": "d", "precision": "bf16"},
     ]
+    for check in data["checks"][2:]:  # each check its own baseline file (load_config)
+        check["baseline"] = f"{check['name']}.profile.yaml"
     config.write_text(yaml.safe_dump(data), encoding="utf-8")
     seen = []
 

@@ -36,7 +36,7 @@ def invoke(*args, env=None):
 
 # ------------------------------------------------------------------ model files that exit
 # In a real process (the console script); tests/test_fuzz.py runs every mode in-process.
-@pytest.mark.parametrize("mode", ["import_sys_exit_3", "build_os_exit_0"])
+@pytest.mark.parametrize("mode", ["import_sys_exit_3", "build_os_exit_0", "loss_posix_exit_0"])
 def test_a_model_file_cannot_exit_memplan_with_its_own_code(mode):
     env = {**os.environ, "MEMPLAN_TEST_MISBEHAVE": mode}
     done = subprocess.run(
@@ -47,7 +47,7 @@ def test_a_model_file_cannot_exit_memplan_with_its_own_code(mode):
         timeout=120,
     )
     assert done.returncode == 2, done.stderr
-    how = "os._exit" if "os_exit" in mode else "sys.exit"
+    how = "sys.exit" if "sys_exit" in mode else "os._exit"  # posix._exit is os._exit
     err = " ".join(done.stderr.split())
     assert f"called {how}(" in err and "trust_misbehave.py" in err
     assert "Traceback" not in done.stderr

@@ -467,3 +467,80 @@ def test_a_function_from_another_module_is_named_where_it_lives(tmp_path, monkey
     where = str(tmp_path / "losses_elsewhere.py")
     assert raised.value.message.startswith(f"{where}:2: bad() raised ValueError")
     assert raised.value.hint == f"Fix bad() in {where}; memplan runs it as a training script would."
+
+
+def test_a_batch_function_that_ignores_its_size_is_refused():
+    """``lambda n: first_batch`` made every probed size the same two samples: the plan for
+    micro-batch 64 came out at 1/15.6 of its peak, without a word. Two sizes whose batches
+    have the same shapes are refused, naming the function and the sizes."""
+    x, y = data(2)
+    first = (x, y)
+    with pytest.raises(
+        ModelFileError, match=r"<lambda> made batches of the same shapes for batch sizes 1 and 2"
+    ):
+        memplan.plan_model(
+            blocks_model(), lambda n: first, loss_fn=mse, budget="1GiB", target_batch=4
+        )
+    # a function that honours its size plans as before
+    x, y = data(8)
+    plan = memplan.plan_model(
+        blocks_model(), batches(x, y), loss_fn=mse, budget="1GiB", target_batch=4, timing_rounds=1
+    )
+    assert plan.micro_batch_size * plan.accumulation_steps == 4
+
+
+def test_the_arguments_are_read_as_python_passes_them(monkeypatch):
+    """What the hostile user found: a percentage budget with ``device_profile=`` was refused
+    as "no device is known" (the spec reached the probe only), and told to add the CLI's
+    ``--device-profile``; one layer name as a string was split into its characters; an int
+    for ``micro_batches`` was a raw TypeError."""
+    from memplan.devices import load_device
+
+    x, y = data(8)
+    h100 = load_device("h100-80gb")
+    plan = memplan.plan_model(
+        blocks_model,
+        batches(x, y),
+        loss_fn=mse,
+        budget="50%",
+        device_profile="h100-80gb",
+        device="meta",
+        target_batch=4,
+        always_checkpoint="blocks.1",
+    )
+    assert plan.budget_bytes == h100.memory_bytes // 2
+    assert list(plan.checkpoint) == ["blocks.1"]  # not b, l, o, c, k, s, ., 1
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("probed")
+
+    monkeypatch.setattr("memplan.probe.probe_model", no_probe)
+    with pytest.raises(BadInputError) as refused:
+        memplan.plan_model(blocks_model(), (x, y), loss_fn=mse, budget="80%", target_batch=4)
+    assert "device_profile NAME" in refused.value.hint and "--device" not in refused.value.hint
+    with pytest.raises(BadInputError, match=r"micro_batches must be .* got 4") as refused:
+        memplan.plan_model(
+            blocks_model(), (x, y), loss_fn=mse, budget="1GiB", target_batch=4, micro_batches=4
+        )
+    assert refused.value.hint == "Pass micro_batches=(4,) for one size."
+
+
+def test_a_compiled_model_plans_the_module_inside_it():
+    """``torch.compile(model)`` on the cpu: the probe's own checkpointing failed under
+    dynamo, and was reported as the user's loss raising. The module inside is planned (the
+    names the plan gives are its own, as ``memplan.apply`` reads them), with a warning that
+    its numbers are eager's."""
+    x, y = data(8)
+    compiled = torch.compile(blocks_model())
+    with pytest.warns(UserWarning, match=r"memplan: the model is compiled .* eagerly"):
+        plan = memplan.plan_model(
+            compiled,
+            (x, y),
+            loss_fn=mse,
+            budget="1GiB",
+            target_batch=4,
+            timing_rounds=1,
+            always_checkpoint=["blocks.0"],
+        )
+    assert plan.checkpoint["blocks.0"] == "full"
+    assert memplan.apply(compiled, plan) == sorted(plan.checkpoint)

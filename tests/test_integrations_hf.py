@@ -8,7 +8,13 @@ import tempfile
 
 import pytest
 import torch
-from integration_models import max_difference, state_digest, tightest_budget, tracked_peak
+from integration_models import (
+    max_difference,
+    state_digest,
+    tightest_budget,
+    tiny_llama,
+    tracked_peak,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,17 +26,7 @@ TARGET, STEPS, SEQ = 8, 2, 12
 
 
 def llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config).double()
+    return tiny_llama(transformers).double()
 
 
 def dataset():

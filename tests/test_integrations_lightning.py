@@ -5,7 +5,16 @@ run trains to the same weights as the full batch without memplan, within the bud
 
 import pytest
 import torch
-from integration_models import TARGET, blocks_model, data, max_difference, mse, sgd, tightest_budget
+from integration_models import (
+    TARGET,
+    blocks_model,
+    data,
+    lightning_fit,
+    max_difference,
+    mse,
+    sgd,
+    tightest_budget,
+)
 
 L = pytest.importorskip("lightning.pytorch")
 
@@ -61,18 +70,7 @@ class PeakDuringTraining(L.Callback):
 
 
 def fit(module, callbacks, datamodule=None):
-    trainer = L.Trainer(
-        max_steps=STEPS,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
-    trainer.fit(module, datamodule=datamodule)
-    return trainer
+    return lightning_fit(L, module, callbacks, STEPS, datamodule)
 
 
 @pytest.fixture(scope="module")

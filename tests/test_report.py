@@ -306,6 +306,15 @@ def test_verify_records_the_last_step_and_draws_it(stack_plan, tmp_path):
     assert '<g id="measured' in out.read_text()
     again = invoke("verify", STACK, stack_plan, "--steps", "1", "--report", out)
     assert again.exit_code == 2 and "already exists" in again.output  # before running
+    # the hint names verify's own options: it asked for --force, which verify lacked, and -o
+    said = " ".join(again.output.split())
+    assert "Pass --force to replace it, or choose another path with --report." in said
+    out.write_text("old")
+    forced = invoke("verify", STACK, stack_plan, "--steps", "1", "--report", out, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert '<g id="measured' in out.read_text()
+    suffix = invoke("verify", STACK, stack_plan, "--steps", "1", "--report", tmp_path / "r.txt")
+    assert suffix.exit_code == 2 and "--report " in suffix.output and "-o " not in suffix.output
 
 
 def test_last_step_is_cut_at_the_marks():
@@ -367,7 +376,8 @@ def test_a_corrupt_plan_or_foreign_layers_exit_2(files, tmp_path):
     )
     assert "checkpoint:" in plan_text
     assert result.exit_code == 2, result.output
-    assert "not a checkpoint candidate" in " ".join(result.output.split())
+    # said as what it is: the candidates differ from the plan's fingerprint
+    assert "is the profile of another model than the plan's" in " ".join(result.output.split())
 
 
 def test_check_puts_each_checks_png_in_the_step_summary(tmp_path):

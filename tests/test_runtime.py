@@ -6,6 +6,7 @@ the full batch in one backward (accumulated gradients must match)."""
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 from types import SimpleNamespace
 
@@ -123,7 +124,7 @@ def test_apply_is_idempotent_and_exact() -> None:
     first = model.blocks[0].forward
     apply(model, ["blocks.0"])
     assert checkpointed_names(model) == ["blocks.0"]
-    assert model.blocks[0].__dict__["forward"].__func__ is first.__func__
+    assert model.blocks[0].__dict__["forward"] is first  # the same patch, not a second
     assert "_memplan_saved_forward" in model.blocks[0].__dict__
     # a second plan replaces the first: exactly the named modules are checkpointed
     apply(model, ["blocks.2"])
@@ -172,6 +173,22 @@ def test_deepcopy_of_applied_model_checkpoints_the_copy() -> None:
     clone = copy.deepcopy(model)
     assert clone.blocks[0].forward.__self__ is clone.blocks[0]
     assert checkpointed_names(clone) == ["blocks.0"]
+    # the copy runs (an EMA or teacher copy): the patch's "no forward of its own" marker
+    # was a bare object(), which deepcopy and pickle duplicated, so the copy called it as its
+    # forward ("'object' object is not callable"); a pickled model the same
+    twin = pickle.loads(pickle.dumps(model))
+    x, y = torch.randn(6, 4), torch.randn(6)
+    expected = None
+    for net in (model, clone, twin):
+        net.eval()  # no dropout: the three give the same gradients
+        net.zero_grad()
+        mse(net, (x, y)).backward()
+        got = grads(net)
+        expected = expected or got
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in got)
+    remove(clone)
+    assert "forward" not in clone.blocks[0].__dict__ and checkpointed_names(clone) == []
 
 
 def test_unknown_name_lists_valid_names_closest_first() -> None:

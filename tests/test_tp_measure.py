@@ -153,3 +153,21 @@ def test_a_model_files_head_counts_limit_the_tp_degree():
     assert tp_degree_divides(model, modules) == 256
     # nn.MultiheadAttention's own num_heads
     assert tp_degree_divides(torch.nn.MultiheadAttention(64, 4), {}) == 4
+
+
+def test_a_running_process_group_of_one_is_said_not_blamed_on_the_blocks(llama, tmp_path):
+    """Planned inside a script whose framework started a group of one rank (a Trainer under
+    DeepSpeed), the fake group of 2 the TP probe starts could not: the probe warned "its
+    blocks failed under its TP plan (… Mesh should not be bigger than default world size 1
+    …)", a TP failure the user never asked about. It records why TP was not measured, and
+    warns of nothing."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        profile = _measured(llama, tmp_path)
+    finally:
+        dist.destroy_process_group()
+    assert not any("Tensor parallelism" in w for w in profile.warnings), profile.warnings
+    assert profile.tp_refused.startswith("not measured: a process group of 1 rank(s) was already")
+    assert all(layer.tp_saved_fraction is None for layer in profile.layers)

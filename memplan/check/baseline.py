@@ -15,6 +15,7 @@ from memplan.check.config import ResolvedCheck, config_error
 from memplan.check.result import Growth, GrowthKind, Quantity
 from memplan.errors import BadInputError, MemplanError
 from memplan.files.io import write_text_atomic
+from memplan.model.reference import is_hf_reference, split_model_arg
 from memplan.profile import FixedPart, Layer, Profile, load_profile, profile_to_yaml
 
 # Growth smaller than this is noise (allocator rounding, timing of a meta probe), not news.
@@ -36,6 +37,12 @@ def compare_with_baseline(check: ResolvedCheck, profile: Profile) -> tuple[tuple
         baseline = load_profile(check.baseline_path)
     except MemplanError as exc:
         return (), f"baseline {check.spec.baseline} is unreadable ({exc.message})"
+    if (other := _other_model(check, baseline, profile)) is not None:
+        return (), (
+            f"baseline {check.spec.baseline} is a profile of another model ({other[0]}, not "
+            f"{other[1]}), so nothing is compared with it; give this check its own "
+            "baseline file and write it with `memplan check --update-baseline`"
+        )
     notes = []
     env_new, env_old = profile.environment, baseline.environment
     for attribute in ("device", "precision"):
@@ -43,6 +50,31 @@ def compare_with_baseline(check: ResolvedCheck, profile: Profile) -> tuple[tuple
         if old != new:
             notes.append(f"baseline was probed with {attribute} {old}, now {new}")
     return diff_profiles(baseline, profile), "; ".join(notes)
+
+
+def _other_model(
+    check: ResolvedCheck, baseline: Profile, profile: Profile
+) -> tuple[str, str] | None:
+    """(the model ``baseline`` records, ``check``'s) as written, when they are two models
+    (two files, resolved against the config's folder, or two factories); else None. A
+    model that changed keeps its path: its growth is what the baseline is for."""
+    old, new = baseline.model, profile.model
+    if old.factory != new.factory:
+        return (
+            f"{split_model_arg(old.path)[0]}:{old.factory}",
+            f"{split_model_arg(check.spec.model)[0]}:{new.factory}",
+        )
+    if _model_file(old.path, check.root) != _model_file(check.spec.model, check.root):
+        return old.path, check.spec.model
+    return None
+
+
+def _model_file(text: str, root: Path) -> str:
+    """A model reference's file, resolved against ``root`` (an ``hf:`` reference as is)."""
+    if is_hf_reference(text):
+        return text.strip()
+    path = Path(split_model_arg(text)[0])
+    return str((path if path.is_absolute() else root / path).resolve())
 
 
 def check_baseline_target(check: ResolvedCheck, source: str) -> Path:

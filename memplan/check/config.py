@@ -27,14 +27,17 @@ exist, a percentage without a device, a duplicate name) is checked here, naming 
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from memplan.devices import DeviceSpec, capacity_bytes, load_device, names_spec_file
 from memplan.errors import BadInputError, MemplanError
-from memplan.files.schema import TOP_LEVEL, from_data, load_yaml_file
+from memplan.files.schema import LARGEST_INT, TOP_LEVEL, from_data, load_yaml_file
 from memplan.memory import DEFAULT_MARGIN, margin_problem
 from memplan.profile.data import timing_rounds_problem
 from memplan.units import parse_budget
@@ -187,6 +190,9 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
             hint="Write a starter with `memplan init-check model.py`, or pass --config PATH.",
         )
     data = load_yaml_file(config_path, what="memplan.yaml config")
+    checks = data.get("checks")
+    for index, raw in enumerate(checks if isinstance(checks, list) else ()):
+        check_raw_fields(raw, source, f"checks[{index}]")
     parsed = from_data(CheckFile, data, source=source, path=TOP_LEVEL)
     base = config_path.resolve().parent
     resolved: list[ResolvedCheck] = []
@@ -201,7 +207,95 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG) -> CheckConfig:
             )
         seen[spec.name] = index
         resolved.append(resolve_check(spec, index, base, source))
+    _refuse_shared_baselines(resolved, source)
     return CheckConfig(path=config_path, checks=tuple(resolved))
+
+
+def _refuse_shared_baselines(checks: list[ResolvedCheck], source: str) -> None:
+    """Two checks naming one baseline file (``b.profile.yaml`` and ``./b.profile.yaml``, or a
+    symlink to it): ``--update-baseline`` would write one check's profile over the other's,
+    and every later run would compare a model with another model's profile."""
+    seen: dict[Path, ResolvedCheck] = {}
+    for check in checks:
+        if check.baseline_path is None:
+            continue
+        target = check.baseline_path.resolve()
+        other = seen.get(target)
+        if other is None:
+            for path, earlier in seen.items():
+                with contextlib.suppress(OSError):
+                    if os.path.samefile(path, target):  # a hard link to the same file
+                        other = earlier
+                        break
+        if other is not None:
+            raise config_error(
+                source,
+                f"{check.field_path}.baseline",
+                f"names {check.spec.baseline!r}, the same file as "
+                f"{other.field_path}.baseline ({other.spec.baseline!r}) of check "
+                f"{other.name!r}: --update-baseline would write one check's profile over the "
+                "other's, and each would then be compared with another model's profile",
+                hint=f"Give each check its own baseline file, e.g. "
+                f"memplan/baseline/{check.name}.profile.yaml.",
+            )
+        seen[target] = check
+
+
+_INT_FIELDS = ("target_batch", "world_size", "seq_len", "timing_rounds")
+_FLOAT_FIELDS = ("margin", "timeout")
+_LARGE_UNIT = re.compile(r"^\s*[0-9]+(?:\.[0-9]+)?\s*([PEZYpezy](?:i?[Bb])?)\s*$")
+"""A size in a unit past TiB (``1PiB``, ``2EB``): more than any device holds."""
+_PLAIN_NUMBER = re.compile(r"^\s*[+-]?[0-9]+(\.[0-9]*)?\s*$")
+
+
+def check_raw_fields(raw: object, source: str, where: str) -> None:
+    """What the schema would name but say wrongly, checked on one check's entry as YAML
+    read it: a number written in quotes (``target_batch: "32"``: text, not an exponent
+    form), and a budget that is a number but no size memplan can take (too large for any
+    device, not finite, or a fraction of a byte)."""
+    if not isinstance(raw, dict):
+        return
+    for key in (*_INT_FIELDS, *_FLOAT_FIELDS):
+        value = raw.get(key)
+        if isinstance(value, str) and _PLAIN_NUMBER.match(value):
+            raise config_error(
+                source,
+                f"{where}.{key}",
+                f"is the quoted text {value!r}, not a number",
+                hint=f"Write {value.strip()} without quotes.",
+            )
+    budget = raw.get("budget")
+    if isinstance(budget, bool) or not isinstance(budget, int | float):
+        return
+    field_path = f"{where}.budget"
+    if isinstance(budget, float) and not math.isfinite(budget):
+        raise config_error(
+            source,
+            field_path,
+            f"is {budget}, not a finite size",
+            hint="Write a size such as 24GiB, or whole bytes.",
+        )
+    if budget < -LARGEST_INT:
+        raise config_error(
+            source, field_path, "is negative", hint="A budget is a size above 0, e.g. 24GiB."
+        )
+    if budget > LARGEST_INT:
+        shown = f"{budget:.3g}" if isinstance(budget, float) else f"{budget:.3e}"
+        raise config_error(
+            source,
+            field_path,
+            f"is {shown} bytes, larger than any device's memory (memplan takes at most "
+            "2**62 bytes)",
+            hint="Check the number; write a size with a unit, e.g. 80GiB.",
+        )
+    if isinstance(budget, float):
+        whole = f" ({int(budget)})" if budget.is_integer() and budget > 0 else ""
+        raise config_error(
+            source,
+            field_path,
+            f"is the floating-point number {budget!r}, not a size",
+            hint=f"Write whole bytes{whole} or a size with a unit, e.g. 24GiB.",
+        )
 
 
 def resolve_device_profile(name: str | None, base: Path) -> str | None:
@@ -216,8 +310,24 @@ def resolve_device_profile(name: str | None, base: Path) -> str | None:
 def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> ResolvedCheck:
     """Resolve ``spec``'s paths against ``base`` and its budget to bytes."""
     where = f"checks[{index}]"
-    from memplan.model.reference import reference_path, resolve_model_reference
+    from memplan.model.reference import (
+        is_hf_reference,
+        reference_path,
+        resolve_model_reference,
+        split_model_arg,
+    )
 
+    if not is_hf_reference(spec.model):
+        folder = base / split_model_arg(spec.model)[0]
+        if folder.is_dir():
+            raise config_error(
+                source,
+                f"{where}.model",
+                f"names {spec.model!r}, and {folder} is a folder, not a model file",
+                hint="Name the model's .py file in it (e.g. "
+                f"{split_model_arg(spec.model)[0].rstrip('/')}/model.py); paths are relative "
+                "to the config file.",
+            )
     try:  # a model file or an hf: reference, relative paths against the config's folder
         resolved_model = resolve_model_reference(spec.model, base)
     except MemplanError as exc:
@@ -252,10 +362,27 @@ def resolve_check(spec: CheckSpec, index: int, base: Path, source: str) -> Resol
             "is 'auto', which depends on the machine that runs the check",
             hint="Write a size such as 24GiB, or a percentage with device_profile.",
         )
+    elif isinstance(budget, str) and budget.strip().endswith("%") and capacity is None:
+        raise config_error(
+            source,
+            f"{where}.budget",
+            f"is {budget!r}, a percentage of a device's memory, and the check names no "
+            "device_profile to take it of",
+            hint="Add `device_profile: NAME` to this check (see profiles/devices/), or give a "
+            "size such as 24GiB.",
+        )
     else:
         try:
             budget_bytes = parse_budget(budget, capacity_bytes=capacity, what="budget")
         except BadInputError as exc:
+            if isinstance(budget, str) and (match := _LARGE_UNIT.match(budget)):
+                raise config_error(
+                    source,
+                    f"{where}.budget",
+                    f"is {budget!r}, larger than any device's memory: memplan reads sizes "
+                    f"in B, KiB, MiB, GiB and TiB (and KB to TB), not {match[1]}",
+                    hint="Check the number and its unit, e.g. 80GiB.",
+                ) from None
             raise config_error(
                 source, f"{where}.budget", f"is invalid: {exc.message}", hint=exc.hint
             ) from None

@@ -28,6 +28,7 @@ from memplan.check.config import (
     CheckConfig,
     CheckSpec,
     ResolvedCheck,
+    check_raw_fields,
     load_config,
     resolve_check,
 )
@@ -358,5 +359,6 @@ def check_model(
         "budget": budget,
         **fields,
     }
+    check_raw_fields(raw, "check_model()", "check")
     spec = from_data(CheckSpec, raw, source="check_model()", path="check")
     return run_check(resolve_check(spec, 0, Path.cwd(), "check_model()"))

@@ -35,6 +35,12 @@ def show(
         render.show_plan(obj)
     else:
         render.show_profile(obj)
+    if "target_batch" in data:  # a plan whose figures are not its profile's (edited by hand)
+        from memplan.report import stale_plan_note
+
+        note = stale_plan_note(obj, file)
+        if note:
+            render.warn(note)
 
 
 @run_command

@@ -10,6 +10,7 @@ import typer
 
 from memplan.cli.base import run_command
 from memplan.cli.options import (
+    ForceOption,
     JsonOption,
     LoraOption,
     SeqLenOption,
@@ -18,10 +19,11 @@ from memplan.cli.options import (
     finite,
     running_user_code,
 )
-from memplan.errors import BadInputError
+from memplan.errors import BadInputError, MemplanError
 from memplan.model.reference import planned_model_reference
 
 if TYPE_CHECKING:
+    from memplan.plan import Plan
     from memplan.verify import DistributedVerifyResult, VerifyResult
 
 
@@ -67,6 +69,7 @@ def verify(
         Path | None,
         typer.Option("--report", help="Also write report.html/.png: measured over predicted."),
     ] = None,
+    force: ForceOption = False,
 ) -> None:
     """Run the plan for real and compare measured with predicted memory and time."""
     from memplan import render
@@ -78,7 +81,7 @@ def verify(
     given, plan_path = (first, Path(second)) if second is not None else (None, Path(first))
     plan = load_plan(plan_path)
     if report_path is not None:
-        _check_report_path(report_path)
+        _check_report_path(report_path, force)
     model = planned_model_reference(
         given, plan.model, plan_path.parent, task=task, seq_len=seq_len, lora=lora
     )
@@ -107,7 +110,12 @@ def verify(
         show_distributed_verify(result)
     else:
         show_verify(result)
-    _write_verify_report(result, plan_path, report_path)
+    from memplan.report import stale_plan_note
+
+    for note in (_changed_since_probe(plan, plan_path, model), stale_plan_note(plan, plan_path)):
+        if note:
+            render.warn(note)
+    _write_verify_report(result, plan_path, report_path, force)
     if not result.passed:
         raise typer.Exit(1)
 
@@ -128,19 +136,50 @@ def _check_options(
         )
 
 
-def _check_report_path(path: Path) -> None:
-    """Refuse a bad or existing --report path, or a missing matplotlib, before running."""
+def _changed_since_probe(plan: Plan, plan_path: Path, model: str) -> str:
+    """A warning when the model file's bytes are not those the plan's profile recorded:
+    a verdict on an edited file read as memplan's misprediction (a head that concatenated
+    its logits: "-39.2%", nothing said of the edit). '' when they match, or when the
+    profile or the file cannot be found (nothing to compare)."""
+    import hashlib
+
+    from memplan.model.reference import split_model_arg
+    from memplan.profile import load_profile
+    from memplan.report import profile_path_of
+
+    try:
+        recorded = load_profile(profile_path_of(plan, plan_path)).model.sha256
+        file = Path(split_model_arg(model)[0])
+        now = hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else ""
+    except (MemplanError, OSError):
+        return ""
+    if not recorded or not now or now == recorded:
+        return ""
+    return (
+        f"{file} changed since it was probed for this plan (sha256 {recorded[:12]}… then, "
+        f"{now[:12]}… now): a difference above may be that change, not memplan's "
+        "prediction. Probe and solve again to verify the file as it is."
+    )
+
+
+def _check_report_path(path: Path, force: bool) -> None:
+    """Refuse a bad --report path, or an existing one without --force (verify had no
+    --force, and the hint asked for it and for -o), or a missing matplotlib, before
+    running."""
     from memplan.files.io import refuse_existing
     from memplan.report import check_output
     from memplan.report.draw import matplotlib_pyplot
 
-    check_output(path)
-    refuse_existing(path)
+    check_output(path, "--report")
+    refuse_existing(path, force=force, option="--report")
     matplotlib_pyplot()
 
 
 def _write_verify_report(
-    result: VerifyResult | DistributedVerifyResult, plan_path: Path | None, path: Path | None
+    result: VerifyResult | DistributedVerifyResult,
+    plan_path: Path | None,
+    path: Path | None,
+    force: bool,
 ) -> None:
     if path is None or plan_path is None:
         return
@@ -148,5 +187,5 @@ def _write_verify_report(
     from memplan.report import write_verify_report
     from memplan.units import format_bytes
 
-    size = write_verify_report(result, plan_path, path)
+    size = write_verify_report(result, plan_path, path, force=force)
     render.info(f"wrote {path} ({format_bytes(size)})")

@@ -49,10 +49,10 @@ def _nearest_existing(folder: Path) -> Path:
     return folder
 
 
-def check_output(path: str | os.PathLike[str], *, force: bool) -> Path:
+def check_output(path: str | os.PathLike[str], *, force: bool, option: str = "-o") -> Path:
     """Raise unless ``path`` can be written by :func:`write_text_atomic` with ``force``;
     writes nothing. Returns the path that will be written (a symlink resolved, so the
-    link itself is kept)."""
+    link itself is kept). ``option``: the flag that named the path, which the hints name."""
     target = Path(path)
     if os.path.lexists(target):
         try:
@@ -60,30 +60,30 @@ def check_output(path: str | os.PathLike[str], *, force: bool) -> Path:
         except OSError:
             raise BadInputError(
                 f"{target} is a broken symbolic link; memplan does not write through it.",
-                hint="Remove the link or choose another path with -o.",
+                hint=f"Remove the link or choose another path with {option}.",
             ) from None
         if not stat.S_ISREG(info.st_mode):
             raise BadInputError(
                 f"{target} is {_kind(info.st_mode)}, not a regular file; memplan only "
                 "replaces regular files.",
-                hint="Choose a file path with -o.",
+                hint=f"Choose a file path with {option}.",
             )
         if not force:
             raise OutputExistsError(
                 f"{target} already exists; memplan does not overwrite files silently.",
-                hint="Pass --force to replace it, or choose another path with -o.",
+                hint=f"Pass --force to replace it, or choose another path with {option}.",
             )
         target = Path(os.path.realpath(target))
     folder = _nearest_existing(target.parent if str(target.parent) else Path("."))
     if not folder.is_dir():
         raise BadInputError(
             f"Cannot write {target}: {folder} is not a directory.",
-            hint="Choose another path with -o.",
+            hint=f"Choose another path with {option}.",
         )
     if not os.access(folder, os.W_OK | os.X_OK):
         raise BadInputError(
             f"Cannot write {target}: the directory {folder} is not writable.",
-            hint="Choose a writable path with -o.",
+            hint=f"Choose a writable path with {option}.",
         )
     return target
 
@@ -135,9 +135,11 @@ def _default_mode() -> int:
     return 0o666 & ~umask
 
 
-def refuse_existing(path: str | os.PathLike[str], *, force: bool = False) -> Path:
+def refuse_existing(
+    path: str | os.PathLike[str], *, force: bool = False, option: str = "-o"
+) -> Path:
     """:func:`check_output` (the name callers used before it checked more than existence)."""
-    return check_output(path, force=force)
+    return check_output(path, force=force, option=option)
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str, *, force: bool = False) -> Path:

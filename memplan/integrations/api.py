@@ -97,7 +97,15 @@ def plan_model(
     before the probe runs; NoPlanFitsError when nothing fits, before any training."""
     check_options("plan_model", request, solve_only=True)
     probe_device = resolve_device(model, device)
-    ask = _ask(probe_device, budget=budget, target_batch=target_batch, **request)
+    # the spec also sizes a percentage budget: "80%" with device_profile= was refused as "no
+    # device is known" (the spec went to the probe alone)
+    ask = _ask(
+        probe_device,
+        budget=budget,
+        target_batch=target_batch,
+        device_profile=device_profile,
+        **request,
+    )
     profile = profile_model(
         model,
         batch,
@@ -108,7 +116,7 @@ def plan_model(
         mixed_precision=mixed_precision,
         micro_batches=micro_batches,
         layers=layers,
-        device_profile=device_profile or ask.device_profile,
+        device_profile=ask.device_profile,
         seq_lens=tuple(seq_lens) or ((ask.length,) if ask.length is not None else ()),
         timing_rounds=timing_rounds,
         compiled=compiled,
@@ -212,8 +220,8 @@ def _ask(
         margin=margin,
         min_micro=min_micro,
         max_micro=max_micro,
-        always_checkpoint=tuple(always_checkpoint),
-        never_checkpoint=tuple(never_checkpoint),
+        always_checkpoint=_names(always_checkpoint),
+        never_checkpoint=_names(never_checkpoint),
         bn_min_micro=bn_min_micro,
         allow_small_bn_micro=allow_small_bn_micro,
         device_spec=spec,
@@ -249,6 +257,14 @@ def profile_model(
     from memplan.probe.seqgrid import probe_seq_grid
 
     probe_device = resolve_device(model, device)
+    if isinstance(micro_batches, int | str) or not isinstance(micro_batches, Sequence):
+        raise BadInputError(
+            f"micro_batches must be the batch sizes to probe, such as (1, 2, 4); got "
+            f"{micro_batches!r}.",
+            hint=f"Pass micro_batches=({micro_batches!r},) for one size."
+            if isinstance(micro_batches, int)
+            else None,
+        )
     if compiled and probe_device != "meta":
         raise BadInputError(
             f"compiled=True times the step as torch.compile's fused kernels move bytes, on "
@@ -266,6 +282,14 @@ def profile_model(
         prepare=prepare,
     )
     live = model if isinstance(model, torch.nn.Module) else None
+    if not compiled and isinstance(getattr(live, "_orig_mod", None), torch.nn.Module):
+        warnings.warn(
+            f"memplan: the model is compiled (torch.compile); the probe on {probe_device} runs "
+            "the module inside it eagerly, so the plan's bytes and step time are eager's "
+            "(compiled=True with device='meta' times the step as torch.compile runs it).",
+            UserWarning,
+            stacklevel=2,
+        )
     how = {
         "device": probe_device,
         "micro_batches": micro_batches,
@@ -356,6 +380,12 @@ def budget_bytes(budget: Budget, device: str, spec: Any = None) -> int:
     return resolve_budget(budget, device_spec=spec, probed_capacity_bytes=capacity, what="budget")
 
 
+def _names(names: str | Sequence[str]) -> tuple[str, ...]:
+    """Layer names or patterns: one given as a string is one name (``memplan.apply`` takes
+    it so), not its characters."""
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
 def _device_spec(name: str | None) -> Any:
     from memplan.devices import load_device
 
@@ -382,12 +412,15 @@ def _seq_length(seq_len: int | str | None) -> int | str | None:
 
 
 def _caller_file() -> Path:
-    """The first file on the stack outside memplan: the user's script."""
-    here = Path(__file__).resolve().parent.parent
+    """The first file on the stack of the user's own code (outside memplan, installed
+    packages and the standard library): the user's script. From a Lightning hook it was
+    Lightning's trainer/call.py, which messages then named as the file to fix."""
+    from memplan.model.loader import users_file
+
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith("<") and not Path(name).resolve().is_relative_to(here):
+        if not name.startswith("<") and users_file(name):
             return Path(name)
         frame = frame.f_back
     return Path("<script>")

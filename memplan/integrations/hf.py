@@ -14,8 +14,9 @@ gradient accumulation × world size; ``target_batch=`` overrides it), at the pre
 ``trainer.args``. Then it sets on ``trainer.args``:
 
 * ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` from the plan (and the
-  Trainer's own train batch size, as its constructor derives it; DeepSpeed's config is
-  refilled from the arguments, as ``auto_find_batch_size`` does);
+  Trainer's own train batch size, as its constructor derives it; DeepSpeed's batch fields,
+  ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps`` and
+  ``train_batch_size``, are refilled from the new arguments as the constructor filled them);
 * ``gradient_checkpointing`` (``activation_checkpointing`` in transformers 5) true when the
   plan is Trainer's all-or-nothing checkpointing (every block
   ``gradient_checkpointing_enable()`` checkpoints, fully: memplan.emit.hf
@@ -129,21 +130,61 @@ def configure_trainer(trainer: Any, plan: Plan) -> Any:
         if hasattr(args, name) and whole:
             setattr(args, name, {"use_reentrant": False})
     if getattr(trainer, "is_deepspeed_enabled", False):
-        from transformers.integrations.deepspeed import propagate_args_to_deepspeed
-
-        propagate_args_to_deepspeed(trainer.accelerator, args)
+        _refill_deepspeed(trainer)
     trainer.memplan_plan = plan
     return trainer
+
+
+_DEEPSPEED_BATCH = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+)
+"""The DeepSpeed config's batch fields, which the Trainer fills from its arguments."""
+
+
+def _refill_deepspeed(trainer: Any) -> None:
+    """DeepSpeed's batch fields from the arguments as the plan set them. The Trainer's
+    constructor already wrote the old numbers over the config's ``"auto"``s, and
+    ``propagate_args_to_deepspeed`` fills only ``"auto"`` (a number that differs is recorded
+    as a mismatch, which ``train()`` raises): so they are made ``"auto"`` again first, then
+    filled as the constructor fills them (the same call the Trainer makes when
+    ``auto_find_batch_size`` changes the batch size). A number the user's config pinned is
+    replaced too: the plan sets the batch, as it sets ``per_device_train_batch_size``."""
+    from transformers.integrations.deepspeed import (
+        HfTrainerDeepSpeedConfig,
+        propagate_args_to_deepspeed,
+    )
+
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    config = {**plugin.hf_ds_config.config, **dict.fromkeys(_DEEPSPEED_BATCH, "auto")}
+    plugin.hf_ds_config = HfTrainerDeepSpeedConfig(config)
+    propagate_args_to_deepspeed(trainer.accelerator, trainer.args)
+    if getattr(trainer.args, "hf_deepspeed_config", None) is not None:
+        trainer.args.hf_deepspeed_config = plugin.hf_ds_config  # one config, as after __init__
 
 
 def _dataset_batches(trainer: Any) -> Callable[[int], Any]:
     """``make_batch(n)``: the Trainer's data collator over ``n`` samples of its
     ``train_dataset`` (cycling when it has fewer)."""
+    from torch.utils.data import IterableDataset
+
     dataset = getattr(trainer, "train_dataset", None)
     collator = getattr(trainer, "data_collator", None)
-    if dataset is None or collator is None or not hasattr(dataset, "__getitem__"):
+    indexable = (
+        not isinstance(dataset, IterableDataset)
+        and hasattr(dataset, "__getitem__")
+        and hasattr(dataset, "__len__")
+    )
+    if dataset is None or collator is None or not indexable:
+        what = (
+            "no train_dataset"
+            if dataset is None
+            else f"a {type(dataset).__name__} as train_dataset, which memplan cannot index (a "
+            "streaming or iterable dataset has no length and no samples by position)"
+        )
         raise BadInputError(
-            "The Trainer has no train_dataset memplan can index, so it cannot make batches.",
+            f"The Trainer has {what}, so memplan cannot make batches of a chosen size.",
             hint="Pass batch= (a batch, or a function batch_size -> batch) to plan_trainer.",
         )
     count = len(dataset)
@@ -165,6 +206,10 @@ def _trainer_loss(trainer: Any) -> Callable[[Any, Any], Any]:
         out = trainer.compute_loss(model, batch)
         return out[0] if isinstance(out, tuple) else out
 
+    # an error names the file of the compute_loss that runs (a subclass's, in the user's
+    # script), not this wrapper's; the Trainer's own names the script (memplan.model.loader)
+    bound = trainer.compute_loss
+    compute_loss.__wrapped__ = getattr(bound, "__func__", bound)  # type: ignore[attr-defined]
     return compute_loss
 
 

@@ -23,14 +23,16 @@ from collections.abc import Callable
 from typing import Any
 
 from memplan.errors import BadInputError
-from memplan.integrations.api import check_options, plan_model
+from memplan.integrations.api import budget_bytes, check_options, plan_model
 from memplan.integrations.extras import require
 from memplan.plan import Plan
 from memplan.run.checkpoint import apply
+from memplan.units import parse_budget
 
 require("lightning", "memplan.integrations.lightning")
 
 from lightning.pytorch import Callback  # noqa: E402 - after the check that names the extra
+from lightning.pytorch.callbacks import GradientAccumulationScheduler  # noqa: E402
 from lightning.pytorch.utilities import rank_zero_info  # noqa: E402
 from lightning.pytorch.utilities.parsing import (  # noqa: E402
     lightning_getattr,
@@ -62,6 +64,7 @@ class MemplanBatchSize(Callback):
         **request: Any,
     ) -> None:
         check_options("MemplanBatchSize", request)
+        _check_values(budget, target_batch, batch_arg_name)
         self.budget = budget
         self.target_batch = target_batch
         self.batch_arg_name = batch_arg_name
@@ -73,6 +76,16 @@ class MemplanBatchSize(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str | None = None) -> None:
         if stage not in (None, "fit"):
             return
+        if any(isinstance(c, GradientAccumulationScheduler) for c in trainer.callbacks):
+            raise BadInputError(
+                "MemplanBatchSize sets accumulate_grad_batches itself (the plan's accumulation "
+                "steps), and Lightning's GradientAccumulationScheduler changes it per epoch: "
+                "the two cannot be used together, and memplan would plan for an effective "
+                "batch the scheduler then changes.",
+                hint="Remove the GradientAccumulationScheduler callback, and give "
+                "MemplanBatchSize(target_batch=...) the effective batch you want (batch size × "
+                "the scheduler's accumulation × ranks).",
+            )
         if not trainer.fit_loop._data_source.is_module():
             raise BadInputError(
                 "MemplanBatchSize cannot change the batch size of DataLoaders passed directly "
@@ -102,7 +115,7 @@ class MemplanBatchSize(Callback):
             self.batch if self.batch is not None else _loader_batches(trainer, pl_module),
             budget=self.budget,
             target_batch=target,
-            loss_fn=self.loss_fn or training_step,
+            loss_fn=self.loss_fn or _training_step(pl_module),
             keep=[trainer],
             prepare=_quiet,
             **request,
@@ -163,11 +176,43 @@ def _loader_batches(trainer: Any, pl_module: Any) -> Callable[[int], Any]:
     return collate_fn
 
 
-def training_step(module: Any, batch: Any) -> Any:
-    """The loss the module's ``training_step`` returns (a tensor, or a dict's ``loss``);
-    named so that an error names the user's ``training_step``."""
-    out = module.training_step(batch, 0)
-    return out["loss"] if isinstance(out, dict) else out
+def _training_step(pl_module: Any) -> Callable[[Any, Any], Any]:
+    """``loss(module, batch)``: the loss the module's ``training_step`` returns (a tensor, or
+    a dict's ``loss``). An error names it, in the file that defines the module's
+    ``training_step`` (memplan.model.loader), not this wrapper's."""
+
+    def training_step(module: Any, batch: Any) -> Any:
+        out = module.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+
+    step = pl_module.training_step
+    training_step.__wrapped__ = getattr(step, "__func__", step)  # type: ignore[attr-defined]
+    return training_step
+
+
+def _check_values(budget: Any, target_batch: Any, batch_arg_name: Any) -> None:
+    """Refuse a value no fit could use when the callback is made, not once the fit has
+    started: ``budget`` as ``plan_model`` reads it (a percentage or ``auto`` is resolved on
+    the fit's device), ``target_batch`` a positive whole number, ``batch_arg_name`` a name."""
+    if isinstance(budget, str):
+        parse_budget(budget, capacity_bytes=1, free_bytes=1, what="budget")
+    else:
+        budget_bytes(budget, "meta")
+    if target_batch is not None and (
+        isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1
+    ):
+        raise BadInputError(
+            f"target_batch must be a positive whole number of samples, got {target_batch!r}.",
+            hint="Give the effective batch (samples per optimizer step, all ranks), or leave "
+            "it out: batch size × accumulate_grad_batches × ranks.",
+        )
+    if not isinstance(batch_arg_name, str) or not batch_arg_name:
+        raise BadInputError(
+            f"batch_arg_name must be the name of the batch size attribute (a string such as "
+            f"'batch_size'), got {batch_arg_name!r}.",
+            hint="Pass the attribute's name, e.g. MemplanBatchSize(budget, "
+            "batch_arg_name='batch_size'), not its value.",
+        )
 
 
 def _quiet(module: Any) -> None:

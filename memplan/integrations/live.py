@@ -24,7 +24,7 @@ from memplan.model.batch import map_batch
 from memplan.model.loader import ModelFile, takes_seq_len
 from memplan.model.reference import DEFAULT_FACTORY
 from memplan.run.accumulate import samples_in
-from memplan.run.checkpoint import remove
+from memplan.run.checkpoint import remove, unwrap
 
 __all__ = [
     "hf_checkpointing_off",
@@ -118,6 +118,10 @@ def planning_copy(
     """A copy of ``model`` to probe, in training mode, without memplan's or Hugging Face's
     checkpointing: parameters and buffers copied without their gradients (on meta, as meta
     tensors, no data copied), shared tensors shared in the copy too."""
+    # the module inside torch.compile's (or DDP's) wrapper: the probe checkpoints its
+    # candidates itself, which dynamo cannot trace (a compiled model failed as the user's
+    # loss raising), and plan names are the unwrapped model's, as memplan.apply reads them
+    model = unwrap(model)
     memo: dict[int, Any] = {id(obj): obj for obj in keep}
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         if id(tensor) in memo:

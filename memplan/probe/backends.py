@@ -23,7 +23,7 @@ from memplan.devices import (
     spec_file_label,
 )
 from memplan.errors import BadInputError, CannotMeasureError, ModelFileError
-from memplan.model.batch import map_batch, move_batch
+from memplan.model.batch import batch_tensors, map_batch, move_batch
 from memplan.model.loader import ModelFile
 from memplan.probe import shadow
 from memplan.probe.dedup import MetaOpCache
@@ -205,6 +205,7 @@ class Backend:
 
     def batch(self, model_file: ModelFile, size: int) -> Any:
         cpu = model_file.make_batch(size)
+        _same_shapes_refused(self.__dict__.setdefault("_batch_shapes", {}), model_file, size, cpu)
         if self.device == "meta":  # laid out as on cpu, values kept (probe/shadow.py)
             batch = shadow.mirror_batch(cpu)
         else:
@@ -376,3 +377,28 @@ def _meta_autocast(dtype: torch.dtype) -> Iterator[None]:
             yield
     finally:
         mode.clear_cache()
+
+
+def _same_shapes_refused(
+    seen: dict[Any, dict[int, tuple[Any, ...]]], model_file: ModelFile, size: int, batch: Any
+) -> None:
+    """Refuse a batch function that ignores its size: two sizes whose batches have the same
+    tensors' shapes (at one sequence length). Every size would be measured from the same
+    samples, the plan's bytes a sample scaled wrong without a word: a ``lambda n:
+    first_batch`` planned micro-batch 64 at 1/15.6 of its peak."""
+    shapes = tuple(tuple(t.shape) for t in batch_tensors(batch))
+    at_length = seen.setdefault(model_file.seq_len, {})
+    for other, known in at_length.items():
+        if other != size and known == shapes:
+            fn = model_file.batch_text or model_file.named("make_batch")
+            raise ModelFileError(
+                f"{model_file.path}: {fn} made batches of the same shapes for batch sizes "
+                f"{min(other, size)} and {max(other, size)} ("
+                + ", ".join("×".join(map(str, s)) or "scalar" for s in shapes[:4])
+                + "): memplan measures each micro-batch size from the batch made for it, so "
+                "a batch of n samples must hold n (along the first dimension, or any that "
+                "grows with n).",
+                hint=f"Make {fn} return as many samples as it is asked for (slice or repeat "
+                "the data to that many).",
+            )
+    at_length[size] = shapes

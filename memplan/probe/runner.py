@@ -343,12 +343,23 @@ def ddp_refusal(forward_grads: tuple[str, ...]) -> str | None:
     )
 
 
+def _running_world() -> int:
+    """Ranks of a process group the caller already started (0: none). The TP probe starts a
+    fake group of its own, which torch cannot do beside one: under a Trainer's DeepSpeed (a
+    group of 1) it failed, and the probe warned "its blocks failed under its TP plan"."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 0
+
+
 def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str], None]) -> Profile:
     """The profile with what tensor parallelism divides (memplan.probe.tp_measure) and
     whether pipeline stages can split the model (``Profile.pipeline_refused``); a model
     without a TP plan, or whose blocks cannot run under one, records why in
     ``Profile.tp_refused`` (and the latter in a warning)."""
-    from memplan.probe.tp_measure import declared_plan, measure_tp
+    from memplan.probe.tp_measure import TP_PROBE_DEGREE, declared_plan, measure_tp
     from memplan.run.pipeline import pipeline_refusal
     from memplan.run.tp_plan import tp_plan_for
 
@@ -362,6 +373,15 @@ def _with_tp(session: Session, profile: Profile, size: int, tick: Callable[[str]
         tp_plan_for(session.model, declared)
     except BadInputError as exc:  # no TP plan: nothing to measure
         return dataclasses.replace(profile, tp_refused=exc.message.strip().splitlines()[0])
+    running = _running_world()
+    if running and running != TP_PROBE_DEGREE:  # a script's own group (DeepSpeed's one rank)
+        return dataclasses.replace(
+            profile,
+            tp_refused=f"not measured: a process group of {running} rank(s) was already "
+            f"running, and TP is measured on a fake group of {TP_PROBE_DEGREE} ranks of the "
+            "probe's own; probe the model outside it (memplan probe, or before "
+            "init_process_group) to plan TP.",
+        )
     tick("measuring the blocks under TP 2 (fake process group)")
     try:
         measured = measure_tp(session, profile, size, declared)

@@ -9,11 +9,12 @@ imported, lazily; ``page`` writes the HTML. This module loads inputs and writes 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from memplan.devices import DeviceSpec, load_device
-from memplan.errors import BadInputError, CannotMeasureError, NoPlanFitsError
+from memplan.errors import BadInputError, CannotMeasureError, MemplanError, NoPlanFitsError
 from memplan.files.schema import load_yaml_file
 from memplan.plan import Plan, plan_from_data
 from memplan.profile import Profile, load_profile, profile_from_data
@@ -28,6 +29,7 @@ from memplan.report.data import (
     predicted_timeline,
     profile_report,
 )
+from memplan.units import format_bytes
 
 __all__ = [
     "CheckPlots",
@@ -107,6 +109,57 @@ def plan_candidates(profile: Profile, plan: Plan, device_spec: DeviceSpec | None
         )
         return rows, notes
     return result.candidates, notes
+
+
+def profile_path_of(plan: Plan, plan_path: Path) -> Path:
+    """The profile ``plan`` was solved from, found as ``memplan report`` finds it (named,
+    or beside the plan); BadInputError when it is not found."""
+    return _resolve_profile_path(plan, plan_path, None)
+
+
+def refuse_another_models_profile(plan: Plan, profile: Profile, where: Path) -> None:
+    """BadInputError when ``profile`` is not of the model the plan records (its checkpoint
+    candidates differ): ``report`` drew the GPT example's plan over the MLP's profile, exit
+    0, with a note blaming a changed profile, where ``verify`` refuses the pairing."""
+    recorded = plan.model_fingerprint
+    if recorded is None or tuple(recorded.candidate_layers) == profile.layer_names:
+        return
+
+    def listed(names: Sequence[str]) -> str:
+        return ", ".join(names[:3]) + (", …" if len(names) > 3 else "")
+
+    raise BadInputError(
+        f"{where} is the profile of another model than the plan's: the plan was solved for "
+        f"{len(recorded.candidate_layers)} checkpoint candidates "
+        f"({listed(recorded.candidate_layers)}), the profile has {len(profile.layer_names)} "
+        f"({listed(profile.layer_names)}).",
+        hint="Pass the profile the plan was solved from with --profile, or solve this "
+        "profile for a plan of its own.",
+    )
+
+
+def stale_plan_note(plan: Plan, plan_path: Path) -> str:
+    """A warning when the plan's predicted peak is not what its profile gives for the plan's
+    own micro-batch, accumulation and modes: a plan edited by hand from 16 × 2 to 8 × 4
+    kept "74.4 MiB" (the profile gives 47.4 MiB), which ``show`` printed and ``verify``
+    compared with, as memplan's misprediction. '' when they agree, or when the profile is
+    not found, not readable or another model's (nothing to compare)."""
+    try:
+        found = _resolve_profile_path(plan, plan_path, None)
+        profile = load_profile(found)
+        refuse_another_models_profile(plan, profile, found)
+        peak = report_for_plan(plan, profile, candidates=False).timeline.peak_bytes
+    except (MemplanError, OSError):
+        return ""
+    if peak == plan.predicted.peak_bytes:
+        return ""
+    return (
+        f"{plan_path} says a peak of {format_bytes(plan.predicted.peak_bytes)}, and its "
+        f"profile ({found}) predicts {format_bytes(peak)} for micro-batch "
+        f"{plan.micro_batch_size} × {plan.accumulation_steps} with these layers: the plan was "
+        "edited by hand, or the profile changed since it was solved. Solve again for a plan "
+        "that says what its profile predicts."
+    )
 
 
 def _resolve_profile_path(plan: Plan, plan_path: Path, override: Path | None) -> Path:
@@ -200,7 +253,9 @@ def build_report(
                 plan,
                 f"{exc.message} Without it only the peak's breakdown is drawn; {exc.hint}",
             )
-        return report_for_plan(plan, load_profile(found))
+        profile = load_profile(found)
+        refuse_another_models_profile(plan, profile, found)
+        return report_for_plan(plan, profile)
     profile = profile_from_data(data, source=str(path))
     spec = load_device(device_profile) if device_profile else None
     if (target_batch is None) != (budget is None):
@@ -345,13 +400,16 @@ def render_report(report: Report, suffix: str, *, max_html_bytes: int = MAX_HTML
         report = smaller
 
 
-def check_output(path: Path) -> str:
-    """The output's suffix, or a clear error for any other (before any work is done)."""
+def check_output(path: Path, option: str = "-o") -> str:
+    """The output's suffix, or a clear error for any other (before any work is done);
+    ``option``: the flag that named it (``verify --report``)."""
     suffix = path.suffix.lower()
     if suffix not in REPORT_SUFFIXES:
         raise BadInputError(
-            f"-o {path}: a report is written as .html or .png, not {suffix or 'no suffix'!r}.",
-            hint="For example -o report.html (a page to open) or -o report.png (an image).",
+            f"{option} {path}: a report is written as .html or .png, not "
+            f"{suffix or 'no suffix'!r}.",
+            hint=f"For example {option} report.html (a page to open) or {option} report.png "
+            "(an image).",
         )
     return suffix
 

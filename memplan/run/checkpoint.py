@@ -11,7 +11,6 @@ patch that ``apply`` installs in a user's training loop.
 
 from __future__ import annotations
 
-import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -53,7 +52,23 @@ _MARK = "_memplan_checkpointed"  # the module's mode
 _CONTEXT = "_memplan_context_fn"  # extra checkpoint contexts (the meta probe's autocast)
 _SAVED_FORWARD = "_memplan_saved_forward"
 _PATCH_KEYS = ("forward", _SAVED_FORWARD, _MARK, _CONTEXT)
-_MISSING = object()  # the instance had no forward of its own (the usual case)
+
+
+class _Missing:
+    """The instance had no forward of its own (the usual case). One object, kept one by
+    ``copy.deepcopy`` and pickle (both reduce it to this module's ``_MISSING``): a bare
+    ``object()`` became a new object in a copy, which then called it as its forward."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+    def __repr__(self) -> str:
+        return "<no forward of its own>"
+
+
+_MISSING = _Missing()
 
 _MAX_LISTED_NAMES = 30
 
@@ -195,12 +210,26 @@ def _patched_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     return inner(*args, **kwargs)
 
 
+class _PatchedForward:
+    """``_patched_forward`` bound to one module: an object, not ``types.MethodType``, so a
+    patched model pickles (a bound method pickles as ``getattr(module, its name)``, which no
+    module has) and a deep copy binds its own module (the memo maps ``__self__``)."""
+
+    __slots__ = ("__self__",)
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.__self__ = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _patched_forward(self.__self__, *args, **kwargs)
+
+
 def _patch(module: torch.nn.Module, mode: str, context_fn: ContextFn | None = None) -> None:
     """Run ``module`` in ``mode`` from now on (an already patched module changes mode)."""
     state = module.__dict__
     if not state.get(_MARK):
         state[_SAVED_FORWARD] = state.get("forward", _MISSING)
-        state["forward"] = types.MethodType(_patched_forward, module)
+        state["forward"] = _PatchedForward(module)
     state[_MARK] = mode
     if context_fn is None:
         state.pop(_CONTEXT, None)
@@ -264,7 +293,7 @@ def in_mode(
 # --------------------------------------------------------------------------- by name
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside DDP / DataParallel / torch.compile wrappers: plan names are
     fully-qualified names in the unwrapped model."""
     while True:
@@ -346,7 +375,7 @@ def apply(model: torch.nn.Module, plan: Plan | Mapping[str, str] | Iterable[str]
 
     Returns the names now checkpointed. Raises ``BadInputError`` for a name not in the
     model, listing valid names with the closest matches first."""
-    root = _unwrap(model)
+    root = unwrap(model)
     wanted = layer_modes(plan)  # ordered, duplicates dropped
     modules = dict(root.named_modules(remove_duplicate=False))
     for name in wanted:
@@ -383,7 +412,7 @@ def apply(model: torch.nn.Module, plan: Plan | Mapping[str, str] | Iterable[str]
 def remove(model: torch.nn.Module) -> list[str]:
     """Undo ``apply``: restore the original ``forward`` of every checkpointed module.
     Returns the names that were restored."""
-    root = _unwrap(model)
+    root = unwrap(model)
     restored = checkpointed_names(root)
     modules = dict(root.named_modules(remove_duplicate=False))
     for name in restored:
@@ -395,7 +424,7 @@ def checkpointed_modes(model: torch.nn.Module) -> dict[str, str]:
     """Module name -> mode of every module ``apply`` has patched, in module order."""
     return {
         name: module.__dict__[_MARK]
-        for name, module in _unwrap(model).named_modules(remove_duplicate=False)
+        for name, module in unwrap(model).named_modules(remove_duplicate=False)
         if module.__dict__.get(_MARK)
     }
 

@@ -96,6 +96,10 @@ def training_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         with open(os.path.join(marks, str(os.getpid())), "a") as f:
             f.write("step\n")
     maybe_raise("loss")
+    if MODE == "loss_posix_exit_0":  # os._exit under its own module's name
+        import posix
+
+        posix._exit(0)
     out = model(batch)
     if MODE == "nan_loss_at_1" and batch.shape[0] == 1:
         # statistics over a batch of one: the unbiased std of one sample is NaN
