@@ -375,6 +375,19 @@ def test_a_spec_of_the_profiles_name_with_other_numbers_is_another_clock():
         ("fp32_flops: 1e12", "'device.fp32_flops'", "must be a number", "Write 1000000000000."),
         ("memory_bytes: 8e10", "'device.memory_bytes'", "must be an integer", "Write 80000000000."),
         ("efficiency:\n  matmul: 8e-1", "'device.efficiency.matmul'", "number", "Write 0.8."),
+        # a quoted number has no exponent to blame: the quotes are what to remove
+        (
+            'memory_bytes: "80000000000"',
+            "'device.memory_bytes'",
+            "must be an integer",
+            "'80000000000' is quoted text, not a number. Write 80000000000 without quotes.",
+        ),
+        (
+            'efficiency:\n  matmul: "0.8"',
+            "'device.efficiency.matmul'",
+            "number",
+            "Write 0.8 without quotes.",
+        ),
     ],
 )
 def test_a_device_file_with_an_impossible_number_names_it(tmp_path, line, where, problem, hint):

@@ -338,7 +338,9 @@ def _fail(source: str, path: str, problem: str, hint: str | None = None) -> Prof
 
 def _as_text(data: Any) -> str | None:
     """The hint for a number YAML read as text: ``8e-1`` and ``1e9`` are strings to YAML
-    1.1 (PyYAML), whose exponent form needs a dot and a signed exponent (``8.0e-1``)."""
+    1.1 (PyYAML), whose exponent form needs a dot and a signed exponent (``8.0e-1``); one
+    without an exponent (``"78017756"``) was quoted, and the exponent hint said nothing of
+    the quotes."""
     if not isinstance(data, str):
         return None
     try:
@@ -352,6 +354,8 @@ def _as_text(data: Any) -> str | None:
     else:
         plain = repr(value)
         written = plain if "." in plain and "e" not in plain else f"{value:.1e}"
+    if "e" not in data.lower():  # YAML reads a plain 32 or 0.8 as a number: it was quoted
+        return f"{data!r} is quoted text, not a number. Write {written} without quotes."
     return (
         f"YAML reads {data} as text, not a number: its exponent form needs a dot and a "
         f"signed exponent. Write {written}."
