@@ -53,9 +53,19 @@ def parse_size(text: str | int, *, what: str = "size") -> int:
     return size
 
 
+_PAST_TIB = re.compile(r"^[pezy](i?b)?$")
+"""Units past TiB (``PiB``, ``EB``): a size, but more than any device holds."""
+
+
 def _size_of_text(text: str, what: str) -> int:
     match = _SIZE_RE.match(str(text))
     unit = match.group(2).lower() if match else None
+    if unit is not None and _PAST_TIB.match(unit):
+        raise BadInputError(
+            f"{what} {text!r} is larger than any device's memory: memplan reads sizes in B, "
+            f"KiB, MiB, GiB and TiB (and KB to TB), not {match.group(2)}.",
+            hint="Check the number and its unit, e.g. 80GiB.",
+        )
     if not match or unit not in _UNITS:
         raise BadInputError(
             f"{what} {text!r} is not a size.",

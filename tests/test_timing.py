@@ -380,7 +380,7 @@ def test_a_spec_of_the_profiles_name_with_other_numbers_is_another_clock():
             'memory_bytes: "80000000000"',
             "'device.memory_bytes'",
             "must be an integer",
-            "'80000000000' is quoted text, not a number. Write 80000000000 without quotes.",
+            "It is the quoted text '80000000000', not a number. Write 80000000000 without quotes.",
         ),
         (
             'efficiency:\n  matmul: "0.8"',

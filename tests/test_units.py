@@ -30,6 +30,19 @@ def test_parse_size_rejects_with_example(text):
         parse_size(text)
 
 
+@pytest.mark.parametrize("text", ["1PiB", "1000000000PiB", "2EB", "3p", "1 ZiB"])
+def test_a_unit_past_tib_is_said_to_be_larger_than_any_device(text):
+    # it was "is not a size", as if PiB were no unit at all (memplan.yaml and --budget alike)
+    with pytest.raises(BadInputError) as info:
+        parse_size(text, what="budget")
+    assert info.value.message == (
+        f"budget {text!r} is larger than any device's memory: memplan reads sizes in B, KiB, "
+        f"MiB, GiB and TiB (and KB to TB), not {text.lstrip('0123456789 ')}."
+    )
+    with pytest.raises(BadInputError, match="is not a size"):
+        parse_size("1XiB")
+
+
 @given(n=st.integers(0, 2**62), unit=st.sampled_from(["", "B", "KiB", "MB", "GiB", "TB"]))
 def test_parse_size_is_exact_up_to_two_to_the_62(n, unit):
     """Sizes were read through a float: 2**53 + 1 bytes came back as 2**53, and any size

@@ -36,9 +36,9 @@ def show(
     else:
         render.show_profile(obj)
     if "target_batch" in data:  # a plan whose figures are not its profile's (edited by hand)
-        from memplan.report import stale_plan_note
+        from memplan.report import plan_profile, stale_plan_note
 
-        note = stale_plan_note(obj, file)
+        note = stale_plan_note(obj, file, plan_profile(obj, file))
         if note:
             render.warn(note)
 

@@ -19,11 +19,11 @@ from memplan.cli.options import (
     finite,
     running_user_code,
 )
-from memplan.errors import BadInputError, MemplanError
+from memplan.errors import BadInputError
 from memplan.model.reference import planned_model_reference
 
 if TYPE_CHECKING:
-    from memplan.plan import Plan
+    from memplan.profile import Profile
     from memplan.verify import DistributedVerifyResult, VerifyResult
 
 
@@ -110,9 +110,13 @@ def verify(
         show_distributed_verify(result)
     else:
         show_verify(result)
-    from memplan.report import stale_plan_note
+    from memplan.report import plan_profile, stale_plan_note
 
-    for note in (_changed_since_probe(plan, plan_path, model), stale_plan_note(plan, plan_path)):
+    profile_at = plan_profile(plan, plan_path)
+    for note in (
+        _changed_since_probe(profile_at, model),
+        stale_plan_note(plan, plan_path, profile_at),
+    ):
         if note:
             render.warn(note)
     _write_verify_report(result, plan_path, report_path, force)
@@ -136,22 +140,23 @@ def _check_options(
         )
 
 
-def _changed_since_probe(plan: Plan, plan_path: Path, model: str) -> str:
-    """A warning when the model file's bytes are not those the plan's profile recorded:
-    a verdict on an edited file read as memplan's misprediction (a head that concatenated
-    its logits: "-39.2%", nothing said of the edit). '' when they match, or when the
-    profile or the file cannot be found (nothing to compare)."""
+def _changed_since_probe(profile_at: tuple[Path, Profile] | None, model: str) -> str:
+    """A warning when the model file's bytes are not those the plan's profile
+    (``report.plan_profile``) recorded: a verdict on an edited file read as memplan's
+    misprediction (a head that concatenated its logits: "-39.2%", nothing said of the
+    edit). '' when they match, or when the profile or the file cannot be found (nothing to
+    compare)."""
     import hashlib
 
     from memplan.model.reference import split_model_arg
-    from memplan.profile import load_profile
-    from memplan.report import profile_path_of
 
+    if profile_at is None:
+        return ""
+    recorded = profile_at[1].model.sha256
+    file = Path(split_model_arg(model)[0])
     try:
-        recorded = load_profile(profile_path_of(plan, plan_path)).model.sha256
-        file = Path(split_model_arg(model)[0])
         now = hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else ""
-    except (MemplanError, OSError):
+    except OSError:
         return ""
     if not recorded or not now or now == recorded:
         return ""

@@ -355,7 +355,7 @@ def _as_text(data: Any) -> str | None:
         plain = repr(value)
         written = plain if "." in plain and "e" not in plain else f"{value:.1e}"
     if "e" not in data.lower():  # YAML reads a plain 32 or 0.8 as a number: it was quoted
-        return f"{data!r} is quoted text, not a number. Write {written} without quotes."
+        return f"It is the quoted text {data!r}, not a number. Write {written} without quotes."
     return (
         f"YAML reads {data} as text, not a number: its exponent form needs a dot and a "
         f"signed exponent. Write {written}."

@@ -124,6 +124,8 @@ class Backend:
     ``FusedRegion``); the optimizer step stays eager."""
 
     def __post_init__(self) -> None:
+        self._batch_shapes: dict[Any, dict[int, tuple[Any, ...]]] = {}
+        """The shapes of each size's batch, by sequence length (``_same_shapes_refused``)."""
         self.float8: Float8Conversion | None = None
         """With precision ``float8``: the linears run as torchao's ``Float8Linear``, the
         rest in bf16 parameters, as torchtitan trains under FSDP2's mixed-precision policy
@@ -205,7 +207,7 @@ class Backend:
 
     def batch(self, model_file: ModelFile, size: int) -> Any:
         cpu = model_file.make_batch(size)
-        _same_shapes_refused(self.__dict__.setdefault("_batch_shapes", {}), model_file, size, cpu)
+        _same_shapes_refused(self._batch_shapes, model_file, size, cpu)
         if self.device == "meta":  # laid out as on cpu, values kept (probe/shadow.py)
             batch = shadow.mirror_batch(cpu)
         else:

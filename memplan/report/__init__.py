@@ -111,10 +111,15 @@ def plan_candidates(profile: Profile, plan: Plan, device_spec: DeviceSpec | None
     return result.candidates, notes
 
 
-def profile_path_of(plan: Plan, plan_path: Path) -> Path:
-    """The profile ``plan`` was solved from, found as ``memplan report`` finds it (named,
-    or beside the plan); BadInputError when it is not found."""
-    return _resolve_profile_path(plan, plan_path, None)
+def plan_profile(plan: Plan, plan_path: Path) -> tuple[Path, Profile] | None:
+    """The profile ``plan`` was solved from and where it is, found as ``memplan report``
+    finds it (named, or beside the plan) and read once for every note that compares with
+    it; None when it is not found or not readable (nothing to compare)."""
+    try:
+        found = _resolve_profile_path(plan, plan_path, None)
+        return found, load_profile(found)
+    except (MemplanError, OSError):
+        return None
 
 
 def refuse_another_models_profile(plan: Plan, profile: Profile, where: Path) -> None:
@@ -138,15 +143,16 @@ def refuse_another_models_profile(plan: Plan, profile: Profile, where: Path) -> 
     )
 
 
-def stale_plan_note(plan: Plan, plan_path: Path) -> str:
-    """A warning when the plan's predicted peak is not what its profile gives for the plan's
-    own micro-batch, accumulation and modes: a plan edited by hand from 16 × 2 to 8 × 4
-    kept "74.4 MiB" (the profile gives 47.4 MiB), which ``show`` printed and ``verify``
-    compared with, as memplan's misprediction. '' when they agree, or when the profile is
-    not found, not readable or another model's (nothing to compare)."""
+def stale_plan_note(plan: Plan, plan_path: Path, profile_at: tuple[Path, Profile] | None) -> str:
+    """A warning when the plan's predicted peak is not what its profile (``plan_profile``)
+    gives for the plan's own micro-batch, accumulation and modes: a plan edited by hand
+    from 16 × 2 to 8 × 4 kept "74.4 MiB" (the profile gives 47.4 MiB), which ``show``
+    printed and ``verify`` compared with, as memplan's misprediction. '' when they agree, or
+    when there is no profile or it is another model's (nothing to compare)."""
+    if profile_at is None:
+        return ""
+    found, profile = profile_at
     try:
-        found = _resolve_profile_path(plan, plan_path, None)
-        profile = load_profile(found)
         refuse_another_models_profile(plan, profile, found)
         peak = report_for_plan(plan, profile, candidates=False).timeline.peak_bytes
     except (MemplanError, OSError):
