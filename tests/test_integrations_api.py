@@ -542,5 +542,7 @@ def test_a_compiled_model_plans_the_module_inside_it():
             timing_rounds=1,
             always_checkpoint=["blocks.0"],
         )
-    assert plan.checkpoint["blocks.0"] == "full"
+    # checkpointed under its own name; full or selective is the CPU clock's choice (one
+    # timing round: either may come out faster, so the test asserted one and flaked)
+    assert plan.checkpoint["blocks.0"] in ("full", "selective")
     assert memplan.apply(compiled, plan) == sorted(plan.checkpoint)

@@ -17,7 +17,7 @@ import torch
 from integration_models import blocks_model, data, lightning_fit, mse, sgd, tiny_llama
 
 import memplan
-from memplan.errors import BadInputError, ModelFileError
+from memplan.errors import BadInputError, ModelFileError, NoPlanFitsError
 
 HERE = str(Path(__file__).resolve())
 MEMPLAN_SRC = str(Path(memplan.__file__).resolve().parent)
@@ -396,3 +396,87 @@ def test_a_float8_all_gather_plan_is_refused_without_cuda():
     with pytest.raises(BadInputError, match="all-gathers in float8") as raised:
         prepare_model(_Net(), plan)
     assert raised.value.hint.startswith("Train this plan on CUDA GPUs")
+
+
+# ------------------------------------------------------------- the script's own words
+def test_errors_from_plan_model_name_its_keywords_not_the_clis_flags():
+    """The probe says 'choose others with --layers GLOB'; a script has no --layers. Before,
+    plan_model(layers='nomatch*') said "--layers 'nomatch*' matches no module"."""
+    with pytest.raises(BadInputError) as raised:
+        memplan.plan_model(
+            blocks_model(), data(8), budget="1GiB", target_batch=8, loss_fn=mse, layers="nomatch*"
+        )
+    assert raised.value.message.startswith("layers='nomatch*' matches no module of the model.")
+    assert "--" not in str(raised.value)
+
+
+def test_a_no_fit_hint_from_plan_model_names_keywords():
+    """The solver's hint names flags for the command (--margin, --layers, --max-micro):
+    from plan_model it names the keyword arguments, and nothing with a leading --."""
+    with pytest.raises(NoPlanFitsError) as raised:
+        memplan.plan_model(blocks_model(), data(8), budget=890_000, target_batch=8, loss_fn=mse)
+    said = str(raised.value)
+    assert "only the 3% safety margin rules it out; margin=0 (or margin=0.0" in said, said
+    assert "--" not in said, said
+
+
+def test_a_sequence_length_for_a_batch_of_tensors_asks_for_a_batch_function():
+    """Before: 'make_batch(batch_size) takes no sequence length … Define make_batch(…) in
+    <the script>', for a script that passed tensors and has no make_batch."""
+    with pytest.raises(ModelFileError) as raised:
+        memplan.plan_model(
+            blocks_model(), data(8), budget="1GiB", target_batch=8, loss_fn=mse, seq_len=64
+        )
+    assert "the batch is tensors of their own length" in raised.value.message
+    assert raised.value.hint.startswith("Pass a function batch_fn(batch_size, seq_len)")
+    assert "make_batch" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "text, said",
+    [
+        ("Choose other layers with --layers GLOB.", "Choose other layers with layers=GLOB."),
+        ("--layers 'blocks.*' matches nothing", "layers='blocks.*' matches nothing"),
+        ("or try --margin 0.", "or try margin=0."),
+        ("Plan at --budget 24GiB.", "Plan at budget='24GiB'."),
+        ("add --compiled, or see --debug", "add compiled=True, or see --debug"),
+        ("Give --tp 2.", "Give layout=LayoutRequest(tp=2)."),
+        ("--no-sequence-parallel", "layout=LayoutRequest(sequence_parallel=False)"),
+        ("--seq-len max", "seq_len max"),
+        ("--format hf", "formats hf"),
+        ("a--layers b", "a--layers b"),
+    ],
+)
+def test_flags_read_as_plan_models_keywords(text, said):
+    from memplan.integrations import api, terms
+
+    keywords, switches = terms.keywords_of(api.plan_model.__wrapped__, api.request_parameters)
+    assert terms.script_terms(text, keywords, switches) == said
+
+
+@pytest.mark.parametrize(
+    "batch, said",
+    [
+        ((), "got an empty tuple."),
+        ({}, "got an empty dict."),
+        (None, "got None."),
+        (torch.zeros(0, 8), "got a Tensor with 0 samples (first dimension 0: (0, 8))."),
+        (torch.tensor(1.0), "got a 0-dimensional tensor, which has no samples."),
+        (("text",), "got a tuple that holds no tensor."),
+    ],
+)
+def test_a_batch_with_no_samples_says_what_it_is(batch, said):
+    """Before, an empty tuple read 'got tuple', as if tuples were refused."""
+    with pytest.raises(BadInputError) as raised:
+        memplan.plan_model(blocks_model(), batch, budget="1GiB", target_batch=8, loss_fn=mse)
+    assert raised.value.message.endswith(said), raised.value.message
+
+
+def test_a_batch_given_as_data_is_not_called_make_batch():
+    """A batch of tensors is the script's data, not a make_batch function's return: before,
+    a non-tensor item read 'make_batch(1) returned a batch whose batch[1] is not a tensor'."""
+    x, _ = data(8)
+    with pytest.raises(ModelFileError) as raised:
+        memplan.plan_model(blocks_model(), (x, 3), budget="1GiB", target_batch=8, loss_fn=mse)
+    assert ": the batch's batch[1] is not a tensor; it must be a tensor" in raised.value.message
+    assert "make_batch" not in str(raised.value)

@@ -32,6 +32,7 @@ import torch
 
 from memplan.errors import BadInputError
 from memplan.integrations.live import live_model_file, rng_preserved, unchanged
+from memplan.integrations.terms import in_script
 from memplan.memory import DEFAULT_MARGIN
 from memplan.plan import Plan
 from memplan.probe.settings import TIMING_ROUNDS
@@ -53,6 +54,7 @@ DEVICES = ("auto", "cpu", "cuda", "meta")
 
 
 # ------------------------------------------------------------------------------ public
+@in_script(lambda: request_parameters())
 def plan_model(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     batch: Any,
@@ -127,6 +129,7 @@ def plan_model(
     return ask.finish(profile)
 
 
+@in_script(lambda: request_parameters())
 def solve_profile(
     profile: Profile, *, budget: Budget, target_batch: int | None = None, **request: Any
 ) -> Plan:
@@ -232,6 +235,7 @@ def _ask(
     return _Ask(request=request, targets=targets, force=force, device_profile=device_profile)
 
 
+@in_script(lambda: request_parameters())
 def profile_model(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     batch: Any,
@@ -310,6 +314,12 @@ def profile_model(
     for text in profile.warnings:
         warnings.warn(f"memplan: {text}", UserWarning, stacklevel=2)
     return profile
+
+
+def request_parameters() -> dict[str, inspect.Parameter]:
+    """The keyword arguments of ``memplan solve``'s request that the entry points forward
+    (``**request``), by name."""
+    return {n: p for n, p in inspect.signature(_ask).parameters.items() if n != "device"}
 
 
 def resolve_device(model: Any, device: str | None) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memplan.errors import BadInputError
-from memplan.model.batch import map_batch
+from memplan.model.batch import batch_tensors, map_batch
 from memplan.model.loader import ModelFile, takes_seq_len
 from memplan.model.reference import DEFAULT_FACTORY
 from memplan.run.accumulate import samples_in
@@ -169,7 +169,7 @@ def _sampler(batch: Any) -> Callable[[int], Any]:
         raise BadInputError(
             f"batch must be a batch (a tensor, tuple/list or dict of tensors whose first "
             f"dimension is the samples) or a function batch_size -> batch; got "
-            f"{type(batch).__name__}.",
+            f"{_what_batch_is(batch, count)}.",
         )
 
     def make_batch(size: int) -> Any:
@@ -183,6 +183,22 @@ def _sampler(batch: Any) -> Callable[[int], Any]:
         return map_batch(batch, take)
 
     return make_batch
+
+
+def _what_batch_is(batch: Any, count: int | None) -> str:
+    """What is wrong with ``batch`` as a batch, in a few words: empty, no samples, or no
+    tensor in it (before, an empty tuple read "got tuple", as if a tuple were refused)."""
+    kind = type(batch).__name__
+    if batch is None:
+        return "None"
+    if count == 0:
+        shapes = [tuple(t.shape) for t in batch_tensors(batch)]
+        return f"a {kind} with 0 samples (first dimension 0: {', '.join(map(str, shapes))})"
+    if isinstance(batch, torch.Tensor):
+        return "a 0-dimensional tensor, which has no samples"
+    if isinstance(batch, Mapping | tuple | list):
+        return f"an empty {kind}" if not batch else f"a {kind} that holds no tensor"
+    return f"a {kind}"
 
 
 def _optimizer_factory(optimizer: Any, model: Any) -> Callable[[torch.nn.Module], Any]:

@@ -251,12 +251,20 @@ class ModelFile:
         A file whose ``make_batch`` takes no length cannot: ModelFileError (exit 2)."""
         if seq_len is None:
             return self
+        if not self.takes_seq_len and self.batch_text:
+            # plan_model's batch given as tensors: there is no make_batch to define
+            raise ModelFileError(
+                f"{self.path}: {self.batch_text} is tensors of their own length, so memplan "
+                f"cannot make batches of {seq_len} tokens from it.",
+                hint="Pass a function batch_fn(batch_size, seq_len) that builds each sample "
+                "with seq_len tokens, or leave out the sequence length.",
+            )
         if not self.takes_seq_len:
             raise ModelFileError(
-                f"{self.path}: make_batch(batch_size) takes no sequence length, so memplan "
-                f"cannot make batches of {seq_len} tokens.",
-                hint=f"Define make_batch(batch_size, seq_len) in {self.path} and build each "
-                "sample with seq_len tokens.",
+                f"{self.path}: {self.named('make_batch')}(batch_size) takes no sequence "
+                f"length, so memplan cannot make batches of {seq_len} tokens.",
+                hint=f"Define {self.named('make_batch')}(batch_size, seq_len) in {self.path} "
+                "and build each sample with seq_len tokens.",
             )
         return dataclasses.replace(self, seq_len=seq_len)
 
@@ -323,11 +331,23 @@ class ModelFile:
                 if refused == "batch"
                 else f"a batch whose {refused} is not a tensor"
             )
+            # a batch given as data (plan_model's) is the user's tensors, not a function's
+            # return: before, it was said as "make_batch(1) returned …"
+            said = (
+                (
+                    f"{self.batch_text} is a {type(batch).__name__}"
+                    if refused == "batch"
+                    else f"{self.batch_text}'s {refused} is not a tensor"
+                )
+                if self.batch_text
+                else f"{self.named('make_batch')}{_args_text(args)} returned {returned}"
+            )
             raise ModelFileError(
-                f"{self.path}: {self.named('make_batch')}{_args_text(args)} returned {returned}; it must return a tensor, a tuple/list of tensors or a dict of tensors (a "
-                "dict may also hold plain values such as return_loss=True, passed to the model "
-                "as keyword arguments).",
-                hint="Return tensors on CPU; memplan moves them to the device.",
+                f"{self.path}: {said}; it must be a tensor, a tuple/list of tensors or a dict "
+                "of tensors (a dict may also hold plain values such as return_loss=True, "
+                "passed to the model as keyword arguments).",
+                hint=f"{'Give' if self.batch_text else 'Return'} tensors on CPU; memplan moves "
+                "them to the device.",
             )
         if any(getattr(t, "is_meta", False) for t in batch_tensors(batch)):
             raise ModelFileError(
