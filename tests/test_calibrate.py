@@ -243,7 +243,7 @@ def test_calibrate_refuses_bad_input_before_measuring(tmp_path):
     for args, said in (
         (("nope-gpu", "-o", tmp_path / "a.yaml"), "Unknown device profile"),
         ((base, "-o", tmp_path / "a"), "ends in .yaml or .yml"),
-        ((base, "-o", tmp_path), "ends in .yaml or .yml"),
+        ((base, "-o", tmp_path), "is a directory, not a regular file"),
         ((tmp_path / "nothing.yaml", "-o", tmp_path / "a.yaml"), "nothing.yaml does not exist"),
         ((base, "-o", tmp_path / "a.yaml", "--precision", "int8"), "--precision 'int8'"),
         ((base, "-o", tmp_path / "a.yaml", "--device", "tpu"), "--device 'tpu'"),
@@ -353,3 +353,12 @@ def test_calibrate_measures_float8_gemms_where_the_base_has_a_float8_peak(tmp_pa
     assert spec.efficiency.float8_matmul * 2e14 == pytest.approx(
         measured["float8_matmul"], rel=5e-4
     )
+
+
+@pytest.mark.parametrize("output", [".", "/", ""])
+def test_a_folder_as_output_is_refused_before_measuring(output):
+    """`-o .` (or `/`, or an empty path) raised ValueError ('has an empty name') with a
+    traceback and exit 1, where every other command refuses a folder with exit 2."""
+    result = invoke("h100-80gb", "-o", output, "--device", "cpu", "--quick")
+    assert result.exit_code == 2
+    assert "is a directory, not a regular file" in result.output

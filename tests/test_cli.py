@@ -450,3 +450,35 @@ def test_a_folder_where_a_file_belongs_is_called_a_folder(tmp_path, args, said):
     result = runner.invoke(app, [a.format(d=d) for a in args])
     assert result.exit_code == 2, result.output
     assert said.format(d=d) in " ".join(result.output.split())
+
+
+def test_solve_from_another_folder_finds_the_probed_model_file(tmp_path, monkeypatch):
+    """A profile records the model's path relative to where probe ran ('models/m.py');
+    solved from another folder, the plan and its script named a file that was not there,
+    without a word. Now the file is found beside the profile's folder or above it (its
+    bytes the probed ones), and the script names it relative to its own folder."""
+    import shutil
+
+    project, elsewhere = tmp_path / "proj", tmp_path / "elsewhere"
+    (project / "models").mkdir(parents=True)
+    (project / "profiles").mkdir()
+    elsewhere.mkdir()
+    shutil.copy(MODEL, project / "models" / "m.py")
+    monkeypatch.chdir(project)
+    probed = invoke("probe", "models/m.py", "--device", "meta", "-o", "profiles/m.yaml")
+    assert probed.exit_code == 0, probed.output
+    assert load_profile(project / "profiles" / "m.yaml").model.path == "models/m.py"
+    monkeypatch.chdir(elsewhere)
+    args = ("solve", "../proj/profiles/m.yaml", "--target-batch", "4", "--budget", "1GiB")
+    solved = invoke(*args, "-o", "out/plan.yaml", "--format", "plan,torch")
+    assert solved.exit_code == 0, solved.output
+    assert load_plan(elsewhere / "out" / "plan.yaml").model == "../proj/models/m.py"
+    script = (elsewhere / "out" / "train_memplan.py").read_text()
+    assert 'MODEL = "../../proj/models/m.py"' in script
+    assert (elsewhere / "out" / "../../proj/models/m.py").resolve().is_file()
+    # another file of that name (not the probed bytes) is not taken: the path is kept, said
+    (project / "models" / "m.py").write_text("# edited\n")
+    kept = invoke(*args, "-o", "again.yaml")
+    assert kept.exit_code == 0
+    assert load_plan(elsewhere / "again.yaml").model == "models/m.py"
+    assert "Pass --model PATH" in " ".join(kept.output.split())

@@ -163,4 +163,5 @@ def test_one_refusal_does_not_stop_the_other_formats(tmp_path: Path) -> None:
         "plan.yaml",
     ]
     hf_args = yaml.safe_load((out / "hf_training_args.yaml").read_text())
-    assert hf_args["deepspeed"] == "ds_config.json"
+    # the DeepSpeed file's path as the command named its folder (here absolute, from -o)
+    assert hf_args["deepspeed"] == (out / "ds_config.json").as_posix()

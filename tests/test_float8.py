@@ -202,3 +202,16 @@ def test_verify_refuses_float8_all_gather_on_gloo_before_starting(probes):
 
     with pytest.raises(BadInputError, match="gloo, the CPU backend, has no float8 dtype"):
         verify_distributed(MODEL, _plan(probes["cpu"]), device="cpu", timeout_s=60)
+
+
+def test_verify_refuses_a_float8_plan_with_tensor_parallel_before_starting(probes):
+    """The layout ranks' TP code shards plain linears: a float8 plan under TP ran in bf16
+    and its figures were set against the float8 prediction. Refused before any rank starts."""
+    from memplan.parallel import Parallel
+    from memplan.verify.distributed import verify_distributed
+
+    plan = dataclasses.replace(
+        _plan(probes["cpu"]), world_size=4, parallel=Parallel(dp_shard=2, tp=2)
+    )
+    with pytest.raises(BadInputError, match="verify cannot run a float8 plan with dp 2 × tp 2"):
+        verify_distributed(MODEL, plan, device="cpu", timeout_s=60)

@@ -283,3 +283,66 @@ def test_the_bubble_stretches_the_micro_batches_not_the_optimizer_step():
     (option,) = [o for o in result.options if o.micro_batch == 1]
     assert option.micro_batches == 4 and option.stages[0].once_seconds == pytest.approx(0.25)
     assert option.step_seconds - option.comm_seconds["pp"] == pytest.approx(8.0625)
+
+
+def test_a_pipeline_stage_takes_the_names_of_its_own_blocks():
+    """``--always-checkpoint h.6`` with --pp 2: stage 0 holds h.0-h.3 and refused h.6 as an
+    unknown layer (exit 2), and stage 1 refused h.1. Each stage now takes its own names; a
+    name on no stage is still refused."""
+    profile = _tp_profile()
+    ask = LayoutRequest(tp=2, pp=2)
+    for names in (("h.6",), ("h.1",), ("h.1", "h.6")):
+        request = dataclasses.replace(_request(1 << 30), always_checkpoint=names)
+        plan = solve_layout(profile, request, ask).plan
+        assert {n for n, mode in plan.checkpoint.items() if mode == "full"} >= set(names)
+    request = dataclasses.replace(_request(1 << 30), never_checkpoint=("h.6",))
+    assert "h.6" not in solve_layout(profile, request, ask).plan.checkpoint
+    with pytest.raises(BadInputError, match=r"always_checkpoint names unknown layer.*'h\.9'"):
+        solve_layout(
+            profile, dataclasses.replace(_request(1 << 30), always_checkpoint=("h.9",)), ask
+        )
+    both = dataclasses.replace(
+        _request(1 << 30), always_checkpoint=("h.1",), never_checkpoint=("h.*",)
+    )
+    with pytest.raises(BadInputError, match=r"both match h\.1"):
+        solve_layout(profile, both, ask)
+
+
+def test_a_pipeline_never_checkpoints_a_block_it_was_told_never_to():
+    """With pipeline stages the solver also tries every block fully checkpointed; that try
+    dropped --never-checkpoint, so at a budget only it fits the plan checkpointed every
+    block the user forbade (exit 0). Now no plan fits, as without pipeline stages."""
+    profile = _tp_profile()
+    ask = LayoutRequest(tp=2, pp=2)
+    free = dataclasses.replace(_request(1 << 40), always_checkpoint=("h.*",), modes=("full",))
+    all_full = solve_layout(profile, free, ask).plan.predicted.peak_bytes
+    none = dataclasses.replace(_request(1 << 40), never_checkpoint=("h.*",))
+    unchecked = solve_layout(profile, none, ask).plan.predicted.peak_bytes
+    assert all_full < unchecked
+    between = dataclasses.replace(_request(1 << 40), budget_bytes=(all_full + unchecked) // 2)
+    assert solve_layout(profile, between, ask).plan.checkpoint  # fits by checkpointing
+    with pytest.raises(NoPlanFitsError):
+        solve_layout(profile, dataclasses.replace(between, never_checkpoint=("h.*",)), ask)
+
+
+def test_pipeline_options_without_a_layout_are_checked_together():
+    """Without a degree, --schedule interleaved_1f1b --virtual-stages 2 was told to 'add
+    --schedule interleaved_1f1b' (checked against the default schedule), and --stage-split
+    bogus passed unchecked."""
+    from memplan.solver import SolveRequestError
+    from memplan.solver.request import layout_request
+
+    assert layout_request(None, schedule="interleaved_1f1b", virtual_stages=2) is None
+    with pytest.raises(SolveRequestError, match="--stage-split must be one of"):
+        layout_request(None, stage_split="bogus")
+    with pytest.raises(SolveRequestError, match="--virtual-stages 2 needs --schedule"):
+        layout_request(None, virtual_stages=2)
+
+
+def test_an_interleaved_split_counts_every_virtual_stage():
+    """5 blocks at pp 2 × 3 virtual stages: the refusal said 'do not split into 2 stages'."""
+    profile = _tp_profile(n=5)
+    ask = LayoutRequest(pp=2, schedule="interleaved_1f1b", virtual_stages=3)
+    with pytest.raises(BadInputError) as raised:
+        solve_layout(profile, _request(1 << 40, world=2, target=8), ask)
+    assert "5 blocks do not split into 6 stages as asked" in str(raised.value)

@@ -69,6 +69,9 @@ def calibrate(
         raise BadInputError(
             f"--device {device!r} is not one calibrate runs on.", hint="Use cuda or cpu."
         )
+    # before a minute of measuring, and before the name is read: a folder ('.', '/', '')
+    # has no name to add .yaml to (it raised ValueError, exit 1)
+    check_output(output, force=force)
     if not names_spec_file(output):
         raise BadInputError(
             f"-o {output}: a device spec file's name ends in .yaml or .yml, which is how "
@@ -77,7 +80,6 @@ def calibrate(
         )
     base_spec = load_device(base)
     base_spec.peak_flops(precision)  # refuses a precision the base does not have, before measuring
-    check_output(output, force=force)  # refuses an existing file before a minute of measuring
 
     from memplan.probe.calibrate import machine, measure, sizes_for
 

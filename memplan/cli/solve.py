@@ -26,6 +26,7 @@ from memplan.emit.files import plan_targets
 from memplan.errors import MemplanError, NoPlanFitsError
 from memplan.files.schema import to_data
 from memplan.memory import DEFAULT_MARGIN
+from memplan.model.reference import located_model
 from memplan.plan import plan_to_data
 from memplan.profile import Profile, load_profile
 from memplan.profile.seqlen import parse_seq_len
@@ -185,6 +186,9 @@ def solve(
         profile = load_profile(profile_path)
         others = _compared_profiles(profile_path, compare or [])
         spec = load_device(device_profile) if device_profile else None
+        located, lost = located_model(profile.model.spec, profile.model.sha256, profile_path)
+        if lost and not model:
+            render.warn(lost)
         request = SolveRequest(
             target_batch=target_batch,
             tokens_per_batch=tokens_per_batch,
@@ -218,7 +222,7 @@ def solve(
             allow_small_bn_micro=allow_small_bn_micro,
             device_spec=spec,
             device=spec_file_label(device_profile),
-            model_path=model or profile.model.spec,
+            model_path=model or located,
             profile_path=str(profile_path),
             modes=modes,
             host_memory_bytes=parse_size(host_memory, what="--host-memory")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from memplan.emit import (
@@ -68,9 +69,16 @@ class Format:
     layouts: bool = False
     """Whether it writes tensor, pipeline and context parallel degrees; a plan with any of
     them above 1 is refused by the formats that do not."""
+    float8: bool = False
+    """Whether it writes a float8 plan's linears as float8 (the plan itself, the scripts'
+    ``convert_for_plan``, torchtitan's converter, Megatron's ``--fp8-*``); a float8 plan is
+    refused by the formats that do not, whose config would train every linear in bf16."""
     notes: Callable[[Plan], list[str]] | None = None
     """For a format whose file takes no comments (JSON): what its user must still do, which
     ``memplan solve`` prints beside the file it wrote."""
+    folder_options: Callable[[Path], dict[str, Any]] | None = None
+    """The emitter's options for a file written into a folder (as ``memplan solve`` names it,
+    from the folder it runs in): the hf format's path of the DeepSpeed file it names."""
 
 
 FORMATS: dict[str, Format] = {
@@ -82,6 +90,7 @@ FORMATS: dict[str, Format] = {
             description="memplan plan (YAML)",
             emitter=emit_plan,
             strategies=plan_yaml.STRATEGIES,
+            float8=True,
         ),
         Format(
             name="hf",
@@ -89,6 +98,7 @@ FORMATS: dict[str, Format] = {
             description="Hugging Face TrainingArguments (YAML)",
             emitter=emit_hf,
             strategies=hf.STRATEGIES,
+            folder_options=hf.folder_options,
         ),
         Format(
             name="deepspeed",
@@ -118,6 +128,7 @@ FORMATS: dict[str, Format] = {
             description="runnable PyTorch training script",
             emitter=emit_torch,
             strategies=script.STRATEGIES,
+            float8=True,
         ),
         Format(
             name="torchrun",
@@ -125,6 +136,7 @@ FORMATS: dict[str, Format] = {
             description="torchrun training script (DDP / ZeRO-1 / FSDP2) with launch commands",
             emitter=emit_torchrun,
             strategies=torchrun.STRATEGIES,
+            float8=True,
         ),
         Format(
             name="torchtitan",
@@ -134,6 +146,7 @@ FORMATS: dict[str, Format] = {
             emitter=emit_torchtitan,
             strategies=torchtitan.TORCHTITAN_STRATEGIES,
             layouts=True,
+            float8=True,
         ),
         Format(
             name="torchtitan-toml",
@@ -143,6 +156,7 @@ FORMATS: dict[str, Format] = {
             emitter=emit_torchtitan_toml,
             strategies=torchtitan.TORCHTITAN_STRATEGIES,
             layouts=True,
+            float8=True,
         ),
         Format(
             name="megatron",
@@ -151,6 +165,7 @@ FORMATS: dict[str, Format] = {
             emitter=emit_megatron,
             strategies=megatron.MEGATRON_STRATEGIES,
             layouts=True,
+            float8=True,
         ),
     )
 }
@@ -188,7 +203,42 @@ def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) ->
             f"({layout.describe()}): its config would run data parallelism only.",
             hint=f"Formats that write layouts: {', '.join(able)}.",
         )
+    if plan.float8 is not None and not spec.float8:
+        raise float8_refusal(plan, spec)
     return spec.filename, spec.emitter(plan, model_path=model_path or plan.model, **options)
+
+
+def float8_refusal(plan: Plan, spec: Format) -> BadInputError:
+    """Why ``spec`` cannot write a float8 plan, and what can: its file has no setting memplan
+    writes for torchao's float8 linears, so it would train them in the compute dtype."""
+    float8 = plan.float8
+    assert float8 is not None
+    able = [
+        f.name
+        for f in FORMATS.values()
+        if f.float8 and f.name != "plan" and plan.strategy in f.strategies
+    ]
+    where = (
+        f"--format {', '.join(able)} (they convert the linears)"
+        if able
+        else f"no --format of a {plan.strategy} plan (solve with --strategy fsdp or ddp for "
+        "--format torch, torchrun, torchtitan or megatron)"
+    )
+    accelerate = (
+        " (not Accelerate's mixed_precision='fp8': its filter converts other linears than "
+        "memplan measured)"
+        if spec.name == "accelerate"
+        else ""
+    )
+    return BadInputError(
+        f"--format {spec.name} cannot write a float8 plan: memplan writes no float8 setting in "
+        f"its {spec.description}, so it would train the {float8.converted} linears the probe "
+        f"converted to torchao's Float8Linear ({float8.recipe} scaling) in {plan.precision}, "
+        "with memory and step time memplan did not plan for.",
+        hint=f"Emit {where}; or, in your own script, call "
+        "memplan.integrations.accelerate.prepare_model(model, plan) before handing the model "
+        f"to the trainer{accelerate}: it converts the plan's linears as the probe did.",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,13 +252,22 @@ class Emitted:
     """(format, note) for the formats whose files take no comments (``Format.notes``)."""
 
 
-def emit_all(plan: Plan, formats: list[str], model_path: str | None = None) -> Emitted:
+def emit_all(
+    plan: Plan, formats: list[str], model_path: str | None = None, folder: Path | None = None
+) -> Emitted:
     """Every format of ``formats`` that can write ``plan``; a refusal of one does not stop
-    the others (the caller writes them, then reports the refusals)."""
+    the others (the caller writes them, then reports the refusals). ``folder``: where the
+    files go, as named from the working folder (``Format.folder_options``)."""
     files, refused, notes = [], [], []
     for fmt in formats:
+        spec = FORMATS.get(fmt)
+        options = (
+            spec.folder_options(folder)
+            if spec is not None and spec.folder_options is not None and folder is not None
+            else {}
+        )
         try:
-            filename, text = emit(plan, fmt, model_path)
+            filename, text = emit(plan, fmt, model_path, **options)
         except UnreadableOutputError:
             raise  # memplan's own failure (exit 3), not a format that cannot write the plan
         except MemplanError as exc:

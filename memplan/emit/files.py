@@ -46,6 +46,11 @@ def plan_targets(
     go to ``out_dir``, else beside ``output``, else the current folder. Raises BadInputError
     (or OutputExistsError) for any target that would be refused at write time."""
     wanted = [f.strip() for f in (formats or "").split(",") if f.strip()]
+    if formats is not None and not wanted:
+        raise BadInputError(
+            f"--format {formats!r} names no format; memplan would write nothing for it.",
+            hint=f"Name one or more, comma-separated: {', '.join(FORMATS)}; or leave --format out.",
+        )
     unknown = [f for f in wanted if f not in FORMATS]
     if unknown:
         raise BadInputError(
@@ -59,7 +64,12 @@ def plan_targets(
         for fmt in wanted
         if not (fmt == "plan" and output is not None)
     ]
-    check_outputs((path for path, _ in targets), force=force)
+    check_outputs(
+        [path for path, _ in targets],
+        force=force,
+        # a --format file's path is --out-dir's (or -o's folder): -o names only the plan YAML
+        options=["-o" if fmt is None else "--out-dir" for _, fmt in targets],
+    )
     return PlanTargets(folder=folder, targets=tuple(targets))
 
 
@@ -72,6 +82,7 @@ def write_plan_files(plan: Plan, targets: PlanTargets, *, force: bool) -> Writte
         plan,
         [fmt for _, fmt in targets.targets if fmt is not None],
         model_path=relative_reference(plan.model, targets.folder),
+        folder=targets.folder,
     )
     texts = {fmt: text for fmt, _, text in emitted.files}
     outputs = [

@@ -19,6 +19,8 @@ used (transformers 5 also accepts them, with a deprecation warning, under the ne
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from memplan.emit._common import apply_snippet, comment, dump_yaml, layers_phrase, summary
 from memplan.plan import Plan
@@ -30,6 +32,15 @@ STRATEGIES = frozenset({"ddp", "zero1", "zero2", "fsdp"})
 DEFAULT_OUTPUT_DIR = "memplan-output"
 DEEPSPEED_FILENAME = "ds_config.json"
 """The deepspeed format's file name (memplan.emit.FORMATS), referenced by ``deepspeed:``."""
+
+
+def folder_options(folder: Path) -> dict[str, Any]:
+    """``emit_hf``'s options for a file written into ``folder`` (as ``memplan solve`` names
+    it): ``deepspeed:`` names the DeepSpeed file there, as seen from the folder solve ran in.
+    TrainingArguments opens that path against the working directory, not the YAML's folder,
+    and training is run from the project's folder, where solve ran (before, a bare
+    ``ds_config.json`` loaded only from inside ``--out-dir``)."""
+    return {"deepspeed_path": (folder / DEEPSPEED_FILENAME).as_posix()}
 
 
 def trainer_checkpointing(plan: Plan, candidate_layers: Sequence[str] | None = None) -> bool:
@@ -49,11 +60,18 @@ def trainer_checkpointing(plan: Plan, candidate_layers: Sequence[str] | None = N
     )
 
 
-def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | None = None) -> str:
+def emit_hf(
+    plan: Plan,
+    *,
+    model_path: str,
+    candidate_layers: Sequence[str] | None = None,
+    deepspeed_path: str = DEEPSPEED_FILENAME,
+) -> str:
     """TrainingArguments YAML. ``candidate_layers``: the blocks Trainer's own
     ``gradient_checkpointing`` would checkpoint (default: the plan's
     ``model_fingerprint.hf_blocks``); when the plan fully checkpoints exactly those, it is
-    switched on instead of asking for ``memplan.apply``."""
+    switched on instead of asking for ``memplan.apply``. ``deepspeed_path``: what a ZeRO
+    plan's ``deepspeed:`` names (``folder_options``), relative to where training runs."""
     layers = set(plan.checkpoint_layers)
     all_layers = trainer_checkpointing(plan, candidate_layers)
     notes = [*summary(plan, model_path=model_path), ""]
@@ -100,11 +118,14 @@ def emit_hf(plan: Plan, *, model_path: str, candidate_layers: Sequence[str] | No
     if plan.strategy in ("zero1", "zero2"):
         # TrainingArguments.deepspeed takes the path of a DeepSpeed config ("auto" values
         # are filled from these arguments); memplan's deepspeed format writes that file.
-        data["deepspeed"] = DEEPSPEED_FILENAME
+        data["deepspeed"] = deepspeed_path
         notes += [
             "",
-            f"ZeRO stage {plan.strategy[-1]} runs under DeepSpeed: write {DEEPSPEED_FILENAME} "
-            "beside this file with memplan solve --format deepspeed.",
+            f"ZeRO stage {plan.strategy[-1]} runs under DeepSpeed: deepspeed names the "
+            f"{DEEPSPEED_FILENAME} that memplan solve --format deepspeed writes beside this file,",
+            "as a path from the folder memplan solve ran in: TrainingArguments opens it "
+            "relative to the working directory,",
+            "so run training from that folder (or edit the path).",
         ]
     elif plan.strategy == "fsdp":
         # transformers' TrainingArguments.fsdp / fsdp_config (FSDP2, one unit per block class).

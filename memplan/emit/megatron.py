@@ -5,7 +5,8 @@
 ``--pipeline-model-parallel-size``, ``--context-parallel-size``, ``--sequence-parallel``,
 ``--pipeline-model-parallel-layout`` (with pipeline stages: the plan's own stages, see
 ``pipeline_layout``), ``--micro-batch-size``,
-``--global-batch-size``, ``--seq-length`` (a plan made at a sequence length; Megatron's
+``--global-batch-size``, ``--bf16`` or ``--fp16`` (the plan's precision: without either
+Megatron-LM trains fp32 parameters), ``--seq-length`` (a plan made at a sequence length; Megatron's
 ``validate_args`` then asserts ``--max-position-embeddings`` ≥ it, a model argument the
 snippet leaves to the user and names in a comment), ``--recompute-granularity full|selective``,
 ``--recompute-method block`` with ``--recompute-num-layers`` (the first N blocks of each
@@ -32,6 +33,10 @@ from memplan.plan import Plan
 
 MEGATRON_STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
 """Megatron-LM: DDP, its distributed optimizer (ZeRO-1), FSDP2."""
+
+PRECISION_FLAGS = {"bf16": "--bf16", "fp16": "--fp16"}
+"""The plan's precision as Megatron-LM's flag (megatron/training/arguments.py: without
+either, ``params_dtype`` is float32); an fp32 plan writes none."""
 
 
 def pipeline_layout(stages: list[range]) -> str:
@@ -63,6 +68,8 @@ def megatron_args(plan: Plan) -> list[str]:
     ]
     if plan.seq_len is not None:
         args.append(f"--seq-length {plan.seq_len}")
+    if plan.precision in PRECISION_FLAGS:  # Megatron-LM's default is fp32 parameters
+        args.append(PRECISION_FLAGS[plan.precision])
     if p.sequence_parallel:
         args.append("--sequence-parallel")
     if p.pp > 1:

@@ -6,10 +6,13 @@ loader, build the model with the same seed on every rank, checkpoint the plan's 
 ``memplan.apply``, and under ``torchrun`` shard it as the plan's strategy says by calling
 ``memplan.wrap.wrap_for_plan`` — the code ``memplan verify --world-size N`` runs, not a
 copy of it (DDP with bucket views, ZeRO-1, FSDP2 with the plan's mixed-precision policy and
-gradient synchronisation). Then ``--steps`` optimizer steps with ``memplan.Accumulator``,
-one ``memplan-step`` line each. The plan is embedded as YAML, so a script needs nothing but
-memplan, torch and the model file. The two differ only in their docstring (how to launch
-them) and name.
+gradient synchronisation); a float8 plan's linears are first converted by
+``memplan.run.float8.convert_for_plan``, the function verify's ranks call, with the plan's
+recipe (a float8 plan with tensor, pipeline or context parallel degrees is refused: neither
+verify nor ``build_layout`` runs float8 linears under TP/PP). Then ``--steps`` optimizer
+steps with ``memplan.Accumulator``, one ``memplan-step`` line each. The plan is embedded as
+YAML, so a script needs nothing but memplan, torch and the model file (and torchao for a
+float8 plan). The two differ only in their docstring (how to launch them) and name.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import re
 
 from memplan.emit._common import batch_equation, docstring_text, layers_phrase, python_literal
+from memplan.errors import BadInputError
 from memplan.plan import Plan, plan_to_yaml
 
 STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
@@ -43,8 +47,9 @@ Each optimizer step prints one line on rank 0,
 and on CUDA a final ``memplan-peak`` line with the measured and predicted peak bytes.
 It is a plain PyTorch loop around memplan.apply, memplan.wrap.wrap_for_plan and
 memplan.Accumulator (or, for a plan with tensor or pipeline parallel degrees,
-memplan.run.parallel.build_layout: parallelize_module and torch.distributed.pipelining):
-edit freely.
+memplan.run.parallel.build_layout: parallelize_module and torch.distributed.pipelining);
+a float8 plan's linears are converted with memplan.run.float8.convert_for_plan, as the
+probe and memplan verify's ranks convert them (torchao's Float8Linear): edit freely.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ import torch
 import yaml
 from memplan.wrap import wrap_for_plan
 from memplan.run.compile import compile_layers
+from memplan.run.float8 import convert_for_plan
 from memplan.run.parallel import build_layout, data_rank, layout_to_run
 from memplan.errors import MemplanError
 from memplan.model.loader import load_model_file
@@ -131,6 +137,13 @@ def main(argv=None):
     model_file = model_file.at_seq_len(plan.seq_len)  # the plan's tokens per sample, if any
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     net = model_file.build_model().to(device).train()
+    layout = layout_to_run(plan)  # tensor/pipeline parallel degrees, if the plan has them
+    if plan.float8 is not None and layout is not None:  # a --plan memplan would not emit
+        sys.exit(f"{SCRIPT}: a float8 plan with TP/PP/CP: use --format torchtitan or megatron")
+    # A float8 plan (probe --precision float8): the linears the probe converted become
+    # torchao's Float8Linear with the plan's recipe, as memplan verify's ranks convert them,
+    # before checkpointing, sharding and the optimizer. Other plans convert nothing.
+    convert_for_plan(net, plan, device, reference=world == 1)  # one process: not sharded
     memplan.apply(net, plan)
     # A plan timed as torch.compile runs it (probe --compiled): each of its layers compiled
     # on its own, after checkpointing and before sharding, as torchtitan compiles its blocks.
@@ -141,7 +154,6 @@ def main(argv=None):
         return model_file.make_optimizer(module, lr=args.lr)
 
     clip = args.max_grad_norm or None  # clip_grad_norm_ handles DTensor gradients
-    layout = layout_to_run(plan)  # tensor/pipeline parallel degrees, if the plan has them
     if layout is not None:  # TP (parallelize_module), PP (torch.distributed.pipelining)
         trainer = build_layout(net, plan, layout, make_optimizer, device, max_grad_norm=clip)
         torch.manual_seed(args.seed + 1 + data_rank(layout, rank))  # per data-parallel rank
@@ -212,6 +224,7 @@ def string_literal(text: str) -> str:
 def render_script(plan: Plan, *, model_path: str, script: str, title: str, launch: str) -> str:
     """The shared template filled in for one script: ``title`` is its docstring's first
     line, ``launch`` the paragraph that says how to run it."""
+    refuse_float8_layout(plan, script)
     replacements = {
         "__TITLE__": title,
         "__EQUATION__": docstring_text(batch_equation(plan)),
@@ -226,10 +239,33 @@ def render_script(plan: Plan, *, model_path: str, script: str, title: str, launc
     return re.sub(pattern, lambda match: replacements[match.group(0)], _TEMPLATE)
 
 
+def refuse_float8_layout(plan: Plan, script: str) -> None:
+    """A BadInputError for a float8 plan with tensor, pipeline or context parallel degrees:
+    the scripts convert float8 linears (``convert_for_plan``) only where memplan verify's
+    ranks do, under DDP, ZeRO-1 and FSDP; ``build_layout`` shards plain linears."""
+    layout = plan.parallel
+    if plan.float8 is None or layout is None or max(layout.tp, layout.pp, layout.cp) == 1:
+        return
+    raise BadInputError(
+        f"{script} cannot run a float8 plan with {layout.describe()}: the scripts convert "
+        "float8 linears only under DDP, ZeRO-1 and FSDP, and memplan's tensor and pipeline "
+        "parallel code shards plain linears, so it would train them in "
+        f"{plan.precision}.",
+        hint="Emit --format torchtitan or megatron for this plan (they write float8 with "
+        "the layout), or solve the float8 profile without --tp/--pp/--cp for the scripts.",
+    )
+
+
 def precision_phrase(plan: Plan) -> str:
+    phrase = plan.precision
     if plan.mixed_precision == "params":
-        return f"{plan.precision} (FSDP MixedPrecisionPolicy, fp32 master weights)"
-    return plan.precision
+        phrase += " (FSDP MixedPrecisionPolicy, fp32 master weights)"
+    if plan.float8 is not None:
+        phrase += (
+            f", {plan.float8.converted} linears as torchao's Float8Linear "
+            f"({plan.float8.recipe} scaling)"
+        )
+    return phrase
 
 
 def model_name(model_path: str) -> str:

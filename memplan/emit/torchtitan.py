@@ -16,7 +16,11 @@ torchtitan runs memplan's blocks on every stage whatever its own default split, 
 configs.py ``ParallelismConfig``); ``--training.`` ``local_batch_size``,
 ``global_batch_size``, ``seq_len`` and ``disable_cuda_graphs`` (``TrainingConfig``; a
 pipelined ``Trainer.Config`` is refused without the last, and every output sets it:
-``CUDA_GRAPHS_NOTE``). Activation checkpointing is a
+``CUDA_GRAPHS_NOTE``), and for an fp32 plan ``mixed_precision_param float32``
+(``Literal["bfloat16", "float32"]``, default bfloat16: FSDP2's ``param_dtype``, or
+autocast's dtype under DDP, so without it an fp32 plan trained in bfloat16; the TOML's
+``[training]`` key of 0.1.0 to 0.2.2 too; an fp16 plan, which torchtitan cannot run, trains
+in bfloat16, the same bytes, with a comment: ``FP16_NOTE``). Activation checkpointing is a
 config class chosen by a tyro subcommand (torchtitan/distributed/activation_checkpoint.py
 ``ActivationCheckpointingConfig``): ``activation_checkpoint:full`` (``FullAC``: every
 block), ``activation_checkpoint:selective`` (``SelectiveAC``: per-op, every block),
@@ -151,6 +155,10 @@ def emit_torchtitan_toml(plan: Plan, *, model_path: str) -> str:
     }
     if plan.seq_len is not None:
         training["seq_len"] = plan.seq_len
+    if plan.precision == "fp32":  # else bfloat16 (module docstring)
+        training["mixed_precision_param"] = "float32"
+    if plan.precision == "fp16":
+        notes.append(FP16_NOTE)
     parallelism: dict[str, object] = {
         "data_parallel_replicate_degree": p.dp_replicate,
         "data_parallel_shard_degree": p.dp_shard,
@@ -335,6 +343,12 @@ self.config.training.disable_cuda_graphs)``; config/configs.py: CUDA graphs are 
 the flag is set, and a pipelined config is refused without it)."""
 
 
+FP16_NOTE = (
+    "precision: torchtitan has no float16 (mixed_precision_param is bfloat16 or float32), "
+    "so it trains this fp16 plan in bfloat16: the same bytes an element as planned"
+)
+
+
 def _float8_notes(plan: Plan) -> list[str]:
     float8 = plan.float8
     if float8 is None:
@@ -390,6 +404,8 @@ def torchtitan_args(plan: Plan) -> list[str]:
     ]
     if plan.seq_len is not None:
         args.append(f"--training.seq_len {plan.seq_len}")
+    if plan.precision == "fp32":  # else bfloat16 (module docstring)
+        args.append("--training.mixed_precision_param float32")
     args.append(f"activation_checkpoint:{_ac_subcommand(plan, n_blocks)[0]}")
     return args
 
@@ -427,6 +443,8 @@ def emit_torchtitan(plan: Plan, *, model_path: str) -> str:
             "and pass --module <that module> --config <its function> instead"
         )
     notes += _ac_subcommand(plan, n_blocks)[1]
+    if plan.precision == "fp16":
+        notes.append(FP16_NOTE)
     notes += _float8_notes(plan)
     notes.append(LOSS_NOTE)
     notes.append(CUDA_GRAPHS_NOTE)

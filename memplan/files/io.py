@@ -88,13 +88,20 @@ def check_output(path: str | os.PathLike[str], *, force: bool, option: str = "-o
     return target
 
 
-def check_outputs(paths: Iterable[str | os.PathLike[str]], *, force: bool) -> list[Path]:
+def check_outputs(
+    paths: Iterable[str | os.PathLike[str]],
+    *,
+    force: bool,
+    options: Sequence[str] | None = None,
+) -> list[Path]:
     """:func:`check_output` for each path, and no two naming the same file (e.g. ``-o``
-    equal to an emitted format's file, or ``--format hf,hf``)."""
+    equal to an emitted format's file, or ``--format hf,hf``). ``options``: for each path,
+    the flag that named it (default ``-o`` for all), which the hints name."""
     seen: dict[str, Path] = {}
     checked = []
-    for path in paths:
-        target = check_output(path, force=force)
+    for index, path in enumerate(paths):
+        option = options[index] if options is not None else "-o"
+        target = check_output(path, force=force, option=option)
         key = os.path.normcase(os.path.abspath(os.path.realpath(target)))
         if key in seen:
             raise BadInputError(

@@ -203,7 +203,8 @@ def _ask(
 
     targets = None
     if output is not None or formats:
-        wanted = formats if isinstance(formats, str | None) else ",".join(formats)
+        # (an empty list: no formats, as None; --format's empty text is refused)
+        wanted = formats if isinstance(formats, str | None) else ",".join(formats) or None
         targets = plan_targets(
             Path(output) if output is not None else None,
             wanted,

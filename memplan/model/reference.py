@@ -177,3 +177,40 @@ def planned_model_reference(
         if lora is None and "lora" not in present and plan_ref.lora is not None:
             lora = str(plan_ref.lora)
     return model_reference(given, task=task, seq_len=seq_len, lora=lora)
+
+
+def located_model(spec: str, sha256: str, profile_path: Path) -> tuple[str, str]:
+    """A profile's model file as it is reached from here, and a warning ('' for none).
+
+    A profile records the model's path as ``probe`` was given it, relative to where it ran.
+    Solved from another folder, that path named nothing, and the plan and its scripts
+    pointed at no file, without a word. Where the recorded path does not exist from here,
+    the file is looked for relative to the profile's folder and each folder above it, and
+    taken where its bytes are the ones probed (``sha256``); else the recorded path is
+    kept, with a warning naming ``--model``. Absolute paths, ``hf:`` references and paths
+    found from here are returned unchanged."""
+    import hashlib
+    import os
+
+    from memplan.model import hf
+
+    if hf.is_hf_reference(spec):
+        return spec, ""
+    path_text, factory = split_model_arg(spec)
+    path = Path(path_text)
+    if path.is_absolute() or path.exists():
+        return spec, ""
+    for folder in (profile_path.resolve().parent, *profile_path.resolve().parents):
+        candidate = folder / path
+        try:
+            found = candidate.is_file() and hashlib.sha256(candidate.read_bytes()).hexdigest()
+        except OSError:
+            continue
+        if found and found == sha256:
+            return model_arg(os.path.relpath(candidate), factory), ""
+    return spec, (
+        f"the profile's model file {path_text} (a path relative to where it was probed) is "
+        f"not found from here, nor from {profile_path}'s folder or any above it, so the plan "
+        "and its scripts name a file that may not exist. Pass --model PATH to name it, or "
+        "solve from the folder the probe ran in."
+    )

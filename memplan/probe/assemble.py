@@ -120,6 +120,7 @@ def assemble(
         has_batchnorm=bn,
         op_sequence_stable=stable,
         warnings=tuple(dict.fromkeys(warnings)),
+        seq_len=probed_length(session.model_file),
         max_seq_len=session.model_file.max_seq_len,
         hf_blocks=hf_blocks(session.model),
         fixed_clock=fixed_clock(fits.runs),
@@ -358,6 +359,21 @@ def _step_fixed_seconds(r: TimedSize) -> float:
     t = r.timing
     in_layers = sum(x.fwd_t1 - x.fwd_t0 + backward_seconds(x.bwd_t0, x.bwd_t1) for x in t.layers)
     return (t.t_end - t.t_start) - in_layers
+
+
+def probed_length(model_file: Any) -> int | None:
+    """Tokens per sample of the batches probed, where the model says it: the length
+    ``make_batch`` is called with, or an ``hf:`` reference's ``seq-len`` (before, such a
+    profile recorded none, so its plan and the torchtitan and Megatron files carried no
+    length, and ``solve --seq-len`` at the very length probed was refused). None: a model
+    file's own batches."""
+    if model_file.seq_len is not None:
+        return model_file.seq_len
+    if model_file.reference is None:
+        return None
+    from memplan.model.hf import parse_reference
+
+    return parse_reference(model_file.reference).seq_len
 
 
 def _environment(session: Session) -> Environment:

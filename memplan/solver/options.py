@@ -111,6 +111,44 @@ def resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozen
     return frozenset(chosen)
 
 
+def forced_layers(profile: Profile, request: SolveRequest) -> tuple[frozenset[int], frozenset[int]]:
+    """The layers ``request`` always and never checkpoints, by index,
+    each name or glob checked against ``profile``'s candidates; naming one layer in both
+    lists is refused."""
+    forced_in = resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
+    forced_out = resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
+    if forced_in & forced_out:
+        raise BadInputError(
+            "always_checkpoint and never_checkpoint both match "
+            f"{', '.join(layer_names_of(profile, forced_in & forced_out))}.",
+            hint="Name each layer in one of them only.",
+        )
+    return forced_in, forced_out
+
+
+def on_stage(request: SolveRequest, layer_names: Sequence[str]) -> SolveRequest:
+    """``request`` with its always and never lists cut to the names and globs that match one
+    of ``layer_names``, a pipeline stage's blocks (checked against the whole model first,
+    ``forced_layers``): before, each stage refused the other stages' names as unknown, and
+    a glob had to match on every stage."""
+    if not request.always_checkpoint and not request.never_checkpoint:
+        return request
+
+    def here(names: Sequence[str]) -> tuple[str, ...]:
+        return tuple(
+            name
+            for name in names
+            if name in layer_names
+            or (any(ch in name for ch in "*?[") and fnmatch.filter(layer_names, name))
+        )
+
+    return dataclasses.replace(
+        request,
+        always_checkpoint=here(request.always_checkpoint),
+        never_checkpoint=here(request.never_checkpoint),
+    )
+
+
 def _left_out(profile: Profile, unknown: list[str]) -> str:
     """Why the probe left named modules out of the candidates, when it did: its warning
     that their recompute does not match their forward (they are fixed parts now)."""

@@ -65,7 +65,7 @@ from memplan.solver.layout_time import (  # re-exported: the layout search's tim
     layout_comm_seconds,
     pipeline_seconds,
 )
-from memplan.solver.options import MANY_MICRO_BATCHES, fsdp_measured
+from memplan.solver.options import MANY_MICRO_BATCHES, forced_layers, fsdp_measured, on_stage
 from memplan.solver.request import LayoutOption, LayoutRequest, SolveRequest, SolveResult
 from memplan.solver.ring import ring_seconds
 from memplan.solver.search import solve_if_fits
@@ -101,7 +101,10 @@ def candidate_layouts(
                     skipped.append(("divide", f"{degrees} does not divide {world} ranks"))
                     continue
                 if pp > 1 and not split_fits(n, pp * ask.virtual_stages, ask.stage_split):
-                    skipped.append(("split", f"{n} blocks do not split into {pp} stages as asked"))
+                    stages = pp * ask.virtual_stages  # every stage of every rank
+                    skipped.append(
+                        ("split", f"{n} blocks do not split into {stages} stages as asked")
+                    )
                     continue
                 if tp > 1 and not tp_measured(profile):
                     skipped.append(("tp", "the profile has no TP measurement"))
@@ -188,6 +191,8 @@ def _all_full_variant(
     checkpointed in every micro-batch in flight, and the request pinning that map."""
     if parallel.pp == 1 or (request.modes is not None and "full" not in request.modes):
         return None
+    if request.never_checkpoint:  # (cut to the stage) a block it may not checkpoint
+        return None
     spec = request.device_spec
     rank_full = _rank_profile(profile, parallel, stage, m, all_full=True, spec=spec)
     if not rank_full.layers:
@@ -206,6 +211,7 @@ def _solve_stage(
     with every block fully checkpointed in every micro-batch in flight (what the stage
     then holds, exactly): the faster that fits."""
     rank = _rank_profile(profile, parallel, stage, m, spec=request.device_spec)
+    request = on_stage(request, rank.layer_names)
     result = solve_if_fits(rank, request, explain=False)
     variant = _all_full_variant(profile, request, parallel, stage, m)
     if variant is None:
@@ -431,6 +437,7 @@ def _least_stage_peak(
     from memplan.solver.search import least_peak_bytes
 
     rank = _rank_profile(profile, parallel, stage, m, spec=request.device_spec)  # _solve_stage's
+    request = on_stage(request, rank.layer_names)
     least = least_peak_bytes(rank, request)
     variant = _all_full_variant(profile, request, parallel, stage, m)
     return least if variant is None else min(least, least_peak_bytes(*variant))
@@ -548,6 +555,7 @@ def solve_layout(profile: Profile, request: SolveRequest, ask: LayoutRequest) ->
             hint="Plan with --fsdp-units memplan (one root unit, whole all step: never less "
             "than torchtitan holds), or name the embeddings' module with one of those words.",
         )
+    forced_layers(profile, request)  # names and globs checked once, against every block
     options = _options(profile, request, ask)
     if not options:
         strategy = _searched_strategy(request, profile)

@@ -149,8 +149,16 @@ def layout_request(
         )
     if layout is None and tp is None and pp is None and cp is None and fsdp_units == "memplan":
         # (an engine's FSDP units make a layout of data parallelism alone); the options are
-        # still checked, so that a careless --virtual-stages -3 is not silently dropped
-        LayoutRequest(gpus_per_node=gpus_per_node, virtual_stages=virtual_stages)
+        # still checked, all of them together, so that a careless --virtual-stages -3 or
+        # --stage-split bogus is not silently dropped (before, only two were, and against
+        # the default schedule: --schedule interleaved_1f1b --virtual-stages 2 was told to
+        # add --schedule interleaved_1f1b)
+        LayoutRequest(
+            gpus_per_node=gpus_per_node,
+            schedule=schedule,  # type: ignore[arg-type]
+            virtual_stages=virtual_stages,
+            stage_split=stage_split,  # type: ignore[arg-type]
+        )
         return None
     return LayoutRequest(
         tp=tp,

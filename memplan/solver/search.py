@@ -21,9 +21,8 @@ from memplan.solver.options import (
     SolveContext,
     build_plan,
     evaluate_micro_batches,
+    forced_layers,
     has_batchnorm,
-    layer_names_of,
-    resolve_layers,
     resolve_modes,
     strategies_to_try,
 )
@@ -51,14 +50,7 @@ def _setup(profile: Profile, request: SolveRequest, *, ignore_budget: bool = Fal
         )
     if profile.seq_len is not None:  # the plan records it: a plan its reader takes
         check_seq_len(profile.seq_len, flag="The profile's seq_len")
-    forced_in = resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
-    forced_out = resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
-    if forced_in & forced_out:
-        raise BadInputError(
-            "always_checkpoint and never_checkpoint both match "
-            f"{', '.join(layer_names_of(profile, forced_in & forced_out))}.",
-            hint="Name each layer in one of them only.",
-        )
+    forced_in, forced_out = forced_layers(profile, request)
 
     target, world = request.target_batch, request.world_size
     lo, hi = request.min_micro, request.max_micro

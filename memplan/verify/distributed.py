@@ -435,6 +435,17 @@ def verify_distributed(
     world = plan.world_size if world_size is None else world_size
     _check_runnable(plan, world, steps)
     chosen = _resolve_device(plan, device, world)
+    layout = plan.parallel
+    if plan.float8 is not None and layout is not None and max(layout.tp, layout.pp) > 1:
+        # the layout ranks' TP and pipeline code shards plain linears: before, they ran the
+        # plan in bf16 and set the figures against its float8 prediction
+        raise BadInputError(
+            f"verify cannot run a float8 plan with {layout.describe()}: memplan converts "
+            "float8 linears under DDP, ZeRO-1 and FSDP only, and its tensor and pipeline "
+            f"parallel code would train them in {plan.precision}, not as predicted.",
+            hint="Verify the float8 profile solved without --tp/--pp, or the bf16 profile "
+            "with this layout.",
+        )
     refuse_float8_gather(plan, torch.device(chosen))  # before any rank starts
     config = {
         "parent_pid": os.getpid(),

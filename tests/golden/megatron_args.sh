@@ -6,6 +6,7 @@ MEMPLAN_ARGS="--tensor-model-parallel-size 1 \
     --context-parallel-size 1 \
     --micro-batch-size 8 \
     --global-batch-size 64 \
+    --bf16 \
     --recompute-granularity full \
     --recompute-method block \
     --recompute-num-layers 3"
