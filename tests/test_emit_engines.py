@@ -12,11 +12,10 @@ import argparse
 import dataclasses
 import importlib
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from shell_snippets import shell_words
 
 from memplan.emit import emit
 from memplan.emit.torchtitan import CUDA_GRAPHS_NOTE, LLAMA3_CONFIGS, LOSS_NOTE, RELEASE
@@ -59,23 +58,6 @@ def _plan(
     )
 
 
-def _shell_words(text: str, variable: str, tmp_path: Path) -> list[str]:
-    """The words ``$variable`` expands to once bash has sourced ``text``."""
-    if shutil.which("bash") is None:
-        pytest.skip("bash is not installed: the emitted snippet is a bash snippet")
-    path = tmp_path / "snippet.sh"
-    path.write_text(text)
-    out = subprocess.run(
-        ["bash", "-c", f'. "$1" && printf "%s\\0" ${variable}', "_", str(path)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,  # where a snippet writes its files (a float8 config module)
-    ).stdout
-    return out.split("\0")[:-1]
-
-
 # ---------------------------------------------------------------- torchtitan 0.3
 
 
@@ -99,7 +81,7 @@ def titan():
 def _titan_config(titan, plan: Plan, tmp_path: Path):
     config_manager, _ = titan
     _, text = emit(plan, "torchtitan", "m.py")
-    args = _shell_words(text, "TORCHTITAN_ARGS", tmp_path)
+    args = shell_words(text, "TORCHTITAN_ARGS", tmp_path)
     assert args[:2] == ["--module", "llama3"], args
     return config_manager().parse_args(args), text
 
@@ -285,7 +267,7 @@ def test_torchtitan_snippet_without_torchtitan(tmp_path):
     last, the plan's seq_len carried."""
     layout = Parallel(dp_shard=2, tp=2, pp=2)
     plan = _plan(layout, checkpoint=dict.fromkeys(BLOCKS, "full"), seq_len=2048 + 1)
-    args = _shell_words(emit(plan, "torchtitan", "m.py")[1], "TORCHTITAN_ARGS", tmp_path)
+    args = shell_words(emit(plan, "torchtitan", "m.py")[1], "TORCHTITAN_ARGS", tmp_path)
     flags = [a for a in args if a.startswith("--")]
     assert len(flags) == len(set(flags))
     assert args[-1] == "activation_checkpoint:full"
@@ -326,7 +308,7 @@ def test_megatrons_parser_reads_the_plans_numbers(
 ):
     checkpoint = {"layers.0": "full", "layers.1": "full", "layers.4": "full"}
     plan = _plan(layout, strategy=strategy, checkpoint=checkpoint, seq_len=seq_len)
-    args = _shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
+    args = shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
     ns = megatron_parser.parse_args(args)
     assert (
         ns.tensor_model_parallel_size,
@@ -386,7 +368,7 @@ def test_megatrons_own_layout_parser_builds_the_plans_stages(tmp_path, monkeypat
 
     names = tuple(f"layers.{i}" for i in range(blocks))
     plan = _plan(layout, strategy="fsdp", blocks=names)
-    args = _shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
+    args = shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
     text = args[args.index("--pipeline-model-parallel-layout") + 1]
     parsed = PipelineParallelLayerLayout(text, layout.pp)
     parsed.validate_layer_layout(blocks, None)
@@ -404,7 +386,7 @@ def test_megatrons_own_layout_parser_builds_the_plans_stages(tmp_path, monkeypat
 def test_megatron_snippet_carries_seq_length(tmp_path):
     plan = _plan(Parallel(dp_replicate=2, tp=2), strategy="ddp", seq_len=3000)
     _, text = emit(plan, "megatron", "m.py")
-    args = _shell_words(text, "MEMPLAN_ARGS", tmp_path)
+    args = shell_words(text, "MEMPLAN_ARGS", tmp_path)
     assert args[args.index("--seq-length") + 1] == "3000"
     assert "--max-position-embeddings >= 3000" in text
     no_len = _plan(Parallel(dp_replicate=2, tp=2), strategy="ddp")
@@ -488,7 +470,7 @@ def _titan_config_any(titan, plan: Plan, tmp_path: Path):
     sys.modules.pop("memplan_titan_precision", None)  # each test's snippet writes its own
     config_manager, _ = titan
     _, text = emit(plan, "torchtitan", "m.py")
-    args = _shell_words(text, "TORCHTITAN_ARGS", tmp_path)
+    args = shell_words(text, "TORCHTITAN_ARGS", tmp_path)
     return config_manager().parse_args(args), text
 
 
@@ -521,7 +503,7 @@ def test_megatron_float8_flags(tmp_path, recipe, strategy, expected):
     layout = Parallel(dp_shard=2) if strategy == "fsdp" else Parallel(dp_replicate=2)
     plan = _plan(layout, strategy=strategy, float8=float8)
     text = emit(plan, "megatron", "m.py")[1]
-    args = _shell_words(text, "MEMPLAN_ARGS", tmp_path)
+    args = shell_words(text, "MEMPLAN_ARGS", tmp_path)
     fmt = args[args.index("--fp8-format") + 1]
     got = [fmt, args[args.index("--fp8-recipe") + 1], "--fp8-param-gather" in args]
     assert got == expected
@@ -532,7 +514,7 @@ def test_megatron_float8_flags(tmp_path, recipe, strategy, expected):
 def test_megatrons_parser_reads_the_float8_flags(megatron_parser, tmp_path):
     plan = _plan(Parallel(dp_shard=2, tp=2), strategy="fsdp", float8=FLOAT8)
     ns = megatron_parser.parse_args(
-        _shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
+        shell_words(emit(plan, "megatron", "m.py")[1], "MEMPLAN_ARGS", tmp_path)
     )
     assert (ns.fp8, ns.fp8_recipe, ns.fp8_param_gather) == ("hybrid", "tensorwise", True)
 

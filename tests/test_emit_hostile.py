@@ -8,7 +8,6 @@ loads the output with its consumer where one is installed."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import pytest
 import tomllib
 import yaml
 from profiles_factory import uniform_chain
+from shell_snippets import shell_words
 from typer.testing import CliRunner
 
 from memplan.cli import app
@@ -87,23 +87,6 @@ def _float8_profile_file(tmp_path: Path) -> Path:
 
 def _said(result) -> str:
     return " ".join(result.output.split())
-
-
-def _shell_words(text: str, variable: str, tmp_path: Path) -> list[str]:
-    """The words ``$variable`` expands to once bash has sourced ``text``."""
-    if shutil.which("bash") is None:
-        pytest.skip("bash is not installed: the emitted snippet is a bash snippet")
-    path = tmp_path / "snippet.sh"
-    path.write_text(text)
-    out = subprocess.run(
-        ["bash", "-c", f'. "$1" && printf "%s\\0" ${variable}', "_", str(path)],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
-    ).stdout
-    return out.split("\0")[:-1]
 
 
 # ---------------------------------------------------------------- 1. float8 plans
@@ -291,7 +274,7 @@ def test_torchrun_script_refuses_float8_all_gather_on_gloo_as_verify_does(tmp_pa
 )
 def test_megatron_args_carry_the_plans_precision(precision, flags, tmp_path: Path) -> None:
     plan = _plan(world=2, precision=precision)
-    args = _shell_words(emit(plan, "megatron")[1], "MEMPLAN_ARGS", tmp_path)
+    args = shell_words(emit(plan, "megatron")[1], "MEMPLAN_ARGS", tmp_path)
     assert [a for a in args if a in ("--bf16", "--fp16")] == flags
     try:
         from megatron.training.arguments import add_megatron_arguments
@@ -321,7 +304,7 @@ def config_manager():
 def test_torchtitan_trains_the_plans_parameter_dtype(config_manager, precision, dtype, tmp_path):
     plan = _plan(world=2, strategy="fsdp", precision=precision)
     text = emit(plan, "torchtitan")[1]
-    config = config_manager().parse_args(_shell_words(text, "TORCHTITAN_ARGS", tmp_path))
+    config = config_manager().parse_args(shell_words(text, "TORCHTITAN_ARGS", tmp_path))
     assert config.training.mixed_precision_param == dtype
     assert ("torchtitan has no float16" in text) is (precision == "fp16")
 

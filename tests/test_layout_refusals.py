@@ -428,3 +428,24 @@ def test_auto_strategy_searches_ddp_layouts_for_an_autocast_profile():
     )
     assert result.plan.strategy == "ddp"
     assert {o.parallel.dp_shard for o in result.options} == {1}
+
+
+def test_a_budget_the_cuda_reserve_takes_whole_is_said_as_that():
+    """60 MiB on an H100 spec: the CUDA reserve (over 500 MiB) takes it all. The hint said
+    'the model state alone (… 20 MiB) exceeds the budget: shard it across ranks', which
+    cannot help, and never named the reserve."""
+    from memplan.devices import load_device
+    from memplan.solver import least_peak
+
+    profile = uniform_chain(4, saved=[4000] * 4).profile()
+    request = SolveRequest(
+        target_batch=4, budget_bytes=60 << 20, device_spec=load_device("h100-80gb")
+    )
+    least = least_peak(profile, dataclasses.replace(request, budget_bytes=1 << 40))
+    reserve = least.plan.predicted.breakdown.reserve
+    assert reserve > 60 << 20
+    with pytest.raises(NoPlanFitsError) as raised:
+        solve(profile, request)
+    hint = raised.value.hint
+    assert f"the CUDA reserve alone ({format_bytes(reserve)}" in hint, hint
+    assert "the model state alone" not in hint and "shard it" not in hint

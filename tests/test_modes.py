@@ -276,11 +276,16 @@ def test_offload_on_a_gpu_plan_is_timed_from_the_host_link_and_capped():
     assert p.checkpoint == {"h.0": "offload"}  # 0.2 µs of copies beat a 16 s recompute
     capped = solve(profile, dataclasses.replace(request, host_memory_bytes=6399)).plan
     assert capped.checkpoint == {"h.0": "full"}
-    with pytest.raises(NoPlanFitsError):
+    with pytest.raises(NoPlanFitsError) as raised:
         solve(
             profile,
             dataclasses.replace(request, host_memory_bytes=6399, modes="keep,offload"),
         )
+    # the closest plan and the least peak hold to the host cap: no layer's 6,400 B fits in
+    # 6,399, so nothing is offloaded and the least peak is the plain one (before, the cap
+    # was dropped there: the closest plan offloaded h.0 and the figure was 90·b lower)
+    assert raised.value.closest.checkpoint == {}
+    assert raised.value.min_peak_bytes == plain + reserve.bytes_for(plain)
 
 
 # --------------------------------------------------------------------------- apply

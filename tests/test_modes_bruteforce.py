@@ -168,7 +168,8 @@ def brute_force(profile, request):
     micro = [b for b in range(1, request.target_batch + 1) if request.target_batch % b == 0]
     reserve = memory.reserve_for(profile, request.device_spec)
     limit = memory.allocated_limit_bytes(request.budget_bytes, request.margin, reserve)
-    best, least = None, None
+    # the least peak a no-fit error names: within --host-memory where any assignment is
+    best, least, least_any = None, None, None
     for b in micro:
         k = request.target_batch // b
         t = retime.micro_step_times(profile, b)
@@ -192,10 +193,11 @@ def brute_force(profile, request):
                 for j in range(n)
                 if assignment[j] == "offload"
             )
-            least = peak if least is None else min(least, peak)
-            if peak > limit or (
-                request.host_memory_bytes is not None and host > request.host_memory_bytes
-            ):
+            within_host = request.host_memory_bytes is None or host <= request.host_memory_bytes
+            if within_host:
+                least = peak if least is None else min(least, peak)
+            least_any = peak if least_any is None else min(least_any, peak)
+            if peak > limit or not within_host:
                 continue
             rank = (
                 oracle_picoseconds(profile, b, k, assignment, LINK),
@@ -205,7 +207,7 @@ def brute_force(profile, request):
             )
             if best is None or rank < best[0]:
                 best = (rank, b, assignment, peak)
-    return best, least, reserve
+    return best, least if least is not None else least_any, reserve
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

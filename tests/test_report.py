@@ -3,6 +3,7 @@ self-contained pages, bad input is a clean exit 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 import subprocess
@@ -413,3 +414,45 @@ def test_check_puts_each_checks_png_in_the_step_summary(tmp_path):
     # Without the variable, no images and nothing appended.
     again = runner.invoke(app, ["check", "--config", str(config), "--only", "fits"], env={})
     assert again.exit_code == 0 and summary.read_text() == text
+
+
+def test_a_plan_below_the_batchnorm_floor_keeps_its_candidates(tmp_path):
+    """A BatchNorm plan solved with --allow-small-bn-micro (micro-batch 4): the report
+    solved its candidates again with the default floor of 16, refused them all, and told
+    the user to pass --allow-small-bn-micro, which report does not take."""
+    from memplan.report import plan_candidates
+
+    spec = uniform_chain(3, saved=[100, 400, 100])
+    spec = dataclasses.replace(spec, layer_has_batchnorm=[True, False, False])
+    profile = spec.profile()
+    assert profile.has_batchnorm
+    request = SolveRequest(
+        target_batch=8, budget_bytes=1 << 30, min_micro=4, max_micro=4, allow_small_bn_micro=True
+    )
+    plan = solve(profile, request).plan
+    assert plan.micro_batch_size == 4
+    rows, notes = plan_candidates(profile, plan, None)
+    assert not any("could not be solved again" in n for n in notes), notes
+    assert [r.micro_batch for r in rows if r.chosen] == [4]
+
+
+def test_a_plan_with_a_profiles_options_is_refused(files):
+    """report PLAN --target-batch 8 --budget 1GiB drew the plan's own batch and budget,
+    exit 0, without a word."""
+    result = CliRunner().invoke(
+        app,
+        [
+            "report",
+            str(files["plan"]),
+            "-o",
+            str(files["folder"] / "x.html"),
+            "--target-batch",
+            "8",
+            "--budget",
+            "1GiB",
+        ],
+    )
+    assert result.exit_code == 2
+    said = " ".join(result.output.split())
+    assert "is a plan, drawn as it was solved; --target-batch, --budget solve a profile" in said
+    assert not (files["folder"] / "x.html").exists()

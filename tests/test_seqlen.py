@@ -197,6 +197,13 @@ def test_lengths_parse():
         parse_seq_lens("64,max")
     with pytest.raises(SeqLenError, match="empty"):
         parse_seq_lens(" , ")
+    # a bad --seq-lens entry is not offered max, which --seq-lens refuses
+    with pytest.raises(SeqLenError) as info:
+        parse_seq_lens("32,abc")
+    assert info.value.message == (
+        "--seq-lens 'abc' is not a length: give a whole number of tokens (lengths only, "
+        "such as 128,256)."
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -391,3 +398,42 @@ def test_a_shift_of_one_token_is_per_token_not_per_token_pair():
     # a real token-pair part is not taken for a shift: 3% of the slope at 128 tokens
     eager = [100 * s + 3 * s * s / 128 * 100 / 100 for s in lens]
     assert fit_seq(lens, eager).powers == (1, 2)
+
+
+def test_lengths_whose_samples_cannot_split_have_no_plan_not_an_error():
+    """4096 tokens on 2 ranks: at 4096 tokens a sample, 1 sample cannot split over 2 ranks.
+    The search for longer lengths stopped there with exit 2 ('target_batch 1 cannot be
+    split'), on a request whose own length splits; now such a length has no plan."""
+    grid = grid_of((64, 128), (20, 30), (1, 1))
+    request = SolveRequest(target_batch=1, budget_bytes=10**12, margin=0, world_size=2)
+    found = solve_seq(grid, request, 512, tokens_per_batch=4096)
+    assert (found.result.plan.target_batch, found.seq_len) == (8, 512)
+    assert found.longest == 2048  # 2 samples over 2 ranks; 4096 is one sample
+    assert found.next_len == 4096 and found.next_least_peak_bytes is None
+    said = [r for r in found.result.plan.reasons if r.startswith("seq_len 4096 has no plan")]
+    assert said and "target_batch 1 cannot be split" in said[0], found.result.plan.reasons
+    longest = solve_seq(grid, request, None, tokens_per_batch=4096, multiple=64)
+    assert longest.seq_len == 2048
+    # micro-batches of at least 4 on one rank: 4096 / 1024 = 4 samples is the longest
+    one = dataclasses.replace(request, world_size=1, min_micro=4)
+    assert solve_seq(grid, one, None, tokens_per_batch=4096, multiple=64).seq_len == 1024
+
+
+def test_a_plan_at_a_length_is_drawn_and_checked_at_that_length(tmp_path):
+    """report, show and verify took a --seq-len plan's profile at its probed length: the
+    report drew the 128-token peak for a 512-token plan, and show and verify called the
+    plan 'edited by hand'. Now they evaluate the profile at the plan's length."""
+    from memplan.report import report_for_plan, stale_plan_note
+
+    grid = grid_of((64, 128), (20, 30, 10), (1, 2, 0))
+    for length in (512, "max"):
+        request = SolveRequest(target_batch=4, budget_bytes=10**9, seq_len=length)
+        plan = solve(grid, request).plan
+        assert plan.seq_len is not None and plan.seq_len > 128
+        report = report_for_plan(plan, grid)
+        assert report.timeline.peak_bytes == plan.predicted.peak_bytes
+        assert stale_plan_note(plan, tmp_path / "plan.yaml", (tmp_path / "p.yaml", grid)) == ""
+    edited = dataclasses.replace(plan, micro_batch_size=2, accumulation_steps=2)
+    assert "edited by hand" in stale_plan_note(
+        edited, tmp_path / "plan.yaml", (tmp_path / "p.yaml", grid)
+    )

@@ -71,3 +71,53 @@ def batch_tensors(batch: Any) -> list[Any]:
 def move_batch(batch: Any, device: Any) -> Any:
     """The batch on ``device`` (memplan moves batches itself; model files make them on CPU)."""
     return map_batch(batch, lambda t: t.to(device))
+
+
+def named_tensors(batch: Any, where: str = "batch") -> list[tuple[str, Any]]:
+    """Each tensor of ``batch`` with where it sits (``batch['temp']``, ``batch[1]``), in
+    ``map_batch``'s order."""
+    if isinstance(batch, _tensor_type()):
+        return [(where, batch)]
+    if isinstance(batch, tuple | list):
+        return [p for i, item in enumerate(batch) for p in named_tensors(item, f"{where}[{i}]")]
+    if isinstance(batch, dict):
+        return [p for k, v in batch.items() for p in named_tensors(v, f"{where}[{k!r}]")]
+    return []
+
+
+def sample_rows(full: Any, other: Any, count: int, other_count: int) -> list[bool]:
+    """Per tensor of ``full``, a batch of ``count`` samples (``map_batch``'s order): whether
+    it holds the samples along its first dimension, as ``count`` there and ``other_count``
+    in ``other`` (the same function's batch of ``other_count`` samples). A tensor of the
+    same shape in both (a 0-dim temperature, a mask every sample shares) holds none and is
+    passed whole (False). Raises ValueError naming a tensor that changes with the batch
+    size in another way, or a batch in which none holds the samples first."""
+    mine, theirs = named_tensors(full), named_tensors(other)
+    if len(mine) != len(theirs):
+        raise ValueError(
+            f"the batches of {count} and {other_count} samples hold {len(mine)} and "
+            f"{len(theirs)} tensors"
+        )
+    rows = []
+    for (where, t), (_, u) in zip(mine, theirs, strict=True):
+        first = t.dim() > 0 and u.dim() > 0 and (t.shape[0], u.shape[0]) == (count, other_count)
+        if not first and tuple(t.shape) != tuple(u.shape):
+            raise ValueError(
+                f"{where} has shape {tuple(t.shape)} in the batch of {count} samples and "
+                f"{tuple(u.shape)} in the batch of {other_count}, so its first dimension "
+                "is not the samples"
+            )
+        rows.append(first)
+    if not any(rows):
+        raise ValueError(
+            f"no tensor holds the samples along its first dimension (the batches of {count} "
+            f"and {other_count} samples have the same shapes)"
+        )
+    return rows
+
+
+def cut_batch(batch: Any, rows: list[bool], start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of ``batch``: each tensor that ``rows`` (``sample_rows``)
+    marks sliced along its first dimension, the others whole."""
+    marks = iter(rows)
+    return map_batch(batch, lambda t: t[start:stop] if next(marks) else t)

@@ -18,6 +18,7 @@ from memplan.errors import BadInputError, CannotMeasureError
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.modes import FULL, KEEP
 from memplan.probe.backends import make_backend
+from memplan.probe.session import run_backward
 from memplan.probe.tracker import resident_tensors
 from memplan.run.checkpoint import checkpointed, in_mode
 from memplan.run.training_state import disable_kv_cache
@@ -86,7 +87,7 @@ def measure_training_peak(
                 loss = mf.loss(model, batch)
                 if accumulation_steps > 1:
                     loss = loss * scale
-            loss.backward()
+            run_backward(mf, loss)
             del loss
         optimizer.step()
 

@@ -157,6 +157,55 @@ def rnn_notes(model: torch.nn.Module) -> list[str]:
     ]
 
 
+_SAME_DTYPE = {
+    aten.mm.default: ("mat1", "mat2"),
+    aten.addmm.default: (None, "mat1", "mat2"),
+    aten.bmm.default: ("batch1", "batch2"),
+    aten.baddbmm.default: ("input", "batch1", "batch2"),
+    aten.addbmm.default: (None, "batch1", "batch2"),
+    aten.mv.default: ("mat", "vec"),
+    aten.addmv.default: ("input", "mat", "vec"),
+    aten.dot.default: ("self", "tensor"),
+    aten.vdot.default: ("self", "tensor"),
+    aten.convolution.default: ("input", "weight"),
+}
+"""Ops whose operands (by position; None: not checked) must share one dtype on cpu and
+cuda, with their names in the refusal. PyTorch's meta kernels of ``mm``, ``addmm``,
+``addbmm``, ``mv`` and ``convolution`` (without a bias) do not check it, so a float64 or
+int64 batch into a float32 ``nn.Linear`` ran on meta and wrote a profile of a model that
+cannot run; the others' meta kernels refuse it, which the tracker reported as the meta
+probe's limit (exit 3).
+``addmm``'s bias is left out: CUDA may add an fp32 bias to a bf16 product."""
+
+
+def refuse_mixed_dtypes(func: Any, args: tuple) -> None:
+    """Raise RuntimeError, as cpu does, naming ``func`` and the operands' dtypes when
+    ``func`` is one of ``_SAME_DTYPE`` and its operands differ in dtype: the model's error
+    (the tracker calls this outside its handling of memplan's own failures). Tensor
+    subclasses (torchao's float8 tensors, which carry their high-precision dtype) and
+    float8 operands (whose ``_scaled_mm`` takes scales of another dtype) are left to their
+    own kernels."""
+    names = _SAME_DTYPE.get(func)
+    if names is None:
+        return
+    operands = [
+        (name, arg)
+        for name, arg in zip(names, args, strict=False)
+        if name is not None and isinstance(arg, torch.Tensor)
+    ]
+    if any(
+        type(t) is not torch.Tensor or (t.dtype.itemsize == 1 and t.is_floating_point())
+        for _, t in operands
+    ):
+        return
+    if len({t.dtype for _, t in operands}) > 1:
+        said = " and ".join(name for name, _ in operands)
+        got = " and ".join(str(t.dtype) for _, t in operands)
+        raise RuntimeError(
+            f"{func}: {said} must have the same dtype, but got {got} (cpu and cuda refuse it too)"
+        )
+
+
 META_KERNELS = {
     aten._grouped_mm.default: grouped_mm_meta,
     aten.convolution.default: convolution_meta,

@@ -1,21 +1,45 @@
 """A probe session: the model, optimizer, recorder and backend of one probe, the runs it records
 per micro-batch size, and the warm-up step.
+
+The model's backward (``run_backward``, ``users_backward``) runs code the model file wrote
+or built: a custom ``torch.autograd.Function``'s ``backward``, its hooks, autograd's checks
+of the graph its forward made (a tensor saved for the backward, then changed in place). An
+error there is the model file's, exit 2, as one in its forward is (``ModelFile._call``,
+``ModelFile.loss``): a ``ModelFileError`` at the user's ``file:line`` where the traceback
+has one, else naming the file (and, for autograd's in-place check, the op). memplan's own
+failures stay its own: its errors raised by its own frames pass unchanged (the tracker's
+``InternalError``, exit 3), so do activation checkpointing's (the probe and verify make
+them ``CheckpointingError``) and running out of device memory; an exception that no user
+frame raised and a memplan frame did is memplan's (``InternalError``, exit 3).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import re
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memplan.errors import CannotMeasureError
+from memplan.errors import (
+    CannotMeasureError,
+    Interrupted,
+    MemplanError,
+    ModelFileError,
+    first_line,
+    internal_failure,
+    raised_by_checkpointing,
+)
 from memplan.model.batch import batch_tensors
-from memplan.model.loader import ModelFile
+from memplan.model.loader import ModelFile, raised_by_memplan, users_file
 from memplan.probe.backends import Backend
 from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
+from memplan.probe.meta_kernels import refuse_mixed_dtypes
 from memplan.probe.nonfinite import where_nonfinite
 from memplan.probe.recorder import Recorder, StepRecord
 from memplan.probe.roofline import ClockKey
@@ -160,7 +184,7 @@ class Session:
             with _disable_current_modes():  # memplan's own check: no part of the step
                 if not bool(torch.isfinite(loss.detach())):
                     bad = float(loss.detach())
-        loss.backward()
+        run_backward(self.model_file, loss)  # its errors: the model file's (exit 2)
         del loss
         record = recorder.end()
         if bad is not None:
@@ -309,3 +333,93 @@ def warm_up(session: Session, size: int) -> None:
             "once per micro-step.",
             hint="Choose other layers with --layers GLOB.",
         )
+
+
+# ------------------------------------------------------------------- the model's backward
+_MEMPLAN_DIR = Path(__file__).resolve().parent.parent
+_ENGINE = ("torch/autograd/graph.py", "torch/autograd/__init__.py")
+"""Where torch's Python hands the backward to its engine: frames after these ran in it."""
+_IN_PLACE = "modified by an inplace operation"
+_IN_PLACE_PARTS = (
+    re.compile(r"which is (output \d+ of \w+)"),  # the op that made it
+    re.compile(r"^[^\[]*\[([\w.]+ \[[\d, ]*\])\]"),  # its type and shape
+    re.compile(r"(is at version \d+; expected version \d+)"),
+)
+"""What autograd's in-place check says of the tensor, quoted in memplan's message."""
+
+
+def run_backward(model_file: ModelFile, loss: Any) -> None:
+    """``loss.backward()``, its errors reported as ``users_backward`` says."""
+    with users_backward(model_file):
+        loss.backward()
+
+
+@contextlib.contextmanager
+def users_backward(model_file: ModelFile) -> Iterator[None]:
+    """Around code that runs the model's backward (alone, or inside a training step whose
+    forward errors ``ModelFile`` already reported): an error raised in autograd's engine
+    becomes ``backward_error``'s; any other passes unchanged."""
+    try:
+        yield
+    except BaseException as exc:
+        known = backward_error(exc, model_file)
+        if known is None:
+            raise
+        raise known from exc
+
+
+def _passes(exc: BaseException) -> bool:
+    """Errors the caller handles: an interrupt, memplan's own (raised by its frames), out
+    of device memory, activation checkpointing's."""
+    if isinstance(exc, KeyboardInterrupt | SystemExit):
+        return True
+    if isinstance(exc, MemplanError | Interrupted) and raised_by_memplan(exc):
+        return True
+    return type(exc).__name__ == "OutOfMemoryError" or raised_by_checkpointing(exc)
+
+
+def backward_error(exc: BaseException, model_file: ModelFile) -> MemplanError | None:
+    """What memplan raises for ``exc``, raised in the model's backward: None where it is
+    not from autograd's engine or passes unchanged (``_passes``)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    engine = [i for i, f in enumerate(frames) if f.filename.replace("\\", "/").endswith(_ENGINE)]
+    if not engine or _passes(exc):
+        return None
+    inside = frames[engine[0] + 1 :]  # what the backward ran (before: who called it)
+    path = model_file.path
+    described = f"{type(exc).__name__}: {first_line(exc)[:300]}".rstrip(": ")
+    if isinstance(exc, MemoryError) or "can't allocate memory" in str(exc):
+        return CannotMeasureError(
+            f"Out of host memory in the model's backward ({described}).",
+            hint="The size asked for does not fit this machine: use a smaller micro-batch, "
+            "or plan for this machine's memory.",
+        )
+    users = [f for f in inside if users_file(f.filename)]
+    ours = [f for f in inside if Path(f.filename).resolve().is_relative_to(_MEMPLAN_DIR)]
+    mixed = inside and inside[-1].name == refuse_mixed_dtypes.__name__  # the model's
+    if not users and ours and ours[-1] is inside[-1] and not mixed:
+        at = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}"
+        return internal_failure(f"backward code ({at})", "the model's backward", exc)
+    if users:
+        frame = users[-1]
+        same = Path(frame.filename).resolve() == path.resolve()
+        home = path if same else Path(frame.filename)
+        where = f"{home}:{frame.lineno}"
+    else:
+        home, where = path, str(path)
+    if _IN_PLACE in str(exc):
+        found = [m.group(1) for m in (r.search(str(exc)) for r in _IN_PLACE_PARTS) if m]
+        said = f" ({', '.join(found)})" if found else ""
+        return ModelFileError(
+            f"{where}: the model's backward raised {type(exc).__name__}: a tensor saved for "
+            f"the backward{said} was changed by an "
+            "in-place operation in the forward after autograd saved it",
+            hint=f"Replace that in-place op in {home} (h.mul_(s) → h = h * s, inplace=True → "
+            "False); torch.autograd.set_detect_anomaly(True) around one training step of "
+            "the model names the op's line.",
+        )
+    return ModelFileError(
+        f"{where}: the model's backward raised {described}",
+        hint=f"Fix the backward in {home} (a custom autograd Function's backward, a hook); "
+        "memplan runs loss.backward() as a training script would.",
+    )

@@ -29,7 +29,7 @@ from memplan.errors import CannotMeasureError, MemplanError, first_line, interna
 from memplan.probe import shadow
 from memplan.probe.call_site import call_site
 from memplan.probe.float8 import float8_bits, is_float8
-from memplan.probe.meta_kernels import META_KERNELS, REFUSAL_HINTS
+from memplan.probe.meta_kernels import META_KERNELS, REFUSAL_HINTS, refuse_mixed_dtypes
 from memplan.probe.roofline import ROOFLINE_FLOP_FORMULAS, ClockKey, Roofline
 from memplan.probe.shadow import tensors_in
 
@@ -249,6 +249,8 @@ class LiveTracker(TorchDispatchMode):
     # ------------------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or _EMPTY
+        if self.meta:  # operands cpu and cuda refuse to mix: the model's error (exit 2)
+            refuse_mixed_dtypes(func, args)
         handled, out, key = False, None, None
         cache = self.op_cache
         try:  # memplan's own machinery: a failure here is memplan's (InternalError)

@@ -242,16 +242,18 @@ def check_seq_len(seq_len: object, *, flag: str = "--seq-len") -> int:
     return seq_len
 
 
-def parse_seq_len(text: str, *, flag: str = "--seq-len") -> int | None:
-    """``--seq-len`` text: a positive whole number, or ``max`` (None)."""
+def parse_seq_len(text: str, *, flag: str = "--seq-len", allow_max: bool = True) -> int | None:
+    """``--seq-len`` text: a positive whole number, or ``max`` (None) where ``allow_max``."""
     cleaned = text.strip().lower()
-    if cleaned == "max":
+    if cleaned == "max" and allow_max:
         return None
     try:
         value = int(cleaned.replace("_", ""), 10)
     except ValueError:
+        # (--seq-lens was offered "or max", which it then refused)
+        other = ", or max" if allow_max else " (lengths only, such as 128,256)"
         raise SeqLenError(
-            f"{flag} {text!r} is not a length: give a whole number of tokens, or max."
+            f"{flag} {text!r} is not a length: give a whole number of tokens{other}."
         ) from None
     return check_seq_len(value, flag=flag)
 
@@ -263,9 +265,10 @@ def parse_seq_lens(text: str) -> tuple[int, ...]:
         raise SeqLenError("--seq-lens is empty: give lengths such as 128,256.")
     lens = []
     for part in parts:
-        value = parse_seq_len(part, flag="--seq-lens")
-        if value is None:
+        if part.lower() == "max":
             raise SeqLenError("--seq-lens takes lengths, not max: e.g. 128,256.")
+        value = parse_seq_len(part, flag="--seq-lens", allow_max=False)
+        assert value is not None
         lens.append(value)
     return tuple(sorted(set(lens)))
 

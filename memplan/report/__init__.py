@@ -69,6 +69,7 @@ def plan_candidates(profile: Profile, plan: Plan, device_spec: DeviceSpec | None
     ranks, strategy), solved again from ``profile``, and a note when that differs from the
     plan (constraints such as --always-checkpoint are not stored in a plan)."""
     from memplan.solver import SolveRequest, solve
+    from memplan.solver.request import BN_MIN_MICRO
 
     request = SolveRequest(
         target_batch=plan.target_batch,
@@ -78,6 +79,10 @@ def plan_candidates(profile: Profile, plan: Plan, device_spec: DeviceSpec | None
         margin=plan.margin,
         device_spec=device_spec,
         profile_path=plan.profile,
+        # the plan ran its own micro-batch, below BatchNorm's floor if it was allowed to
+        # (--allow-small-bn-micro, --bn-min-micro): before, the candidates were refused and
+        # the report named flags it does not take
+        bn_min_micro=min(BN_MIN_MICRO, plan.micro_batch_size),
     )
     try:
         result = solve(profile, request)
@@ -195,12 +200,32 @@ def report_for_plan(
     candidates: bool = True,
 ) -> Report:
     spec = device_spec_for_plan(plan)
+    profile = _at_plans_length(plan, profile)
     if plan.parallel is not None:
         return _layout_report(plan, profile, spec, measured)
     rows, notes = plan_candidates(profile, plan, spec) if candidates else ((), [])
     return plan_report(
         profile, plan, device_spec=spec, candidates=rows, measured=measured, notes=notes
     )
+
+
+def _at_plans_length(plan: Plan, profile: Profile) -> Profile:
+    """``profile`` at the plan's sequence length, as the solver evaluated it
+    (``profile.seqlen.profile_at``): before, a plan solved with ``--seq-len``,
+    ``--seq-len max`` or ``--tokens-per-batch`` was drawn (and checked by show and verify)
+    at the probed length, 16.3 MiB for a plan of 30.1 MiB, and called edited by hand."""
+    if plan.seq_len is None or (profile.seq is None and profile.seq_len == plan.seq_len):
+        return profile
+    if profile.seq is None:
+        probed = profile.seq_len or "the model file's own length"
+        raise BadInputError(
+            f"the plan is for {plan.seq_len} tokens per sample, and its profile was probed "
+            f"at {probed} alone, so it cannot say the plan's figures.",
+            hint="Pass the profile the plan was solved from with --profile PROFILE.",
+        )
+    from memplan.profile.seqlen import profile_at
+
+    return profile_at(profile, plan.seq_len)
 
 
 def _layout_report(
@@ -248,6 +273,22 @@ def build_report(
     ``target_batch`` and ``budget`` the profile is solved first, else it is shown alone."""
     data = load_yaml_file(path, what="profile or plan")
     if "target_batch" in data:
+        given = [
+            flag
+            for flag, value in (
+                ("--target-batch", target_batch),
+                ("--budget", budget),
+                ("--device-profile", device_profile),
+            )
+            if value is not None
+        ]
+        if given:  # (before, silently ignored: the page showed the plan's own)
+            raise BadInputError(
+                f"{path} is a plan, drawn as it was solved; {', '.join(given)} "
+                f"{'solves' if len(given) == 1 else 'solve'} a profile.",
+                hint=f"Drop {', '.join(given)}, or report the plan's profile with them "
+                "(memplan report PROFILE --target-batch N --budget SIZE).",
+            )
         plan = plan_from_data(data, source=str(path))
         try:
             found = _resolve_profile_path(plan, path, profile_path)

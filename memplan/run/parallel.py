@@ -23,7 +23,11 @@ the emitted training scripts import.
    (``DistributedDataParallel(device_mesh=...)``, which composes with TP by localising
    DTensor parameters; under PP each gradient is all-reduced in place after the
    pipeline's backward instead), or FSDP2 ``fully_shard`` on the ``dp_shard`` mesh (HSDP on both),
-   one unit per plan shard unit, then the root: with TP a 2-D (dp_shard, tp) layout;
+   one unit per plan shard unit (those sharing a parameter as one), then the root: with TP
+   a 2-D (dp_shard, tp) layout; with TP and neither (or under PP), each gradient autograd leaves in
+   another layout than its parameter's (a sequence-parallel norm's partial sum, the
+   vocabulary-split embedding's whole gradient) is put in its parameter's before the
+   optimizer step (``settle_grad_layouts``);
 5. the model file's optimizer over this rank's parameters.
 
 ``Layout.train_step(batches, loss_fn)`` runs one optimizer step. Context parallelism is
@@ -41,7 +45,6 @@ import torch
 from memplan.errors import BadInputError
 from memplan.parallel import Parallel
 from memplan.run.pipeline import (
-    SkippedLayer,
     check_pipeline_split,
     make_stage_module,
     pipeline_parts,
@@ -239,7 +242,7 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
     if parallel.dp_shard > 1:
         from torch.distributed.fsdp import fully_shard
 
-        from memplan.run.wrap import fsdp_mixed_precision, fsdp_no_sync, shard_edge_units
+        from memplan.run.wrap import fsdp_mixed_precision, fsdp_no_sync, shard_units
 
         dp_mesh = (
             mesh["dp_replicate", "dp_shard"] if parallel.dp_replicate > 1 else mesh["dp_shard"]
@@ -253,13 +256,8 @@ def _wrap_data_parallel(module: torch.nn.Module, plan: Any, parallel: Parallel, 
             options["reshard_after_forward"] = False
         if policy is not None:
             options["mp_policy"] = policy
-        named = dict(module.named_modules())
-        for name in plan.shard_units:
-            unit = named.get(name)
-            if unit is not None and not isinstance(unit, SkippedLayer):
-                fully_shard(unit, **options)
-        if parallel.edge_units:
-            shard_edge_units(module, plan.shard_units, options)
+        # one unit per layer, layers sharing a parameter as one (memplan.run.wrap)
+        shard_units(module, plan.shard_units, options, edge_units=parallel.edge_units)
         fully_shard(module, **options)
         if parallel.pp == 1 and plan.grad_sync == "last_micro_step":
             fsdp_no_sync(module)
@@ -317,6 +315,8 @@ class Layout:
         # the merged outputs step returns (kept_outputs 'last') are dropped at once
         keep = self.parallel.kept_outputs != "none"
         self.schedule.step(*args, target=target, losses=losses, return_outputs=keep)
+        if self.parallel.tp > 1:  # the embedding's comes back whole: its slice, for the norm
+            settle_grad_layouts(self.optimizer)
         if self.parallel.dp_replicate > 1 and self.parallel.dp_shard == 1:
             self._average_gradients()
         if self.max_grad_norm is not None:
@@ -389,6 +389,34 @@ class Layout:
                 grad.div_(self.parallel.dp_replicate)
 
 
+def settle_grad_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Each TP-split parameter's gradient put in the parameter's own layout before the
+    optimizer step, where autograd left it otherwise: a partial sum over the TP ranks
+    (``Partial``: one all-reduce, as FSDP2 reduces them, torch 2.13 ``_fsdp_param.py``
+    ``_get_grad_inner_tensor``) or whole on every rank (``Replicate`` for a ``Shard``
+    parameter: each rank keeps its slice). Under sequence parallelism a norm's weight is
+    replicated but each rank sees only its slice of the sequence: its gradient is
+    ``Partial``; the vocabulary-split embedding's comes back ``Replicate``. torch's
+    optimizers step either right (DTensor redistributes inside each op), but ``to_local()``
+    (the gradient check) and ``Layout.clip_grad_norm`` read one rank's share, or count the
+    whole gradient once per rank. DDP's TP composition does this in ``from_local``'s
+    backward, and FSDP2 itself; without them it is an optimizer step pre-hook, and under
+    pipeline stages ``Layout.train_step`` calls it once the schedule's backward is done."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if not isinstance(grad, DTensor):
+                continue
+            if isinstance(param, DTensor) and param.device_mesh == grad.device_mesh:
+                wanted = tuple(param.placements)
+            else:
+                wanted = tuple(Replicate() if p.is_partial() else p for p in grad.placements)
+            if tuple(grad.placements) != wanted:
+                param.grad = grad.redistribute(grad.device_mesh, wanted)
+
+
 def _placements(net: torch.nn.Module) -> dict[str, tuple[Any, Any]]:
     from torch.distributed.tensor import DTensor
 
@@ -458,6 +486,8 @@ def build_layout(
         model = _wrap_data_parallel(net, plan, parallel, mesh)
         optimizer = make_optimizer(net)
         fsdp = parallel.dp_shard > 1  # every gradient a DTensor: torch's clip works
+        if parallel.tp > 1 and not fsdp:  # before the clip's and any reader's hook
+            optimizer.register_step_pre_hook(lambda *_: settle_grad_layouts(optimizer))
         clip = max_grad_norm if fsdp else None
         acc = run.Accumulator(model, optimizer, plan, device=device, max_grad_norm=clip)
         layout = Layout(

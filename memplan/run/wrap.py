@@ -6,8 +6,9 @@ group: the one definition that ``memplan verify --world-size N`` runs
   optimizer;
 * ``zero1``: the same DDP, with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around
   the optimizer's class (each rank keeps the state of its parameter partition);
-* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` and then on the root,
-  with ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)`` for a
+* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` (units sharing a
+  parameter, such as ALBERT-style blocks sharing one linear, as one unit: FSDP2 lets one
+  unit only manage a parameter) and then on the root, with ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)`` for a
   ``mixed_precision: params`` plan; ``grad_sync: last_micro_step`` gives the model the
   ``no_sync()`` the Accumulator uses (``set_requires_gradient_sync(False)``), and
   ``every_micro_step`` reduce-scatters every micro-step;
@@ -82,6 +83,103 @@ def edge_modules(
     return lead, tail
 
 
+def _under(name: str, units: Sequence[str]) -> str | None:
+    """The unit ``name`` (a parameter's or module's qualified name) lies in, if any."""
+    for unit in units:
+        if name == unit or name.startswith(f"{unit}."):
+            return unit
+    return None
+
+
+def fsdp_unit_groups(
+    net: torch.nn.Module, units: Sequence[str]
+) -> tuple[list[list[str]], list[str]]:
+    """(groups, unsharded): ``units`` (the plan's FSDP units, those of ``net``) with the units
+    that share a parameter merged into one group, as a tied embedding and head are one unit
+    (FSDP2 refuses a parameter two groups manage: ALBERT-style blocks sharing one linear,
+    one ``nn.Parameter`` in two layers); in plan order, each group where its first unit is.
+    A group that shares a parameter with a module outside every unit is left to the unit
+    that holds that module (the root's): ``unsharded`` names those units."""
+    modules = dict(net.named_modules())
+    present = [u for u in units if u in modules]
+    owners: dict[int, set[str]] = {}  # parameter -> the units (or "" outside) that use it
+    for name, param in net.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), set()).add(_under(name, present) or "")
+    parent = {u: u for u in [*present, ""]}
+
+    def find(u: str) -> str:
+        while parent[u] != u:
+            parent[u] = parent[parent[u]]
+            u = parent[u]
+        return u
+
+    for users in owners.values():
+        first, *rest = sorted(users)
+        for other in rest:
+            parent[find(other)] = find(first)
+    groups: dict[str, list[str]] = {}
+    for unit in present:
+        groups.setdefault(find(unit), []).append(unit)
+    outside = find("")
+    unsharded = groups.pop(outside, []) if outside in groups else []
+    return list(groups.values()), unsharded
+
+
+def shared_parameter_note(net: torch.nn.Module, group: Sequence[str]) -> str:
+    """``name (in a, b)`` for the first parameter a unit of ``group`` shares (with another of
+    them, or with a module outside them), for messages."""
+    users: dict[int, list[str]] = {}
+    first: dict[int, str] = {}
+    for name, param in net.named_parameters(remove_duplicate=False):
+        unit = _under(name, group) or name.rpartition(".")[0] or "the model"
+        if unit not in users.setdefault(id(param), []):
+            users[id(param)].append(unit)
+            first.setdefault(id(param), name)
+    for key, where in users.items():
+        if len(where) > 1 and any(u in group for u in where):
+            return f"{first[key]} (in {', '.join(where)})"
+    return ", ".join(group)
+
+
+def shard_units(
+    net: torch.nn.Module, units: Sequence[str], options: dict, *, edge_units: bool = False
+) -> None:
+    """FSDP2 ``fully_shard`` on each of ``units`` of ``net`` (a unit missing from ``net``, or
+    a pipeline stage's pass-through, is skipped), units sharing a parameter as one group
+    (``fsdp_unit_groups``); then, with ``edge_units``, torchtitan's units outside them
+    (``shard_edge_units``). A unit sharing a parameter with the parts outside every unit is
+    left to the root's unit (refused with ``edge_units``, before anything is sharded)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from memplan.run.pipeline import SkippedLayer
+
+    named = dict(net.named_modules())
+    real = [u for u in units if u in named and not isinstance(named[u], SkippedLayer)]
+    groups, unsharded = fsdp_unit_groups(net, real)
+    if edge_units:
+        refuse_shared_edges(net, unsharded)
+    for group in groups:
+        members = [named[u] for u in group]
+        fully_shard(members if len(members) > 1 else members[0], **options)
+    if edge_units:
+        shard_edge_units(net, units, options)
+
+
+def refuse_shared_edges(net: torch.nn.Module, unsharded: Sequence[str]) -> None:
+    """torchtitan's edge units cannot take a layer that shares a parameter with the
+    embeddings or the head (the layer would be in the root's unit, the parameter in an edge
+    unit's too): refuse before anything runs."""
+    if unsharded:
+        raise BadInputError(
+            f"The FSDP units {', '.join(unsharded)} share a parameter with a module outside "
+            f"the plan's layers ({shared_parameter_note(net, unsharded)}), which "
+            "parallel.fsdp_units torchtitan-2507 shards as a unit of its own; FSDP2 lets one "
+            "unit only manage a parameter.",
+            hint="Solve with --fsdp-units memplan (the root's unit then holds the shared "
+            "parameter and the layers that use it), or untie the parameter.",
+        )
+
+
 def shard_edge_units(module: torch.nn.Module, units: Sequence[str], options: dict) -> None:
     """torchtitan's units outside the blocks (``Parallel.fsdp_units`` torchtitan-2507,
     torchtitan/distributed/fsdp.py ``apply_fsdp_to_decoder`` of 0.3.0): the embeddings
@@ -121,11 +219,10 @@ def shard_fsdp(net: torch.nn.Module, plan: Plan) -> torch.nn.Module:
         )
     policy = fsdp_mixed_precision(plan)
     options = {} if policy is None else {"mp_policy": policy}
-    for name in plan.shard_units:  # one all-gather unit per layer, then the root
-        fully_shard(modules[name], **options)
+    # one all-gather unit per layer (layers sharing a parameter: one unit), then the root
     layout = getattr(plan, "parallel", None)
-    if layout is not None and layout.edge_units:
-        shard_edge_units(net, plan.shard_units, options)
+    edges = layout is not None and layout.edge_units
+    shard_units(net, plan.shard_units, options, edge_units=edges)
     fully_shard(net, **options)
     if getattr(plan, "grad_sync", "last_micro_step") == "last_micro_step":
         fsdp_no_sync(net)  # without it, the Accumulator reduce-scatters every micro-step

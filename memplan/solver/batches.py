@@ -113,15 +113,21 @@ def _nearest_valid_targets(target: int, world: int, lo: int, hi: int | None) -> 
     return found
 
 
+class SplitError(BadInputError):
+    """The target batch has no split into micro-batch × accumulation × ranks within the
+    micro-batch bounds (exit 2). A length search takes it as "no plan at this length":
+    a longer sequence leaves fewer samples of a batch in tokens to split."""
+
+
 def split_error(
     target: int, world: int, lo: int, hi: int | None, why: str, extra_hint: str = ""
-) -> BadInputError:
+) -> SplitError:
     span = f"in [{lo}, {hi}]" if hi is not None else f"of at least {lo}"
     if hi is not None and hi < lo:
         nearest = f"none: no micro-batch is {span}"
     else:
         nearest = " or ".join(str(t) for t in _nearest_valid_targets(target, world, lo, hi))
-    return BadInputError(
+    return SplitError(
         f"target_batch {target} cannot be split into micro-batch × accumulation × "
         f"{world} rank(s) with a micro-batch {span}: {why}.",
         hint=f"Nearest valid target batches: {nearest}.{extra_hint}",

@@ -13,15 +13,14 @@ from memplan.memory import Peak
 from memplan.modes import FULL, KEEP, MODES
 from memplan.plan import STRATEGIES
 from memplan.profile import OP_SEQUENCE_DIFFERED, Profile
+from memplan.solver.layer_names import layer_names_of, short_list
 from memplan.solver.options import (
     PlanOption,
     SolveContext,
     bar_slow_selective,
     barred_selective_reason,
     has_batchnorm,
-    layer_names_of,
     sharding_for,
-    short_list,
 )
 from memplan.solver.request import Candidate
 from memplan.units import format_bytes, format_seconds

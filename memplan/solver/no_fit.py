@@ -56,18 +56,29 @@ def no_plan_fits_error(
         + memory.optimizer_state_bytes(profile)
     )
     trainable_state = memory.grads_bytes(profile) + memory.optimizer_state_bytes(profile)
-    if state + closest.peak.reserve_bytes > ctx.usable_bytes and "fsdp" not in ctx.strategies:
+    reserve = closest.peak.reserve_bytes
+    if reserve >= ctx.usable_bytes:
+        # (before, this was said as the model state exceeding the budget, and sharding it
+        # advised, though the state was a third of the budget and the reserve all of it)
+        hints.append(
+            f"the CUDA reserve alone ({format_bytes(reserve)}: the allocator's reserve, "
+            "NCCL's buffers and the CUDA context, as the device profile gives them) takes "
+            "the whole budget, and no sharding, precision, adapters or "
+            "checkpointing shrinks it"
+        )
+    elif state + reserve > ctx.usable_bytes and "fsdp" not in ctx.strategies:
+        also = f" with the {format_bytes(reserve)} CUDA reserve" if reserve else ""
         hints.append(
             f"the model state alone (params {format_bytes(memory.params_bytes(profile))}, "
             f"grads {format_bytes(memory.grads_bytes(profile))}, optimizer "
-            f"{format_bytes(memory.optimizer_state_bytes(profile))}) exceeds the budget: shard "
+            f"{format_bytes(memory.optimizer_state_bytes(profile))}){also} exceeds the budget: shard "
             f"it across ranks (FSDP / ZeRO; more DDP ranks alone do not shrink per-rank memory)"
         )
-    if profile.environment.precision == "fp32":
+    if profile.environment.precision == "fp32" and reserve < ctx.usable_bytes:
         hints.append(
             "lower precision (bf16 autocast roughly halves activation bytes; probe again with it)"
         )
-    if trainable_state > 0:
+    if trainable_state > 0 and reserve < ctx.usable_bytes:
         hints.append(
             f"training adapters only (e.g. LoRA) drops most of the "
             f"{format_bytes(trainable_state)} of gradients and optimizer state"

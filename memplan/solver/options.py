@@ -5,8 +5,7 @@ timing models, and the Plan built from it. No torch.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from memplan import host_link, memory, retime, timing
@@ -21,10 +20,10 @@ from memplan.modes import (
     SELECTIVE,
 )
 from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, ModelFingerprint, Plan, Prediction
-from memplan.profile import NOT_CHECKPOINTABLE, Profile
+from memplan.profile import Profile
 from memplan.solver.layer_modes import least_cost_modes
+from memplan.solver.layer_names import layer_names_of, short_list
 from memplan.solver.request import SolveRequest
-from memplan.suggest import did_you_mean
 from memplan.timing import MicroStepTimes
 from memplan.units import format_seconds
 
@@ -82,97 +81,6 @@ def resolve_modes(
             hint="Add a checkpoint mode to --modes (e.g. keep,full).",
         )
     return modes, link
-
-
-# --------------------------------------------------------------------------- names
-def resolve_layers(profile: Profile, names: Iterable[str], field: str) -> frozenset[int]:
-    index = {name: i for i, name in enumerate(profile.layer_names)}
-    chosen, unknown = set(), []
-    for name in names:
-        if name in index:
-            chosen.add(index[name])
-        elif any(ch in name for ch in "*?[") and (hits := fnmatch.filter(index, name)):
-            chosen.update(index[hit] for hit in hits)
-        else:
-            unknown.append(name)
-    if unknown:
-        valid = list(profile.layer_names)
-        shown = ", ".join(valid[:20]) + (f", … ({len(valid)} in all)" if len(valid) > 20 else "")
-        maybe = did_you_mean(sorted(unknown), valid)
-        maybe = f" {maybe}" if maybe else ""
-        left_out = _left_out(profile, unknown)
-        if left_out:
-            maybe = f" {left_out}"
-        raise BadInputError(
-            f"{field} names unknown layer(s): {', '.join(map(repr, unknown))}.",
-            hint=f"Valid layer names: {shown or '(the profile has no checkpoint candidates)'}."
-            f"{maybe}",
-        )
-    return frozenset(chosen)
-
-
-def forced_layers(profile: Profile, request: SolveRequest) -> tuple[frozenset[int], frozenset[int]]:
-    """The layers ``request`` always and never checkpoints, by index,
-    each name or glob checked against ``profile``'s candidates; naming one layer in both
-    lists is refused."""
-    forced_in = resolve_layers(profile, request.always_checkpoint, "always_checkpoint")
-    forced_out = resolve_layers(profile, request.never_checkpoint, "never_checkpoint")
-    if forced_in & forced_out:
-        raise BadInputError(
-            "always_checkpoint and never_checkpoint both match "
-            f"{', '.join(layer_names_of(profile, forced_in & forced_out))}.",
-            hint="Name each layer in one of them only.",
-        )
-    return forced_in, forced_out
-
-
-def on_stage(request: SolveRequest, layer_names: Sequence[str]) -> SolveRequest:
-    """``request`` with its always and never lists cut to the names and globs that match one
-    of ``layer_names``, a pipeline stage's blocks (checked against the whole model first,
-    ``forced_layers``): before, each stage refused the other stages' names as unknown, and
-    a glob had to match on every stage."""
-    if not request.always_checkpoint and not request.never_checkpoint:
-        return request
-
-    def here(names: Sequence[str]) -> tuple[str, ...]:
-        return tuple(
-            name
-            for name in names
-            if name in layer_names
-            or (any(ch in name for ch in "*?[") and fnmatch.filter(layer_names, name))
-        )
-
-    return dataclasses.replace(
-        request,
-        always_checkpoint=here(request.always_checkpoint),
-        never_checkpoint=here(request.never_checkpoint),
-    )
-
-
-def _left_out(profile: Profile, unknown: list[str]) -> str:
-    """Why the probe left named modules out of the candidates, when it did: its warning
-    that their recompute does not match their forward (they are fixed parts now)."""
-    fixed = {part.name for part in profile.fixed}
-    named = [name for name in unknown if name in fixed]
-    said = [w for w in profile.warnings if NOT_CHECKPOINTABLE in w]
-    if not (named and said):
-        return ""
-    return (
-        f"{', '.join(named)}: the probe left {'it' if len(named) == 1 else 'them'} out of "
-        f"the candidates, and no plan can checkpoint {'it' if len(named) == 1 else 'them'} "
-        f"(the profile's warning: {said[0]})."
-    )
-
-
-def layer_names_of(profile: Profile, indices: Iterable[int]) -> tuple[str, ...]:
-    layers = profile.layers
-    return tuple(layers[i].name for i in sorted(indices))
-
-
-def short_list(names: Sequence[str]) -> str:
-    if len(names) <= 4:
-        return ", ".join(names)
-    return f"{names[0]}, {names[1]}, …, {names[-1]}"
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -367,9 +275,7 @@ def _evaluate(
         least = memory.min_allocated_bytes(bounds, **forced)
         chosen = least_cost_modes(bounds, least, costs, **forced)
         if chosen is None:  # the host limit binds there: the least peak within it
-            chosen = least_cost_modes(
-                dataclasses.replace(bounds, host_limit_bytes=None), least, costs, **forced
-            )
+            chosen = _least_within_host(bounds, least, costs, forced)
         assert chosen is not None, "the least peak is reachable by definition"
     peak = memory.step_peak(
         profile, micro_batch, chosen, accumulation, reserve=reserve, sharding=sharding
@@ -555,6 +461,35 @@ def strategies_to_try(profile: Profile, request: SolveRequest) -> tuple[str, ...
 MANY_MICRO_BATCHES = 256
 """Above this many candidate micro-batches (a target like 897612484786617600 has 103,680
 divisors) the search stops at the first one that does not fit."""
+
+
+def _least_within_host(
+    bounds: memory.StepBounds, least: int, costs: dict, forced: dict
+) -> dict[int, str]:
+    """The least-peak assignment within ``bounds.host_limit_bytes``, where the least peak
+    of all (``least``) offloads more than the host takes: bisection on the limit (whether
+    some assignment fits is monotone in it) up to the peak of any assignment within the
+    host. Before, the host limit was dropped there, so a no-fit error's closest plan
+    offloaded past ``--host-memory`` and its 'needs at least' figure was below what the
+    host allows. Where no assignment stays within the host (a layer forced to offload
+    more than it takes), the host limit is dropped, as before."""
+    anything = least_cost_modes(bounds, 1 << 62, costs, **forced)
+    if anything is None:
+        anything = least_cost_modes(
+            dataclasses.replace(bounds, host_limit_bytes=None), least, costs, **forced
+        )
+        assert anything is not None, "the least peak is reachable by definition"
+        return anything
+    lo, hi = least, memory.bounds_peak_bytes(bounds, anything)  # lo: none within the host
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if least_cost_modes(bounds, mid, costs, **forced) is None:
+            lo = mid
+        else:
+            hi = mid
+    chosen = least_cost_modes(bounds, hi, costs, **forced)
+    assert chosen is not None, "feasible at hi by the bisection"
+    return chosen
 
 
 def evaluate_micro_batches(

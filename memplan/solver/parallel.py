@@ -56,6 +56,7 @@ from memplan.parallel import Parallel, in_flight, pipeline_refusal_by_kind, spli
 from memplan.plan import Plan
 from memplan.profile import Profile
 from memplan.solver.batches import divisors, micro_batch_sizes, split_error
+from memplan.solver.layer_names import forced_layers, on_stage
 from memplan.solver.layout_explain import ONE_SHARD, layout_reasons, no_layout_hint, one_shard
 from memplan.solver.layout_time import (  # re-exported: the layout search's time terms
     INTER_NODE_BYTES_PER_SECOND,
@@ -65,7 +66,7 @@ from memplan.solver.layout_time import (  # re-exported: the layout search's tim
     layout_comm_seconds,
     pipeline_seconds,
 )
-from memplan.solver.options import MANY_MICRO_BATCHES, forced_layers, fsdp_measured, on_stage
+from memplan.solver.options import MANY_MICRO_BATCHES, fsdp_measured
 from memplan.solver.request import LayoutOption, LayoutRequest, SolveRequest, SolveResult
 from memplan.solver.ring import ring_seconds
 from memplan.solver.search import solve_if_fits

@@ -34,6 +34,11 @@ _TIMING_MODES = ("auto", "measured", "roofline")
 STRATEGY_CHOICES = (*STRATEGIES, "auto")
 
 
+BN_MIN_MICRO = 16
+"""The smallest micro-batch a BatchNorm model is planned with unless told otherwise
+(``--bn-min-micro``, ``--allow-small-bn-micro``)."""
+
+
 class SolveRequestError(BadInputError, ValueError):
     """A SolveRequest field is invalid (a ValueError naming the field; exit code 2)."""
 
@@ -209,7 +214,7 @@ class SolveRequest:
     """Layer names (or globs) that are checkpointed in every plan."""
     never_checkpoint: tuple[str, ...] = ()
     """Layer names (or globs) that are never checkpointed."""
-    bn_min_micro: int = 16
+    bn_min_micro: int = BN_MIN_MICRO
     """Smallest micro-batch for a model with BatchNorm (statistics use the micro-batch)."""
     allow_small_bn_micro: bool = False
     device_spec: DeviceSpec | None = None

@@ -15,13 +15,13 @@ from memplan.profile import Profile
 from memplan.profile.seqlen import check_seq_len
 from memplan.solver.batches import micro_batch_sizes, split_error
 from memplan.solver.explain import candidate_of, plan_reasons, plan_warnings
+from memplan.solver.layer_names import forced_layers
 from memplan.solver.no_fit import no_plan_fits_error
 from memplan.solver.options import (
     PlanOption,
     SolveContext,
     build_plan,
     evaluate_micro_batches,
-    forced_layers,
     has_batchnorm,
     resolve_modes,
     strategies_to_try,

@@ -25,6 +25,7 @@ from memplan.profile.seqlen import (
     check_seq_len,
     require_grid,
 )
+from memplan.solver.batches import SplitError
 from memplan.units import format_bytes
 
 if TYPE_CHECKING:
@@ -90,7 +91,10 @@ def solve_seq(
 
     def fits(i: int) -> bool:
         s = steps[i]
-        return has_plan(evaluate(s), _request_at(request, s, tokens_per_batch))
+        try:
+            return has_plan(evaluate(s), _request_at(request, s, tokens_per_batch))
+        except SplitError:  # too few samples of the tokens at s to split: no plan there
+            return False  # (before, the search stopped with exit 2 on the user's request)
 
     if profile.seq is None:  # one probed length: that length only, nothing to search
         chosen, longest_i = seq_len, None
@@ -116,11 +120,14 @@ def solve_seq(
     longest = chosen if longest_i is None or steps[longest_i] < chosen else steps[longest_i]
     next_i = None if longest_i is None else max(longest_i + 1, steps.first_above(chosen))
     next_len = steps[next_i] if next_i is not None and next_i < len(steps) else None
-    next_peak = None
+    next_peak: int | str | None = None
     if next_len is not None:
-        next_peak = least_peak(
-            evaluate(next_len), _request_at(request, next_len, tokens_per_batch)
-        ).peak_bytes
+        try:
+            next_peak = least_peak(
+                evaluate(next_len), _request_at(request, next_len, tokens_per_batch)
+            ).peak_bytes
+        except SplitError as exc:  # what it cannot split, said as the reason
+            next_peak = exc.message
     reasons = _seq_reasons(
         chosen,
         longest if longest_i is not None else None,
@@ -138,7 +145,7 @@ def solve_seq(
         seq_len=chosen,
         longest=longest if longest_i is not None else None,
         next_len=next_len,
-        next_least_peak_bytes=next_peak,
+        next_least_peak_bytes=next_peak if isinstance(next_peak, int) else None,
         multiple=multiple,
     )
 
@@ -213,7 +220,7 @@ def _seq_reasons(
     chosen: int,
     longest: int | None,
     next_len: int | None,
-    next_peak: int | None,
+    next_peak: int | str | None,
     multiple: int,
     request: SolveRequest,
     tokens: int | None,
@@ -236,7 +243,9 @@ def _seq_reasons(
             f"seq_len {chosen}: lengths up to {longest} (in steps of {multiple} tokens) also "
             "have a plan at this batch and budget"
         )
-    if next_len is not None and next_peak is not None:
+    if next_len is not None and isinstance(next_peak, str):
+        lines.append(f"seq_len {next_len} has no plan: {next_peak}")
+    elif next_len is not None and next_peak is not None:
         lines.append(
             f"seq_len {next_len} has no plan: it needs {format_bytes(next_peak)} at the least, "
             f"over the {format_bytes(usable_budget_bytes(request.budget_bytes, request.margin))} "

@@ -291,6 +291,7 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     from memplan.model.batch import map_batch
     from memplan.model.loader import load_model_file
     from memplan.plan import plan_from_data
+    from memplan.probe.session import users_backward
     from memplan.verify.single import fingerprint_note
 
     dist = torch.distributed
@@ -333,7 +334,8 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     with tracker:  # the first step creates optimizer state: measure it and `steps` more
         for _ in range((config["steps"] + 1) * k):
             marks.append(tracker.position)
-            metrics = acc.step(mf.make_batch(micro), mf.loss)
+            with users_backward(mf):  # an error in the backward: the model file's
+                metrics = acc.step(mf.make_batch(micro), mf.loss)
             if metrics["stepped"]:
                 effective = int(metrics["effective_batch"])
     hook.remove()
@@ -348,7 +350,8 @@ def _run_rank(rank: int, config: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     start = time.perf_counter()
     for _ in range(config["steps"] * k):
-        acc.step(mf.make_batch(micro), mf.loss)
+        with users_backward(mf):
+            acc.step(mf.make_batch(micro), mf.loss)
     if cuda:
         torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / config["steps"]
@@ -437,8 +440,7 @@ def verify_distributed(
     chosen = _resolve_device(plan, device, world)
     layout = plan.parallel
     if plan.float8 is not None and layout is not None and max(layout.tp, layout.pp) > 1:
-        # the layout ranks' TP and pipeline code shards plain linears: before, they ran the
-        # plan in bf16 and set the figures against its float8 prediction
+        # (its TP and pipeline code shards plain linears: it ran bf16 against float8's figures)
         raise BadInputError(
             f"verify cannot run a float8 plan with {layout.describe()}: memplan converts "
             "float8 linears under DDP, ZeRO-1 and FSDP only, and its tensor and pipeline "

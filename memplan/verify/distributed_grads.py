@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from memplan.model.batch import cut_batch
 from memplan.plan import Plan
+from memplan.probe.session import users_backward
 from memplan.run.float8 import convert_for_plan
 from memplan.run.wrap import COMPUTE_DTYPES, fsdp_mixed_precision, wrap_for_plan
 from memplan.verify.grad_check import (
@@ -27,10 +29,11 @@ from memplan.verify.grad_check import (
     step_count_failure,
     textbook,
 )
+from memplan.verify.plan_check import micro_rows
 
 
 def _mixed_precision_reference(
-    net: torch.nn.Module, mf: Any, plan: Plan, full: Any, world: int, map_batch: Any
+    net: torch.nn.Module, mf: Any, plan: Plan, pieces: list[Any], world: int, map_batch: Any
 ) -> dict[str, torch.Tensor]:
     """The reference gradient under FSDP's mixed-precision policy, in one process: each of
     the world × k micro-batches' loss / k back-propagated with bf16 parameters and inputs,
@@ -40,12 +43,11 @@ def _mixed_precision_reference(
     from memplan.probe.backends import cast_parameters
 
     dtype = COMPUTE_DTYPES[plan.precision]
-    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    k = plan.accumulation_steps
     cast_parameters(net, dtype)
     total: dict[str, torch.Tensor] = {}
     for i in range(world * k):
-        piece = map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro])
-        piece = map_batch(piece, lambda t: t.to(dtype) if t.is_floating_point() else t)
+        piece = map_batch(pieces[i], lambda t: t.to(dtype) if t.is_floating_point() else t)
         net.zero_grad(set_to_none=True)
         (mf.loss(net, piece) / k).backward()
         for name, p in net.named_parameters():
@@ -67,8 +69,13 @@ def gradient_error(
     k, micro = plan.accumulation_steps, plan.micro_batch_size
     torch.manual_seed(seed + 10_000)  # the same batches on every rank
     full = map_batch(mf.make_batch(world * k * micro), lambda t: t.to(device))
+    # each tensor holding the samples first cut, the others (a 0-dim temperature, a shared
+    # mask) whole in every piece, as one process's check cuts them (plan_check.micro_rows);
+    # before, every tensor was sliced, and a 0-dim one raised IndexError on every rank
+    rows = micro_rows(mf, plan, full, samples=world * k * micro)
     pieces = [
-        map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(world * k)
+        full if rows is None else cut_batch(full, rows, i * micro, (i + 1) * micro)
+        for i in range(world * k)
     ]
     seeds = [seed + 1 + i for i in range(world * k)]
     policy = fsdp_mixed_precision(plan)
@@ -84,7 +91,7 @@ def gradient_error(
     # run with every dropout neutralised (modules, functional, fused attention dropout), in
     # train mode so checkpointing still runs (run.no_dropout).
     couple: dict[str, Any] | None = None
-    with run.no_dropout():
+    with run.no_dropout(), users_backward(mf):  # the backward's errors: the file's
         if policy is None:
             reference = textbook(reference_net, mf.loss, pieces, seeds, k=k)
             if rank == 0 and world * k > 1:
@@ -101,7 +108,9 @@ def gradient_error(
                     )
                 )
         else:
-            reference = _mixed_precision_reference(reference_net, mf, plan, full, world, map_batch)
+            reference = _mixed_precision_reference(
+                reference_net, mf, plan, pieces, world, map_batch
+            )
     del reference_net
 
     torch.manual_seed(seed)
@@ -117,7 +126,7 @@ def gradient_error(
     )
     capture = StepCapture(optimizer, net)
     acc = run.Accumulator(model, optimizer, plan, device=device)
-    with run.no_dropout():
+    with run.no_dropout(), users_backward(mf):  # the backward's errors: the file's
         for i in range(rank * k, (rank + 1) * k):
             torch.manual_seed(seeds[i])
             acc.step(pieces[i], mf.loss)

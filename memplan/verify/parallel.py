@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
+from memplan.model.batch import cut_batch
 from memplan.parallel import Parallel
 from memplan.plan import Plan
+from memplan.probe.session import users_backward
 from memplan.probe.tracker import resident_tensors
+from memplan.verify.plan_check import micro_rows
 
 
 def rank_predictions(plan: Plan, device: str, world: int) -> tuple[int, ...]:
@@ -179,7 +182,7 @@ def layout_gradient_error(
     reference_net = mf.build_model().to(device).train()
     torch.manual_seed(seed + 10_000)
     full = map_batch(mf.make_batch(dp * k * micro), lambda t: t.to(device))
-    with run.no_dropout():
+    with run.no_dropout(), users_backward(mf):  # the backward's errors: the file's
         mf.loss(reference_net, full).backward()
     reference = {
         name: p.grad.detach().float().clone()
@@ -199,8 +202,10 @@ def layout_gradient_error(
         declared_tp_plan=getattr(mf.module, "TP_PLAN", None),
     )
     first = data_rank(parallel, rank) * k
+    # the tensors holding the samples first cut, the others whole (plan_check.micro_rows)
+    rows = micro_rows(mf, plan, full, samples=dp * k * micro)
     mine = [
-        map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro])
+        full if rows is None else cut_batch(full, rows, i * micro, (i + 1) * micro)
         for i in range(first, first + k)
     ]
     captured: dict[str, torch.Tensor] = {}
@@ -226,7 +231,7 @@ def layout_gradient_error(
             captured[name] = grad.detach().float()
 
     layout.optimizer.register_step_pre_hook(capture)
-    with run.no_dropout():
+    with run.no_dropout(), users_backward(mf):
         layout.train_step(mine, mf.loss)
     worst, worst_name = 0.0, None
     for name, got in captured.items():

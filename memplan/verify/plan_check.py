@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from memplan import run
-from memplan.errors import first_line
-from memplan.model.batch import map_batch
+from memplan.errors import ModelFileError, first_line
+from memplan.model.batch import cut_batch, map_batch, sample_rows
 from memplan.model.loader import ModelFile
 from memplan.plan import Plan
 from memplan.verify.grad_check import (
@@ -58,9 +58,10 @@ def check_gradients(
     k, micro = plan.accumulation_steps, plan.micro_batch_size
     torch.manual_seed(seed + 10_000)
     full = mf.make_batch(k * micro)
+    rows = micro_rows(mf, plan, full)
     if plan.precision == "fp32":
         try:
-            return _check(mf, plan, device, seed, full, torch.float64)
+            return _check(mf, plan, device, seed, full, rows, torch.float64)
         except Exception as exc:  # the model does not run (or fit) in float64: use fp32
             # (a model file that fails for another reason fails again, in fp32, and is
             # reported as such)
@@ -68,18 +69,45 @@ def check_gradients(
                 f" (compared in fp32: in float64 the model failed with {type(exc).__name__}: "
                 f"{first_line(exc)[:200]})"
             )
-        grad, couple = _fits(mf, plan, device, seed, full)
+        grad, couple = _fits(mf, plan, device, seed, full, rows)
         return _with_reason(grad, grad.reason + note), couple
-    return _fits(mf, plan, device, seed, full)
+    return _fits(mf, plan, device, seed, full, rows)
+
+
+def micro_rows(
+    mf: ModelFile, plan: Plan, full: Any | None = None, samples: int | None = None
+) -> list[bool] | None:
+    """Which tensors of a batch of the plan's effective size ``full`` (made when None) the
+    check cuts into its micro-batches along their first dimension, from the shapes of a
+    micro-batch's (``memplan.model.batch.sample_rows``): a tensor the same at both sizes
+    (a 0-dim temperature, a shared mask) goes whole into each. None: one micro-batch a
+    step, nothing to cut. A tensor that changes with the batch size other than along its
+    first dimension is the model file's error (exit 2, naming it), raised before any run."""
+    k, micro = plan.accumulation_steps, plan.micro_batch_size
+    count = k * micro if samples is None else samples  # (the ranks': world × k × micro)
+    if count == micro:
+        return None
+    full = mf.make_batch(count) if full is None else full
+    try:
+        return sample_rows(full, mf.make_batch(micro), count, micro)
+    except ValueError as exc:
+        fn = mf.batch_text or f"{mf.named('make_batch')}()"
+        raise ModelFileError(
+            f"{mf.path}: {fn}: {exc}. verify's gradient check cuts a batch of {count} "
+            f"samples into {count // micro} micro-batches of {micro} along each tensor's first dimension "
+            "(a tensor of the same shape at every size is passed whole).",
+            hint="Put the samples first in each tensor that grows with the batch size, or "
+            "verify without the gradient check (--no-grad-check).",
+        ) from exc
 
 
 def _fits(
-    mf: ModelFile, plan: Plan, device: torch.device, seed: int, full: Any
+    mf: ModelFile, plan: Plan, device: torch.device, seed: int, full: Any, rows: Any
 ) -> tuple[GradientCheck, BatchCoupling]:
     """The check in the plan's own precision; skipped when its second copy of the model
     does not fit the device."""
     try:
-        return _check(mf, plan, device, seed, full, None)
+        return _check(mf, plan, device, seed, full, rows, None)
     except torch.OutOfMemoryError:
         reason = "the textbook run's copy of the model does not fit this device next to the plan's"
         effective = plan.accumulation_steps * plan.micro_batch_size
@@ -104,13 +132,17 @@ def _check(
     device: torch.device,
     seed: int,
     full: Any,
+    rows: list[bool] | None,
     dtype: torch.dtype | None,
 ) -> tuple[GradientCheck, BatchCoupling]:
     k, micro = plan.accumulation_steps, plan.micro_batch_size
     precision = "fp64" if dtype is not None else plan.precision
     tol = TOLERANCE[precision]
     full = run.move_to_device(to_dtype(full, dtype, map_batch), device)
-    pieces = [map_batch(full, lambda t, i=i: t[i * micro : (i + 1) * micro]) for i in range(k)]
+    if rows is None:  # one micro-batch: the batch itself
+        pieces = [full]
+    else:
+        pieces = [cut_batch(full, rows, i * micro, (i + 1) * micro) for i in range(k)]
     seeds = [seed + 1 + i for i in range(k)]
     autocast = _autocast(plan, device)
     fingerprint = plan.model_fingerprint

@@ -30,6 +30,7 @@ from memplan.files.schema import to_data
 from memplan.model.loader import ModelFile, load_model_file
 from memplan.plan import Plan
 from memplan.probe.backends import make_backend
+from memplan.probe.session import users_backward
 from memplan.probe.tracker import resident_tensors
 from memplan.units import format_bytes
 from memplan.verify.grad_check import (
@@ -39,7 +40,7 @@ from memplan.verify.grad_check import (
     coupling_skipped,
     gradient_failure,
 )
-from memplan.verify.plan_check import check_gradients
+from memplan.verify.plan_check import check_gradients, micro_rows
 
 GRAD_TOLERANCE = TOLERANCE  # the plan check's tolerance by precision (verify.grad_check)
 
@@ -252,7 +253,8 @@ def _run_steps(
     for i, batch in enumerate(_micro_batches(mf, plan.micro_batch_size, steps * k)):
         if marks is not None and position is not None:
             marks.append(position())
-        metrics = acc.step(batch, mf.loss)
+        with users_backward(mf):  # the forward's errors: ModelFile's own
+            metrics = acc.step(batch, mf.loss)
         loss = metrics.get("micro_loss")
         if bad_losses is not None and isinstance(loss, float) and not math.isfinite(loss):
             bad_losses.append(f"the loss was {loss} at step {i // k + 1}, micro-batch {i % k + 1}")
@@ -323,6 +325,8 @@ def _verify(
     torch_device = backend.torch_device
     refuse_if_machine_too_small(plan, backend.device)
 
+    if check_gradients:  # a batch its check cannot cut is refused before any run
+        micro_rows(mf, plan)
     progress(0, total, "building the model")
     net = _build(mf, torch_device, seed)
     fingerprint = fingerprint_note(plan, net, mf.reference or str(mf.path))
@@ -441,7 +445,8 @@ def _gradient_checks(
             reason=reason,
         )
         return grad, coupling_skipped(effective, reason)
-    return check_gradients(mf, plan, device, seed)
+    with users_backward(mf):
+        return check_gradients(mf, plan, device, seed)
 
 
 def load_average() -> float | None:
