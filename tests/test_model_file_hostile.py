@@ -290,3 +290,31 @@ def test_an_error_in_the_backward_on_two_ranks_is_the_model_files(tmp_path):
     out = _flat(result.output)
     assert result.exit_code == 2, result.output
     assert "the model's backward raised ValueError" in out and "my backward is broken" in out
+
+
+def test_a_failure_of_torch_distributed_in_the_backward_is_not_the_model_files(tmp_path):
+    """A collective or FSDP hook failing inside the backward on a rank (its frames torch's
+    distributed code, none the user's) passes unchanged, for the rank's own account
+    (exit 3); only the model's code is reported as the model file's."""
+    from memplan.probe.session import users_backward
+
+    namespace: dict = {"torch": torch}
+    fake = str(tmp_path / "site-packages" / "torch" / "distributed" / "fsdp_hook.py")
+    exec(
+        compile(
+            "class Hook(torch.autograd.Function):\n"
+            "    @staticmethod\n"
+            "    def forward(ctx, x):\n"
+            "        return x * 2\n"
+            "    @staticmethod\n"
+            "    def backward(ctx, g):\n"
+            "        raise RuntimeError('gloo: connection closed by peer')\n",
+            fake,
+            "exec",
+        ),
+        namespace,
+    )
+    mf = type("MF", (), {"path": tmp_path / "model.py"})()
+    x = torch.ones(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="connection closed by peer"), users_backward(mf):
+        namespace["Hook"].apply(x).sum().backward()

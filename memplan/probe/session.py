@@ -395,6 +395,8 @@ def backward_error(exc: BaseException, model_file: ModelFile) -> MemplanError | 
             "or plan for this machine's memory.",
         )
     users = [f for f in inside if users_file(f.filename)]
+    if not users and any("/torch/distributed/" in f.filename.replace("\\", "/") for f in inside):
+        return None  # a collective's or FSDP's own failure on a rank: not the model's code
     ours = [f for f in inside if Path(f.filename).resolve().is_relative_to(_MEMPLAN_DIR)]
     mixed = inside and inside[-1].name == refuse_mixed_dtypes.__name__  # the model's
     if not users and ours and ours[-1] is inside[-1] and not mixed:
