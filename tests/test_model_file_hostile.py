@@ -318,3 +318,17 @@ def test_a_failure_of_torch_distributed_in_the_backward_is_not_the_model_files(t
     x = torch.ones(2, requires_grad=True)
     with pytest.raises(RuntimeError, match="connection closed by peer"), users_backward(mf):
         namespace["Hook"].apply(x).sum().backward()
+
+
+def test_the_probe_says_when_it_enters_the_models_backward(tmp_path):
+    """check --timeout names where a hung probe was (loader.observe_calls): the backward
+    was never announced, so a hang there was named as the forward."""
+    from memplan.model.loader import observe_calls
+    from memplan.probe import probe_model
+
+    path = str(_write(tmp_path, TEMP))
+    seen: list[str] = []
+    with observe_calls(seen.append):
+        probe_model(path, device="meta", micro_batches=(1, 2))
+    forward = seen.index("the model's forward")
+    assert "the model's backward" in seen[forward:], seen

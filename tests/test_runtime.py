@@ -528,3 +528,23 @@ def test_fp16_on_cuda_uses_a_grad_scaler_and_matches_fp32_direction() -> None:
     assert m["stepped"] and not m["skipped_nonfinite"]
     for name, g in grads(ref).items():  # unscaled before the step: fp32 scale, fp16 accuracy
         torch.testing.assert_close(seen[name], g, rtol=2e-2, atol=2e-3)
+
+
+def test_a_shared_tensor_first_in_the_batch_does_not_count_as_the_samples():
+    """A batch whose first tensor every sample shares (a 5 × 5 mask) counted 5 samples a
+    micro-batch; the plan's micro-batch of 3 is what its samples tensor holds."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    acc = Accumulator(model, opt, fake_plan(2, micro=3))
+
+    def loss(m, batch):
+        return m(batch["x"]).sum() + 0 * batch["mask"].sum()
+
+    for _ in range(2):
+        m = acc.step({"mask": torch.zeros(5, 5), "x": torch.ones(3, 4)}, loss)
+    assert m["stepped"] and m["effective_batch"] == 6
+    # a smaller last micro-batch is still counted by its first tensor
+    acc = Accumulator(model, opt, fake_plan(1, micro=3))
+    assert (
+        acc.step({"x": torch.ones(2, 4), "mask": torch.zeros(5, 5)}, loss)["effective_batch"] == 2
+    )

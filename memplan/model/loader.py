@@ -128,7 +128,8 @@ def observe_calls(observer: Callable[[str], None]) -> Iterator[None]:
         _call_observers.remove(observer)
 
 
-def _entering(what: str) -> None:
+def entering(what: str) -> None:
+    """Say to ``observe_calls``' observers that memplan enters the user's ``what``."""
     for observer in _call_observers:
         observer(what)
 
@@ -278,7 +279,7 @@ class ModelFile:
     def _call(self, name: str, *args: Any) -> Any:
         fn = getattr(self.module, name)
         shown = self.named(name)
-        _entering(f"{shown}{_args_text(args)}")
+        entering(f"{shown}{_args_text(args)}")
         try:
             return fn(*args)
         except BaseException as exc:
@@ -367,7 +368,7 @@ class ModelFile:
             out = self._call("training_loss", model, batch)
             where = f"{self.named('training_loss')}(model, batch)"
         else:
-            _entering("the model's forward")
+            entering("the model's forward")
             try:
                 if isinstance(batch, dict):
                     out = model(**batch)
@@ -458,7 +459,7 @@ def load_model_file(
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)  # sibling imports work as they do for `python model.py`
     sys.modules[module_name] = module
-    _entering(f"importing {path}")
+    entering(f"importing {path}")
     try:
         _retrying_torchvision(lambda: loader_spec.loader.exec_module(module))
     except SyntaxError as exc:

@@ -36,7 +36,7 @@ from memplan.errors import (
     raised_by_checkpointing,
 )
 from memplan.model.batch import batch_tensors
-from memplan.model.loader import ModelFile, raised_by_memplan, users_file
+from memplan.model.loader import ModelFile, entering, raised_by_memplan, users_file
 from memplan.probe.backends import Backend
 from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.meta_kernels import refuse_mixed_dtypes
@@ -349,7 +349,9 @@ _IN_PLACE_PARTS = (
 
 
 def run_backward(model_file: ModelFile, loss: Any) -> None:
-    """``loss.backward()``, its errors reported as ``users_backward`` says."""
+    """``loss.backward()``, its errors reported as ``users_backward`` says (and, to
+    ``observe_calls``, entered: ``check --timeout`` named a hang there the forward)."""
+    entering("the model's backward")
     with users_backward(model_file):
         loss.backward()
 

@@ -42,8 +42,14 @@ def _rebuild_mapping(original: Mapping, moved: dict) -> Any:
         return moved
 
 
-def samples_in(batch: Any) -> int | None:
-    """Samples in a micro-batch: the leading dimension of its first tensor."""
+def samples_in(batch: Any, expected: int | None = None) -> int | None:
+    """Samples in a micro-batch: ``expected`` (the plan's micro-batch) where some tensor's
+    leading dimension is that, else the leading dimension of its first tensor. (A batch
+    whose first tensor is one every sample shares, a [T, T] mask, counted T samples.)"""
+    if expected is not None and any(
+        t.dim() > 0 and t.shape[0] == expected for t in _tensors(batch)
+    ):
+        return expected
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() > 0 else None
     items: Iterable[Any] = ()
@@ -56,6 +62,14 @@ def samples_in(batch: Any) -> int | None:
         if size is not None:
             return size
     return None
+
+
+def _tensors(batch: Any) -> Iterable[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping | tuple | list):
+        for item in batch.values() if isinstance(batch, Mapping) else batch:
+            yield from _tensors(item)
 
 
 def _scalar_loss(value: Any, what: str) -> torch.Tensor:
@@ -188,7 +202,7 @@ class Accumulator:
         self._micro += 1
         last = self._micro == self.accumulation_steps
         batch = move_to_device(batch, self.device)
-        size = samples_in(batch)
+        size = samples_in(batch, getattr(self.plan, "micro_batch_size", None))
         self._samples += size or 0
 
         sync = contextlib.nullcontext()
