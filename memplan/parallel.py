@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from memplan.errors import BadInputError
 
@@ -320,3 +320,19 @@ def pipeline_refusal_by_kind(model: str, hf_blocks: tuple[str, ...] | list[str])
         if task is not None and task != "causal-lm":
             return f"{what}; {model} is a {task} model, not a causal-LM decoder"
     return None
+
+
+def float8_layout_refusal(plan: Any) -> str | None:
+    """Why memplan's own runtime cannot run ``plan`` (a ``Plan``) as predicted: float8
+    linears under tensor, pipeline or context parallel degrees, which ``build_layout``
+    shards as plain linears (the scripts and verify convert float8 linears under DDP, ZeRO-1
+    and FSDP only). None for any other plan. Said by the emitted scripts and by verify."""
+    layout = getattr(plan, "parallel", None)
+    if getattr(plan, "float8", None) is None or layout is None:
+        return None
+    if max(layout.tp, layout.pp, layout.cp) == 1:
+        return None
+    return (
+        f"memplan converts float8 linears under DDP, ZeRO-1 and FSDP only, and its tensor and "
+        f"pipeline parallel code would train them in {plan.precision}, not as predicted"
+    )

@@ -21,6 +21,7 @@ import re
 
 from memplan.emit._common import batch_equation, docstring_text, layers_phrase, python_literal
 from memplan.errors import BadInputError
+from memplan.parallel import float8_layout_refusal
 from memplan.plan import Plan, plan_to_yaml
 
 STRATEGIES = frozenset({"ddp", "zero1", "fsdp"})
@@ -243,14 +244,12 @@ def refuse_float8_layout(plan: Plan, script: str) -> None:
     """A BadInputError for a float8 plan with tensor, pipeline or context parallel degrees:
     the scripts convert float8 linears (``convert_for_plan``) only where memplan verify's
     ranks do, under DDP, ZeRO-1 and FSDP; ``build_layout`` shards plain linears."""
-    layout = plan.parallel
-    if plan.float8 is None or layout is None or max(layout.tp, layout.pp, layout.cp) == 1:
+    why = float8_layout_refusal(plan)
+    if why is None:
         return
+    assert plan.parallel is not None
     raise BadInputError(
-        f"{script} cannot run a float8 plan with {layout.describe()}: the scripts convert "
-        "float8 linears only under DDP, ZeRO-1 and FSDP, and memplan's tensor and pipeline "
-        "parallel code shards plain linears, so it would train them in "
-        f"{plan.precision}.",
+        f"{script} cannot run a float8 plan with {plan.parallel.describe()}: {why}.",
         hint="Emit --format torchtitan or megatron for this plan (they write float8 with "
         "the layout), or solve the float8 profile without --tp/--pp/--cp for the scripts.",
     )

@@ -116,8 +116,11 @@ def sample_rows(full: Any, other: Any, count: int, other_count: int) -> list[boo
     return rows
 
 
-def cut_batch(batch: Any, rows: list[bool], start: int, stop: int) -> Any:
+def cut_batch(batch: Any, rows: list[bool] | None, start: int, stop: int) -> Any:
     """Samples ``start:stop`` of ``batch``: each tensor that ``rows`` (``sample_rows``)
-    marks sliced along its first dimension, the others whole."""
+    marks sliced along its first dimension, the others whole; ``rows`` None: the batch is
+    one micro-batch, whole."""
+    if rows is None:
+        return batch
     marks = iter(rows)
     return map_batch(batch, lambda t: t[start:stop] if next(marks) else t)

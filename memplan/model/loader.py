@@ -56,13 +56,18 @@ def _user_location(exc: BaseException, path: Path) -> str:
     return str(path)
 
 
+def memplans_file(name: str | Path) -> bool:
+    """Whether ``name`` (a frame's file) is one of memplan's own modules."""
+    return Path(name).resolve().is_relative_to(_MEMPLAN_DIR)
+
+
 def users_file(name: str | Path) -> bool:
     """Whether ``name`` is a file of the user's code, one a message may ask them to fix: not
     memplan's own, nor an installed package's (site-packages) or the standard library's."""
     path = Path(name).resolve()
     return not (
         str(name).startswith("<frozen")
-        or path.is_relative_to(_MEMPLAN_DIR)
+        or memplans_file(path)
         or path.is_relative_to(_STDLIB)
         or not {"site-packages", "dist-packages"}.isdisjoint(path.parts)
     )
@@ -145,7 +150,7 @@ def raised_by_memplan(exc: BaseException) -> bool:
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return False
-    return Path(frames[-1].filename).resolve().is_relative_to(_MEMPLAN_DIR)
+    return memplans_file(frames[-1].filename)
 
 
 def _is_passthrough(exc: BaseException) -> bool:

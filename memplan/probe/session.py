@@ -36,7 +36,13 @@ from memplan.errors import (
     raised_by_checkpointing,
 )
 from memplan.model.batch import batch_tensors
-from memplan.model.loader import ModelFile, entering, raised_by_memplan, users_file
+from memplan.model.loader import (
+    ModelFile,
+    entering,
+    memplans_file,
+    raised_by_memplan,
+    users_file,
+)
 from memplan.probe.backends import Backend
 from memplan.probe.layers import default_candidates, fixed_parts, glob_layers
 from memplan.probe.meta_kernels import refuse_mixed_dtypes
@@ -336,7 +342,6 @@ def warm_up(session: Session, size: int) -> None:
 
 
 # ------------------------------------------------------------------- the model's backward
-_MEMPLAN_DIR = Path(__file__).resolve().parent.parent
 _ENGINE = ("torch/autograd/graph.py", "torch/autograd/__init__.py")
 """Where torch's Python hands the backward to its engine: frames after these ran in it."""
 _IN_PLACE = "modified by an inplace operation"
@@ -399,7 +404,7 @@ def backward_error(exc: BaseException, model_file: ModelFile) -> MemplanError | 
     users = [f for f in inside if users_file(f.filename)]
     if not users and any("/torch/distributed/" in f.filename.replace("\\", "/") for f in inside):
         return None  # a collective's or FSDP's own failure on a rank: not the model's code
-    ours = [f for f in inside if Path(f.filename).resolve().is_relative_to(_MEMPLAN_DIR)]
+    ours = [f for f in inside if memplans_file(f.filename)]
     mixed = inside and inside[-1].name == refuse_mixed_dtypes.__name__  # the model's
     if not users and ours and ours[-1] is inside[-1] and not mixed:
         at = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}"

@@ -46,25 +46,14 @@ def samples_in(batch: Any, expected: int | None = None) -> int | None:
     """Samples in a micro-batch: ``expected`` (the plan's micro-batch) where some tensor's
     leading dimension is that, else the leading dimension of its first tensor. (A batch
     whose first tensor is one every sample shares, a [T, T] mask, counted T samples.)"""
-    if expected is not None and any(
-        t.dim() > 0 and t.shape[0] == expected for t in _tensors(batch)
-    ):
+    sizes = [int(t.shape[0]) for t in _tensors(batch) if t.dim() > 0]
+    if expected is not None and expected in sizes:
         return expected
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0]) if batch.dim() > 0 else None
-    items: Iterable[Any] = ()
-    if isinstance(batch, Mapping):
-        items = batch.values()
-    elif isinstance(batch, (tuple, list)):
-        items = batch
-    for item in items:
-        size = samples_in(item)
-        if size is not None:
-            return size
-    return None
+    return sizes[0] if sizes else None
 
 
 def _tensors(batch: Any) -> Iterable[torch.Tensor]:
+    """The tensors of a batch (a tensor, a tuple/list, any mapping, nested), in order."""
     if isinstance(batch, torch.Tensor):
         yield batch
     elif isinstance(batch, Mapping | tuple | list):

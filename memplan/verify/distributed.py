@@ -46,7 +46,7 @@ import torch
 
 from memplan.errors import BadInputError, CannotMeasureError
 from memplan.files.schema import to_data
-from memplan.parallel import pipeline_refusal_by_kind
+from memplan.parallel import float8_layout_refusal, pipeline_refusal_by_kind
 from memplan.plan import Plan, plan_to_data
 from memplan.probe.tracker import LiveTracker, resident_tensors
 from memplan.run.float8 import convert_for_plan, refuse_float8_gather
@@ -438,13 +438,10 @@ def verify_distributed(
     world = plan.world_size if world_size is None else world_size
     _check_runnable(plan, world, steps)
     chosen = _resolve_device(plan, device, world)
-    layout = plan.parallel
-    if plan.float8 is not None and layout is not None and max(layout.tp, layout.pp) > 1:
-        # (its TP and pipeline code shards plain linears: it ran bf16 against float8's figures)
+    if (why := float8_layout_refusal(plan)) is not None and plan.parallel is not None:
+        # (before, it ran them in bf16 and set the figures against float8's prediction)
         raise BadInputError(
-            f"verify cannot run a float8 plan with {layout.describe()}: memplan converts "
-            "float8 linears under DDP, ZeRO-1 and FSDP only, and its tensor and pipeline "
-            f"parallel code would train them in {plan.precision}, not as predicted.",
+            f"verify cannot run a float8 plan with {plan.parallel.describe()}: {why}.",
             hint="Verify the float8 profile solved without --tp/--pp, or the bf16 profile "
             "with this layout.",
         )

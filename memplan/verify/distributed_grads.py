@@ -73,10 +73,7 @@ def gradient_error(
     # mask) whole in every piece, as one process's check cuts them (plan_check.micro_rows);
     # before, every tensor was sliced, and a 0-dim one raised IndexError on every rank
     rows = micro_rows(mf, plan, full, samples=world * k * micro)
-    pieces = [
-        full if rows is None else cut_batch(full, rows, i * micro, (i + 1) * micro)
-        for i in range(world * k)
-    ]
+    pieces = [cut_batch(full, rows, i * micro, (i + 1) * micro) for i in range(world * k)]
     seeds = [seed + 1 + i for i in range(world * k)]
     policy = fsdp_mixed_precision(plan)
     precision = plan.precision if policy is not None else "fp32"

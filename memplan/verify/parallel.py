@@ -204,10 +204,7 @@ def layout_gradient_error(
     first = data_rank(parallel, rank) * k
     # the tensors holding the samples first cut, the others whole (plan_check.micro_rows)
     rows = micro_rows(mf, plan, full, samples=dp * k * micro)
-    mine = [
-        full if rows is None else cut_batch(full, rows, i * micro, (i + 1) * micro)
-        for i in range(first, first + k)
-    ]
+    mine = [cut_batch(full, rows, i * micro, (i + 1) * micro) for i in range(first, first + k)]
     captured: dict[str, torch.Tensor] = {}
     shards = dict(layout.dtensor_placements)
 

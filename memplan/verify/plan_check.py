@@ -139,10 +139,7 @@ def _check(
     precision = "fp64" if dtype is not None else plan.precision
     tol = TOLERANCE[precision]
     full = run.move_to_device(to_dtype(full, dtype, map_batch), device)
-    if rows is None:  # one micro-batch: the batch itself
-        pieces = [full]
-    else:
-        pieces = [cut_batch(full, rows, i * micro, (i + 1) * micro) for i in range(k)]
+    pieces = [cut_batch(full, rows, i * micro, (i + 1) * micro) for i in range(k)]
     seeds = [seed + 1 + i for i in range(k)]
     autocast = _autocast(plan, device)
     fingerprint = plan.model_fingerprint
