@@ -447,6 +447,56 @@ def test_lightning_clis_own_parser_reads_the_plans_trainer(tmp_path: Path) -> No
     assert read[-2:] == [{"refused": True}, {"refused": True}]
 
 
+_LIGHTNING_FSDP = """
+import json, sys
+from memplan.model.loader import settle_torchvision
+settle_torchvision()
+import torch.nn as nn
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+
+class ParseOnly(LightningCLI):
+    def instantiate_classes(self):
+        pass
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+
+cli = ParseOnly(BoringModel, BoringDataModule, run=False, args=["--config", sys.argv[1]])
+strategy = cli.parser.instantiate(cli.config).trainer.strategy  # what fit() is handed
+policy = strategy.kwargs["auto_wrap_policy"]
+net = nn.Sequential(Block(), nn.Linear(2, 2), Block())
+units = policy._run_policy(net, set(), {})  # what FSDP1 wraps as its own units
+print("READ " + json.dumps([type(strategy).__name__, [n for n, m in net.named_modules() if m in units]]))
+"""
+
+
+def test_lightning_fsdp_config_shards_the_plans_units(tmp_path: Path) -> None:
+    """LightningCLI builds the FSDPStrategy the file names, whose auto-wrap policy makes a
+    unit of each module of the plan's block class (memplan.wrap.PlanUnits). Before, the file
+    said strategy fsdp, which wraps the root alone: every parameter gathered at once."""
+    pytest.importorskip("jsonargparse", reason="pip install -e '.[dev]' installs it")
+    plan = replace(
+        _data_parallel_plan(3, 5, 4, "bf16", "fsdp"),
+        device="cuda",
+        shard_units=("h.0", "h.1"),
+        shard_unit_types=("Block",),
+    )
+    path = tmp_path / "lightning.yaml"
+    path.write_text(emit_lightning(plan, model_path="m.py"), encoding="utf-8")
+    assert "one per Block, by memplan.wrap.PlanUnits" in " ".join(
+        line.lstrip("# ") for line in path.read_text().splitlines()
+    )
+    assert _read_back(_LIGHTNING_FSDP, str(path)) == ["FSDPStrategy", ["0", "2"]]
+    with pytest.raises(BadInputError, match="Lightning runs FSDP on GPUs only"):
+        emit_lightning(replace(plan, device="cpu"), model_path="m.py")
+
+
 def test_yaml_comments_are_comments() -> None:
     for fmt in ("hf", "accelerate", "lightning"):
         _, text = emit(PLAN, fmt)

@@ -33,6 +33,7 @@ def strategy_plan(strategy: str) -> Plan:
         shard_unit_types=("Block",) if sharded else (),
         budget_bytes=1 << 30,
         model="m.py",
+        device="h100-80gb",  # Lightning runs FSDP on GPUs only
         predicted=Prediction(
             peak_bytes=1 << 29,
             step_seconds=1.0,
@@ -68,13 +69,27 @@ EXPECTED = {  # what each format must say for each strategy it claims
         "fsdp": lambda d: d["distributed_type"] == "FSDP",
     },
     "lightning": {
-        s: lambda d, name=name: d["trainer"]["strategy"] == name
-        for s, name in {
-            "ddp": "ddp",
-            "zero1": "deepspeed_stage_1",
-            "zero2": "deepspeed_stage_2",
-            "fsdp": "fsdp",
-        }.items()
+        **{
+            s: lambda d, name=name: d["trainer"]["strategy"] == name
+            for s, name in {
+                "ddp": "ddp",
+                "zero1": "deepspeed_stage_1",
+                "zero2": "deepspeed_stage_2",
+            }.items()
+        },
+        # FSDPStrategy with the plan's units (a bare "fsdp" wraps the root alone)
+        "fsdp": lambda d: (
+            d["trainer"]["strategy"]
+            == {
+                "class_path": "lightning.pytorch.strategies.FSDPStrategy",
+                "init_args": {
+                    "auto_wrap_policy": {
+                        "class_path": "memplan.wrap.PlanUnits",
+                        "init_args": {"class_names": ["Block"]},
+                    }
+                },
+            }
+        ),
     },
     "plan": {s: lambda d, s=s: d["strategy"] == s for s in STRATEGIES},
     "torch": {s: lambda text, s=s: f"strategy: {s}" in text for s in ("ddp", "zero1", "fsdp")},

@@ -257,3 +257,32 @@ def test_fsdp_on_two_ranks_trains_layers_that_share_a_parameter(source, units, t
     assert check.status == "pass", check
     assert check.relative_error is not None and check.relative_error < 1e-4
     assert [r.effective_batch for r in result.ranks] == [8, 8]
+
+
+@pytest.mark.slow  # probe, solve and verify on two gloo ranks
+def test_fsdp_plan_of_a_model_with_no_layers_verifies_as_one_root_unit(tmp_path):
+    # No repeated blocks, so the profile has no layers and the plan no shard_units: FSDP's
+    # root is the one unit. Before, verify refused the plan it was given ("The fsdp plan
+    # names no shard_units. Solve it again."), and solving again wrote the same plan.
+    from typer.testing import CliRunner
+
+    from memplan.cli import app
+
+    model = tmp_path / "model.py"
+    model.write_text(SHARED_PARAMETER)
+
+    def run(*args):
+        return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+    done = run("probe", model, "--device", "cpu", "-o", tmp_path / "p.yaml")
+    assert done.exit_code == 0, done.output
+    done = run(
+        *("solve", tmp_path / "p.yaml", "--target-batch", 8, "--budget", "1GiB"),
+        *("--world-size", 2, "--strategy", "fsdp", "-o", tmp_path / "plan.yaml"),
+    )
+    assert done.exit_code == 0, done.output
+    assert "shard_units: []" in (tmp_path / "plan.yaml").read_text()
+    done = run("verify", tmp_path / "plan.yaml")
+    said = " ".join(done.output.split())
+    assert done.exit_code == 0, said
+    assert "gradient check: pass" in said and "PASS: peak error" in said

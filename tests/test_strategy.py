@@ -388,6 +388,43 @@ def test_accelerate_sections_load(strategy, tmp_path):
         assert loaded.deepspeed_config["gradient_accumulation_steps"] == 4
 
 
+@pytest.mark.parametrize("units", [(), ("h.0",)], ids=["root-only", "one-block-class"])
+def test_accelerate_and_hf_fsdp_wrap_what_the_plan_shards(units, tmp_path, monkeypatch):
+    # A model with no layers is planned as FSDP's root unit alone. Before, accelerate was
+    # given TRANSFORMER_BASED_WRAP with an empty class list and refused the model ("Could
+    # not find the transformer layer class  in the model"); TrainingArguments got an empty
+    # transformer_layer_cls_to_wrap under "auto_wrap".
+    import torch
+
+    plan = make_plan(
+        strategy="fsdp", shard_units=units, shard_unit_types=("Linear",) if units else ()
+    )
+    config_args = pytest.importorskip("accelerate.commands.config.config_args")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text(emit(plan, "accelerate", "m.py")[1])
+    fsdp = config_args.ClusterConfig.from_yaml_file(str(path)).fsdp_config
+    # as `accelerate launch` passes the file's fsdp_config to the processes
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", fsdp["fsdp_auto_wrap_policy"])
+    monkeypatch.setenv(
+        "FSDP_TRANSFORMER_CLS_TO_WRAP", fsdp.get("fsdp_transformer_layer_cls_to_wrap", "")
+    )
+    plugin = FullyShardedDataParallelPlugin()
+    plugin.set_auto_wrap_policy(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    assert (plugin.auto_wrap_policy is None) is (not units)
+
+    import yaml
+
+    hf = yaml.safe_load(emit(plan, "hf", "m.py")[1])
+    assert hf["fsdp"] == ("full_shard auto_wrap" if units else "full_shard")
+    assert hf["fsdp_config"].get("transformer_layer_cls_to_wrap", []) == (
+        ["Linear"] if units else []
+    )
+
+
 def test_torchrun_script_launch_lines_and_strategy():
     plan = make_plan(target_batch=4 * 4 * 16, world_size=16, strategy="fsdp", shard_units=("h.0",))
     _, text = emit(plan, "torchrun", "m.py")

@@ -89,8 +89,7 @@ def emit_accelerate(plan: Plan, *, model_path: str) -> str:
             "fsdp_version": 2,
             "fsdp_reshard_after_forward": True,
             "fsdp_offload_params": False,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": ",".join(plan.shard_unit_types),
+            **_wrap_policy(plan),
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",
             "fsdp_activation_checkpointing": False,  # memplan.apply checkpoints the plan's layers
         }
@@ -104,3 +103,16 @@ def emit_accelerate(plan: Plan, *, model_path: str) -> str:
             "zero3_init_flag": False,
         }
     return comment(notes) + dump_yaml(data)
+
+
+def _wrap_policy(plan: Plan) -> dict[str, str]:
+    """One FSDP unit per block class, or, for a plan with no units (a model with no
+    layers), the root alone: accelerate's ``NO_WRAP`` (an empty class list under
+    ``TRANSFORMER_BASED_WRAP`` makes accelerate look for the model's ``_no_split_modules``
+    and fail on a model that has none)."""
+    if not plan.shard_units:
+        return {"fsdp_auto_wrap_policy": "NO_WRAP"}
+    return {
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": ",".join(plan.shard_unit_types),
+    }

@@ -129,10 +129,15 @@ def emit_hf(
         ]
     elif plan.strategy == "fsdp":
         # transformers' TrainingArguments.fsdp / fsdp_config (FSDP2, one unit per block class).
-        data["fsdp"] = "full_shard auto_wrap"
+        # A plan with no units (a model with no layers) shards the root alone: no auto_wrap.
+        data["fsdp"] = "full_shard auto_wrap" if plan.shard_units else "full_shard"
         data["fsdp_config"] = {
             "version": 2,
-            "transformer_layer_cls_to_wrap": list(plan.shard_unit_types),
+            **(
+                {"transformer_layer_cls_to_wrap": list(plan.shard_unit_types)}
+                if plan.shard_units
+                else {}
+            ),
             "reshard_after_forward": True,
             "activation_checkpointing": False,
         }

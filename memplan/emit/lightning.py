@@ -11,6 +11,7 @@ LightningModule).
 from __future__ import annotations
 
 from memplan.emit._common import apply_snippet, comment, dump_yaml, summary
+from memplan.errors import BadInputError
 from memplan.plan import Plan
 
 STRATEGIES = frozenset({"ddp", "zero1", "zero2", "fsdp"})
@@ -25,6 +26,28 @@ LIGHTNING_STRATEGY = {
     "fsdp": "fsdp",
 }
 """Lightning 2.x registered strategy names (``lightning.pytorch.strategies.StrategyRegistry``)."""
+
+FSDP_STRATEGY = "lightning.pytorch.strategies.FSDPStrategy"
+PLAN_UNITS = "memplan.wrap.PlanUnits"
+"""The plan's FSDP units as an auto-wrap policy (memplan.run.fsdp1_policy): Lightning's bare
+``strategy: fsdp`` wraps the root alone, every parameter gathered whole all step."""
+
+
+def _strategy(plan: Plan) -> str | dict:
+    """The Trainer's ``strategy``: a registered name, or for an FSDP plan with units
+    ``FSDPStrategy`` with ``memplan.wrap.PlanUnits`` as its auto-wrap policy (a unit for
+    each block class, as the plan shards them), in LightningCLI's class_path form."""
+    if plan.strategy != "fsdp" or not plan.shard_units:
+        return LIGHTNING_STRATEGY[plan.strategy]
+    return {
+        "class_path": FSDP_STRATEGY,
+        "init_args": {
+            "auto_wrap_policy": {
+                "class_path": PLAN_UNITS,
+                "init_args": {"class_names": list(plan.shard_unit_types)},
+            }
+        },
+    }
 
 
 def emit_lightning(plan: Plan, *, model_path: str) -> str:
@@ -55,12 +78,26 @@ def emit_lightning(plan: Plan, *, model_path: str) -> str:
             "    model = torch.compile(model)",
             "    trainer.fit(model)",
         ]
+    if plan.strategy == "fsdp" and plan.device == "cpu":
+        raise BadInputError(
+            "--format lightning cannot write an fsdp plan for the cpu: Lightning runs FSDP "
+            "on GPUs only (its Trainer refuses strategy fsdp with accelerator cpu).",
+            hint="Emit --format torchrun (memplan's FSDP2 runtime runs on cpu ranks), or "
+            "solve for a GPU with --device-profile.",
+        )
+    if plan.strategy == "fsdp" and plan.shard_units:
+        notes += [
+            "",
+            f"FSDP units: one per {', '.join(plan.shard_unit_types)}, by {PLAN_UNITS} (training "
+            "imports memplan); Lightning's bare strategy fsdp would",
+            "shard the whole model as one unit, every parameter gathered at once.",
+        ]
     trainer: dict = {
         "accelerator": "cpu" if plan.device == "cpu" else "gpu",
         "devices": plan.world_size,
     }
     if plan.strategy != "ddp" or plan.world_size > 1:
-        trainer["strategy"] = LIGHTNING_STRATEGY[plan.strategy]
+        trainer["strategy"] = _strategy(plan)
     trainer["precision"] = LIGHTNING_PRECISION[plan.precision]
     trainer["accumulate_grad_batches"] = plan.accumulation_steps
     return comment(notes) + dump_yaml({"trainer": trainer})

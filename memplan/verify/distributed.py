@@ -9,7 +9,8 @@ wraps the model with memplan.wrap.wrap_for_plan, as memplan's training scripts d
   optimizer;
 * ``zero1``: the same DDP, with ``torch.distributed.optim.ZeroRedundancyOptimizer`` around
   the optimizer's class (so each rank keeps the state of its parameter partition);
-* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` and then on the root,
+* ``fsdp``: FSDP2 ``fully_shard`` on each of ``plan.shard_units`` (none for a model with no
+  layers: the root is the one unit, as the plan predicts it) and then on the root,
   with ``MixedPrecisionPolicy(param_dtype=bf16/fp16, reduce_dtype=float32)`` when the plan's
   ``mixed_precision`` is ``params``; with ``grad_sync: last_micro_step`` accumulation skips
   the reduce-scatter with ``set_requires_gradient_sync(False)``, with ``every_micro_step``
@@ -500,8 +501,6 @@ def _check_runnable(plan: Plan, world: int, steps: int) -> None:
             hint="Run it under DeepSpeed (memplan solve --format deepspeed) and compare its "
             "memory report, or solve with --strategy zero1 or fsdp.",
         )
-    if plan.strategy == "fsdp" and not plan.shard_units:
-        raise BadInputError("The fsdp plan names no shard_units.", hint="Solve it again.")
     _check_pipeline(plan)
 
 
