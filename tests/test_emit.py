@@ -493,8 +493,9 @@ def test_lightning_fsdp_config_shards_the_plans_units(tmp_path: Path) -> None:
         line.lstrip("# ") for line in path.read_text().splitlines()
     )
     assert _read_back(_LIGHTNING_FSDP, str(path)) == ["FSDPStrategy", ["0", "2"]]
-    with pytest.raises(BadInputError, match="Lightning runs FSDP on GPUs only"):
-        emit_lightning(replace(plan, device="cpu"), model_path="m.py")
+    for strategy, engine in (("fsdp", "FSDP"), ("zero1", "DeepSpeed"), ("zero2", "DeepSpeed")):
+        with pytest.raises(BadInputError, match=f"Lightning runs {engine} on CUDA GPUs only"):
+            emit_lightning(replace(plan, device="cpu", strategy=strategy), model_path="m.py")
 
 
 def test_yaml_comments_are_comments() -> None:

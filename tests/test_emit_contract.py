@@ -169,12 +169,13 @@ def test_one_refusal_does_not_stop_the_other_formats(tmp_path: Path) -> None:
     text = " ".join(result.output.split())
     assert "--format torch cannot write a zero2 plan" in text
     assert "--format torchrun cannot write a zero2 plan" in text
+    # a plan for the cpu (no --device-profile): Lightning runs DeepSpeed on CUDA GPUs only
+    assert "--format lightning cannot write a zero2 plan for the cpu" in text
     written = sorted(p.name for p in out.iterdir())
     assert written == [
         "accelerate_config.yaml",
         "ds_config.json",
         "hf_training_args.yaml",
-        "lightning_config.yaml",
         "plan.yaml",
     ]
     hf_args = yaml.safe_load((out / "hf_training_args.yaml").read_text())

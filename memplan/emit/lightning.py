@@ -27,6 +27,10 @@ LIGHTNING_STRATEGY = {
 }
 """Lightning 2.x registered strategy names (``lightning.pytorch.strategies.StrategyRegistry``)."""
 
+GPU_ONLY = {"zero1": "DeepSpeed", "zero2": "DeepSpeed", "fsdp": "FSDP"}
+"""Strategies Lightning refuses with ``accelerator: cpu`` (``_check_strategy_and_fallback``
+for FSDP, ``DeepSpeedStrategy.setup_environment`` for DeepSpeed, lightning 2.6)."""
+
 FSDP_STRATEGY = "lightning.pytorch.strategies.FSDPStrategy"
 PLAN_UNITS = "memplan.wrap.PlanUnits"
 """The plan's FSDP units as an auto-wrap policy (memplan.run.fsdp1_policy): Lightning's bare
@@ -78,12 +82,13 @@ def emit_lightning(plan: Plan, *, model_path: str) -> str:
             "    model = torch.compile(model)",
             "    trainer.fit(model)",
         ]
-    if plan.strategy == "fsdp" and plan.device == "cpu":
+    if plan.strategy in GPU_ONLY and plan.device == "cpu":
         raise BadInputError(
-            "--format lightning cannot write an fsdp plan for the cpu: Lightning runs FSDP "
-            "on GPUs only (its Trainer refuses strategy fsdp with accelerator cpu).",
-            hint="Emit --format torchrun (memplan's FSDP2 runtime runs on cpu ranks), or "
-            "solve for a GPU with --device-profile.",
+            f"--format lightning cannot write a {plan.strategy} plan for the cpu: Lightning "
+            f"runs {GPU_ONLY[plan.strategy]} on CUDA GPUs only (its Trainer refuses strategy "
+            f"{LIGHTNING_STRATEGY[plan.strategy]} with accelerator cpu).",
+            hint="Emit --format torchrun (memplan's runtime runs it on cpu ranks), or solve "
+            "for a GPU with --device-profile.",
         )
     if plan.strategy == "fsdp" and plan.shard_units:
         notes += [
