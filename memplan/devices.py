@@ -22,6 +22,18 @@ from memplan.files import fast_yaml
 from memplan.files.schema import from_data, load_yaml_file, safe_load, to_data
 from memplan.units import parse_budget
 
+MIN_EFFICIENCY = 1e-9
+"""A measured rate below this fraction of the base's peak is a wrong base (or peak), not an
+efficiency (``calibrated_spec``); a spec file's below it is refused when read (1e-300 made
+every time absurd, blamed on memplan)."""
+MIN_RATE = 1e6
+"""The least peak FLOP/s or memory bandwidth (bytes/s) a spec may state: a CPU does ~1e11
+FLOP/s and ~1e10 bytes/s, a 1990 i486 ~1e6 FLOP/s, so a smaller rate is a slip (TFLOP/s or
+GB/s written where FLOP/s or bytes/s go). With ``MIN_EFFICIENCY`` the slowest clock is 1e-3
+per second, whose times a plan still holds (1.0e-290 overflowed). A link is 0 (unknown) or
+at least ``MIN_LINK_RATE``: it times only the bytes that cross it, 2**62 at most."""
+MIN_LINK_RATE = 1.0
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Efficiency:
@@ -71,6 +83,13 @@ class Efficiency:
                     f"{name} is {value!r}; an efficiency is a fraction of the datasheet "
                     "peak, above 0 and at most 1"
                 )
+            if value < MIN_EFFICIENCY:
+                raise ValueError(
+                    f"{name} is {value!r}, below {MIN_EFFICIENCY:g}, the least fraction of a "
+                    "peak memplan calibrate accepts: no device runs that far below its "
+                    "datasheet. Write the fraction this device reaches (e.g. 0.8), or "
+                    "measure it with `memplan calibrate`"
+                )
 
     @property
     def backward_attention(self) -> float:
@@ -114,9 +133,9 @@ class DeviceSpec:
     """Achievable fractions of the peaks (:class:`Efficiency`); all 1.0 when not given."""
 
     def __post_init__(self) -> None:
-        """Capacities, peaks and rates are above 0 (a link may be 0: unknown); before, a
-        spec with ``memory_bytes: -5`` was taken and a budget of 80% of it blamed
-        ``budget_bytes``."""
+        """Capacities, peaks and rates are above 0 (a link may be 0: unknown), the peaks and
+        memory rate at least ``MIN_RATE``, a link 0 or at least ``MIN_LINK_RATE``; before, a
+        spec with ``memory_bytes: -5`` was taken and 80% of it blamed ``budget_bytes``."""
         optional = ("memory_bytes", "bf16_flops", "fp16_flops", "fp8_flops", "compute_capability")
         for name in ("fp32_flops", "memory_bandwidth", *optional):
             value = getattr(self, name)
@@ -124,10 +143,16 @@ class DeviceSpec:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} is {value!r}; it must be a number above 0")
+            if name in RATE_FIELDS and value < MIN_RATE:
+                raise ValueError(_slow_rate(name, value, f"at least {MIN_RATE:g}"))
         for name in ("interconnect_bandwidth", "host_link_bandwidth"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
                 raise ValueError(f"{name} is {value!r}; it must be 0 (unknown) or above")
+            if 0 < value < MIN_LINK_RATE:
+                raise ValueError(
+                    _slow_rate(name, value, f"0 (unknown) or at least {MIN_LINK_RATE:g}")
+                )
 
     def peak_flops(self, precision: str) -> float:
         value = {
@@ -151,6 +176,21 @@ class DeviceSpec:
                 hint="Choose another --precision (fp16 or fp32).",
             )
         return value
+
+
+RATE_FIELDS = ("bf16_flops", "fp16_flops", "fp32_flops", "fp8_flops", "memory_bandwidth")
+
+
+def _slow_rate(name: str, value: float, need: str) -> str:
+    """Why a peak or rate below its floor (``need``) is refused, and how to write it."""
+    if "flops" in name:
+        unit, big, example = "FLOP/s", "TFLOP/s", "989 TFLOP/s is 989.0e+12"
+    else:
+        unit, big, example = "bytes/s", "GB/s", "300 GB/s is 300.0e+9"
+    return (
+        f"{name} is {value!r}; it must be {need} {unit}: no device is that "
+        f"slow. Write it in {unit}, not {big} ({example})"
+    )
 
 
 def profiles_dir() -> Path:
@@ -200,6 +240,8 @@ def load_device(name: str) -> DeviceSpec:
     path to a spec file."""
     path = _spec_file(name)
     if path is None and names_spec_file(name):
+        if Path(name).is_dir():
+            raise _folder_given(name)
         raise BadInputError(
             f"Device spec file {name} does not exist (or is not a file).",
             hint="Check the path (a relative one is relative to the working directory, or in "
@@ -209,6 +251,15 @@ def load_device(name: str) -> DeviceSpec:
         key = ALIASES.get(name.lower(), name.lower())
         path = profiles_dir() / "devices" / f"{key}.yaml"
         if not path.is_file():
+            given = Path(name)
+            if given.is_dir():
+                raise _folder_given(name)
+            if given.exists():  # a file, but no .yaml: read as a shipped spec's name
+                raise BadInputError(
+                    f"Device spec file {name} does not end in .yaml or .yml, which is how a "
+                    "device profile tells a spec file from a shipped spec's name.",
+                    hint=f"Rename or copy it to {given.name}.yaml and pass that path.",
+                )
             known = ", ".join(list_devices()) or "(none found)"
             raise BadInputError(
                 f"Unknown device profile {name!r}.",
@@ -216,6 +267,15 @@ def load_device(name: str) -> DeviceSpec:
             )
     return from_data(
         DeviceSpec, load_yaml_file(path, what="device profile"), source=str(path), path="device"
+    )
+
+
+def _folder_given(name: str) -> BadInputError:
+    """A folder passed where a device spec goes: say so, not that no spec has its name."""
+    return BadInputError(
+        f"Device spec {name} is a folder, not a spec file.",
+        hint="Pass the spec file itself (a .yaml file, e.g. one `memplan calibrate` wrote), "
+        "or name a shipped spec (`memplan devices`).",
     )
 
 
@@ -421,11 +481,28 @@ def resolve_budget(
     memory, which only a visible GPU can answer). ``what`` names it in errors."""
     capacity = capacity_bytes(device_spec, probed_capacity_bytes)
     free = None
-    if budget.strip().lower() == "auto":
+    text = str(budget).strip()
+    if text.lower() == "auto":
         gpu = local_gpu()
         free = gpu.free_bytes if gpu else None
         capacity = capacity or (gpu.total_bytes if gpu else None)
-    return parse_budget(budget, capacity_bytes=capacity, free_bytes=free, what=what)
+    percent = text.endswith("%")
+    if percent and device_spec is not None and device_spec.memory_bytes is None:
+        # before: "Add --device-profile NAME" to one who had given --device-profile cpu
+        raise BadInputError(
+            f"{what} {text!r} is a percentage of device memory, but the device spec "
+            f"{device_spec.name} has no memory size (no memory_bytes: a CPU's).",
+            hint=f"Give {what} in bytes, e.g. 24GiB.",
+        )
+    size = parse_budget(budget, capacity_bytes=capacity, free_bytes=free, what=what)
+    if percent and size < 1:  # before: "budget_bytes must be a positive integer, got 0"
+        whose = f"device spec {device_spec.name}" if device_spec else "probed device"
+        raise BadInputError(
+            f"{what} {text!r} of the {whose}'s memory ({capacity} bytes) is 0 bytes.",
+            hint="Check the device spec's memory_bytes (the device's memory in bytes), or "
+            f"give {what} as a size, e.g. 24GiB.",
+        )
+    return size
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -447,9 +524,6 @@ class Measurement:
 CALIBRATED_KINDS = ("matmul", "attention", "attention_backward", "memory")
 OPTIONAL_KINDS = ("float8_matmul",)
 """Measured where the base has ``fp8_flops`` and the device runs ``_scaled_mm``."""
-MIN_EFFICIENCY = 1e-9
-"""A measured rate below this fraction of the base's peak is a wrong base (or peak), not an
-efficiency."""
 
 
 def calibrated_spec(

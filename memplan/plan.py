@@ -339,6 +339,10 @@ def plan_from_data(data: dict, *, source: str = "<plan>") -> Plan:
     if named is not None:
         plan = plan.with_checkpoint_layers(named)
     problem = plan_problem(plan)
+    if problem is None and plan.checkpoint and not _candidates(plan):
+        # no fingerprint: the layers of the profile the plan names, as written or beside
+        # the plan file (``source``), where it is found and reads
+        problem = _names_problem(plan, _profile_layer_names(plan, Path(source)))
     if problem is not None:
         raise ProfileError(
             f"{source}: field '{problem[0]}' {problem[1]}.",
@@ -373,7 +377,24 @@ def plan_problem(plan: Plan) -> tuple[str, str] | None:
         return "plan.seq_len", f"is {plan.seq_len}, not a length from 1 to {2**24} tokens"
     if plan.model_fingerprint is not None and plan.model_fingerprint.parameter_bytes < 0:
         return "plan.model_fingerprint.parameter_bytes", "is negative"
-    return _layout_problem(plan) or _checkpoint_problem(plan)
+    return _breakdown_problem(predicted) or _layout_problem(plan) or _checkpoint_problem(plan)
+
+
+def _breakdown_problem(predicted: Prediction) -> tuple[str, str] | None:
+    """A breakdown ``solve`` never writes: it splits the peak (``memory.peak.breakdown_at``:
+    each part takes what it asks for while the allocated peak lasts, the transient the
+    rest, and the reserve), so no part is negative and they add up to the peak."""
+    breakdown = predicted.breakdown
+    for name in ("params", "grads", "optimizer", "activations", "transient", "reserve"):
+        value = getattr(breakdown, name)
+        if value < 0:
+            return f"plan.predicted.breakdown.{name}", f"is {value}, a negative number of bytes"
+    if breakdown.total > predicted.peak_bytes:
+        return "plan.predicted.breakdown", (
+            f"adds up to {breakdown.total} bytes, more than the predicted peak_bytes "
+            f"{predicted.peak_bytes} it splits"
+        )
+    return None
 
 
 def _layout_problem(plan: Plan) -> tuple[str, str] | None:
@@ -403,7 +424,22 @@ def _checkpoint_problem(plan: Plan) -> tuple[str, str] | None:
     candidates are its children, or a non-candidate such as ``head``): the prediction
     has no numbers for it, so ``verify`` and the emitted configs would run a plan nobody
     predicted."""
-    candidates = plan.model_fingerprint.candidate_layers if plan.model_fingerprint else ()
+    return _names_problem(plan, _candidates(plan))
+
+
+def _candidates(plan: Plan, profile_names: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The profile's checkpoint candidates as the plan records them: its fingerprint's; in
+    a plan without one (written before memplan recorded it) an FSDP plan's ``shard_units``
+    (``solve`` writes the candidates there) or ``profile_names``, the layers of the profile
+    the plan names where ``load_plan`` could read it; else none known."""
+    if plan.model_fingerprint is not None:
+        return plan.model_fingerprint.candidate_layers
+    if plan.strategy == "fsdp" and plan.shard_units:
+        return plan.shard_units
+    return profile_names
+
+
+def _names_problem(plan: Plan, candidates: tuple[str, ...]) -> tuple[str, str] | None:
     for name in plan.checkpoint:
         where = f"plan.checkpoint.{name}"
         if name == "":
@@ -423,3 +459,21 @@ def _checkpoint_problem(plan: Plan) -> tuple[str, str] | None:
 def load_plan(path: str | Path) -> Plan:
     """Read a plan YAML written by ``memplan solve``."""
     return plan_from_data(load_yaml_file(path, what="plan"), source=str(path))
+
+
+def _profile_layer_names(plan: Plan, plan_path: Path) -> tuple[str, ...]:
+    """The candidate layers of the profile ``plan`` names (as written, or beside the plan),
+    or () when it is not found or does not read: the plan still loads, as before."""
+    from memplan.errors import MemplanError
+    from memplan.profile import load_profile
+
+    if not plan.profile:
+        return ()
+    written = Path(plan.profile)
+    for found in (written, plan_path.parent / written):
+        if found.is_file():
+            try:
+                return load_profile(found).layer_names
+            except (MemplanError, OSError, ValueError):
+                return ()
+    return ()

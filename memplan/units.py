@@ -113,6 +113,12 @@ def parse_budget(
     size = parse_size(text, what=what)
     if size == 0:
         raise BadInputError(f"{what} must be larger than zero.")
+    if isinstance(text, str) and size < MiB and (m := _SIZE_RE.match(text)) and not m[2]:
+        # a number with no unit is bytes: `--budget 24` no-fit with no word of why
+        import warnings
+
+        said = f"memplan: {what} {m[1]} is {size} bytes: did you mean {m[1]}GiB?"
+        warnings.warn(said, stacklevel=2)
     return size
 
 

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from memplan.cli import app
 from memplan.devices import (
+    MIN_RATE,
     DeviceSpec,
     Efficiency,
     Measurement,
@@ -179,12 +180,14 @@ def test_a_missing_or_non_finite_measurement_is_memplans_failure():
         _calibrate(_measured(1e14, math.nan, 1e14, 1e12), label="b")
 
 
-# a base spec memplan reads has its figures below 1e30 (files.schema.LARGEST_FLOAT)
 rates = st.floats(min_value=1e-300, max_value=1e29, allow_nan=False, allow_infinity=False)
+# a base spec memplan reads has its peaks below 1e30 (files.schema.LARGEST_FLOAT) and at
+# least devices.MIN_RATE
+peaks = st.floats(min_value=MIN_RATE, max_value=1e29, allow_nan=False, allow_infinity=False)
 
 
 @settings(max_examples=200, deadline=None)
-@given(rates, rates, rates, rates, rates, rates)
+@given(rates, rates, rates, rates, peaks, peaks)
 def test_any_rates_give_a_readable_spec_or_a_refusal(matmul, attention, backward, memory, peak, bw):
     base = _spec(bf16=peak, memory=bw)
     try:

@@ -195,8 +195,17 @@ def layer(name: str, params: int, act_per_sample: float) -> Layer:
 
 
 def profile(layers: list[Layer]) -> Profile:
-    seg = Segment(held=0, active="none", points=((100.0, 2.0),))
     params = sum(x.params_trainable_bytes for x in layers)
+    # every segment a probe records (each layer's forward and backward), each holding the
+    # state and gradients the totals count, as a probe's live bytes do
+    live = ((100.0 + 3 * params, 2.0),)
+    n = len(layers)
+    order = [(0, "none")] + [(i + d, a) for i in range(n) for d, a in ((0, "fwd"), (1, "none"))]
+    order += [(i, "bwd") for i in reversed(range(n))]
+    seg = tuple(
+        Segment(held=h, active=a, points=live, ckpt_points=() if a == "none" else live)  # type: ignore[arg-type]
+        for h, a in order
+    )
     return Profile(
         model=ModelRef(path="m.py"),
         environment=Environment(
@@ -212,7 +221,7 @@ def profile(layers: list[Layer]) -> Profile:
         ),
         layers=tuple(layers),
         fixed=(),
-        timeline={"no_grads": (seg,), "grads_resident": (seg,)},
+        timeline={"no_grads": seg, "grads_resident": seg},
         optimizer_step_peak_bytes=Affine.constant(4 * params),
         optimizer_step_seconds=Affine.zero(),
         step_fixed_seconds=Affine.zero(),

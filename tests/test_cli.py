@@ -482,3 +482,63 @@ def test_solve_from_another_folder_finds_the_probed_model_file(tmp_path, monkeyp
     assert kept.exit_code == 0
     assert load_plan(elsewhere / "again.yaml").model == "models/m.py"
     assert "Pass --model PATH" in " ".join(kept.output.split())
+
+
+def test_solve_model_names_a_file_it_checks_against_the_probed_one(tmp_path, monkeypatch):
+    """--model was written into the plan and its scripts without a word: another model's
+    file (the torch script then trained it with this plan's numbers) or no file at all. Now
+    each is warned of; the probed file itself, or a copy of it, is not. An absolute model
+    path recorded on another machine is found by its name beside the profile."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(MODEL, tmp_path / "m.py")
+    probed = invoke("probe", "m.py", "--device", "meta", "-o", "m.yaml")
+    assert probed.exit_code == 0, probed.output
+    args = ("solve", "m.yaml", "--target-batch", "4", "--budget", "1GiB")
+    shutil.copy(MODEL, tmp_path / "copy.py")
+    (tmp_path / "other.py").write_text(Path(MODEL).read_text() + "\n# another model\n")
+    said = {}
+    for name in ("m.py", "copy.py", "other.py", "gone/m.py"):
+        done = invoke(*args, "--model", name, "-o", f"plan-{name.replace('/', '-')}")
+        assert done.exit_code == 0, done.output
+        said[name] = " ".join(done.output.split())
+    assert "--model" not in said["m.py"] and "--model" not in said["copy.py"]
+    assert "--model other.py is not the file the profile measured (m.py)" in said["other.py"]
+    assert "--model gone/m.py is not a file here" in said["gone/m.py"]
+    # the profile recorded /home/alice/proj/m.py: m.py beside it, of the probed bytes
+    text = (tmp_path / "m.yaml").read_text().replace("path: m.py", "path: /home/alice/proj/m.py")
+    (tmp_path / "abs.yaml").write_text(text)
+    done = invoke("solve", "abs.yaml", "--target-batch", "4", "--budget", "1GiB", "-o", "a.yaml")
+    assert done.exit_code == 0 and "not found from here" not in done.output, done.output
+    assert load_plan(tmp_path / "a.yaml").model == "m.py"
+
+
+def test_no_output_replaces_the_commands_own_input_even_with_force(tmp_path, monkeypatch):
+    """solve p.yaml -o p.yaml --force replaced the profile with its plan (whose profile:
+    then named itself), and --format plan --out-dir over an input called plan.yaml too. Now
+    every spelling of an input (a hard link included) is refused, and the input is kept."""
+    import os
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(MODEL, tmp_path / "m.py")
+    model_text = (tmp_path / "m.py").read_text()
+    done = invoke("probe", "m.py", "--device", "meta", "-o", "m.py", "--force")
+    assert done.exit_code == 2 and "is this command's input (m.py)" in done.output
+    assert (tmp_path / "m.py").read_text() == model_text
+    assert invoke("probe", "m.py", "--device", "meta", "-o", "plan.yaml").exit_code == 0
+    profile_text = (tmp_path / "plan.yaml").read_text()
+    os.link(tmp_path / "plan.yaml", tmp_path / "hard.yaml")
+    args = ("solve", "plan.yaml", "--target-batch", "4", "--budget", "1GiB", "--force")
+    for more in (
+        ("-o", "plan.yaml"),
+        ("-o", "./sub/../plan.yaml"),
+        ("-o", "hard.yaml"),
+        ("--format", "plan", "--out-dir", "."),
+    ):
+        done = invoke(*args, *more)
+        assert done.exit_code == 2, (more, done.output)
+        assert "is this command's input (plan.yaml)" in " ".join(done.output.split()), more
+    assert (tmp_path / "plan.yaml").read_text() == profile_text
+    assert invoke(*args, "-o", "other.yaml").exit_code == 0  # any other path is written

@@ -57,6 +57,7 @@ def _plan(model: str, layers: list[str]) -> Plan:
         accumulation_steps=2,
         world_size=2,
         strategy="fsdp",
+        device="h100-80gb",  # Lightning runs FSDP on GPUs only
         checkpoint=dict.fromkeys(layers[:-1], "full"),
         shard_units=tuple(layers),
         shard_unit_types=tuple(layers[:1]),

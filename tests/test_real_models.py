@@ -196,6 +196,12 @@ def test_hf_reference_probes_solves_and_verifies(tmp_path: Path, monkeypatch) ->
         (["hf:DIR", "--task", "chat", "--seq-len", "8"], "not one of"),
         (["hf:DIR", "--task", "causal-lm", "--seq-len", "65"], "exceeds the model's 64"),
         (["hf:DIR", "--task", "causal-lm", "--seq-len", "8", "--lora", "r=x"], "--lora"),
+        # targets that name no module: was "Fix build_model() in DIR/config.json"
+        (
+            ["hf:DIR", "--task", "causal-lm", "--seq-len", "8", "--lora", "r=4,targets=q_proj"],
+            "--lora targets=q_proj match no module of GPT2LMHeadModel; its linear layers are "
+            "named c_attn, c_fc, c_proj, lm_head",
+        ),
         (["hf:./nope", "--task", "causal-lm", "--seq-len", "8"], "does not exist"),
         (["MODEL", "--task", "causal-lm"], "only apply to an hf: reference"),
     ],

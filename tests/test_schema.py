@@ -21,7 +21,8 @@ from memplan.profile import (
 
 
 def tiny_profile() -> Profile:
-    seg = Segment(held=0, active="none", points=((100.0, 2.0), (50.0, 8.0)))
+    # live bytes holding the 80 B of state and 40 B of gradients the totals count
+    seg = Segment(held=0, active="none", points=((200.0, 2.0), (150.0, 8.0)))
     zero = Affine.zero()
     return Profile(
         model=ModelRef(path="m.py"),

@@ -149,7 +149,7 @@ def test_spec_digest_leaves_out_what_the_solver_reads_itself(field, factor, shar
     # the link from the spec it is given. A spec differing only there keeps the clock.
     from memplan.devices import spec_digest, whole_spec_digest
 
-    value = getattr(GPU, field) or 1
+    value = getattr(GPU, field) or 1e9  # a link of 0 (unknown): a rate (devices.MIN_RATE up)
     other = dataclasses.replace(
         GPU,
         **{field: int(value * factor) + 1 if field == "memory_bytes" else value * factor},

@@ -85,6 +85,26 @@ def test_a_plan_edited_to_another_micro_batch_is_said_by_its_profiles_figures(fi
     assert "edited by hand" not in said(again) and "changed since" not in said(again)
 
 
+def test_a_plan_edited_to_another_precision_is_said_before_verify_blames_the_prediction(files):
+    # solve copies the profile's precision into the plan: an fp32 plan edited to bf16 was
+    # shown without a word, and verify ran it in bf16 and said FAIL +54.5% as memplan's
+    # misprediction
+    folder, model, profile, plan_path, _ = files
+    assert load_plan(plan_path).precision == "fp32"
+    edited = folder / "bf16.yaml"
+    edited.write_text(plan_path.read_text().replace("precision: fp32", "precision: bf16"))
+    note = (
+        f"says precision bf16 (autocast), and its profile ({profile}) was probed in fp32: the "
+        "plan was edited by hand"
+    )
+    shown = invoke("show", edited)
+    assert shown.exit_code == 0
+    assert note in said(shown).replace(f"{profile.parent}/ ", f"{profile.parent}/")
+    verified = invoke("verify", model, edited, "--steps", "1", "--no-grad-check")
+    text = said(verified).replace(f"{profile.parent}/ ", f"{profile.parent}/")
+    assert note in text, verified.output
+
+
 def test_report_refuses_another_models_profile(files, tmp_path):
     _, _, _, plan_path, other = files
     done = invoke("report", plan_path, "--profile", other, "-o", tmp_path / "r.html")

@@ -84,6 +84,20 @@ def calibrate(
     from memplan.probe.calibrate import machine, measure, sizes_for
 
     here = machine(device)  # exit 3 for --device cuda where torch sees no GPU
+    if here.device.type == "cpu" and base_spec.memory_bytes is not None:  # a GPU's spec
+        if device == "auto":  # before: the CPU measured, silently, as the GPU's efficiencies
+            raise BadInputError(
+                f"calibrate {base}: no GPU was found (torch sees no CUDA device), and "
+                f"{base_spec.display_name} is a GPU's spec: its efficiencies measured on "
+                "this machine's CPU would be the CPU's, thousands of times below the GPU's.",
+                hint="Run calibrate on the machine with the GPU; or, to calibrate the CPU "
+                f"against {base} as the base after all, pass --device cpu.",
+            )
+        render.warn(
+            f"--device cpu: the rates measured are this machine's CPU's, written as the "
+            f"efficiencies of {base_spec.display_name}, a GPU's spec: plans with this spec "
+            "will be timed at CPU speed."
+        )
     label = spec_file_label(base) or base_spec.name
     float8 = base_spec.fp8_flops is not None  # float8 GEMMs too, where the base has a peak
     with render.progress("calibrate", quiet=as_json) as update:

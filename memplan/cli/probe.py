@@ -110,8 +110,9 @@ def probe(
     from memplan.probe import probe_model
     from memplan.profile import profile_to_yaml
 
-    if device not in ("auto", "cpu", "cuda", "meta"):
+    if device.lower() not in ("auto", "cpu", "cuda", "meta"):
         raise BadInputError(f"--device {device!r} is not one of auto, cpu, cuda, meta.")
+    device = device.lower()  # any case, as --device-profile's names (before: CPU refused)
     if precision not in ("fp32", "bf16", "fp16", "float8"):
         raise BadInputError(f"--precision {precision!r} is not one of fp32, bf16, fp16, float8.")
     sizes = parse_micro_batches(micro_batches)
@@ -128,7 +129,8 @@ def probe(
                 hint=f"Give 1 for a quick probe, or leave it out for {TIMING_ROUNDS}.",
             )
     if output is not None:
-        check_output(output, force=force)  # refuse before minutes of probing, not after
+        # refuse before minutes of probing, not after; never over the model file itself
+        check_output(output, force=force, inputs=_model_files(model))
     lens = parse_seq_lens(seq_lens) if seq_lens is not None else ()
     if seq_lens is not None:
         from memplan.probe.seqgrid import probe_seq_grid
@@ -179,3 +181,13 @@ def probe(
     if output is not None:
         write_text_atomic(output, text, force=force)
         render.info(f"wrote {output}")
+
+
+def _model_files(model: str) -> list[str]:
+    """The model file a probe reads (none for an ``hf:`` reference's config folder)."""
+    from memplan.model import hf
+    from memplan.model.reference import split_model_arg
+
+    if hf.is_hf_reference(model):
+        return []
+    return [split_model_arg(model)[0]]

@@ -26,7 +26,7 @@ from memplan.emit.files import plan_targets
 from memplan.errors import MemplanError, NoPlanFitsError
 from memplan.files.schema import to_data
 from memplan.memory import DEFAULT_MARGIN
-from memplan.model.reference import located_model
+from memplan.model.reference import given_model_note, located_model
 from memplan.plan import plan_to_data
 from memplan.profile import Profile, load_profile
 from memplan.profile.seqlen import parse_seq_len
@@ -182,13 +182,17 @@ def solve(
 
     comparison = None
     try:  # every refusal of an output or a request comes before anything is solved
-        targets = plan_targets(output, formats, out_dir, force=force)
+        targets = plan_targets(
+            output, formats, out_dir, force=force, inputs=[profile_path, *(compare or [])]
+        )
         profile = load_profile(profile_path)
         others = _compared_profiles(profile_path, compare or [])
         spec = load_device(device_profile) if device_profile else None
         located, lost = located_model(profile.model.spec, profile.model.sha256, profile_path)
         if lost and not model:
             render.warn(lost)
+        if model and (note := given_model_note(model, profile.model.sha256, profile.model.spec)):
+            render.warn(note)
         request = SolveRequest(
             target_batch=target_batch,
             tokens_per_batch=tokens_per_batch,

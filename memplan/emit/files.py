@@ -9,6 +9,8 @@ stop the others.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +42,17 @@ class WrittenFiles:
 
 
 def plan_targets(
-    output: Path | None, formats: str | None, out_dir: Path | None, *, force: bool
+    output: Path | None,
+    formats: str | None,
+    out_dir: Path | None,
+    *,
+    force: bool,
+    inputs: Sequence[str | os.PathLike[str]] = (),
 ) -> PlanTargets:
     """The checked targets of ``-o output --format a,b --out-dir DIR``: the ``--format`` files
     go to ``out_dir``, else beside ``output``, else the current folder. Raises BadInputError
-    (or OutputExistsError) for any target that would be refused at write time."""
+    (or OutputExistsError) for any target that would be refused at write time, or that is
+    one of ``inputs`` (the profiles solve reads)."""
     wanted = [f.strip() for f in (formats or "").split(",") if f.strip()]
     if formats is not None and not wanted:
         raise BadInputError(
@@ -69,6 +77,7 @@ def plan_targets(
         force=force,
         # a --format file's path is --out-dir's (or -o's folder): -o names only the plan YAML
         options=["-o" if fmt is None else "--out-dir" for _, fmt in targets],
+        inputs=inputs,
     )
     return PlanTargets(folder=folder, targets=tuple(targets))
 

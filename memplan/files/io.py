@@ -49,11 +49,45 @@ def _nearest_existing(folder: Path) -> Path:
     return folder
 
 
-def check_output(path: str | os.PathLike[str], *, force: bool, option: str = "-o") -> Path:
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two paths name one file: spelled alike once resolved, or one inode (a hard
+    link); False where either does not exist and the spellings differ."""
+    if os.path.normcase(os.path.realpath(a)) == os.path.normcase(os.path.realpath(b)):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def refuse_input_as_output(
+    target: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]], option: str
+) -> None:
+    """Raise when ``target`` is one of the command's own ``inputs``: ``--force`` replaces
+    an output, never what the command reads (before, ``solve p.yaml -o p.yaml --force``
+    replaced the profile with its plan, whose ``profile:`` then named itself)."""
+    for source in inputs:
+        if same_file(target, source):
+            raise BadInputError(
+                f"{target} is this command's input ({source}); memplan does not write an "
+                "output over what it reads, --force or not.",
+                hint=f"Choose another path with {option}.",
+            )
+
+
+def check_output(
+    path: str | os.PathLike[str],
+    *,
+    force: bool,
+    option: str = "-o",
+    inputs: Iterable[str | os.PathLike[str]] = (),
+) -> Path:
     """Raise unless ``path`` can be written by :func:`write_text_atomic` with ``force``;
     writes nothing. Returns the path that will be written (a symlink resolved, so the
-    link itself is kept). ``option``: the flag that named the path, which the hints name."""
+    link itself is kept). ``option``: the flag that named the path, which the hints name;
+    ``inputs``: the files the command reads, which no output may replace."""
     target = Path(path)
+    refuse_input_as_output(target, inputs, option)
     if os.path.lexists(target):
         try:
             info = os.stat(target)
@@ -93,15 +127,17 @@ def check_outputs(
     *,
     force: bool,
     options: Sequence[str] | None = None,
+    inputs: Sequence[str | os.PathLike[str]] = (),
 ) -> list[Path]:
     """:func:`check_output` for each path, and no two naming the same file (e.g. ``-o``
     equal to an emitted format's file, or ``--format hf,hf``). ``options``: for each path,
-    the flag that named it (default ``-o`` for all), which the hints name."""
+    the flag that named it (default ``-o`` for all), which the hints name; ``inputs``: the
+    files the command reads, which no output may replace."""
     seen: dict[str, Path] = {}
     checked = []
     for index, path in enumerate(paths):
         option = options[index] if options is not None else "-o"
-        target = check_output(path, force=force, option=option)
+        target = check_output(path, force=force, option=option, inputs=inputs)
         key = os.path.normcase(os.path.abspath(os.path.realpath(target)))
         if key in seen:
             raise BadInputError(

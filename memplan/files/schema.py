@@ -540,13 +540,34 @@ def read_back(text: str, what: str, read: Callable[[Any], Any]) -> None:
         raise unreadable_output(what, f"its YAML does not read back ({exc})") from exc
 
 
+MAX_FILE_BYTES = 1 << 30
+"""The largest file memplan reads as a profile, plan or config: a profile of 10,000 layers
+at every probed size is tens of MB. A 2 GiB sparse file was read whole (15 s, 4 GB of
+memory) before it was found not to be YAML."""
+
+
 def load_yaml_file(path: str | Path, *, what: str) -> dict[str, Any]:
     """Read a YAML mapping with ``yaml.safe_load``; any problem is a ProfileError naming the file."""
     file = Path(path)
     if file.is_dir():
         raise ProfileError(f"{what} file {file} is a folder.", hint=f"Name the {what} file in it.")
-    if not file.is_file():
+    if not file.exists():
         raise ProfileError(f"{what} file {file} does not exist.", hint="Check the path.")
+    if not file.is_file():  # /dev/zero, a named pipe: read whole, or waited on for ever
+        raise ProfileError(
+            f"{what} file {file} is not a regular file (a device, a pipe or a socket).",
+            hint=f"Name the {what} file itself.",
+        )
+    try:
+        size = file.stat().st_size
+    except OSError:
+        size = 0
+    if size > MAX_FILE_BYTES:
+        raise ProfileError(
+            f"{what} file {file} holds {size:,} bytes, more than any memplan {what} "
+            f"({MAX_FILE_BYTES:,} at most): it is not one, or it is damaged.",
+            hint="Check the path.",
+        )
     try:
         text = file.read_text(encoding="utf-8")
     except OSError as exc:

@@ -148,16 +148,10 @@ def planning_copy(
 
 def hf_checkpointing_off(model: torch.nn.Module) -> None:
     """Switch off a transformers model's own activation checkpointing, if it is on
-    (``is_activation_checkpointing`` in transformers 5, ``is_gradient_checkpointing``
-    before)."""
-    for flag, off in (
-        ("is_activation_checkpointing", "activation_checkpointing_disable"),
-        ("is_gradient_checkpointing", "gradient_checkpointing_disable"),
-    ):
-        if hasattr(type(model), flag) or flag in vars(model):
-            if getattr(model, flag, False) and callable(getattr(model, off, None)):
-                getattr(model, off)()
-            return
+    (``run.training_state.disable_hf_checkpointing``)."""
+    from memplan.run.training_state import disable_hf_checkpointing
+
+    disable_hf_checkpointing(model)
 
 
 def _sampler(batch: Any) -> Callable[[int], Any]:

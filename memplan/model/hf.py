@@ -286,6 +286,7 @@ def build_module(ref: HfReference) -> types.ModuleType:
             from peft import LoraConfig, get_peft_model
 
             lora = ref.lora
+            _refuse_unmatched_targets(model, lora.targets)
             model = get_peft_model(
                 model,
                 LoraConfig(
@@ -321,3 +322,28 @@ def build_module(ref: HfReference) -> types.ModuleType:
     module.make_batch = make_batch  # type: ignore[attr-defined]
     module.max_seq_len = limit  # type: ignore[attr-defined]
     return module
+
+
+def _refuse_unmatched_targets(model: Any, targets: tuple[str, ...]) -> None:
+    """``--lora targets=`` that name no module of the model: peft matches a target to a
+    module whose name is the target or ends in ``.target``, and raises when none matches.
+    Its error reached the user as "Fix build_model() in <config.json>" (the generic hint
+    for a model file's failure); this one names --lora and the model's linear layers."""
+    import torch
+
+    names = [name for name, _ in model.named_modules() if name]
+    if any(name == t or name.endswith(f".{t}") for t in targets for name in names):
+        return
+    linear = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+        }
+    )
+    shown = ", ".join(linear[:12]) + (", …" if len(linear) > 12 else "")
+    raise BadInputError(
+        f"--lora targets={','.join(targets)} match no module of {type(model).__name__}; "
+        f"its linear layers are named {shown or '(none)'}.",
+        hint="Name some of them in targets=, e.g. targets=" + ",".join(linear[:2]) + ".",
+    )

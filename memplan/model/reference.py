@@ -189,7 +189,6 @@ def located_model(spec: str, sha256: str, profile_path: Path) -> tuple[str, str]
     taken where its bytes are the ones probed (``sha256``); else the recorded path is
     kept, with a warning naming ``--model``. Absolute paths, ``hf:`` references and paths
     found from here are returned unchanged."""
-    import hashlib
     import os
 
     from memplan.model import hf
@@ -198,19 +197,58 @@ def located_model(spec: str, sha256: str, profile_path: Path) -> tuple[str, str]
         return spec, ""
     path_text, factory = split_model_arg(spec)
     path = Path(path_text)
-    if path.is_absolute() or path.exists():
+    if path.exists():
         return spec, ""
+    # an absolute path from another machine or folder: looked for by its file name
+    tail = Path(path.name) if path.is_absolute() else path
     for folder in (profile_path.resolve().parent, *profile_path.resolve().parents):
-        candidate = folder / path
+        candidate = folder / tail
         try:
-            found = candidate.is_file() and hashlib.sha256(candidate.read_bytes()).hexdigest()
+            found = candidate.is_file() and _sha256(candidate) == sha256
         except OSError:
             continue
-        if found and found == sha256:
+        if found:
             return model_arg(os.path.relpath(candidate), factory), ""
+    where = "" if path.is_absolute() else " (a path relative to where it was probed)"
     return spec, (
-        f"the profile's model file {path_text} (a path relative to where it was probed) is "
-        f"not found from here, nor from {profile_path}'s folder or any above it, so the plan "
-        "and its scripts name a file that may not exist. Pass --model PATH to name it, or "
-        "solve from the folder the probe ran in."
+        f"the profile's model file {path_text}{where} is not found from here, nor from "
+        f"{profile_path}'s folder or any above it, so the plan and its scripts name a file "
+        "that may not exist. Pass --model PATH to name it, or solve from the folder the "
+        "probe ran in."
+    )
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def given_model_note(given: str, sha256: str, probed: str) -> str:
+    """A warning for ``solve --model`` ('' for none): the file named is not found here (it
+    may name the file as the training machine sees it), or is not the file probed (its
+    bytes differ from the profile's ``sha256``). Before, any path was written into the plan
+    and its scripts without a word, and the torch script trained another model with the
+    plan's numbers, a plan ``verify`` then refused as made for another model."""
+    from memplan.model import hf
+
+    if hf.is_hf_reference(given) or not sha256:
+        return ""
+    path_text, _ = split_model_arg(given)
+    path = Path(path_text)
+    try:
+        if not path.is_file():
+            return (
+                f"--model {path_text} is not a file here: the plan and its scripts name it as "
+                "given, so it must exist where they run."
+            )
+        if _sha256(path) == sha256:
+            return ""
+    except OSError:
+        return ""
+    return (
+        f"--model {path_text} is not the file the profile measured ({probed}): its bytes "
+        "differ, so the plan's numbers are another file's, and verify refuses the plan if "
+        "the model's parameters differ. Probe it (memplan probe) and solve that profile, or "
+        "drop --model."
     )

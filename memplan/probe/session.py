@@ -52,8 +52,10 @@ from memplan.probe.roofline import ClockKey
 from memplan.probe.tracker import LiveTracker, kept_tensors, resident_tensors
 from memplan.profile import LOSS_NOT_FINITE
 from memplan.run.training_state import (
+    disable_hf_checkpointing,
     disable_kv_cache,
     disable_layerdrop,
+    hf_checkpointing_note,
     kv_cache_note,
     layerdrop_note,
 )
@@ -278,6 +280,7 @@ def open_session(
     model = backend.build(model_file) if build is None else build()
     # The probe checkpoints every candidate; memplan.apply does the same for every plan.
     cache_note = kv_cache_note(disable_kv_cache(model))
+    hf_note = hf_checkpointing_note(disable_hf_checkpointing(model))
     # LayerDrop draws the layers of each step: the probe measures the step with every layer.
     skipping_note = layerdrop_note(disable_layerdrop(model))
     optimizer = model_file.make_optimizer(model)
@@ -297,7 +300,7 @@ def open_session(
         layers=[modules[n] for n in names],
         part_names=parts,
         recorder=recorder,
-        warnings=[note for note in (cache_note, skipping_note, deeper_note) if note],
+        warnings=[note for note in (cache_note, hf_note, skipping_note, deeper_note) if note],
     )
     session.kept_at_start = tuple(session.kept_tensors())
     return session

@@ -36,6 +36,13 @@ def _check_version(data: dict, source: str) -> None:
             hint="Upgrade memplan, or probe the model again.",
         )
     if version == 1:  # schema 1 is schema 2 without seq_len and seq
+        newer = [key for key in ("seq_len", "seq") if key in data]
+        if newer:  # as a schema 1 plan with schema 2's ``checkpoint`` is (memplan.plan)
+            raise ProfileError(
+                f"{source}: '{newer[0]}' is a schema {PROFILE_SCHEMA_VERSION} field, but the "
+                "profile says schema_version 1.",
+                hint=f"Set schema_version: {PROFILE_SCHEMA_VERSION}, or probe the model again.",
+            )
         data["schema_version"] = PROFILE_SCHEMA_VERSION
         return
     if version < PROFILE_SCHEMA_VERSION:  # migrations by version go here as the schema moves
@@ -210,6 +217,8 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
     if rounds is not None and (problem := timing_rounds_problem(rounds)):
         return "profile.environment.timing_rounds", f"{problem}, not a count of timing rounds"
     sizes = profile.micro_batches
+    if list(sizes) != sorted(set(sizes)):
+        return "profile.micro_batches", f"is {list(sizes)}, not distinct sizes in ascending order"
     largest = max(sizes)
     parts = [("profile.totals", profile.totals)]
     parts += [(f"profile.layers[{i}]", layer) for i, layer in enumerate(profile.layers)]
@@ -254,6 +263,102 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
                             f"profile.timeline.{phase}[{j}].{kind}",
                             f"holds a negative live-byte count ({low:.4g})",
                         )
+    return _timeline_problem(profile) or _state_problem(profile)
+
+
+BOUNDARIES_DIFFERED = "The layer boundaries differed between probed sizes"
+"""How the warning of ``memplan.probe.alignment.fit_timeline`` begins when the probed sizes
+ran different layer boundaries: the one case where the probe leaves segments out (those a
+size lacks), so the one profile whose timeline may lack some (tests/test_files_hostile.py
+holds the two texts together)."""
+
+
+def _timeline_problem(profile: Profile) -> tuple[str, str] | None:
+    """A timeline without a segment every probe records (docs/design.md, "The profile"):
+    the layers run once each, in order, after the warm-up re-hooks them so, and the
+    recorder marks every boundary (``probe.recorder``), so each phase begins with the
+    step's start (0, none) and then, per layer i, its forward (i, fwd) and what follows it
+    (i + 1, none); and a layer whose parameters got gradients through its output had a
+    backward (i, bwd) after that. A segment left out takes its live bytes out of every
+    peak (the truncated timeline of sweep F predicted a third of the measured peak)."""
+    if any(w.startswith(BOUNDARIES_DIFFERED) for w in profile.warnings):
+        return None
+    names = profile.layer_names
+    forward: list[tuple[int, str, str]] = [(0, "none", "the start of the step")]
+    for i, name in enumerate(names):
+        forward.append((i, "fwd", f"the forward of layer {i} ({name})"))
+        forward.append((i + 1, "none", f"what follows the forward of layer {i} ({name})"))
+    largest = max(profile.micro_batches)
+    for phase, segments in profile.timeline.items():
+        path = f"profile.timeline.{phase}"
+        for j, (held, active, what) in enumerate(forward):
+            seg = segments[j] if j < len(segments) else None
+            if seg is None or (seg.held, seg.active) != (held, active):
+                return path, (
+                    f"lacks segment {j} (held {held}, {active}: {what}), which every probe records"
+                )
+        backward = {seg.held for seg in segments[len(forward) :] if seg.active == "bwd"}
+        for i, layer in enumerate(profile.layers):
+            has_grads = layer.grad_bytes > 0 and layer.output_bytes.at(largest) > 0
+            if has_grads and i not in backward:
+                return path, (
+                    f"lacks the backward of layer {i} ({layer.name}: a segment held {i}, bwd), "
+                    "which every probe records for a layer whose parameters have gradients"
+                )
+    return None
+
+
+STATE_TOLERANCE = 0.01
+"""What the live bytes at a micro-step's start may fall short of the optimizer state (and
+gradients) ``totals`` counts: the fit of a point through the probed sizes (a segment's
+maxima where the op sequence differed)."""
+
+
+def _state_problem(profile: Profile) -> tuple[str, str] | None:
+    """``totals`` counting more gradients or optimizer state than the probe saw live.
+    Gradients: autograd makes each of a trainable parameter's shape and dtype, so a part's
+    (and the model's) are at most its trainable parameters' bytes. Timeline points are
+    absolute live bytes: the tracker counts every gradient and optimizer-state storage
+    from the start of each micro-step (``probe.tracker.resident_tensors``; the state
+    exists after the warm-up step, the gradients in ``grads_resident``), so the first point
+    of each phase holds at least the state (and the gradients). A per-rank plan takes the
+    shards a rank does not hold off those measured bytes, so a larger total lowered the
+    prediction (sweep F: optimizer state tripled, ZeRO-1's peak per rank fell 17.6 to 13.8
+    MB). Parameters are not held to it: two parameters sharing one storage (a head tied
+    by ``.data``) are counted twice in ``totals`` and once live."""
+    t = profile.totals
+    parts = [("profile.totals", t)]
+    parts += [(f"profile.layers[{i}]", layer) for i, layer in enumerate(profile.layers)]
+    parts += [(f"profile.fixed[{i}]", part) for i, part in enumerate(profile.fixed)]
+    for path, part in parts:
+        if part.grad_bytes > part.params_trainable_bytes:
+            return f"{path}.grad_bytes", (
+                f"is {part.grad_bytes}, more than the {part.params_trainable_bytes} bytes of "
+                "trainable parameters whose gradients it counts"
+            )
+    floors = (
+        ("no_grads", "optimizer_state_bytes", t.optimizer_state_bytes, "optimizer state"),
+        (
+            "grads_resident",
+            "grad_bytes",
+            t.optimizer_state_bytes + t.grad_bytes,
+            "optimizer state and gradients",
+        ),
+    )
+    for phase, field, floor, what in floors:
+        segments = profile.timeline.get(phase)
+        if not segments:
+            continue
+        for b in profile.micro_batches:
+            live = max(point_at(point, b) for point in segments[0].points)
+            if live < floor * (1 - STATE_TOLERANCE):
+                if t.optimizer_state_bytes > live * (1 + STATE_TOLERANCE):
+                    field = "optimizer_state_bytes"
+                return f"profile.totals.{field}", (
+                    f"adds up to {floor} bytes of {what}, more than the {live:.0f} bytes live "
+                    f"at the start of a {phase} micro-step of {b} (timeline.{phase}[0]), "
+                    "where all of them are live"
+                )
     return None
 
 

@@ -578,7 +578,9 @@ def print_json(data: Any) -> None:
 # ---------------------------------------------------------------- verify
 # ---------------------------------------------------------------- devices
 def show_devices(specs: list[DeviceSpec]) -> None:
-    """The GPU specs memplan can plan for, one row each."""
+    """The GPU specs memplan can plan for, one row each; rates to 3 significant figures,
+    whole from 1000 on (before, the CPU's 100 GFLOP/s bf16 read "0" and its fp32 "0.1")."""
+    rate = lambda x: f"{x:.{max(3, len(str(round(x))))}g}"  # noqa: E731  # 0.1, 30.3, 3350
     table = Table(header_style="bold")
     for column in ("name", "GPU", "memory", "bf16 TFLOP/s", "fp32 TFLOP/s", "bandwidth"):
         table.add_column(column)
@@ -589,9 +591,9 @@ def show_devices(specs: list[DeviceSpec]) -> None:
             Text(s.name),
             Text(s.display_name),
             format_bytes(s.memory_bytes) if s.memory_bytes else "-",
-            f"{s.bf16_flops / 1e12:.0f}" if s.bf16_flops else "-",
-            f"{s.fp32_flops / 1e12:.1f}",
-            f"{s.memory_bandwidth / 1e9:.0f} GB/s",
+            rate(s.bf16_flops / 1e12) if s.bf16_flops else "-",
+            rate(s.fp32_flops / 1e12),
+            f"{rate(s.memory_bandwidth / 1e9)} GB/s",
             f"{e.matmul:.2f}/{e.attention:.2f}/{e.memory:.2f}" if e != type(e)() else "peaks",
         )
     console.print(table)

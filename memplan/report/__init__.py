@@ -157,6 +157,15 @@ def stale_plan_note(plan: Plan, plan_path: Path, profile_at: tuple[Path, Profile
     if profile_at is None:
         return ""
     found, profile = profile_at
+    env = profile.environment
+    said, probed = (plan.precision, plan.mixed_precision), (env.precision, env.mixed_precision)
+    if said != probed:  # solve copies both from the profile: the plan was edited
+        return (
+            f"{plan_path} says precision {_precision(*said)}, and its profile ({found}) was "
+            f"probed in {_precision(*probed)}: the plan was edited by hand, or solved from "
+            "another profile. Its numbers are the profile's precision's; probe the model "
+            f"with --precision {plan.precision} and solve that profile for a plan in it."
+        )
     try:
         refuse_another_models_profile(plan, profile, found)
         peak = report_for_plan(plan, profile, candidates=False).timeline.peak_bytes
@@ -171,6 +180,10 @@ def stale_plan_note(plan: Plan, plan_path: Path, profile_at: tuple[Path, Profile
         "edited by hand, or the profile changed since it was solved. Solve again for a plan "
         "that says what its profile predicts."
     )
+
+
+def _precision(precision: str, mixed: str) -> str:
+    return precision if precision == "fp32" else f"{precision} ({mixed})"
 
 
 def _resolve_profile_path(plan: Plan, plan_path: Path, override: Path | None) -> Path:

@@ -35,7 +35,12 @@ from memplan.modes import (
     SELECTIVE,
 )
 from memplan.plan import Plan
-from memplan.run.training_state import disable_kv_cache, kv_cache_note
+from memplan.run.training_state import (
+    disable_hf_checkpointing,
+    disable_kv_cache,
+    hf_checkpointing_note,
+    kv_cache_note,
+)
 from memplan.suggest import close_matches
 
 # The one definition of how memplan checkpoints: non-reentrant, with the RNG state saved and
@@ -388,9 +393,12 @@ def apply(model: torch.nn.Module, plan: Plan | Mapping[str, str] | Iterable[str]
         if name not in wanted:
             _unpatch(modules[name])
 
-    note = kv_cache_note(disable_kv_cache(root))
-    if note:
-        warnings.warn(f"memplan: {note}", UserWarning, stacklevel=2)
+    for note in (
+        kv_cache_note(disable_kv_cache(root)),
+        hf_checkpointing_note(disable_hf_checkpointing(root)),
+    ):
+        if note:
+            warnings.warn(f"memplan: {note}", UserWarning, stacklevel=2)
 
     with_batchnorm = []
     for name, mode in wanted.items():

@@ -51,6 +51,46 @@ def kv_cache_note(changed: Sequence[str]) -> str | None:
     return KV_CACHE_NOTE.format(where=where + (", …" if len(changed) > 3 else ""))
 
 
+_HF_CHECKPOINTING = (
+    ("is_activation_checkpointing", "activation_checkpointing_disable"),  # transformers 5
+    ("is_gradient_checkpointing", "gradient_checkpointing_disable"),
+)
+
+
+def disable_hf_checkpointing(model: torch.nn.Module) -> list[str]:
+    """Switch off a transformers model's own activation checkpointing
+    (``gradient_checkpointing_enable``) wherever it is on, and return the names of the
+    models switched off ("" for the root). memplan measures every layer without it and
+    checkpoints the plan's layers itself: left on, the probe measured HF's recompute as
+    each layer's backward and no layer as saving anything, and the plan said no layer is
+    recomputed while every one was."""
+    changed = []
+    for name, module in model.named_modules():
+        for flag, off in _HF_CHECKPOINTING:
+            if not (hasattr(type(module), flag) or flag in vars(module)):
+                continue
+            if getattr(module, flag, False) and callable(getattr(module, off, None)):
+                getattr(module, off)()
+                changed.append(name)
+            break
+    return changed
+
+
+HF_CHECKPOINTING_NOTE = (
+    "the model's own activation checkpointing (transformers' gradient_checkpointing_enable) "
+    "was switched off ({where}): memplan measures each layer without it and checkpoints "
+    "the plan's layers itself, where it would recompute every layer whatever the plan says."
+)
+
+
+def hf_checkpointing_note(changed: Sequence[str]) -> str | None:
+    """The one line that says ``disable_hf_checkpointing`` changed something, or None."""
+    if not changed:
+        return None
+    where = ", ".join(name or "the model" for name in changed[:3])
+    return HF_CHECKPOINTING_NOTE.format(where=where + (", …" if len(changed) > 3 else ""))
+
+
 def _layerdrop_fields(obj: Any) -> list[tuple[str, float]]:
     """``(name, probability)`` of each attribute of ``obj`` (a module or a config) whose
     name ends in ``layerdrop`` (``layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``)

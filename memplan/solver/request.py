@@ -306,8 +306,8 @@ class SolveRequest:
                 raise SolveRequestError(
                     f"max_micro ({self.max_micro}) must be >= min_micro ({self.min_micro})."
                 )
-        if problem := memory.margin_problem(self.margin):
-            raise SolveRequestError(f"{problem}.")
+        if problem := memory.margin_problem(self.margin):  # named as the flag (scripts: margin=)
+            raise SolveRequestError(f"--{problem}.")
         for name in ("always_checkpoint", "never_checkpoint"):
             value = getattr(self, name)
             names = (value,) if isinstance(value, str) else tuple(value)
