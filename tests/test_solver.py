@@ -247,15 +247,28 @@ def test_an_op_sequence_that_differed_is_warned_once_in_the_plan():
         "maxima were fitted, not points; verify plans at their micro-batch."
     )
     base = uniform_chain(4).profile()
+    assert min(base.micro_batches) == 1
+    one = (
+        ", or micro-batch 1 taking its own path (a batch dimension of 1 skips copies): probe "
+        "from 2 (--micro-batches 2,4,8) if the model routes nothing by data"
+    )
     for warnings in ((recorded,), ()):
         profile = dataclasses.replace(base, op_sequence_stable=False, warnings=warnings)
         budget = peak_of(profile, 8, [], 1)
         plan = solve(profile, request(target_batch=16, budget_bytes=budget)).plan
         said = [w for w in plan.warnings if "op sequence differed" in w]
         assert said == [
-            "the op sequence differed between probed sizes (data-dependent routing): verify "
-            f"the plan at micro-batch {plan.micro_batch_size}"
+            f"the op sequence differed between probed sizes (data-dependent routing{one}): "
+            f"verify the plan at micro-batch {plan.micro_batch_size}"
         ], plan.warnings
+    # probed from 2: micro-batch 1's own path is not the reason
+    from_two = dataclasses.replace(base, op_sequence_stable=False, micro_batches=(2, 4))
+    plan = solve(from_two, request(target_batch=16, budget_bytes=budget)).plan
+    said = [w for w in plan.warnings if "op sequence differed" in w]
+    assert said == [
+        "the op sequence differed between probed sizes (data-dependent routing): "
+        f"verify the plan at micro-batch {plan.micro_batch_size}"
+    ], plan.warnings
 
 
 def test_batchnorm_floor_can_be_waived():

@@ -443,9 +443,15 @@ def plan_warnings(ctx: SolveContext, best: PlanOption) -> list[str]:
                 f"micro-batch {b} is outside the probed sizes, so their bytes are extrapolated"
             )
     if not profile.op_sequence_stable:
+        one = (
+            ", or micro-batch 1 taking its own path (a batch dimension of 1 skips copies): "
+            "probe from 2 (--micro-batches 2,4,8) if the model routes nothing by data"
+            if min(profile.micro_batches) == 1
+            else ""
+        )
         warnings.append(
-            f"the {OP_SEQUENCE_DIFFERED} between probed sizes (data-dependent routing): verify "
-            f"the plan at micro-batch {b}"
+            f"the {OP_SEQUENCE_DIFFERED} between probed sizes (data-dependent routing{one}): "
+            f"verify the plan at micro-batch {b}"
         )
     capacity = (
         request.device_spec.memory_bytes
