@@ -8,10 +8,13 @@ module builds the app, registers them in ``--help`` order and handles signals.""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Annotated, Any
 
 import typer
@@ -89,8 +92,89 @@ def _open_standard_streams() -> None:
             setattr(sys, f"__{name}__", stream)
 
 
+class _QuietPipe:
+    """A standard stream whose reader went away (``memplan solve ... | head``): the
+    command's work goes on (its files are written, its exit code is its own) and what it
+    prints after is dropped, the Python docs' recipe for ``BrokenPipeError`` (the stream's
+    descriptor pointed at /dev/null) applied at the first failed write, not at the end."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._to_devnull()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._to_devnull()
+
+    def _to_devnull(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()  # what the pipe refused goes to /dev/null
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _quiet_pipes() -> None:
+    """sys.stdout and sys.stderr as ``_QuietPipe``s (once)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _QuietPipe):
+            setattr(sys, name, _QuietPipe(stream))
+
+
+_deferred: list[int] = []
+"""The signal that arrived while a module was being imported, if one did."""
+_redelivering = threading.Event()
+
+
+def _importing(frame: Any) -> bool:
+    """Whether ``frame`` (or a caller of it) runs inside an ``import``."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver(signum: int, main_thread: int) -> None:
+    """Deliver ``signum`` to the main thread again once it no longer imports."""
+    while _importing(sys._current_frames().get(main_thread)):
+        time.sleep(0.01)
+    _redelivering.set()
+    _thread.interrupt_main(signum)
+
+
 def _interrupt(signum: int, frame: Any) -> None:
-    raise Interrupted(signum)
+    """Raise ``Interrupted``, except inside an import: an exception raised there can land in
+    native code that called back into Python (torch importing triton, whose nanobind
+    extension turns it into a C++ exception and aborts the process: "terminate called
+    after throwing an instance of 'nanobind::python_error'", exit 134). There the signal is
+    noted and delivered again when the import has returned; a second signal meanwhile
+    interrupts at once (a hung import stays interruptible)."""
+    redelivered = _redelivering.is_set()
+    _redelivering.clear()
+    if _deferred and not redelivered:
+        raise Interrupted(signum)  # asked twice
+    if _importing(frame):
+        if not _deferred:
+            _deferred.append(signum)
+        threading.Thread(
+            target=_redeliver, args=(_deferred[0], threading.get_ident()), daemon=True
+        ).start()
+        return
+    raise Interrupted(_deferred[0] if _deferred else signum)
 
 
 def main() -> None:
@@ -100,6 +184,7 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupt)
     _open_standard_streams()
+    _quiet_pipes()
     try:
         app()
     except (Interrupted, KeyboardInterrupt) as exc:

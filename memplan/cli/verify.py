@@ -133,6 +133,12 @@ def _check_options(
         raise BadInputError(f"--steps {steps} must be at least 1.")
     finite(tolerance, "--tolerance", positive=False)
     finite(timeout, "--timeout", positive=True)
+    most = 7 * 24 * 3600  # verify.rank_lifetime.MAX_TIMEOUT_S, without importing torch here
+    if timeout > most:  # (before: 1e10 s, gloo's DistNetworkError; 1e15 s, OverflowError)
+        raise BadInputError(
+            f"--timeout {timeout:g} is more than verify takes: at most {most} s (7 days).",
+            hint=f"Give --timeout in seconds, up to {most}.",
+        )
     if device is not None and device not in ("cpu", "cuda"):
         raise BadInputError(
             f"--device {device!r}: verify runs on cpu or cuda.",

@@ -172,6 +172,22 @@ FORMATS: dict[str, Format] = {
 LAYOUT_FORMATS = frozenset({"plan", "torch", "torchrun"})
 """Formats besides the layout engines' that write a layout plan (the plan itself; the torch
 scripts apply TP and PP with torch's own APIs)."""
+SCRIPT_FORMATS = frozenset({"torch", "torchrun"})
+"""The scripts on memplan's runtime (``run/parallel.build_layout``), which runs TP and PP
+but not context parallelism: a plan with ``cp`` above 1 is refused by them."""
+
+
+def layout_formats(plan: Plan) -> list[str]:
+    """The formats that write ``plan``'s layout: the layout engines' and those of
+    ``LAYOUT_FORMATS`` that run it (not the scripts for context parallelism)."""
+    cp = plan.parallel is not None and plan.parallel.cp > 1
+    return [
+        f.name
+        for f in FORMATS.values()
+        if (f.layouts or f.name in LAYOUT_FORMATS)
+        and not (cp and f.name in SCRIPT_FORMATS)
+        and plan.strategy in f.strategies
+    ]
 
 
 def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) -> tuple[str, str]:
@@ -197,11 +213,19 @@ def emit(plan: Plan, fmt: str, model_path: str | None = None, **options: Any) ->
         and max(layout.tp, layout.pp, layout.cp) > 1
         and not (spec.layouts or fmt in LAYOUT_FORMATS)
     ):
-        able = [f.name for f in FORMATS.values() if f.layouts or f.name in LAYOUT_FORMATS]
         raise BadInputError(
             f"--format {fmt} cannot write a plan with tensor, pipeline or context parallelism "
             f"({layout.describe()}): its config would run data parallelism only.",
-            hint=f"Formats that write layouts: {', '.join(able)}.",
+            hint=f"Formats that write this layout: {', '.join(layout_formats(plan))}.",
+        )
+    if layout is not None and layout.cp > 1 and fmt in SCRIPT_FORMATS:
+        raise BadInputError(
+            f"--format {fmt} cannot write a plan with context parallelism "
+            f"({layout.describe()}): its script runs on memplan's runtime, which runs tensor "
+            "and pipeline parallelism but not context parallelism (no ring attention), so "
+            "the script could only refuse to start.",
+            hint=f"Formats that write this layout: {', '.join(layout_formats(plan))}; or "
+            "solve with --cp 1 for the scripts.",
         )
     if plan.float8 is not None and not spec.float8:
         raise float8_refusal(plan, spec)

@@ -19,6 +19,8 @@ from memplan.memory.sharding import (
 )
 from memplan.memory.terms import (
     NO_BOUND,
+    cast_charge_bytes,
+    has_autocast_casts,
     mode_savings_bytes,
     offload_host_bytes,
     phases_for,
@@ -138,12 +140,16 @@ def step_bounds(
     # step_peak; equal without shared inputs.
     shared = bool(profile.shared_inputs)
     charge = shared_charge_bytes(profile, micro_batch)
+    # Autocast's weight casts (memory.terms): a checkpointed layer's backward is charged every
+    # held layer's, as if all were kept. Never less than step_peak.
+    casts = has_autocast_casts(profile)
     # Each phase's segment tops in each mode at once (memory.tops), then the maxima by held
     # (in arrays where there is no shared input to add segment by segment).
     bound_of = {KEEP: plain, FULL: ckpt, **others}
     if (
         sharding == SINGLE
         and not shared
+        and not casts
         and _held_maxima(profile, micro_batch, accumulation_steps, none, bound_of)
     ):
         pass
@@ -162,7 +168,8 @@ def step_bounds(
             adjust += shared_own_bytes(profile, segment, micro_batch) if shared else 0
             for m, bound in bound_of.items():
                 if m != KEEP:
-                    bound[h] = max(bound[h], tops[phase][m][index] + adjust)
+                    cast = cast_charge_bytes(profile, segment, m) if casts else 0
+                    bound[h] = max(bound[h], tops[phase][m][index] + adjust + cast)
     return StepBounds(
         micro_batch=micro_batch,
         accumulation_steps=accumulation_steps,

@@ -32,7 +32,9 @@ from memplan.memory.terms import (
     PHASE_GRADS_RESIDENT,
     Checkpointed,
     backward_started,
+    cast_extra_bytes,
     grads_at_bytes,
+    has_autocast_casts,
     held_mode_prefix_bytes,
     layer_modes,
     mode_of,
@@ -152,6 +154,7 @@ def _step_values(
                 for index, (segment, top) in enumerate(zip(segments, keep_tops, strict=True))
             ]
     shared = bool(profile.shared_inputs) and used_modes != {KEEP}
+    casts = used_modes != {KEEP} and has_autocast_casts(profile)
     for phase, index, segment, adjust in (
         ()
         if sharding == SINGLE and used_modes == {KEEP}
@@ -159,6 +162,8 @@ def _step_values(
     ):
         if shared:  # memory.terms: a shared input kept by a checkpoint, once
             adjust += shared_extra_bytes(profile, segment, micro_batch, chosen)
+        if casts:  # memory.terms: kept layers' autocast casts beside a checkpoint's backward
+            adjust += cast_extra_bytes(profile, segment, chosen)
         if (phase, KEEP) not in tops:
             segments = profile.timeline[phase]
             for m in used_modes:
@@ -214,7 +219,9 @@ def step_peak(
     found = None
     # the walk in array operations (memory.tops), when it can be: one process, and no
     # shared input that a checkpoint keeps (added segment by segment in _step_values)
-    if sharding == SINGLE and (not profile.shared_inputs or not chosen):
+    if sharding == SINGLE and (
+        not chosen or (not profile.shared_inputs and not has_autocast_casts(profile))
+    ):
         found = first_highest_segment(
             profile.timeline,
             phases_for(accumulation_steps),

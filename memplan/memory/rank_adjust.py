@@ -22,6 +22,7 @@ from memplan.memory.sharding import (
     zero2_bucket_bytes,
 )
 from memplan.memory.terms import grads_at_bytes, grads_bytes, optimizer_state_bytes, params_bytes
+from memplan.memory.zero_partition import largest_part_bytes, rank_step_transient_bytes
 from memplan.profile import Profile
 
 
@@ -95,12 +96,29 @@ def optimizer_adjust_bytes(profile: Profile, sharding: Sharding) -> int:
     if sharding.strategy in ("zero2", "fsdp"):
         grads = grads_bytes(profile)
         delta -= grads - shard_bytes(master_bytes(profile, sharding, grads), w, e)
-    if sharding.strategy != "ddp":
+    if sharding.strategy == "zero1":
+        delta += _zero1_transient_bytes(profile, sharding) - optimizer_transient_bytes(profile)
+    elif sharding.strategy != "ddp":
         transient = optimizer_transient_bytes(profile)
         delta -= transient - shard_bytes(master_bytes(profile, sharding, transient), w, e)
     if ddp_bucket_bytes(profile, sharding) and not sharding.gradient_as_bucket_view:
         delta += ddp_bucket_bytes(profile, sharding)
     return delta
+
+
+def _zero1_transient_bytes(profile: Profile, sharding: Sharding) -> int:
+    """ZeroRedundancyOptimizer's step temporaries on its fullest rank: its local step runs
+    the wrapped optimizer on the rank's whole tensors (``_local_step``: ``self.optim.step``),
+    so a tensor-by-tensor step keeps temporaries of the largest tensor, not 1/world of the
+    probe's (memplan.memory.zero_partition.rank_step_transient_bytes). Its ``_sync_params``
+    then broadcasts each rank's parameters in place (``dist.broadcast(tensor=param.data)``,
+    ``parameters_as_bucket_view=False`` as memplan's ``zero1`` builds it): nothing allocated."""
+    return rank_step_transient_bytes(
+        optimizer_transient_bytes(profile),
+        rank_optimizer_state_bytes(profile, sharding),
+        master_bytes(profile, sharding, optimizer_state_bytes(profile)),
+        largest_part_bytes(profile, "params"),
+    )
 
 
 def rank_state_bytes(profile: Profile, sharding: Sharding) -> tuple[int, int, int]:

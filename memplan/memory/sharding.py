@@ -9,6 +9,13 @@ import math
 from dataclasses import dataclass
 
 from memplan.memory.edge_units import EdgeBytes, edge_gathered, edge_split
+from memplan.memory.fsdp_moments import (
+    UnitGrads,
+    post_backward_moments,
+    reduce_after_schedule_moments,
+    reduce_output_bytes,
+    tail_reduced_in_forward,
+)
 from memplan.memory.memo import by_identity
 from memplan.memory.terms import (
     PHASE_GRADS_RESIDENT,
@@ -19,8 +26,9 @@ from memplan.memory.terms import (
     optimizer_state_bytes,
     params_bytes,
 )
+from memplan.memory.zero_partition import rank_shares
 from memplan.plan import GRAD_SYNCS, STRATEGIES, GradSync, Plan, Strategy
-from memplan.profile import FixedPart, Layer, Profile
+from memplan.profile import FixedPart, Layer, Profile, Segment
 
 
 # --------------------------------------------------------------------------- per-rank terms
@@ -61,7 +69,7 @@ class Sharding:
     micro-batch, and ``perform_reduce_grad`` runs each unit's ``post_backward`` after the last;
     torchtitan's stages and memplan's runtime both run it so). That end-of-schedule
     reduction, with no activations left, is one more moment of the last segment
-    (``_reduce_after_schedule``)."""
+    (``reduce_after_schedule_moments``)."""
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -226,14 +234,32 @@ def rank_params_bytes(profile: Profile, sharding: Sharding) -> int:
 
 
 def rank_optimizer_state_bytes(profile: Profile, sharding: Sharding) -> int:
-    """Optimizer state one rank holds: all of it with DDP; 1/world from ZeRO-1 on (ZeRO
-    paper §5.1 "P_os"; torch.distributed.optim.ZeroRedundancyOptimizer docs: each rank keeps
-    the state of its parameter partition). ZeroRedundancyOptimizer partitions whole tensors
-    greedily, so a rank's share can differ from 1/world by part of one tensor."""
+    """Optimizer state one rank holds (the fullest rank's): all of it with DDP; 1/world of
+    it under ZeRO-2 and FSDP (ZeRO paper §5.1 "P_os"; both split every tensor or a flat
+    buffer evenly). ``zero1``'s ZeroRedundancyOptimizer gives each rank whole tensors
+    (memplan.memory.zero_partition): its fullest rank's share, by torch's rule over the
+    profile's parts."""
     state = master_bytes(profile, sharding, optimizer_state_bytes(profile))
     if sharding.strategy == "ddp" or sharding.world_size == 1:
         return state
-    return shard_bytes(state, sharding.world_size, master_element_bytes(profile, sharding))
+    even = shard_bytes(state, sharding.world_size, master_element_bytes(profile, sharding))
+    if sharding.strategy == "zero1":
+        return max(zero1_rank_state_bytes(profile, sharding))
+    return even
+
+
+def zero1_rank_state_bytes(profile: Profile, sharding: Sharding) -> list[int]:
+    """Each ZeRO-1 rank's optimizer state, in rank order (``zero_partition.rank_shares``),
+    the fullest never below the even share nor any above the whole state."""
+    state = master_bytes(profile, sharding, optimizer_state_bytes(profile))
+    w = sharding.world_size
+    parts = [p.optimizer_state_bytes for p in (*profile.layers, *profile.fixed)]
+    shares = rank_shares(parts, optimizer_state_bytes(profile) - sum(parts), w)
+    even = shard_bytes(state, w, master_element_bytes(profile, sharding))
+    ranks = [min(state, master_bytes(profile, sharding, share)) for share in shares]
+    fullest = ranks.index(max(ranks))
+    ranks[fullest] = max(ranks[fullest], even)
+    return ranks
 
 
 def optimizer_transient_bytes(profile: Profile) -> int:
@@ -316,8 +342,8 @@ def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index:
       included: from the loss on, the last layer is already whole (measured on CPU/gloo).
 
     Forward prefetch is implicit on CUDA streams only; on CPU it does not happen, and on CUDA
-    the allocator reserve covers it. The brief all-gather staging buffer (a flat copy of a
-    unit while it is split into parameters) is not modelled."""
+    the allocator reserve covers it. In the forward, the flat all-gather outputs FSDP2 keeps
+    are added (``_forward_gather_bytes``)."""
     if sharding.strategy != "fsdp":
         return 0
     if not sharding.reshard_after_forward:  # gathered at the first forward, kept all step
@@ -341,25 +367,69 @@ def fsdp_gathered_bytes(profile: Profile, sharding: Sharding, phase: str, index:
     if in_backward:
         for j in range(max(h - sharding.fsdp_backward_prefetch, 0), h):
             gathered += gathered_unit_bytes(profile, j)
+    if sharding.world_size > 1 and not backward_started(segments, index):
+        gathered += _forward_gather_bytes(profile, sharding, segment, edge)
     return gathered
 
 
-@dataclass(frozen=True, slots=True)
-class _UnitGrads:
-    """One FSDP unit's gradients, in bytes: as the probe computed them (``probed``, the
-    compute dtype), unsharded in ``reduce_dtype`` (``whole``), the reduce-scatter input
-    (``scatter_input``: padded to a multiple of the world size) and one rank's shard."""
-
-    probed: int
-    whole: int
-    scatter_input: int
-    shard: int
+def _all_gather_output_bytes(profile: Profile, sharding: Sharding, gathered: int) -> int:
+    """FSDP2's flat all-gather output for a unit of ``gathered`` bytes: every rank's padded
+    shard (``foreach_all_gather``: ``all_gather_output`` of world × shard elements)."""
+    w = sharding.world_size
+    return shard_bytes(gathered, w, element_bytes(profile)) * w
 
 
-def _unit_grads(profile: Profile, sharding: Sharding, probed: int) -> _UnitGrads:
+def _forward_gather_bytes(
+    profile: Profile, sharding: Sharding, segment: Segment, edge: tuple[int, int] | None
+) -> int:
+    """The flat all-gather outputs alive in a forward segment beside the unsharded
+    parameters (over two or more ranks; 0 in backward, where FSDP2 frees each right after its
+    copy-out). torch 2.13 ``_fsdp_param_group.py`` ``FSDPParamGroup.wait_for_unshard``: in
+    the forward (implicit prefetch) it defers the free of a unit's all-gather output
+    ("Defer free to allow for overlap of this copy-out with next all-gather collective",
+    ``comm_ctx.all_gather_state``) to the next unit's ``wait_for_unshard``, whose local
+    ``prev_all_gather_state`` keeps it to that function's end, after the next unit's
+    copy-out; the root's ``_post_forward`` frees the last one (``_fsdp_state.py``). So:
+
+    * the forward of unit ``h``: its own all-gather output, beside its parameters;
+    * the segment before it (``none``, held ``h``), at its all-gather: the previous unit's
+      output (the root's, or torchtitan's embeddings unit, before block 0), unit ``h``'s
+      output and its unsharded parameters, on top of the segment's top (the boundary is
+      at most that: on the safe side by what the previous layer frees as it returns);
+    * after the last block: its output, where the segment already counts it as
+      prefetched parameters (the padding only), and torchtitan's tail unit's output.
+
+    Measured on 2 gloo ranks (frozen-linear blocks, d = 256, whose forward all-gather is the
+    peak): 1,677,764 B at block 3's copy-out = the boundary + 3 × 265,216 B."""
+    h, n = segment.held, len(profile.layers)
+    if segment.active == "fwd":
+        return _all_gather_output_bytes(profile, sharding, gathered_unit_bytes(profile, h))
+    if segment.active != "none":
+        return 0
+    if h < n:
+        if h > 0:
+            previous = gathered_unit_bytes(profile, h - 1)
+        else:
+            previous = edge[0] if edge is not None else gathered_root_bytes(profile)
+        unit = gathered_unit_bytes(profile, h)
+        return (
+            _all_gather_output_bytes(profile, sharding, previous)
+            + _all_gather_output_bytes(profile, sharding, unit)
+            + unit
+        )
+    extra = 0
+    if n:
+        last = gathered_unit_bytes(profile, n - 1)
+        extra += _all_gather_output_bytes(profile, sharding, last) - last
+    if edge is not None:
+        extra += _all_gather_output_bytes(profile, sharding, edge[1])
+    return extra
+
+
+def _unit_grads(profile: Profile, sharding: Sharding, probed: int) -> UnitGrads:
     whole = master_bytes(profile, sharding, probed)
     shard = shard_bytes(whole, sharding.world_size, master_element_bytes(profile, sharding))
-    return _UnitGrads(
+    return UnitGrads(
         probed=probed, whole=whole, scatter_input=shard * sharding.world_size, shard=shard
     )
 
@@ -396,14 +466,14 @@ class _GradsTable:
     resident: bool  # earlier micro-steps' gradients exist
     syncing: bool  # a unit reduce-scatters in its post_backward
     sharded_before: bool  # accumulated sharded, in place
-    units: tuple[_UnitGrads, ...]
-    root: _UnitGrads
-    tail: _UnitGrads | None  # torchtitan's norm + head unit, reduced first
+    units: tuple[UnitGrads, ...]
+    root: UnitGrads
+    tail: UnitGrads | None  # torchtitan's norm + head unit, reduced first
     root_params: int
     unposted: tuple[int, ...]
     posted: tuple[int, ...]
 
-    def held(self, unit: _UnitGrads, posted: bool) -> int:
+    def held(self, unit: UnitGrads, posted: bool) -> int:
         """The unit's gradients before (``posted`` False) or after its post_backward."""
         if self.sharded_before or (posted and self.syncing):
             return unit.shard
@@ -503,7 +573,7 @@ def fsdp_grads_bytes(
 
     if not started:
         if tail is not None and h == n and syncing and profile.ddp_refused is not None:
-            return steady(n) + _tail_reduced_in_forward(tail)
+            return steady(n) + tail_reduced_in_forward(tail)
         return steady(n)
     if segment.active == "bwd":
         return steady(h + 1)
@@ -512,7 +582,7 @@ def fsdp_grads_bytes(
     # added in).
     moments = [
         steady(h),
-        *_post_backward_moments(steady(h), units[h], syncing, sharded_before, resident, mixed),
+        *post_backward_moments(steady(h), units[h], syncing, sharded_before, resident, mixed),
     ]
     if h == 0:  # the root's post_backward, from the final callback at the backward's end
         base = steady(h) - held(root, False) - root_fresh
@@ -522,59 +592,9 @@ def fsdp_grads_bytes(
             unsharded = root.whole if resident and not sharded_before else root.probed
             moments.append(base + unsharded + root.scatter_input)
             old_shard = root.shard if sharded_before else 0  # the output is added into it
-            moments.append(base + old_shard + _reduce_output_bytes(root))
+            moments.append(base + old_shard + reduce_output_bytes(root))
         elif mixed:
             moments.append(steady(h) + root.whole)
         if sharding.reduce_after_schedule and resident:
-            moments.extend(_reduce_after_schedule(steady(h), [*reversed(units), root]))
+            moments.extend(reduce_after_schedule_moments(steady(h), [*reversed(units), root]))
     return max(moments)
-
-
-def _tail_reduced_in_forward(tail: _UnitGrads) -> int:
-    """What torchtitan's norm + head unit adds inside a loss that runs its own backward in
-    the forward (``Profile.ddp_refused``: a chunked loss): its ``post_backward`` reduce-
-    scatters there, its reduce-scatter input and output beside its accumulated gradient.
-    The probe's loss region already holds, at its last chunk's accumulation, a fresh chunk
-    gradient of the head beside the accumulated one, which FSDP2's moment does not: so the
-    moment is at most that region's top plus input and output less one gradient. Traced op
-    by op on torchtitan 0.3.0, FSDP 2, vocabulary 32768 (bench engines, chunked row): the
-    unit's ``chunk_cat`` input (33.5 MB) and ``_reduce_scatter_base_`` output (16.8 MB)
-    after the last chunk's ``add_``, the rank's peak."""
-    return max(tail.scatter_input + tail.shard - tail.probed, 0)
-
-
-def _reduce_after_schedule(held: int, units: list[_UnitGrads]) -> list[int]:
-    """The pipeline schedule's reduction after the backward (``Sharding.
-    reduce_after_schedule``), from ``held`` (every unit's gradients whole): each unit in
-    turn drops the previous unit's reduce-scatter input (``reduce_scatter_max_input_buffers``
-    = 1, reclaimed before the next reduce), copies its gradients into its own, frees them
-    and keeps the input, its output the rank's shard."""
-    moments = []
-    for unit in units:
-        moments.append(held + unit.scatter_input)
-        held += unit.shard - unit.whole
-        moments.append(held + unit.scatter_input)
-    return moments
-
-
-def _reduce_output_bytes(unit: _UnitGrads) -> int:
-    """Live while a unit's reduce-scatter runs: its input and its output (the shard)."""
-    return unit.scatter_input + unit.shard
-
-
-def _post_backward_moments(
-    steady: int,
-    unit: _UnitGrads,
-    syncing: bool,
-    sharded_before: bool,
-    resident: bool,
-    mixed: bool,
-) -> list[int]:
-    """Gradient bytes at the peaks of one unit's ``post_backward``, given ``steady``, what
-    is held after it (its shard and kept input, or its unsharded gradients)."""
-    if not syncing:  # upcast next to the compute-dtype gradients
-        return [steady + unit.probed] if mixed else []
-    new_shard = 0 if sharded_before else unit.shard
-    before = steady - new_shard - unit.scatter_input
-    unsharded = unit.whole if resident and not sharded_before else unit.probed
-    return [before + unsharded + unit.scatter_input, before + _reduce_output_bytes(unit)]

@@ -202,6 +202,73 @@ def shared_charge_bytes(profile: Profile, micro_batch: int) -> tuple[int, ...]:
     return tuple(charge)
 
 
+# --------------------------------------------------------------------------- autocast casts
+# Under autocast (bf16/fp16 over fp32 parameters) a layer's forward casts its weights, and
+# autocast's weight-cast cache holds those casts until the forward region is left. A plain
+# layer's autograd then keeps them until its backward; a checkpointed (or selective) layer's
+# go with the cache, so they are freed when the forward ends. The probe measures a layer's
+# savings at its forward's end, where both runs still hold them: ``savings_bytes`` lacks
+# them, and the all-checkpointed run's backward points, normalised by those savings, lack
+# every held layer's casts. Where the active layer's checkpoint runs its backward next to
+# kept layers, those kept layers' casts are added back (measured: 294,912 B, three kept timm
+# ViT blocks' bf16 weights, with the last block checkpointed). The casts are read from the
+# profile as the batch-independent part of what the plain forward keeps that the
+# checkpointed forward still holds at its end: ``saved.intercept − savings.intercept``,
+# autocast's cache holding parameters only (batch-independent).
+@by_identity(64)
+def autocast_cast_bytes(profile: Profile, mode: str = FULL) -> tuple[int, ...]:
+    """Per layer: the weight casts autocast's cache holds through its forward, which a plain
+    layer keeps until its backward and a layer in ``mode`` (full, selective) does not;
+    zeros off autocast (fp32, or parameters in the compute dtype)."""
+    env = profile.environment
+    if env.precision not in ("bf16", "fp16") or env.mixed_precision != "autocast":
+        return (0,) * len(profile.layers)
+    out = []
+    for layer in profile.layers:
+        savings = (
+            layer.selective_savings_bytes
+            if mode == SELECTIVE and layer.selective_savings_bytes is not None
+            else layer.savings_bytes
+        )
+        saved = max(layer.saved_bytes.intercept, 0.0)
+        out.append(math.ceil(min(max(saved - savings.intercept, 0.0), saved)))
+    return tuple(out)
+
+
+def cast_extra_bytes(
+    profile: Profile,
+    segment: Segment,
+    checkpointed: Iterable[int] | Mapping[int, str],
+) -> int:
+    """What a backward segment adds under a checkpoint assignment: when its active layer is
+    checkpointed (full or selective, whose points are the all-checkpointed run's), the
+    autocast weight casts of the held layers that are kept (``autocast_cast_bytes``)."""
+    if segment.active != "bwd":
+        return 0
+    h = segment.held
+    mode = mode_of(checkpointed, h)
+    if mode not in (FULL, SELECTIVE):
+        return 0
+    casts = autocast_cast_bytes(profile, mode)
+    return sum(casts[j] for j in range(min(h, len(casts))) if mode_of(checkpointed, j) == KEEP)
+
+
+def cast_charge_bytes(profile: Profile, segment: Segment, mode: str) -> int:
+    """The solver's safe, additive stand-in for ``cast_extra_bytes``: every held layer's casts,
+    as if all were kept (the solver's state is the held savings, not which layers are kept)."""
+    if segment.active != "bwd" or mode not in (FULL, SELECTIVE):
+        return 0
+    return sum(autocast_cast_bytes(profile, mode)[: segment.held])
+
+
+@by_identity(64)
+def has_autocast_casts(profile: Profile) -> bool:
+    """Whether ``autocast_cast_bytes`` has any non-zero layer (in full or selective)."""
+    return any(autocast_cast_bytes(profile, FULL)) or (
+        has_selective(profile) and any(autocast_cast_bytes(profile, SELECTIVE))
+    )
+
+
 def shared_own_bytes(profile: Profile, segment: Segment, micro_batch: int) -> int:
     """What the active layer's own checkpoint keeps of the shared inputs in its backward
     (those the plain run does not hold there)."""

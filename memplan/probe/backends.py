@@ -200,6 +200,7 @@ class Backend:
             model = model_file.build_model().to(self.torch_device)
         if self.cast_params:
             cast_parameters(model, self.dtype)
+            cast_forward_inputs(model, self.dtype)
         if self.float8:
             model = self.float8.convert(model)
             time_casts_fused()  # meta clocks only (memplan.probe.float8)
@@ -212,8 +213,8 @@ class Backend:
             batch = shadow.mirror_batch(cpu)
         else:
             batch = move_batch(cpu, self.torch_device)
-        if self.cast_params:  # FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True)
-            batch = map_batch(batch, lambda t: t.to(self.dtype) if t.is_floating_point() else t)
+        # The batch stays as make_batch gives it (fp32): training holds it through the step,
+        # and with ``cast_params`` the model's forward casts it (``cast_forward_inputs``).
         return batch
 
     def tracker(self, *, record: bool = True, step: bool = False) -> LiveTracker:
@@ -368,6 +369,27 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
     for param in {id(p): p for p in model.parameters()}.values():
         if param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
+
+
+def cast_forward_inputs(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the root module's floating-point inputs to ``dtype`` as its forward begins, as
+    FSDP2's ``MixedPrecisionPolicy(cast_forward_inputs=True)`` (its default) does: the root's
+    ``FSDPState._pre_forward`` calls ``_cast_forward_inputs``, which applies
+    ``_fsdp_common._cast_fp_tensor`` (``x.to(param_dtype)`` for a floating tensor of another
+    dtype) to every tensor of the args and kwargs (torch/distributed/fsdp/_fully_shard/
+    _fsdp_state.py). The batch ``make_batch`` gave is left as it is: the training loop holds
+    it, fp32, beside its cast (before, the probe cast the batch itself and counted only the
+    cast: 2 KiB a sample short on a 16 × 32 fp32 input)."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+
+    def pre_forward(
+        _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return map_batch(args, cast), map_batch(kwargs, cast)
+
+    model.register_forward_pre_hook(pre_forward, with_kwargs=True)
 
 
 @contextmanager

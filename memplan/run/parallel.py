@@ -445,9 +445,10 @@ def build_layout(
 
     if parallel.cp > 1:
         raise BadInputError(
-            "Context parallelism is modelled but not run by memplan (the CPU has no "
-            "ring-attention kernels for it).",
-            hint="Verify a layout with cp 1, or run the emitted torchtitan config on GPUs.",
+            "Context parallelism is modelled but not run by memplan's runtime, on any "
+            "device: it has no ring attention.",
+            hint="Verify the layout with --cp 1, or train with the emitted torchtitan or "
+            "Megatron configuration.",
         )
     if parallel.loss_parallel and parallel.pp > 1:
         raise BadInputError(

@@ -247,17 +247,77 @@ def wrap_for_plan(
         shard_fsdp(net, plan)
         return net, make_optimizer(net)
     ids = [device.index] if device.type == "cuda" else None
-    model = torch.nn.parallel.DistributedDataParallel(
-        net, device_ids=ids, gradient_as_bucket_view=True
-    )
+    model = PlanDDP(net, device_ids=ids, gradient_as_bucket_view=True)
     optimizer = make_optimizer(net)
     if strategy == "zero1":
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        accepted = inspect.signature(type(optimizer).__init__).parameters
-        defaults = {
-            k: v for k, v in optimizer.defaults.items() if k in accepted and k != "differentiable"
-        }
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), **defaults)
+        optimizer = zero_redundancy(optimizer)
     return model, optimizer
+
+
+def zero_redundancy(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` as ``ZeroRedundancyOptimizer`` of its class: every parameter group with
+    all its options (a group's own lr, weight decay, betas: a head frozen by ``lr: 0`` stays
+    frozen), the class's defaults for the rest."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {
+        k: v for k, v in optimizer.defaults.items() if k in accepted and k != "differentiable"
+    }
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": list(group["params"])}
+        for group in optimizer.param_groups
+    ]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(optimizer), **defaults)
+
+
+UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+
+
+class PlanDDP(torch.nn.parallel.DistributedDataParallel):
+    """torch's ``DistributedDataParallel`` (``find_unused_parameters=False``, whose
+    all-reduce waits for every trainable parameter's gradient), whose error for a trainable
+    parameter the loss never reaches (a pooler under MLM, a head another task uses) names
+    those parameters and is the model file's (exit 2), not "Fix training_loss()" with
+    DDP's text. It notes which parameters each backward reached (a hook per parameter that
+    adds its id to a set), as the optimizer's ``zero_grad(set_to_none=True)`` leaves no
+    gradient to look at when DDP's next forward refuses."""
+
+    def __init__(self, module: torch.nn.Module, **options: Any) -> None:
+        super().__init__(module, **options)
+        self._reached: set[int] = set()
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._note_reached)
+
+    def _note_reached(self, param: torch.Tensor) -> None:
+        self._reached.add(id(param))
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        try:
+            out = super().forward(*inputs, **kwargs)
+        except RuntimeError as exc:
+            if UNFINISHED_REDUCTION not in str(exc):
+                raise
+            raise unused_parameters_error(self.module, self._reached) from None
+        self._reached.clear()  # the backward of this forward notes afresh
+        return out
+
+
+def unused_parameters_error(net: torch.nn.Module, reached: set[int]) -> BadInputError:
+    """Why DDP stopped: the trainable parameters of ``net`` that the last backward did not
+    reach (``reached``: the ids of those it did)."""
+    unused = [n for n, p in net.named_parameters() if p.requires_grad and id(p) not in reached]
+    shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+    what = (
+        f"the trainable parameters {shown} get no gradient"
+        if unused
+        else "some trainable parameters get no gradient"
+    )
+    return BadInputError(
+        f"DDP cannot train this model: {what} from training_loss() (the loss never uses "
+        "them), and DistributedDataParallel all-reduces a step's gradients only once every "
+        "trainable parameter has one.",
+        hint="Set requires_grad False on them in build_model() (or drop the modules the loss "
+        "does not use), or plan with --strategy fsdp, which does not wait for them.",
+    )

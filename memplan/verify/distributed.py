@@ -61,10 +61,11 @@ from memplan.verify.rank_lifetime import (
     RunFolder,
     die_with_parent,
     join_group,
-    rank_failure,
+    model_exits_contained,
     rank_warnings,
-    reported_before_teardown,
+    sigint_held,
     startable_cpu_ranks,
+    wait_for_ranks,
     warning_text,
 )
 from memplan.verify.single import (
@@ -197,8 +198,8 @@ class DistributedVerifyResult(Verdict):
     batch_coupling: BatchCoupling
     predicted_step_seconds: float
     predicted_rank_peaks: tuple[int, ...] = ()
-    """With a pipeline layout: each rank's predicted peak (its stage's); else empty and
-    every rank is compared with ``predicted_peak_bytes``."""
+    """Each rank's predicted peak (with a pipeline layout its stage's, else the plan's);
+    empty only from an older caller, and then every rank has ``predicted_peak_bytes``."""
 
     def predicted_for_rank(self, rank: int) -> int:
         if self.predicted_rank_peaks:
@@ -216,9 +217,32 @@ class DistributedVerifyResult(Verdict):
         return (self.predicted_for_rank(rank) - measured) / max(measured, 1)
 
     @property
+    def worst_rank(self) -> int:
+        """The rank the verdict quotes: one over the budget first, then the largest |error|."""
+        return max(
+            (r.rank for r in self.ranks),
+            key=lambda r: (
+                self.ranks[r].peak_bytes > self.plan.budget_bytes,
+                abs(self.rank_error(r)),
+            ),
+        )
+
+    @property
     def peak_error(self) -> float:
-        """The rank error of largest magnitude."""
-        return max((self.rank_error(r.rank) for r in self.ranks), key=abs)
+        """The worst rank's error (``worst_rank``)."""
+        return self.rank_error(self.worst_rank)
+
+    def peak_failures(self) -> list[str]:
+        """Verdict's peak failures, each naming its rank (the largest |error| is judged)."""
+        off = max((r.rank for r in self.ranks), key=lambda r: abs(self.rank_error(r)))
+        out = []
+        if abs(error := self.rank_error(off)) > self.tolerance:
+            out.append(f"rank {off}: peak error {error:+.1%} is outside ±{self.tolerance:.0%}")
+        over = [str(r.rank) for r in self.ranks if r.peak_bytes > self.plan.budget_bytes]
+        if over:
+            ranks = f"rank{'s' if len(over) > 1 else ''} {', '.join(over)}"
+            out.append(f"{ranks}: measured peak is over the budget")
+        return out
 
     @property
     def measured_step_seconds(self) -> float:
@@ -261,7 +285,7 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
     try:
         # a rank's Python warnings go to its JSON, not raw to the shared stderr: the parent
         # says each once, for every rank that raised it (rank_warnings)
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, model_exits_contained(config):
             warnings.simplefilter("default")
             result = config.get("rank_fn", _run_rank)(rank, config)
         result["warnings"] = [warning_text(w) for w in caught]
@@ -276,6 +300,7 @@ def _worker(rank: int, config: dict[str, Any]) -> None:
                     "bad_input": isinstance(exc, BadInputError),
                     "message": str(exc),
                     "trace": traceback.format_exc(),
+                    "time": time.time(),  # the first error is the cause: rank_failure
                 }
             )
         )
@@ -478,7 +503,8 @@ def verify_distributed(
         gradient_check=grad,
         batch_coupling=couple,
         predicted_step_seconds=plan.predicted.step_seconds,
-        predicted_rank_peaks=rank_predictions(plan, chosen, world),
+        predicted_rank_peaks=rank_predictions(plan, chosen, world)
+        or (predicted_for_device(plan, chosen)[0],) * world,
     )
 
 
@@ -526,50 +552,24 @@ def run_ranks(
         os.environ.update(env)
         backend = "nccl" if config["device"] == "cuda" else "gloo"
         progress(0, 1, f"starting {world} ranks ({backend})")
+        processes: list[Any] = []
         try:
-            context = mp.start_processes(
-                _worker, args=(config,), nprocs=world, join=False, start_method="spawn"
-            )
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-        run.watch(process.pid for process in context.processes)
-        deadline = time.monotonic() + timeout_s
-        torn = ""
-        try:
-            while not context.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    raise CannotMeasureError(
-                        f"The {world}-rank run did not finish within {timeout_s:g} s; its "
-                        "processes were killed.",
-                        hint="A rank may wait on a collective another never reached; raise "
-                        "--timeout for a slow model.",
+            with sigint_held():  # a Ctrl-C now: one "interrupted", no rank's traceback
+                try:
+                    context = mp.start_processes(
+                        _worker, args=(config,), nprocs=world, join=False, start_method="spawn"
                     )
-        except mp.ProcessRaisedException as exc:
-            what = f"rank {exc.error_index} raised"
-            raise (
-                rank_failure(folder, world, what)
-                or CannotMeasureError(f"The distributed run failed: {what}.")
-            ) from exc
-        except mp.ProcessExitedException as exc:
-            how = (
-                f"rank {exc.error_index} was killed by signal {exc.signal_name}"
-                if exc.signal_name
-                else f"rank {exc.error_index} exited with code {exc.exit_code}"
-            )
-            if not reported_before_teardown(folder, world, exc.error_index):
-                raise (
-                    rank_failure(folder, world, how) or CannotMeasureError(f"A rank died: {how}.")
-                ) from exc
-            torn = (
-                f"{how} while tearing down its process group, after every rank had "
-                "reported and met at the final barrier: the figures stand"
-            )
+                finally:
+                    for key, value in saved.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
+                processes = list(context.processes)
+                run.watch(process.pid for process in processes)
+            torn = wait_for_ranks(processes, folder, timeout_s, config.get("model"))
         finally:
-            for process in context.processes:
+            for process in processes:
                 if process.is_alive():
                     process.kill()
                     process.join(5)

@@ -29,7 +29,7 @@ from memplan.verify.grad_check import (
     step_count_failure,
     textbook,
 )
-from memplan.verify.plan_check import micro_rows
+from memplan.verify.plan_check import micro_rows, plan_autocast
 
 
 def _mixed_precision_reference(
@@ -57,6 +57,13 @@ def _mixed_precision_reference(
     return {name: grad / world for name, grad in total.items()}
 
 
+def check_precision(plan: Plan) -> str:
+    """The precision the ranks' check compares in, as one process's does: the plan's under
+    autocast or FSDP's mixed-precision policy (bf16/fp16), else fp32. (Before, an autocast
+    plan's ranks were judged at fp32's 1e-4 against an fp32 reference: a false FAIL.)"""
+    return plan.precision if plan.precision in ("bf16", "fp16") else "fp32"
+
+
 def gradient_error(
     mf: Any, plan: Plan, device: torch.device, seed: int, rank: int, world: int, map_batch: Any
 ) -> dict[str, Any]:
@@ -76,7 +83,8 @@ def gradient_error(
     pieces = [cut_batch(full, rows, i * micro, (i + 1) * micro) for i in range(world * k)]
     seeds = [seed + 1 + i for i in range(world * k)]
     policy = fsdp_mixed_precision(plan)
-    precision = plan.precision if policy is not None else "fp32"
+    autocast = plan_autocast(plan, device)  # the ranks' Accumulator runs under it
+    precision = check_precision(plan)
     tol = TOLERANCE[precision]
     fingerprint = plan.model_fingerprint
     layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
@@ -90,9 +98,9 @@ def gradient_error(
     couple: dict[str, Any] | None = None
     with run.no_dropout(), users_backward(mf):  # the backward's errors: the file's
         if policy is None:
-            reference = textbook(reference_net, mf.loss, pieces, seeds, k=k)
+            reference = textbook(reference_net, mf.loss, pieces, seeds, k=k, autocast=autocast)
             if rank == 0 and world * k > 1:
-                batch = textbook(reference_net, mf.loss, [full], seeds[:1], k=1)
+                batch = textbook(reference_net, mf.loss, [full], seeds[:1], k=1, autocast=autocast)
                 couple = dataclasses.asdict(
                     coupling(
                         reference,
@@ -134,6 +142,8 @@ def gradient_error(
         + (
             f"; {plan.precision} parameters, each micro-batch's gradient summed in fp32)"
             if policy is not None
+            else f"; both under {plan.precision} autocast)"
+            if autocast is not None
             else ")"
         )
     )
@@ -152,7 +162,7 @@ def gradient_check(
     plan: Plan, results: list[Any], asked: bool, world: int
 ) -> tuple[GradientCheck, BatchCoupling]:
     """The ranks' plan checks as one (the worst rank's, named) and rank 0's coupling."""
-    tol = TOLERANCE["fp32" if fsdp_mixed_precision(plan) is None else plan.precision]
+    tol = TOLERANCE[check_precision(plan)]
     effective = world * plan.accumulation_steps * plan.micro_batch_size
     if not asked or any(r is None for r in results):
         reason = "not asked for (--no-grad-check)"

@@ -26,6 +26,32 @@ from memplan.probe.tracker import resident_tensors
 from memplan.verify.plan_check import micro_rows
 
 
+def _zero1_rank_predictions(plan: Plan, device: str, world: int) -> tuple[int, ...]:
+    """Each ZeRO-1 rank's predicted peak: the plan's is its fullest rank's, and a rank
+    ZeroRedundancyOptimizer gives less state holds that much less all step
+    (``memory.sharding.zero1_rank_state_bytes``, from the profile the plan was solved from).
+    Before, every rank was compared with the fullest's: a model whose head holds 85% of the
+    weights measured 38% under it on the other rank, a false FAIL. Empty where the profile
+    is not to hand (every rank is then compared with the plan's)."""
+    from pathlib import Path
+
+    from memplan.errors import MemplanError
+    from memplan.memory.sharding import sharding_for, zero1_rank_state_bytes
+    from memplan.profile import load_profile
+    from memplan.verify.single import predicted_for_device
+
+    if not plan.profile or not Path(plan.profile).is_file():
+        return ()
+    try:
+        states = zero1_rank_state_bytes(load_profile(plan.profile), sharding_for(plan))
+    except (MemplanError, ValueError):
+        return ()
+    if len(states) != world:
+        return ()
+    fullest = predicted_for_device(plan, device)[0]
+    return tuple(fullest - (max(states) - state) for state in states)
+
+
 def rank_predictions(plan: Plan, device: str, world: int) -> tuple[int, ...]:
     """Each rank's predicted peak under a pipeline layout (a rank's stage's peak, from the
     plan's ``predicted.stage_peak_bytes`` or, without it, from the profile the plan was
@@ -34,6 +60,8 @@ def rank_predictions(plan: Plan, device: str, world: int) -> tuple[int, ...]:
     from memplan.memory.parallel import stage_of_rank
 
     layout = plan.parallel
+    if plan.strategy == "zero1" and (layout is None or layout.pp == 1):
+        return _zero1_rank_predictions(plan, device, world)
     if layout is None or layout.pp == 1:
         return ()
     reserve = 0 if device == "cuda" else plan.predicted.breakdown.reserve

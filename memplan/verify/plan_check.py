@@ -42,7 +42,7 @@ MAX_LAYERS_TRIED = 24
 """When the plan check fails, at most this many checkpointed layers are tried one by one."""
 
 
-def _autocast(plan: Plan, device: torch.device) -> Any:
+def plan_autocast(plan: Plan, device: torch.device) -> Any:
     """The autocast the plan's run uses (as ``Accumulator`` sets it up), or None."""
     dtype = _AUTOCAST.get(plan.precision)
     if dtype is None or plan.mixed_precision == "params":
@@ -141,7 +141,7 @@ def _check(
     full = run.move_to_device(to_dtype(full, dtype, map_batch), device)
     pieces = [cut_batch(full, rows, i * micro, (i + 1) * micro) for i in range(k)]
     seeds = [seed + 1 + i for i in range(k)]
-    autocast = _autocast(plan, device)
+    autocast = plan_autocast(plan, device)
     fingerprint = plan.model_fingerprint
     layers = list(fingerprint.candidate_layers) if fingerprint else list(plan.checkpoint)
     build = functools.partial(_build, mf, device, seed, dtype)

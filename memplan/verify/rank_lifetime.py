@@ -28,12 +28,19 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from memplan.errors import BadInputError, CannotMeasureError, MemplanError
 
+_REAL_EXIT = os._exit
+"""The rank's own way out (``die_with_parent``), taken before the model file's code runs
+under ``loader.contain_exits``, which replaces ``os._exit`` to catch the model's exits."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest run ``verify --timeout`` takes (7 days): the process group's timeout is held
+in milliseconds by gloo (1e10 s raised DistNetworkError) and Python's timedelta ends near
+1e14 s (1e15 s raised OverflowError)."""
 PREFIX = "memplan-dist-"
 OWNER_FILE = "owner"
 """In each run folder: the pid of the ``memplan`` process that made it."""
@@ -188,7 +195,7 @@ def die_with_parent(parent_pid: int, folder: Path) -> None:
     def parent_gone(signum: int = signal.SIGTERM, frame: Any = None) -> None:
         if os.getppid() != parent_pid:  # else the parent ended us and reads the folder
             shutil.rmtree(folder, ignore_errors=True)
-        os._exit(128 + signum)
+        _REAL_EXIT(128 + signum)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, parent_gone)
@@ -261,19 +268,59 @@ def rank_warnings(per_rank: list[list[str]]) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def sigint_held() -> Iterator[None]:
+    """Ctrl-C ignored while the ranks are started: each rank inherits SIGINT ignored (a
+    handler would not survive its exec, and spawn resets the signal mask), and Python then
+    installs no KeyboardInterrupt of its own, so a Ctrl-C while a rank imports torch, before
+    ``die_with_parent``, no longer prints its traceback. The parent's window is the spawn
+    calls alone (milliseconds); it takes Ctrl-C again before it waits for its ranks."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def model_exits_contained(config: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """In a rank, the model file's ``sys.exit``/``os._exit`` become its error (exit 2 naming
+    the file, ``loader.contain_exits``), as in one process; before, ``os._exit(0)`` ended the
+    rank without a result and a peer's "Connection reset by peer" was blamed."""
+    if not config.get("model"):
+        return contextlib.nullcontext()
+    from memplan.model.loader import contain_exits
+
+    return contain_exits(str(config["model"]))
+
+
 def join_group(rank: int, config: dict[str, Any], backend: str = "gloo") -> None:
     """A rank started by the launcher joins its process group: the launcher's loopback
-    port, world size and timeout (``config``), over ``backend``."""
+    port, world size and timeout (``config``, at most ``MAX_TIMEOUT_S``), over ``backend``.
+    First it sets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT), before the model file is imported: a file that reads it runs
+    here as under the emitted torchrun script."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    world = int(config["world_size"])
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(config["port"]),
+    )
     dist.init_process_group(
         backend,
         init_method=f"tcp://127.0.0.1:{config['port']}",
         rank=rank,
-        world_size=int(config["world_size"]),
-        timeout=timedelta(seconds=float(config["timeout_s"])),
+        world_size=world,
+        timeout=timedelta(seconds=min(float(config["timeout_s"]), MAX_TIMEOUT_S)),
     )
 
 
@@ -298,21 +345,112 @@ def reported_before_teardown(folder: Path, world: int, rank: int) -> bool:
     return True
 
 
-def rank_failure(folder: Path, world: int, what: str) -> MemplanError | None:
-    """The clearest account of a failed run: the first rank that wrote an error (None when
-    no rank did)."""
-    for rank in range(world):
-        path = folder / f"rank{rank}.json"
-        if path.is_file():
-            data = json.loads(path.read_text() or "{}")
-            if data.get("bad_input"):  # the model file or plan, not the run: exit 2
-                message = data.get("message", data["error"])
-                return BadInputError(f"Rank {rank} of {world} failed: {message}")
-            if "error" in data:
-                tail = "\n".join(data.get("trace", "").strip().splitlines()[-6:])
-                return CannotMeasureError(
-                    f"Rank {rank} of {world} failed: {data['error']}",
-                    hint=f"The run stopped ({what}) and the other ranks were killed. "
-                    f"Its traceback ends:\n{tail}",
+def _how(rank: int, code: int) -> str:
+    """How a rank's process ended, from its exit code (negative: the signal)."""
+    if code < 0 or code == 128 + signal.SIGTERM:  # (143: die_with_parent's SIGTERM exit)
+        number = -code if code < 0 else int(signal.SIGTERM)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = str(number)
+        return f"rank {rank} was killed by signal {name}"
+    return f"rank {rank} exited with code {code}"
+
+
+def wait_for_ranks(
+    processes: list[Any], folder: Path, timeout_s: float, model: str | None = None
+) -> str:
+    """Wait until every rank has ended with its result, or ``timeout_s``. Returns '' or,
+    for a rank that died tearing gloo down after every rank reported
+    (``reported_before_teardown``), the warning that says so; else a rank that failed
+    (a non-zero exit, or any exit without its ``rank<r>.json``) raises ``rank_failure``."""
+    from multiprocessing.connection import wait
+
+    world = len(processes)
+    deadline = time.monotonic() + timeout_s
+    ended: dict[int, int] = {}  # rank: exit code, in the order seen
+    while True:
+        for rank, process in enumerate(processes):
+            if rank not in ended and process.exitcode is not None:
+                ended[rank] = int(process.exitcode)
+        failed = [
+            r for r, code in ended.items() if code or not (folder / f"rank{r}.json").is_file()
+        ]
+        if failed:
+            first = failed[0]
+            if ended[first] and reported_before_teardown(folder, world, first):
+                return (
+                    f"{_how(first, ended[first])} while tearing down its process group, after "
+                    "every rank had reported and met at the final barrier: the figures stand"
                 )
-    return None
+            raise rank_failure(folder, world, ended, model)
+        if len(ended) == world:
+            return ""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CannotMeasureError(
+                f"The {world}-rank run did not finish within {timeout_s:g} s; its "
+                "processes were killed.",
+                hint="A rank may wait on a collective another never reached; raise "
+                "--timeout for a slow model.",
+            )
+        wait([p.sentinel for r, p in enumerate(processes) if r not in ended], min(1.0, left))
+
+
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+"""gloo's words for a peer that went away: a consequence of another rank's failure."""
+
+
+def rank_failure(
+    folder: Path, world: int, ended: dict[int, int], model: str | None = None
+) -> MemplanError:
+    """The clearest account of a failed run, its cause before its consequences: first a rank
+    that ended without writing its result (in the order the ranks were seen to end: killed
+    by a signal, exit 3; an exit of its own, the model file's, exit 2); else the rank whose
+    error came first, a peer's "Connection reset by peer" after any other error."""
+    for rank, code in ended.items():
+        if not (folder / f"rank{rank}.json").is_file():
+            return _died(rank, world, code, model)
+    errors = []
+    for rank in range(world):
+        data = {}
+        with contextlib.suppress(OSError, ValueError):  # (a rank still writing it)
+            data = json.loads((folder / f"rank{rank}.json").read_text() or "{}")
+        if "error" in data:
+            peer = any(words in data["error"] for words in _PEER_GONE)
+            errors.append((peer, float(data.get("time", 0.0)), rank, data))
+    if not errors:
+        rank, code = next(iter(ended.items()))
+        return CannotMeasureError(f"A rank died: {_how(rank, code)}.")
+    _, _, rank, data = min(errors, key=lambda error: error[:3])
+    if data.get("bad_input"):  # the model file or plan, not the run: exit 2
+        message = data.get("message", data["error"])
+        return BadInputError(f"Rank {rank} of {world} failed: {message}")
+    tail = "\n".join(data.get("trace", "").strip().splitlines()[-6:])
+    return CannotMeasureError(
+        f"Rank {rank} of {world} failed: {data['error']}",
+        hint=f"The run stopped (rank {rank} raised) and the other ranks were killed. "
+        f"Its traceback ends:\n{tail}",
+    )
+
+
+def _died(rank: int, world: int, code: int, model: str | None) -> MemplanError:
+    """A rank that ended without its result: what ended it, named."""
+    how = f"{_how(rank, code)} before it reported a result (of {world} ranks)"
+    if code < 0 or code == 128 + signal.SIGTERM:
+        hint = "Something outside the rank ended it."
+        if code == -signal.SIGKILL:
+            hint = (
+                "SIGKILL is what the kernel's out-of-memory killer sends (see `dmesg`): "
+                "verify with more memory free, or a plan with a smaller peak."
+            )
+        return CannotMeasureError(
+            f"A rank died: {how}; the other ranks' errors follow from it.", hint=hint
+        )
+    source = model or "the rank's code"
+    return BadInputError(
+        f"A rank died: {how}: {source}, or native code it calls, ended the process "
+        "(os._exit, sys.exit, exit() in a C extension).",
+        hint=f"Remove the exit from {source}: memplan runs it in each rank as a training "
+        "script would, and a rank must return to report its figures.",
+    )

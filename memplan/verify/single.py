@@ -67,6 +67,12 @@ class Verdict:
         grad = self.gradient_check
         if grad.status == "fail":
             out.append(f"gradient check failed ({gradient_failure(grad)})")
+        return out + self.peak_failures()
+
+    def peak_failures(self) -> list[str]:
+        """The peak error outside the tolerance, the peak over the budget (the multi-rank
+        result names the rank of each)."""
+        out = []
         if abs(self.peak_error) > self.tolerance:
             out.append(f"peak error {self.peak_error:+.1%} is outside ±{self.tolerance:.0%}")
         if not self.within_budget:
@@ -315,9 +321,10 @@ def _verify(
         raise BadInputError(f"--steps must be at least 1, got {steps}.")
     if plan.world_size != 1:
         raise BadInputError(
-            f"The plan is for {plan.world_size} ranks; verify_plan runs one process.",
-            hint="Run it on its ranks with memplan.distributed.verify_distributed "
-            f"(`memplan verify MODEL PLAN --world-size {plan.world_size}`).",
+            f"The plan is for {plan.world_size} ranks; --world-size 1 runs one process, "
+            "whose memory and effective batch are not the plan's.",
+            hint=f"Drop --world-size (or give --world-size {plan.world_size}) to verify it "
+            "on its ranks, or solve again with --world-size 1 for a one-process plan.",
         )
     progress = on_progress or (lambda done, total, what: None)
     total = 3 + (1 if check_gradients else 0)
