@@ -54,10 +54,9 @@ def test_forward_holds_shards_and_one_gathered_bf16_unit():
     profile = mixed()
     fwd = index_of(profile, "no_grads", "forward of h.1")
     fsdp = Sharding(strategy="fsdp", world_size=4)
-    # bf16 params and moments measured (P + S) out; fp32 quarters in; root + h.1 gathered,
-    # and h.1's bf16 all-gather output (4 shards of UNIT / 4) beside its parameters.
+    # bf16 params and moments measured (P + S) out; fp32 quarters in; root + h.1 gathered.
     assert memory.segment_adjust_bytes(profile, fsdp, "no_grads", fwd, 2) == (
-        -(P + S) + 2 * (P + S) // 4 + ROOT + UNIT + UNIT
+        -(P + S) + 2 * (P + S) // 4 + ROOT + UNIT
     )
 
 

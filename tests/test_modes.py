@@ -288,6 +288,32 @@ def test_offload_on_a_gpu_plan_is_timed_from_the_host_link_and_capped():
     assert raised.value.min_peak_bytes == plain + reserve.bytes_for(plain)
 
 
+def test_no_fit_names_a_plan_within_the_host_where_a_forced_offload_outgrows_it():
+    # h.0 must be offloaded (always checkpointed, modes keep and offload): 100 B a sample of
+    # host memory, so a micro-batch over 40 outgrows a 4,000 B host. The least peak of all
+    # was such a micro-batch's, named with the host limit dropped (found by the brute-force
+    # oracle); it is now the least within the host.
+    from memplan.devices import load_device
+
+    profile, _ = selective_chain(selective_per_sample=(0, 0, 0, 0))
+    spec = load_device("h100")
+    request = SolveRequest(
+        target_batch=64,
+        budget_bytes=1 << 20,
+        device_spec=spec,
+        modes="keep,offload",
+        always_checkpoint=("h.0",),
+        host_memory_bytes=4000,
+    )
+    with pytest.raises(NoPlanFitsError) as raised:
+        solve(profile, request)
+    closest = raised.value.closest
+    assert closest.checkpoint["h.0"] == "offload"
+    offloaded = sum(mode == "offload" for mode in closest.checkpoint.values())
+    assert 100 * closest.micro_batch_size * offloaded <= 4000  # within the host
+    assert raised.value.min_peak_bytes == closest.predicted.peak_bytes
+
+
 # --------------------------------------------------------------------------- apply
 class Block(torch.nn.Module):
     def __init__(self, d=32):

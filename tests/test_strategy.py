@@ -109,12 +109,10 @@ def test_fsdp_by_hand_without_accumulation():
     profile = chain()
     fsdp = Sharding(strategy="fsdp", world_size=2)
     resident_out = (P - P // 2) + (S - S // 2)
-    # Forward of h.1: the root and h.1 are gathered, and h.1's flat all-gather output is
-    # alive beside its parameters (FSDP2 defers its free to the next unit's copy-out,
-    # _fsdp_param_group.py wait_for_unshard); no gradients yet.
+    # Forward of h.1: the root and h.1 are gathered; no gradients yet.
     fwd = segment_index(profile, "no_grads", "forward of h.1")
     assert memory.segment_adjust_bytes(profile, fsdp, "no_grads", fwd, 1) == (
-        -resident_out + ROOT + UNIT + UNIT
+        -resident_out + ROOT + UNIT
     )
     # Backward of h.2: the probe held h.3's and the root's gradients (2000 B). A rank holds
     # h.3's shard (500) and its reduce-scatter input, kept until h.2's post_backward
@@ -128,11 +126,8 @@ def test_fsdp_by_hand_without_accumulation():
     # At the loss the backward begins: the root prefetches the last layer.
     loss = segment_index(profile, "no_grads", "head and loss after h.3")
     assert memory.fsdp_gathered_bytes(profile, fsdp, "no_grads", loss) == ROOT + UNIT
-    # Before h.0, at its all-gather: the root gathered and its flat all-gather output not
-    # yet freed (FSDP2 defers it to the next unit's copy-out), h.0's output and its
-    # unsharded parameters (memplan.memory.sharding._forward_gather_bytes).
     first = segment_index(profile, "no_grads", "forward before h.0")
-    assert memory.fsdp_gathered_bytes(profile, fsdp, "no_grads", first) == ROOT + ROOT + 2 * UNIT
+    assert memory.fsdp_gathered_bytes(profile, fsdp, "no_grads", first) == ROOT
 
 
 def test_fsdp_accumulates_unsharded_gradients():

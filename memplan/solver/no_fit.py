@@ -19,7 +19,9 @@ def no_plan_fits_error(
 ) -> NoPlanFitsError:
     profile, request = ctx.profile, ctx.request
     allowed = [o for o in options if o.allowed]
-    closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
+    # within --host-memory first: a micro-batch whose forced offload alone exceeds it is
+    # no plan to point at (it had been named as the least peak, 0 B of activations)
+    closest = min(allowed, key=lambda o: (not o.within_host, o.peak.peak_bytes, o.rank))
     least = closest.peak.peak_bytes
     n = len(profile.layers)
     strategies = ", ".join(ctx.strategies)

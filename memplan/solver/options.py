@@ -109,6 +109,10 @@ class PlanOption:
     accumulate_seconds: float = 0.0
     """FSDP's gradient accumulation over the micro-steps it does not reduce in
     (``fsdp_accumulate_bytes``): in ``step_seconds``, per micro-step, not in ``comm_seconds``."""
+    within_host: bool = True
+    """The checkpoint set offloads no more than ``--host-memory``; False only for an option
+    that fits no budget and whose least peak needs more host memory than that (a layer
+    forced to offload more than the host takes at this micro-batch)."""
 
     @property
     def rank(self) -> tuple[int, int, int, int, int]:
@@ -319,6 +323,8 @@ def _evaluate(
         grad_sync=grad_sync,
         copy_seconds=copies,
         accumulate_seconds=accumulate,
+        within_host=bounds.host_limit_bytes is None
+        or memory.host_total_bytes(bounds, chosen) <= bounds.host_limit_bytes,
     )
 
 

@@ -216,6 +216,8 @@ def least_peak(profile: Profile, request: SolveRequest) -> LeastPeak:
     ``NoPlanFitsError`` reports. Raises BadInputError when the target cannot be split."""
     setup = _setup(profile, request, ignore_budget=True)
     allowed = [o for o in setup.options if o.allowed]
-    closest = min(allowed, key=lambda o: (o.peak.peak_bytes, o.rank))
+    # within --host-memory first: a micro-batch whose forced offload alone exceeds it is
+    # no plan to point at (it had been named as the least peak, 0 B of activations)
+    closest = min(allowed, key=lambda o: (not o.within_host, o.peak.peak_bytes, o.rank))
     plan = build_plan(setup.ctx, closest, (), plan_warnings(setup.ctx, closest))
     return LeastPeak(peak_bytes=closest.peak.peak_bytes, plan=plan)
