@@ -43,12 +43,14 @@ KV_CACHE_NOTE = (
 )
 
 
+def _where(changed: Sequence[str], root: str) -> str:
+    """Up to three module names (``root`` for the root's ""), then an ellipsis."""
+    return ", ".join(name or root for name in changed[:3]) + (", …" if len(changed) > 3 else "")
+
+
 def kv_cache_note(changed: Sequence[str]) -> str | None:
     """The one line that says ``disable_kv_cache`` changed something, or None."""
-    if not changed:
-        return None
-    where = ", ".join(name or "the model's config" for name in changed[:3])
-    return KV_CACHE_NOTE.format(where=where + (", …" if len(changed) > 3 else ""))
+    return KV_CACHE_NOTE.format(where=_where(changed, "the model's config")) if changed else None
 
 
 _HF_CHECKPOINTING = (
@@ -85,10 +87,7 @@ HF_CHECKPOINTING_NOTE = (
 
 def hf_checkpointing_note(changed: Sequence[str]) -> str | None:
     """The one line that says ``disable_hf_checkpointing`` changed something, or None."""
-    if not changed:
-        return None
-    where = ", ".join(name or "the model" for name in changed[:3])
-    return HF_CHECKPOINTING_NOTE.format(where=where + (", …" if len(changed) > 3 else ""))
+    return HF_CHECKPOINTING_NOTE.format(where=_where(changed, "the model")) if changed else None
 
 
 def _layerdrop_fields(obj: Any) -> list[tuple[str, float]]:
