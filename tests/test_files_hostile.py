@@ -238,3 +238,18 @@ def test_a_device_a_pipe_and_a_huge_file_are_named_as_such(tmp_path: Path) -> No
     assert "/dev/zero is not a regular file (a device, a pipe or a socket)" in said["/dev/zero"]
     assert "pipe.yaml is not a regular file" in said[str(fifo)]
     assert f"holds {MAX_FILE_BYTES + 1:,} bytes, more than any memplan" in said[str(huge)]
+
+
+# ---------------------------------------------------------------- E. absurd seconds
+def test_a_layer_time_past_31_years_is_refused_not_memplans_failure(tmp_path: Path) -> None:
+    # two layers of 9e29 s each passed the file's own limit (1e30) one by one; their sum,
+    # the plan's step time, did not, and solve failed its read-back: exit 3, "memplan's"
+    data = gpt_data()
+    for layer in data["layers"][:2]:
+        layer["fwd_seconds"]["intercept"] = 9e29
+    assert "profile.layers[0].fwd_seconds" in refusal(data)
+    assert "past 1e+09 s (31 years) a layer" in refusal(data)
+    done = runner.invoke(
+        app, ["solve", str(written(tmp_path, data)), "--target-batch", "8", "--budget", "8GiB"]
+    )
+    assert done.exit_code == 2, done.output

@@ -78,6 +78,10 @@ _SIGNED_AFFINE = {
     "selective_savings_bytes",
     "selective_recompute_seconds",
 }
+LONGEST_SECONDS = 1e9
+"""No layer of a real model takes 31 years: a time past it is an edit, and summed over a
+step it passed the files' own limit, so solve's plan failed to read back (exit 3, named
+as memplan's failure; two layers of 9e29 s)."""
 _COUNT_FIELDS = (
     "params_trainable_bytes",
     "params_frozen_bytes",
@@ -236,6 +240,16 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
                     return f"{path}.tp_gemms[{g}].{name}", "is negative"
         for name in part.__slots__:
             value = getattr(part, name)
+            if (
+                isinstance(value, Affine)
+                and name.endswith("_seconds")
+                and max(abs(value.intercept), abs(value.slope)) > LONGEST_SECONDS
+            ):
+                return (
+                    f"{path}.{name}",
+                    f"is {value.intercept:.4g} s + {value.slope:.4g} s a sample, past "
+                    f"{LONGEST_SECONDS:.0e} s (31 years) a layer",
+                )
             if isinstance(value, Affine) and name not in _SIGNED_AFFINE:
                 at = value.at(largest)
                 if at < 0:
