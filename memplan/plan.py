@@ -427,16 +427,16 @@ def _checkpoint_problem(plan: Plan) -> tuple[str, str] | None:
     return _names_problem(plan, _candidates(plan))
 
 
-def _candidates(plan: Plan, profile_names: tuple[str, ...] = ()) -> tuple[str, ...]:
+def _candidates(plan: Plan) -> tuple[str, ...]:
     """The profile's checkpoint candidates as the plan records them: its fingerprint's; in
     a plan without one (written before memplan recorded it) an FSDP plan's ``shard_units``
-    (``solve`` writes the candidates there) or ``profile_names``, the layers of the profile
-    the plan names where ``load_plan`` could read it; else none known."""
+    (``solve`` writes the candidates there); else none known (``plan_problem`` then takes
+    the layers of the profile the plan names, ``_profile_layer_names``)."""
     if plan.model_fingerprint is not None:
         return plan.model_fingerprint.candidate_layers
     if plan.strategy == "fsdp" and plan.shard_units:
         return plan.shard_units
-    return profile_names
+    return ()
 
 
 def _names_problem(plan: Plan, candidates: tuple[str, ...]) -> tuple[str, str] | None:

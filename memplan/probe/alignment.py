@@ -15,7 +15,7 @@ from memplan.probe.fitting import undominated as _undominated
 from memplan.probe.recorder import StepRecord
 from memplan.probe.session import Run, Series, SizeRuns
 from memplan.probe.tracker import state_tensors, storages_bytes
-from memplan.profile import Affine, Point, Segment, SharedInput
+from memplan.profile import BOUNDARIES_DIFFERED, Affine, Point, Segment, SharedInput
 
 LAYOUT_OPS = frozenset({
     "view", "_unsafe_view", "reshape", "_reshape_alias", "clone", "contiguous", "expand",
@@ -186,10 +186,7 @@ def fit_timeline(
     stable = True
     if any(k != keys[0] for k in keys):
         # Different boundaries per size: align by (segment, occurrence) where possible.
-        warnings.append(
-            "The layer boundaries differed between probed sizes; segments were "
-            "aligned by occurrence."
-        )
+        warnings.append(f"{BOUNDARIES_DIFFERED}; segments were aligned by occurrence.")
         stable = False
     plain_occ = [_nth_occurrences(segs) for segs in per_size]
     ckpt_occ = [_nth_occurrences(run.segments()) for run in ckpt]

@@ -5,6 +5,7 @@ length (``seqlen``). No torch."""
 
 from memplan.model.reference import ModelRef
 from memplan.profile.data import (
+    BOUNDARIES_DIFFERED,
     LOSS_NOT_FINITE,
     NOT_CHECKPOINTABLE,
     OP_SEQUENCE_DIFFERED,
@@ -38,6 +39,7 @@ from memplan.profile.data import (
 from memplan.profile.read import load_profile, profile_from_data, profile_problem, profile_to_yaml
 
 __all__ = [
+    "BOUNDARIES_DIFFERED",
     "LOSS_NOT_FINITE",
     "NOT_CHECKPOINTABLE",
     "OP_SEQUENCE_DIFFERED",

@@ -412,6 +412,11 @@ LOSS_NOT_FINITE = "The training loss was "
 """How the warning a profile records for a NaN or infinite loss in a probe step begins;
 the refusal of a profile fitted through two op paths quotes it (a NaN step takes its own)."""
 
+BOUNDARIES_DIFFERED = "The layer boundaries differed between probed sizes"
+"""How the probe's warning begins when the probed sizes ran different layer boundaries
+(``memplan.probe.alignment``): the one case where it leaves segments out (those a size
+lacks), so the one profile whose timeline the reader lets lack some (``profile.read``)."""
+
 OP_SEQUENCE_DIFFERED = "op sequence differed"
 """Words of the warning a profile records when ``op_sequence_stable`` is False, which the
 solver and the renderer look for, to say it once in their own words."""

@@ -11,6 +11,7 @@ from memplan.errors import CannotMeasureError, ProfileError
 from memplan.files import fast_yaml
 from memplan.files.schema import from_data, gc_paused, load_yaml_file, read_back, to_data
 from memplan.profile.data import (
+    BOUNDARIES_DIFFERED,
     LOSS_NOT_FINITE,
     PROFILE_SCHEMA_VERSION,
     Affine,
@@ -278,13 +279,6 @@ def profile_problem(profile: Profile) -> tuple[str, str] | None:
                             f"holds a negative live-byte count ({low:.4g})",
                         )
     return _timeline_problem(profile) or _state_problem(profile)
-
-
-BOUNDARIES_DIFFERED = "The layer boundaries differed between probed sizes"
-"""How the warning of ``memplan.probe.alignment.fit_timeline`` begins when the probed sizes
-ran different layer boundaries: the one case where the probe leaves segments out (those a
-size lacks), so the one profile whose timeline may lack some (tests/test_files_hostile.py
-holds the two texts together)."""
 
 
 def _timeline_problem(profile: Profile) -> tuple[str, str] | None:

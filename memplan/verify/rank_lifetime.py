@@ -345,9 +345,15 @@ def reported_before_teardown(folder: Path, world: int, rank: int) -> bool:
     return True
 
 
+def _by_signal(code: int) -> bool:
+    """Whether a rank's exit code says a signal ended it (negative: the signal; 143:
+    ``die_with_parent``'s exit on SIGTERM)."""
+    return code < 0 or code == 128 + signal.SIGTERM
+
+
 def _how(rank: int, code: int) -> str:
-    """How a rank's process ended, from its exit code (negative: the signal)."""
-    if code < 0 or code == 128 + signal.SIGTERM:  # (143: die_with_parent's SIGTERM exit)
+    """How a rank's process ended, from its exit code."""
+    if _by_signal(code):
         number = -code if code < 0 else int(signal.SIGTERM)
         try:
             name = signal.Signals(number).name
@@ -437,7 +443,7 @@ def rank_failure(
 def _died(rank: int, world: int, code: int, model: str | None) -> MemplanError:
     """A rank that ended without its result: what ended it, named."""
     how = f"{_how(rank, code)} before it reported a result (of {world} ranks)"
-    if code < 0 or code == 128 + signal.SIGTERM:
+    if _by_signal(code):
         hint = "Something outside the rank ended it."
         if code == -signal.SIGKILL:
             hint = (
